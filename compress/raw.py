@@ -1,0 +1,50 @@
+"""``raw``: keys and values in the block's own dtype, byte for byte (no compression)."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from compress.registry import Codec, register_codec
+from kvstore.errors import CorruptBlockError
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a CPU tensor (made contiguous first)."""
+    t = t.detach().to("cpu").contiguous()
+    return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
+
+
+def tensor_from_bytes(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...], copy: bool) -> torch.Tensor:
+    """Interpret ``buf`` as a tensor; a view when ``copy`` is False (read-only memory: do not write to it)."""
+    if len(buf) == 0:
+        return torch.empty(shape, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # non-writable buffers: we never write through the view
+        t = torch.frombuffer(buf, dtype=dtype).view(shape)
+    return t.clone() if copy else t
+
+
+@register_codec
+@dataclass
+class RawCodec(Codec):
+    """Keys then values, contiguous, in the model dtype. Payload bytes = 2 * L * H * T * D * itemsize."""
+
+    name = "raw"
+
+    def encode(self, keys: torch.Tensor, values: torch.Tensor) -> list[bytes | memoryview]:
+        return [tensor_bytes(keys), tensor_bytes(values)]
+
+    def decode(
+        self, payload: memoryview, shape: tuple[int, int, int, int], dtype: torch.dtype, copy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        half = shape[0] * shape[1] * shape[2] * shape[3] * itemsize
+        if len(payload) != 2 * half:
+            raise CorruptBlockError(f"raw payload is {len(payload)} bytes, expected {2 * half} for {shape}")
+        return (
+            tensor_from_bytes(payload[:half], dtype, shape, copy),
+            tensor_from_bytes(payload[half:], dtype, shape, copy),
+        )

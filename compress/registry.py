@@ -1,0 +1,72 @@
+"""The codec registry: a codec turns the keys and values of a block into bytes and back.
+
+A tier's configuration names a codec and its parameters; ``get_codec`` builds it. Codecs are dataclasses
+whose fields are their parameters, so unknown or invalid parameters are caught with a clear error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+
+from kvstore.errors import CodecParamError, UnknownCodecError
+
+_REGISTRY: dict[str, type[Codec]] = {}
+
+
+class Codec(ABC):
+    """Encodes ``keys`` and ``values`` shaped ``[layers, kv_heads, tokens, head_dim]`` to a payload.
+
+    Subclasses are dataclasses; their fields are the codec's parameters. ``needs_model`` marks codecs that
+    need the model's weights to decode (these are decoded in ``adapters``).
+    """
+
+    name: ClassVar[str]
+    needs_model: ClassVar[bool] = False
+
+    def params(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) if dataclasses.is_dataclass(self) else {}
+
+    @abstractmethod
+    def encode(self, keys: torch.Tensor, values: torch.Tensor) -> list[bytes | memoryview]:
+        """Return the payload as a list of byte buffers (concatenated by the caller, never copied twice)."""
+
+    @abstractmethod
+    def decode(
+        self, payload: memoryview, shape: tuple[int, int, int, int], dtype: torch.dtype, copy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rebuild ``(keys, values)`` of ``shape`` in ``dtype``; raise ``CorruptBlockError`` on a bad payload.
+
+        With ``copy=False`` the tensors may be read-only views of ``payload``.
+        """
+
+
+def register_codec(cls: type[Codec]) -> type[Codec]:
+    """Class decorator: make ``cls`` available under ``cls.name``."""
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def available_codecs() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_codec(name: str, params: Mapping[str, Any] | None = None) -> Codec:
+    """Build the codec ``name`` with ``params``; raise ``UnknownCodecError`` / ``CodecParamError``."""
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        raise UnknownCodecError(f"unknown codec {name!r}; available codecs: {', '.join(available_codecs())}")
+    params = dict(params or {})
+    allowed = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    unknown = sorted(set(params) - allowed)
+    if unknown:
+        accepted = ", ".join(sorted(allowed)) or "none"
+        raise CodecParamError(f"codec {name!r} got unknown parameter(s) {unknown}; it accepts: {accepted}")
+    try:
+        return cls(**params)
+    except (TypeError, ValueError) as exc:
+        raise CodecParamError(f"codec {name!r}: invalid parameters {params}: {exc}") from exc

@@ -1,0 +1,168 @@
+"""The self-describing encoded form of a block.
+
+Layout (little-endian)::
+
+    b"KVSH" | version: u16 | header_len: u32 | header: UTF-8 JSON | payload | xxh3-64 of all preceding bytes
+
+The JSON header carries the codec name and parameters, shape ``[layers, kv_heads, tokens, head_dim]``,
+dtype, payload length, start position, token ids, model fingerprint, namespace and the block's key, so a
+value read back under another key, namespace or model is recognised as foreign. No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import xxhash
+
+from compress.registry import get_codec
+from kvstore.block import KVBlock
+from kvstore.errors import CorruptBlockError, ForeignBlockError, KVShelfError
+
+MAGIC = b"KVSH"
+FORMAT_VERSION = 1
+_PREFIX = struct.Struct("<4sHI")
+_CHECKSUM_BYTES = 8
+MAX_HEADER_BYTES = 16 * 1024 * 1024
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class BlockHeader:
+    """The parsed header of an encoded block."""
+
+    codec: str
+    params: dict[str, Any]
+    shape: tuple[int, int, int, int]
+    dtype: torch.dtype
+    payload_len: int
+    start_pos: int
+    token_ids: tuple[int, ...]
+    fingerprint: str
+    namespace: str
+    key: bytes
+    extra: dict[str, str]
+
+
+def encode_block(block: KVBlock, key: bytes, codec_name: str = "raw", codec_params: dict | None = None) -> bytes:
+    """Encode ``block`` stored under ``key`` with the named codec."""
+    if block.dtype not in DTYPE_NAMES:
+        raise KVShelfError(f"unsupported KV dtype {block.dtype}; supported: {sorted(DTYPES)}")
+    codec = get_codec(codec_name, codec_params)
+    parts = codec.encode(block.keys, block.values)
+    payload_len = sum(len(p) for p in parts)
+    header = json.dumps(
+        {
+            "codec": codec.name,
+            "params": codec.params(),
+            "shape": list(block.keys.shape),
+            "dtype": DTYPE_NAMES[block.dtype],
+            "payload_len": payload_len,
+            "start_pos": block.start_pos,
+            "token_ids": list(block.token_ids),
+            "fingerprint": block.fingerprint,
+            "namespace": block.namespace,
+            "key": key.hex(),
+            "extra": block.extra,
+        },
+        separators=(",", ":"),
+    ).encode()
+    prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(header))
+    hasher = xxhash.xxh3_64()
+    for part in (prefix, header, *parts):
+        hasher.update(part)
+    return b"".join([prefix, header, *parts, hasher.digest()])
+
+
+def _parse_header(data: memoryview) -> tuple[BlockHeader, int]:
+    if len(data) < _PREFIX.size + _CHECKSUM_BYTES:
+        raise CorruptBlockError(f"encoded block truncated: {len(data)} bytes")
+    magic, version, header_len = _PREFIX.unpack_from(data, 0)
+    if magic != MAGIC:
+        raise CorruptBlockError(f"not a kvshelf block (magic {bytes(magic)!r})")
+    if version != FORMAT_VERSION:
+        raise CorruptBlockError(f"unsupported block format version {version} (this build reads {FORMAT_VERSION})")
+    if header_len > MAX_HEADER_BYTES or _PREFIX.size + header_len + _CHECKSUM_BYTES > len(data):
+        raise CorruptBlockError(f"encoded block truncated: header of {header_len} bytes does not fit")
+    try:
+        raw = json.loads(bytes(data[_PREFIX.size : _PREFIX.size + header_len]))
+        shape = tuple(int(x) for x in raw["shape"])
+        if len(shape) != 4 or min(shape) < 0:
+            raise ValueError(f"bad shape {shape}")
+        header = BlockHeader(
+            codec=str(raw["codec"]),
+            params=dict(raw["params"]),
+            shape=shape,  # type: ignore[arg-type]
+            dtype=DTYPES[raw["dtype"]],
+            payload_len=int(raw["payload_len"]),
+            start_pos=int(raw["start_pos"]),
+            token_ids=tuple(int(t) for t in raw["token_ids"]),
+            fingerprint=str(raw["fingerprint"]),
+            namespace=str(raw["namespace"]),
+            key=bytes.fromhex(raw["key"]),
+            extra={str(k): str(v) for k, v in raw.get("extra", {}).items()},
+        )
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        raise CorruptBlockError(f"unreadable block header: {exc}") from exc
+    return header, _PREFIX.size + header_len
+
+
+def read_header(data: bytes | memoryview) -> BlockHeader:
+    """Parse only the header (no checksum over the payload): for bookkeeping, never for serving."""
+    return _parse_header(memoryview(data))[0]
+
+
+def decode_block(
+    data: bytes | memoryview,
+    *,
+    expected_key: bytes | None = None,
+    expected_fingerprint: str | None = None,
+    expected_namespace: str | None = None,
+    copy: bool = True,
+) -> KVBlock:
+    """Validate and decode an encoded block.
+
+    Raises ``CorruptBlockError`` when the bytes are damaged and ``ForeignBlockError`` when they are a valid
+    block of another key, model or namespace. With ``copy=False`` tensors may be read-only views of ``data``.
+    """
+    view = memoryview(data)
+    header, payload_start = _parse_header(view)
+    body_end = len(view) - _CHECKSUM_BYTES
+    if xxhash.xxh3_64_digest(view[:body_end]) != bytes(view[body_end:]):
+        raise CorruptBlockError("block checksum mismatch")
+    if body_end - payload_start != header.payload_len:
+        raise CorruptBlockError(
+            f"payload is {body_end - payload_start} bytes, header says {header.payload_len}"
+        )
+    if expected_key is not None and header.key != expected_key:
+        raise ForeignBlockError(f"block was stored under key {header.key.hex()}, not {expected_key.hex()}")
+    if expected_fingerprint is not None and header.fingerprint != expected_fingerprint:
+        raise ForeignBlockError(
+            f"block belongs to model {header.fingerprint}, not {expected_fingerprint}"
+        )
+    if expected_namespace is not None and header.namespace != expected_namespace:
+        raise ForeignBlockError("block belongs to another namespace")
+    if len(header.token_ids) != header.shape[2]:
+        raise CorruptBlockError(f"{len(header.token_ids)} token ids for {header.shape[2]} tokens")
+    codec = get_codec(header.codec, header.params)
+    keys, values = codec.decode(view[payload_start:body_end], header.shape, header.dtype, copy)
+    return KVBlock(
+        keys=keys,
+        values=values,
+        token_ids=header.token_ids,
+        start_pos=header.start_pos,
+        fingerprint=header.fingerprint,
+        namespace=header.namespace,
+        extra=header.extra,
+    )

@@ -1,0 +1,39 @@
+"""Exception types raised by kvshelf. Every error a user can cause is one of these."""
+
+from __future__ import annotations
+
+
+class KVShelfError(Exception):
+    """Base class of every kvshelf error."""
+
+
+class ConfigError(KVShelfError, ValueError):
+    """A setting is invalid (a capacity of 0, an unknown tier, a bad block size...)."""
+
+
+class UnknownCodecError(ConfigError):
+    """A codec name that is not registered."""
+
+
+class CodecParamError(ConfigError):
+    """Parameters a codec does not accept, or values out of range."""
+
+
+class CorruptBlockError(KVShelfError):
+    """An encoded block failed validation (bad magic, truncated, checksum mismatch, bad header)."""
+
+
+class ForeignBlockError(KVShelfError):
+    """A well-formed block that belongs to another key, namespace or model fingerprint."""
+
+
+class StoreFullError(KVShelfError):
+    """A tier cannot take a value even after growing to its configured maximum."""
+
+
+class UnsupportedModelError(KVShelfError):
+    """A model whose cache layout kvshelf cannot bridge (not a RoPE decoder with a dynamic KV cache)."""
+
+
+class ModelLoadError(KVShelfError):
+    """A model name or path that cannot be loaded."""

@@ -1,0 +1,64 @@
+"""Content-addressed block keys, stable across processes and machines.
+
+Prefix blocks chain (as in vLLM's prefix caching): ``key_i = H(fingerprint, namespace, key_{i-1}, tokens_i)``,
+so a key names the whole prefix up to and including its block. Position-independent chunks use
+``H(fingerprint, namespace, "chunk", tokens)``. ``H`` is BLAKE2b with a 16-byte digest over length-prefixed
+fields; Python's ``hash`` is never used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvstore.errors import ConfigError
+
+KEY_BYTES = 16
+_ROOT = b"\x00" * KEY_BYTES
+
+
+def _tokens_bytes(tokens: Sequence[int]) -> bytes:
+    return np.asarray(tokens, dtype="<i8").tobytes()
+
+
+def _digest(*fields: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"kvshelf-key-v1")
+    for f in fields:
+        h.update(len(f).to_bytes(8, "little"))
+        h.update(f)
+    return h.digest()
+
+
+def _check(fingerprint: str, namespace: str) -> None:
+    if not fingerprint:
+        raise ConfigError("a model fingerprint is required to build block keys")
+    if not namespace:
+        raise ConfigError("namespace must be a non-empty string")
+
+
+def block_key(fingerprint: str, namespace: str, parent: bytes | None, tokens: Sequence[int]) -> bytes:
+    """Key of one prefix block given its parent's key (``None`` for the first block)."""
+    _check(fingerprint, namespace)
+    return _digest(b"prefix", fingerprint.encode(), namespace.encode(), parent or _ROOT, _tokens_bytes(tokens))
+
+
+def prefix_block_keys(
+    fingerprint: str, namespace: str, tokens: Sequence[int], block_size: int
+) -> list[bytes]:
+    """Chained keys of every *full* block of ``tokens`` (a trailing partial block gets none)."""
+    if block_size <= 0:
+        raise ConfigError(f"block_size must be > 0, got {block_size}")
+    keys: list[bytes] = []
+    parent: bytes | None = None
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = block_key(fingerprint, namespace, parent, tokens[start : start + block_size])
+        keys.append(parent)
+    return keys
+
+
+def chunk_key(fingerprint: str, namespace: str, tokens: Sequence[int]) -> bytes:
+    """Key of a position-independent chunk (a RAG chunk or prompt module), stored at position 0."""
+    _check(fingerprint, namespace)
+    return _digest(b"chunk", fingerprint.encode(), namespace.encode(), _tokens_bytes(tokens))

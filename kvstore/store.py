@@ -1,0 +1,314 @@
+"""``TieredStore``: ordered tiers with read-through promotion, write-through (or write-back), pinning,
+per-tier counters and stored/removed/evicted events."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from compress.registry import get_codec
+from kvstore.block import KVBlock
+from kvstore.encoding import decode_block, encode_block, read_header
+from kvstore.errors import ConfigError, CorruptBlockError, ForeignBlockError, KVShelfError, StoreFullError
+from kvstore.stats import ALL_TIERS, UNKNOWN, Counters, StoreEvent
+from kvstore.tier import Tier
+
+log = logging.getLogger(__name__)
+Listener = Callable[[StoreEvent], None]
+
+
+@dataclass
+class TierSpec:
+    """A tier plus the codec its values are stored in (memory ``raw``, disk and Redis compressed...)."""
+
+    tier: Tier
+    codec: str = "raw"
+    codec_params: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        get_codec(self.codec, self.codec_params)  # fail fast on an unknown codec or parameter
+
+    def same_codec(self, other: TierSpec) -> bool:
+        return self.codec == other.codec and self.codec_params == other.codec_params
+
+
+class TieredStore:
+    """Blocks by key across ordered tiers (fastest first).
+
+    * ``get_many`` falls through the tiers and promotes hits into the tiers above.
+    * ``put_many`` writes through to every tier (``write_policy="through"``) or to the first tier only,
+      evicted values moving down one tier (``"back"``).
+    * A damaged value is a counted ``corrupt`` miss and is removed from its tier; a value of another key,
+      namespace or model is a counted ``foreign`` miss; neither is ever returned.
+    """
+
+    def __init__(
+        self, tiers: Sequence[Tier | TierSpec], write_policy: Literal["through", "back"] = "through"
+    ) -> None:
+        if not tiers:
+            raise ConfigError("a TieredStore needs at least one tier")
+        if write_policy not in ("through", "back"):
+            raise ConfigError(f"write_policy must be 'through' or 'back', got {write_policy!r}")
+        self.specs = [t if isinstance(t, TierSpec) else TierSpec(t) for t in tiers]
+        names = [s.tier.name for s in self.specs]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"tier names must be unique, got {names}")
+        self.write_policy = write_policy
+        self.counters = Counters()
+        self._listeners: list[Listener] = []
+        self._pinned: set[bytes] = set()
+        self._lock = threading.Lock()
+        for index, spec in enumerate(self.specs):
+            spec.tier.set_eviction_callback(lambda k, v, i=index: self._on_evict(i, k, v))
+            spec.tier.pin(self._pinned)
+
+    # -- events ---------------------------------------------------------------------------------------
+
+    def subscribe(self, listener: Listener) -> Callable[[], None]:
+        """Call ``listener`` for every stored/removed/evicted event; returns a function that unsubscribes."""
+        with self._lock:
+            self._listeners.append(listener)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if listener in self._listeners:
+                    self._listeners.remove(listener)
+
+        return unsubscribe
+
+    def _emit(self, event: StoreEvent) -> None:
+        with self._lock:
+            listeners = list(self._listeners)
+        for listener in listeners:
+            try:
+                listener(event)
+            except Exception:  # a listener must never break the store
+                log.exception("store event listener failed")
+
+    # -- writes ---------------------------------------------------------------------------------------
+
+    def _encode_for(self, spec: TierSpec, entries: Sequence[tuple[bytes, KVBlock]], cache: dict) -> list:
+        ident = (spec.codec, tuple(sorted(spec.codec_params.items())))
+        if ident not in cache:
+            cache[ident] = [(k, encode_block(b, k, spec.codec, spec.codec_params)) for k, b in entries]
+        return cache[ident]
+
+    def put_many(self, entries: Sequence[tuple[bytes, KVBlock]], *, pin: bool = False) -> int:
+        """Store ``(key, block)`` pairs; return how many the first written tier accepted.
+
+        Raises ``StoreFullError`` if a tier cannot take them even after growing; the other tiers are still
+        written and nothing already stored is lost.
+        """
+        entries = list(entries)
+        if not entries:
+            return 0
+        if pin:
+            self.pin(k for k, _ in entries)
+        targets = self.specs if self.write_policy == "through" else self.specs[:1]
+        encoded_by_codec: dict = {}
+        accepted, full_error = 0, None
+        for n, spec in enumerate(targets):
+            encoded = self._encode_for(spec, entries, encoded_by_codec)
+            try:
+                stored = spec.tier.put_many(encoded)
+            except StoreFullError as exc:
+                full_error = exc
+                stored = 0
+            if n == 0:
+                accepted = stored
+            self._count_writes(spec, entries, encoded, stored)
+        if full_error is not None:
+            raise full_error
+        return accepted
+
+    def _count_writes(self, spec: TierSpec, entries, encoded, stored: int) -> None:
+        name = spec.tier.name
+        # a tier that stored fewer than offered rejected the rest (too large, or room only by evicting pins)
+        present = spec.tier.get_many([k for k, _ in entries]) if stored < len(entries) else None
+        for i, ((key, block), (_, value)) in enumerate(zip(entries, encoded, strict=True)):
+            if present is not None and present[i] is None:
+                self.counters.add(name, block.namespace, block.fingerprint, "rejected")
+                continue
+            self.counters.add(name, block.namespace, block.fingerprint, "blocks_written")
+            self.counters.add(name, block.namespace, block.fingerprint, "bytes_written", len(value))
+            self._emit(StoreEvent("stored", name, key, len(value), block.namespace, block.fingerprint))
+
+    def _on_evict(self, index: int, key: bytes, value: bytes) -> None:
+        spec = self.specs[index]
+        try:
+            header = read_header(value)
+            ns, model = header.namespace, header.fingerprint
+        except KVShelfError:
+            ns = model = UNKNOWN
+        self.counters.add(spec.tier.name, ns, model, "evictions")
+        self._emit(StoreEvent("evicted", spec.tier.name, key, len(value), ns, model))
+        if self.write_policy == "back" and index + 1 < len(self.specs):
+            self._write_down(index, key, value)
+
+    def _write_down(self, index: int, key: bytes, value: bytes) -> None:
+        lower = self.specs[index + 1]
+        if not lower.same_codec(self.specs[index]):
+            try:
+                value = encode_block(decode_block(value, expected_key=key), key, lower.codec, lower.codec_params)
+            except KVShelfError:
+                return
+        lower.tier.put_many([(key, value)])
+
+    # -- reads ----------------------------------------------------------------------------------------
+
+    def lookup_prefix(self, keys: Sequence[bytes], *, namespace: str = UNKNOWN, model: str = UNKNOWN) -> int:
+        """How many of ``keys``, in order, are cached in some tier (blocks may be split across tiers)."""
+        n, progress = 0, True
+        while progress and n < len(keys):
+            progress = False
+            for spec in self.specs:
+                found = spec.tier.contains_many(keys[n:])
+                if found:
+                    n += found
+                    progress = True
+                    if n == len(keys):
+                        break
+        self.counters.add(ALL_TIERS, namespace, model, "lookup_blocks", len(keys))
+        self.counters.add(ALL_TIERS, namespace, model, "lookup_hit_blocks", n)
+        return n
+
+    contains_many = lookup_prefix
+
+    def get_many(
+        self, keys: Sequence[bytes], *, fingerprint: str, namespace: str = "default", copy: bool = True
+    ) -> list[KVBlock | None]:
+        """Blocks for ``keys`` (``None`` for misses). Only blocks of ``fingerprint`` and ``namespace`` are served.
+
+        With ``copy=False`` tensors may be read-only views of stored bytes (faster; never write to them).
+        """
+        result: list[KVBlock | None] = [None] * len(keys)
+        remaining = list(range(len(keys)))
+        for index, spec in enumerate(self.specs):
+            if not remaining:
+                break
+            name = spec.tier.name
+            values = spec.tier.get_many([keys[j] for j in remaining])
+            missed, promote = [], []
+            for j, value in zip(remaining, values, strict=True):
+                if value is None:
+                    missed.append(j)
+                    continue
+                try:
+                    block = decode_block(
+                        value,
+                        expected_key=keys[j],
+                        expected_fingerprint=fingerprint,
+                        expected_namespace=namespace,
+                        copy=copy,
+                    )
+                except ForeignBlockError:
+                    self.counters.add(name, namespace, fingerprint, "foreign")
+                    missed.append(j)
+                    continue
+                except (CorruptBlockError, KVShelfError) as exc:
+                    log.warning("tier %s: dropping damaged block %s: %s", name, keys[j].hex(), exc)
+                    self.counters.add(name, namespace, fingerprint, "corrupt")
+                    self._delete_from(spec, [keys[j]])
+                    missed.append(j)
+                    continue
+                result[j] = block
+                self.counters.add(name, namespace, fingerprint, "bytes_read", len(value))
+                promote.append((j, value))
+            self.counters.add(name, namespace, fingerprint, "hits", len(remaining) - len(missed))
+            self.counters.add(name, namespace, fingerprint, "misses", len(missed))
+            if index > 0 and promote:
+                self._promote(index, [(keys[j], result[j], value) for j, value in promote])
+            remaining = missed
+        self.counters.add(ALL_TIERS, namespace, fingerprint, "retrieve_blocks", len(keys))
+        self.counters.add(ALL_TIERS, namespace, fingerprint, "retrieve_hit_blocks", len(keys) - len(remaining))
+        return result
+
+    def _promote(self, found_in: int, hits: list[tuple[bytes, KVBlock | None, bytes]]) -> None:
+        source = self.specs[found_in]
+        for spec in self.specs[:found_in]:
+            if spec.same_codec(source):
+                encoded = [(k, v) for k, _, v in hits]
+            else:
+                encoded = [(k, encode_block(b, k, spec.codec, spec.codec_params)) for k, b, _ in hits if b]
+            try:
+                stored = spec.tier.put_many(encoded)
+            except StoreFullError:
+                continue
+            entries = [(k, b) for k, b, _ in hits if b is not None]
+            self._count_writes(spec, entries, encoded, stored)
+
+    # -- management -----------------------------------------------------------------------------------
+
+    def _delete_from(self, spec: TierSpec, keys: list[bytes]) -> int:
+        removed = spec.tier.delete(keys)
+        if removed:
+            for key in keys:
+                self._emit(StoreEvent("removed", spec.tier.name, key, 0))
+        return removed
+
+    def delete(self, keys: Iterable[bytes]) -> int:
+        """Remove ``keys`` from every tier; return how many (key, tier) values were removed."""
+        keys = list(keys)
+        self.unpin(keys)
+        return sum(self._delete_from(spec, keys) for spec in self.specs)
+
+    def pin(self, keys: Iterable[bytes]) -> None:
+        keys = list(keys)
+        with self._lock:
+            self._pinned.update(keys)
+        for spec in self.specs:
+            spec.tier.pin(keys)
+
+    def unpin(self, keys: Iterable[bytes]) -> None:
+        keys = list(keys)
+        with self._lock:
+            self._pinned.difference_update(keys)
+        for spec in self.specs:
+            spec.tier.unpin(keys)
+
+    def is_pinned(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._pinned
+
+    def stats(self) -> dict[str, Any]:
+        """A JSON-ready snapshot: usage and counters per tier, and counter rows per namespace and model."""
+        tiers = []
+        for spec in self.specs:
+            usage = spec.tier.usage()
+            name = spec.tier.name
+            tiers.append(
+                {
+                    "name": name,
+                    "codec": spec.codec,
+                    "blocks": usage.blocks,
+                    "bytes": usage.bytes,
+                    "capacity_bytes": usage.capacity_bytes,
+                    **{m: self.counters.total(m, tier=name) for m in (
+                        "hits", "misses", "bytes_read", "bytes_written", "evictions", "corrupt", "foreign",
+                        "rejected")},
+                }
+            )
+        lookups = self.counters.total("lookup_blocks", tier=ALL_TIERS)
+        retrieves = self.counters.total("retrieve_blocks", tier=ALL_TIERS)
+        return {
+            "tiers": tiers,
+            "lookup_hit_rate": self.counters.total("lookup_hit_blocks", tier=ALL_TIERS) / lookups if lookups else None,
+            "retrieve_hit_rate": (
+                self.counters.total("retrieve_hit_blocks", tier=ALL_TIERS) / retrieves if retrieves else None
+            ),
+            "rows": self.counters.rows(),
+            "pinned": len(self._pinned),
+        }
+
+    def close(self) -> None:
+        for spec in self.specs:
+            spec.tier.close()
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,61 @@
+"""The ``Tier`` interface: one storage level holding encoded blocks by key, with batch operations."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+#: Called with ``(key, value)`` for every value a tier evicts to make room.
+EvictionCallback = Callable[[bytes, bytes], None]
+
+
+@dataclass(frozen=True)
+class TierUsage:
+    """What a tier holds now."""
+
+    blocks: int
+    bytes: int
+    capacity_bytes: int | None  # None: bounded only by the medium
+
+
+class Tier(ABC):
+    """A key -> encoded-block store. Implementations are thread-safe.
+
+    Values are the self-describing byte strings of ``kvstore.encoding``; a tier never interprets them.
+    """
+
+    name: str
+
+    @abstractmethod
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """The values of ``keys`` in order, ``None`` where absent."""
+
+    @abstractmethod
+    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> int:
+        """Store ``(key, value)`` pairs (atomically where the medium allows); return how many were stored."""
+
+    @abstractmethod
+    def contains_many(self, keys: Sequence[bytes]) -> int:
+        """Length of the leading run of ``keys`` that this tier holds (a cached-prefix length in blocks)."""
+
+    @abstractmethod
+    def delete(self, keys: Iterable[bytes]) -> int:
+        """Remove ``keys``; return how many were present."""
+
+    @abstractmethod
+    def usage(self) -> TierUsage: ...
+
+    def keys(self) -> list[bytes]:
+        """Every key held (for admin tools and tests; may be slow on large tiers)."""
+        raise NotImplementedError(f"tier {self.name} cannot list its keys")
+
+    def set_eviction_callback(self, callback: EvictionCallback | None) -> None:
+        """Tiers that evict report each evicted value here (the store counts it or writes it back)."""
+
+    def pin(self, keys: Iterable[bytes]) -> None:
+        """Pinned keys are never evicted (no-op for tiers that never evict)."""
+
+    def unpin(self, keys: Iterable[bytes]) -> None: ...
+
+    def close(self) -> None: ...
