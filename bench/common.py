@@ -1,0 +1,72 @@
+"""Helpers shared by benchmarks: corpus loading, machine description, JSON output, tables."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def default_corpus() -> Path | None:
+    """``../shared/data/abstracts.jsonl`` next to the checkout (or the current directory), when present."""
+    for base in (REPO_ROOT, Path.cwd()):
+        candidate = base.parent / "shared" / "data" / "abstracts.jsonl"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def load_corpus(path: str | os.PathLike[str]) -> list[dict[str, str]]:
+    """Records ``{"title", "abstract"}`` from a JSONL file."""
+    records = []
+    with open(path, encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise SystemExit(f"corpus {path}: line {n} is not JSON: {exc}") from exc
+    if not records:
+        raise SystemExit(f"corpus {path} is empty")
+    return records
+
+
+def corpus_texts(path: str | os.PathLike[str] | None) -> Iterator[str]:
+    """Texts from the corpus, or made-up documents when there is none."""
+    if path is not None:
+        for record in load_corpus(path):
+            yield f"{record.get('title', '')}. {record['abstract']}"
+        return
+    from service.demo import make_documents  # no corpus: the demo's synthetic documents
+
+    for doc in make_documents(count=12, target_tokens=None):
+        yield doc.text
+
+
+def machine_description() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads)"
+
+
+def median(values: list[float]) -> float:
+    return float(statistics.median(values))
+
+
+def write_json(path: str | os.PathLike[str], payload: dict[str, Any]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(payload, indent=2) + "\n")

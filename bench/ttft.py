@@ -1,0 +1,171 @@
+"""``kvshelf bench ttft``: time to first token with full prefill vs. reuse from memory and from disk.
+
+For contexts of 1,024 / 2,048 / 4,096 tokens from the corpus plus a ~32-token question:
+
+* ``full``: no reuse, the whole prompt is prefilled (the anchor);
+* ``warm-memory``: the context's blocks are in the embedded store's memory tier;
+* ``warm-disk``: a fresh process whose store has only the LMDB tier holding the blocks.
+
+Each mode's TTFT is the median of ``runs`` calls; ``same_output`` compares 16 greedy tokens with ``full``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from tqdm import tqdm
+
+from bench.common import corpus_texts, machine_description, median, write_json
+
+QUESTION = (
+    "\n\nQuestion: Which problem does the first abstract above address, and which method do its authors "
+    "propose? Answer in one short sentence.\nAnswer:"
+)
+DEFAULT_LENGTHS = (1024, 2048, 4096)
+
+
+def build_context(tokenizer: Any, texts: list[str], tokens: int) -> list[int]:
+    """Token ids of concatenated corpus texts, cut to exactly ``tokens`` (repeating texts if needed)."""
+    ids: list[int] = []
+    i = 0
+    while len(ids) < tokens:
+        ids.extend(tokenizer(texts[i % len(texts)] + "\n\n", add_special_tokens=False)["input_ids"])
+        i += 1
+    return ids[:tokens]
+
+
+def _warm_up(generator: Any) -> None:
+    """One short call so one-time start-up costs stay out of the timings."""
+    generator.generate(list(range(10, 80)), max_new_tokens=2, reuse=False, store=False)
+
+
+def _timed_runs(generator: Any, prompt: list[int], runs: int, new_tokens: int, **kwargs: Any) -> dict:
+    ttfts, outputs, reused = [], [], []
+    for _ in range(runs):
+        result = generator.generate(prompt, max_new_tokens=new_tokens, **kwargs)
+        ttfts.append(result.ttft_s)
+        outputs.append(result.new_ids)
+        reused.append(result.reused_tokens)
+    return {"ttft_s": median(ttfts), "all_ttft_s": ttfts, "new_ids": outputs, "reused_tokens": min(reused)}
+
+
+def disk_worker(spec_path: str) -> None:
+    """Run in a fresh process: only the LMDB tier, which holds the blocks written by the parent."""
+    from adapters.generate import CachedGenerator
+    from adapters.model import load_model
+    from kvstore.embedded import open_embedded_store
+
+    spec = json.loads(Path(spec_path).read_text())
+    model, tokenizer = load_model(spec["model"])
+    store = open_embedded_store(spec["data_dir"], memory_bytes=None)
+    generator = CachedGenerator(model, tokenizer, store, block_size=spec["block_size"])
+    _warm_up(generator)
+    results = [
+        _timed_runs(generator, case, spec["runs"], spec["new_tokens"], reuse=True, store=False)
+        for case in spec["prompts"]
+    ]
+    results_stats = store.stats()
+    store.close()
+    Path(spec["out"]).write_text(json.dumps({"results": results, "stats": results_stats}))
+
+
+def run(
+    *,
+    json_path: str | None,
+    corpus: str | None,
+    lengths: tuple[int, ...] = DEFAULT_LENGTHS,
+    runs: int = 3,
+    model_name: str = "smollm2-135m",
+    block_size: int = 256,
+    new_tokens: int = 16,
+    console: Console | None = None,
+) -> dict[str, Any]:
+    from adapters.generate import CachedGenerator
+    from adapters.model import load_model
+    from kvstore.embedded import open_embedded_store
+
+    console = console or Console()
+    model, tokenizer = load_model(model_name)
+    texts = list(corpus_texts(corpus))
+    question = tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
+    prompts = [build_context(tokenizer, texts, n) + question for n in lengths]
+    results: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="kvshelf-bench-") as tmp:
+        store = open_embedded_store(tmp)
+        generator = CachedGenerator(model, tokenizer, store, block_size=block_size)
+        _warm_up(generator)
+        measured: dict[tuple[int, str], dict] = {}
+        for n, prompt in tqdm(list(zip(lengths, prompts, strict=True)), desc="full + warm-memory", unit="ctx"):
+            # the first full run also stores the blocks (after its first token, so outside its TTFT)
+            first = generator.generate(prompt, max_new_tokens=new_tokens, reuse=False, store=True)
+            rest = _timed_runs(generator, prompt, runs - 1, new_tokens, reuse=False, store=False)
+            full = {
+                "ttft_s": median([first.ttft_s, *rest["all_ttft_s"]]),
+                "new_ids": [first.new_ids, *rest["new_ids"]],
+                "reused_tokens": 0,
+            }
+            measured[(n, "full")] = full
+            measured[(n, "warm-memory")] = _timed_runs(generator, prompt, runs, new_tokens, reuse=True, store=False)
+        store.close()
+        console.print("[dim]warm-disk: a fresh process with only the LMDB tier...[/dim]")
+        spec = Path(tmp) / "spec.json"
+        out = Path(tmp) / "disk.json"
+        spec.write_text(json.dumps({"model": model_name, "data_dir": tmp, "block_size": block_size, "runs": runs,
+                                    "new_tokens": new_tokens, "prompts": prompts, "out": str(out)}))
+        subprocess.run([sys.executable, "-m", "bench.ttft", "--worker", str(spec)], check=True)
+        disk = json.loads(out.read_text())
+        for n, result in zip(lengths, disk["results"], strict=True):
+            measured[(n, "warm-disk")] = result
+    for n in lengths:
+        reference = measured[(n, "full")]
+        for mode in ("full", "warm-memory", "warm-disk"):
+            m = measured[(n, mode)]
+            results.append(
+                {
+                    "tokens": n,
+                    "prompt_tokens": n + len(question),
+                    "mode": mode,
+                    "ttft_s": round(m["ttft_s"], 4),
+                    "speedup": round(reference["ttft_s"] / m["ttft_s"], 2),
+                    "same_output": all(ids == reference["new_ids"][0] for ids in m["new_ids"]),
+                    "reused_tokens": m["reused_tokens"],
+                }
+            )
+    payload = {
+        "model": model_name,
+        "machine": machine_description(),
+        "runs": runs,
+        "block_size": block_size,
+        "question_tokens": len(question),
+        "corpus": corpus or "synthetic (no corpus found)",
+        "results": results,
+    }
+    _print_table(console, payload)
+    if json_path:
+        write_json(json_path, payload)
+        console.print(f"wrote {json_path}")
+    return payload
+
+
+def _print_table(console: Console, payload: dict[str, Any]) -> None:
+    table = Table(title=f"TTFT, {payload['model']}, median of {payload['runs']} ({payload['machine']})")
+    for column in ("context tokens", "mode", "TTFT (s)", "speedup vs full", "reused tokens", "same output"):
+        table.add_column(column, justify="right")
+    for r in payload["results"]:
+        table.add_row(str(r["tokens"]), r["mode"], f"{r['ttft_s']:.3f}", f"{r['speedup']:.1f}x",
+                      str(r["reused_tokens"]), "yes" if r["same_output"] else "NO")
+    console.print(table)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        disk_worker(sys.argv[2])
+    else:
+        raise SystemExit("run this benchmark with `kvshelf bench ttft`")

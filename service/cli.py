@@ -1,0 +1,109 @@
+"""The ``kvshelf`` command line: demo, benchmarks, model preparation and the store admin view."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvstore.errors import KVShelfError
+
+app = typer.Typer(help="kvshelf: KV-cache management and context reuse for transformer LLMs.",
+                  no_args_is_help=True, pretty_exceptions_enable=False)
+bench_app = typer.Typer(help="Benchmarks (each writes JSON and prints a table).", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+console = Console()
+
+ModelOpt = Annotated[str, typer.Option(help="bundled name (smollm2-135m), local directory, or cached HF id")]
+
+
+@app.command()
+def demo(
+    model: ModelOpt = "smollm2-135m",
+    documents: Annotated[int, typer.Option(min=1, max=8, help="how many documents")] = 2,
+    tokens: Annotated[int, typer.Option(min=300, max=7000, help="approximate tokens per document")] = 1800,
+    data_dir: Annotated[Path | None, typer.Option(help="store directory (default: a temporary one)")] = None,
+) -> None:
+    """Long-document QA with the embedded store: cold vs warm (memory, and disk in a new process) TTFT."""
+    from service.demo import run_demo
+
+    run_demo(model_name=model, documents=documents, tokens=tokens,
+             data_dir=str(data_dir) if data_dir else None, console=console)
+
+
+@bench_app.command("ttft")
+def bench_ttft(
+    json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+    corpus: Annotated[Path | None, typer.Option(help="JSONL of {title, abstract}")] = None,
+    lengths: Annotated[str, typer.Option(help="comma-separated context lengths")] = "1024,2048,4096",
+    runs: Annotated[int, typer.Option(min=1, help="runs per mode (median reported)")] = 3,
+    model: ModelOpt = "smollm2-135m",
+    block_size: Annotated[int, typer.Option(min=1)] = 256,
+) -> None:
+    """TTFT of full prefill vs warm-memory vs warm-disk reuse, with same-output checks."""
+    from bench.common import default_corpus
+    from bench.ttft import run
+
+    if corpus is not None and not corpus.is_file():
+        raise KVShelfError(f"corpus {corpus} does not exist")
+    try:
+        parsed = tuple(int(x) for x in lengths.split(","))
+    except ValueError:
+        raise KVShelfError(f"--lengths must be comma-separated integers, got {lengths!r}") from None
+    if any(n < block_size for n in parsed):
+        raise KVShelfError(f"every length must be >= the block size {block_size}: {parsed}")
+    chosen = corpus or default_corpus()
+    run(json_path=str(json_path) if json_path else None, corpus=str(chosen) if chosen else None,
+        lengths=parsed, runs=runs, model_name=model, block_size=block_size, console=console)
+
+
+@app.command("prepare-model")
+def prepare_model(name: Annotated[str, typer.Argument(help="bundled model name")] = "smollm2-135m") -> None:
+    """Convert a bundled model to the safetensors cache once (``make install`` runs this)."""
+    from adapters.model import BUNDLED_MODELS, convert_bundled
+
+    if name not in BUNDLED_MODELS:
+        raise KVShelfError(f"unknown bundled model {name!r}; bundled: {', '.join(sorted(BUNDLED_MODELS))}")
+    console.print(f"{name}: {convert_bundled(name)}")
+
+
+@app.command()
+def stats(
+    data_dir: Annotated[Path, typer.Option(help="embedded store directory")],
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """What an embedded store holds on disk (blocks and bytes)."""
+    from kvstore.lmdb_tier import LMDBTier
+
+    lmdb_dir = data_dir / "lmdb"
+    if not lmdb_dir.is_dir():
+        raise KVShelfError(f"no kvshelf store at {data_dir} (expected {lmdb_dir})")
+    tier = LMDBTier(lmdb_dir)
+    usage = tier.usage()
+    tier.close()
+    if as_json:
+        print(json.dumps({"tier": "disk", "blocks": usage.blocks, "bytes": usage.bytes}))
+        return
+    table = Table(title=f"kvshelf store {data_dir}")
+    for col in ("tier", "blocks", "bytes"):
+        table.add_column(col, justify="right")
+    table.add_row("disk (LMDB)", str(usage.blocks), f"{usage.bytes / 2**20:.1f} MiB")
+    console.print(table)
+
+
+def main() -> None:
+    """Entry point: our errors become one readable line and exit code 2."""
+    try:
+        app()
+    except KVShelfError as exc:
+        Console(stderr=True).print(f"[bold red]error:[/bold red] {exc}", highlight=False)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Test helpers shared by the kvstore/compress tests (plain functions, importable from any test module)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from kvstore import KVBlock, chunk_key
+
+FINGERPRINT = "fp-test-0123456789abcdef"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def make_block(
+    tokens: int | Sequence[int] = 4,
+    *,
+    layers: int = 2,
+    heads: int = 2,
+    head_dim: int = 8,
+    fingerprint: str = FINGERPRINT,
+    namespace: str = "default",
+    start_pos: int = 0,
+    dtype: torch.dtype = torch.float32,
+    seed: int | None = None,
+    extra: dict[str, str] | None = None,
+) -> KVBlock:
+    """A random but reproducible KVBlock.
+
+    ``tokens`` is either a token count (ids ``start_pos, start_pos + 1, ...``) or the token ids themselves.
+    Without ``seed`` the tensors are seeded from the token ids, start position and namespace, so the same
+    arguments always give the same block and different token ids give different tensors.
+    """
+    token_ids = tuple(range(start_pos, start_pos + tokens)) if isinstance(tokens, int) else tuple(tokens)
+    if seed is None:
+        seed = zlib.crc32(repr((token_ids, start_pos, namespace, fingerprint)).encode())
+    gen = torch.Generator().manual_seed(seed)
+    shape = (layers, heads, len(token_ids), head_dim)
+    keys = torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
+    values = torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
+    return KVBlock(
+        keys=keys,
+        values=values,
+        token_ids=token_ids,
+        start_pos=start_pos,
+        fingerprint=fingerprint,
+        namespace=namespace,
+        extra=dict(extra or {}),
+    )
+
+
+def key_of(block: KVBlock) -> bytes:
+    """The chunk key of ``block`` (content-addressed by its model, namespace and token ids)."""
+    return chunk_key(block.fingerprint, block.namespace, block.token_ids)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(torch.uint8).reshape(-1)
+
+
+def assert_same_block(actual: KVBlock | None, expected: KVBlock) -> None:
+    """Bit-exact equality of tensors plus equality of every metadata field."""
+    assert actual is not None, "expected a block, got a miss"
+    assert actual.keys.dtype == expected.keys.dtype
+    assert actual.values.dtype == expected.values.dtype
+    assert tuple(actual.keys.shape) == tuple(expected.keys.shape)
+    assert tuple(actual.values.shape) == tuple(expected.values.shape)
+    assert torch.equal(_bits(actual.keys), _bits(expected.keys)), "keys differ"
+    assert torch.equal(_bits(actual.values), _bits(expected.values)), "values differ"
+    assert actual.token_ids == expected.token_ids
+    assert actual.start_pos == expected.start_pos
+    assert actual.fingerprint == expected.fingerprint
+    assert actual.namespace == expected.namespace
+    assert actual.extra == expected.extra
+
+
+def run_python(code: str, *args: str, hash_seed: str = "random") -> object:
+    """Run ``code`` in a fresh interpreter (``sys.executable``); return the JSON of its last line."""
+    env = dict(os.environ)
+    env["PYTHONHASHSEED"] = hash_seed
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, f"subprocess failed ({proc.returncode}):\n{proc.stderr}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])

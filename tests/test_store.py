@@ -1,0 +1,626 @@
+"""TieredStore: read-through and promotion, write-through/back, pins, events, counters, the embedded store."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import FINGERPRINT, assert_same_block, key_of, make_block
+
+from kvstore import (
+    CodecParamError,
+    ConfigError,
+    LMDBTier,
+    MemoryTier,
+    StoreEvent,
+    StoreFullError,
+    TieredStore,
+    TierSpec,
+    UnknownCodecError,
+    encode_block,
+    open_embedded_store,
+    parse_size,
+    prefix_block_keys,
+)
+
+MiB = 1 << 20
+FP = FINGERPRINT
+BLOCK_BYTES = len(encode_block(make_block(4), key_of(make_block(4))))  # ~1.3 KB encoded
+
+
+def tier_stats(store: TieredStore, name: str) -> dict:
+    (row,) = [t for t in store.stats()["tiers"] if t["name"] == name]
+    return row
+
+
+def blocks(n: int, namespace: str = "default", tokens: int = 4) -> list:
+    """``n`` distinct blocks and their keys."""
+    out = []
+    for i in range(n):
+        block = make_block([1000 * i + j for j in range(tokens)], namespace=namespace)
+        out.append((key_of(block), block))
+    return out
+
+
+@pytest.fixture
+def make_store(data_dir: Path):
+    """Build a memory-over-LMDB TieredStore in the test's data dir; closed at teardown."""
+    made: list[TieredStore] = []
+
+    def factory(memory_bytes: int = 64 * 1024, write_policy: str = "through", **lmdb_kwargs) -> TieredStore:
+        lmdb_kwargs.setdefault("initial_map_bytes", MiB)
+        lmdb_kwargs.setdefault("durable", False)
+        store = TieredStore(
+            [MemoryTier(memory_bytes, name="memory"), LMDBTier(data_dir / f"lmdb{len(made)}", **lmdb_kwargs)],
+            write_policy=write_policy,
+        )
+        made.append(store)
+        return store
+
+    yield factory
+    for store in made:
+        store.close()
+
+
+@pytest.fixture
+def store(make_store) -> TieredStore:
+    return make_store()
+
+
+def mem(store: TieredStore):
+    return store.specs[0].tier
+
+
+def disk(store: TieredStore):
+    return store.specs[1].tier
+
+
+# ------------------------------------------------------------------------------------------------------------
+# writes and reads
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_write_through_reaches_every_tier(store):
+    entries = blocks(3)
+    assert store.put_many(entries) == 3
+    keys = [key for key, _ in entries]
+    assert mem(store).contains_many(keys) == 3
+    assert disk(store).contains_many(keys) == 3
+    for name in ("memory", "disk"):
+        row = tier_stats(store, name)
+        assert row["blocks"] == 3
+        assert row["bytes_written"] == row["bytes"] == sum(len(encode_block(b, k)) for k, b in entries)
+    out = store.get_many(keys, fingerprint=FP)
+    for got, (_, block) in zip(out, entries, strict=True):
+        assert_same_block(got, block)
+    assert store.put_many([]) == 0
+
+
+def test_read_through_promotes_into_memory(store):
+    (key, block), (key2, block2) = blocks(2)
+    store.put_many([(key, block), (key2, block2)])
+    mem(store).delete([key])  # now only on disk
+    assert mem(store).contains_many([key]) == 0
+
+    got = store.get_many([key], fingerprint=FP)[0]
+    assert_same_block(got, block)
+    m, d = tier_stats(store, "memory"), tier_stats(store, "disk")
+    assert (m["hits"], m["misses"], m["bytes_read"]) == (0, 1, 0)
+    assert (d["hits"], d["misses"], d["bytes_read"]) == (1, 0, len(encode_block(block, key)))
+    assert mem(store).contains_many([key]) == 1  # promoted
+    size, size2 = len(encode_block(block, key)), len(encode_block(block2, key2))
+    assert m["bytes_written"] == size + size2 + size  # the two puts, then the promotion
+    assert d["bytes_written"] == size + size2
+
+    got = store.get_many([key], fingerprint=FP)[0]  # second read is served by memory
+    assert_same_block(got, block)
+    m, d = tier_stats(store, "memory"), tier_stats(store, "disk")
+    assert (m["hits"], m["misses"]) == (1, 1)
+    assert (d["hits"], d["misses"]) == (1, 0)
+    assert m["bytes_read"] == len(encode_block(block, key))
+
+
+def test_get_many_keeps_order_and_counts_per_tier(store):
+    (k_mem, b_mem), (k_disk, b_disk), (k_none, _) = blocks(3)
+    store.put_many([(k_mem, b_mem), (k_disk, b_disk)])
+    mem(store).delete([k_disk])
+    out = store.get_many([k_disk, k_none, k_mem], fingerprint=FP)
+    assert_same_block(out[0], b_disk)
+    assert out[1] is None
+    assert_same_block(out[2], b_mem)
+    m, d = tier_stats(store, "memory"), tier_stats(store, "disk")
+    assert (m["hits"], m["misses"]) == (1, 2)
+    assert (d["hits"], d["misses"]) == (1, 1)
+    assert store.stats()["retrieve_hit_rate"] == pytest.approx(2 / 3)
+    assert store.get_many([], fingerprint=FP) == []
+
+
+@pytest.mark.parametrize("where", ["memory", "disk"])
+def test_get_many_copy_false(store, where):
+    entries = blocks(4) + [(key_of(b), b) for b in [make_block(5, dtype=torch.bfloat16, start_pos=3)]]
+    store.put_many(entries)
+    if where == "disk":
+        mem(store).delete([k for k, _ in entries])
+    out = store.get_many([k for k, _ in entries], fingerprint=FP, copy=False)
+    for got, (_, block) in zip(out, entries, strict=True):
+        assert_same_block(got, block)
+    again = store.get_many([k for k, _ in entries], fingerprint=FP, copy=True)
+    for got, (_, block) in zip(again, entries, strict=True):
+        assert_same_block(got, block)
+
+
+def test_write_back_moves_evicted_values_down(make_store):
+    store = make_store(memory_bytes=int(3.5 * BLOCK_BYTES), write_policy="back")
+    events: list[StoreEvent] = []
+    store.subscribe(events.append)
+    entries = blocks(6)
+    for key, block in entries:
+        assert store.put_many([(key, block)]) == 1
+    keys = [k for k, _ in entries]
+    # only the memory tier was written; the three oldest were evicted into the disk tier
+    assert sorted(mem(store).keys()) == sorted(keys[3:])
+    assert sorted(disk(store).keys()) == sorted(keys[:3])
+    assert [e.key for e in events if e.kind == "evicted"] == keys[:3]
+    assert all(e.tier == "memory" for e in events if e.kind == "evicted")
+    assert {e.tier for e in events if e.kind == "stored"} == {"memory"}
+    assert tier_stats(store, "memory")["evictions"] == 3
+    assert tier_stats(store, "disk")["evictions"] == 0
+    out = store.get_many(keys, fingerprint=FP)
+    for got, (_, block) in zip(out, entries, strict=True):
+        assert_same_block(got, block)
+
+
+def test_write_through_eviction_is_counted_but_block_stays_on_disk(make_store):
+    store = make_store(memory_bytes=int(2.5 * BLOCK_BYTES))
+    entries = blocks(5)
+    store.put_many(entries)
+    assert mem(store).usage().blocks == 2
+    assert disk(store).usage().blocks == 5
+    assert tier_stats(store, "memory")["evictions"] == 3
+    out = store.get_many([k for k, _ in entries], fingerprint=FP)
+    for got, (_, block) in zip(out, entries, strict=True):
+        assert_same_block(got, block)
+
+
+def test_block_larger_than_memory_is_rejected_there_but_kept_on_disk(make_store):
+    store = make_store(memory_bytes=BLOCK_BYTES // 2)
+    (key, block), = blocks(1)
+    assert store.put_many([(key, block)]) == 0  # the first tier did not take it
+    assert tier_stats(store, "memory")["rejected"] == 1
+    assert tier_stats(store, "disk")["blocks"] == 1
+    assert_same_block(store.get_many([key], fingerprint=FP)[0], block)
+
+
+def test_store_full_on_disk_still_writes_memory_and_loses_nothing(make_store):
+    store = make_store(memory_bytes=8 * MiB, initial_map_bytes=MiB, max_map_bytes=MiB)
+    small = blocks(3)
+    store.put_many(small)
+    big = make_block(1100, head_dim=64)  # ~2.3 MB encoded: more than the whole disk map
+    with pytest.raises(StoreFullError, match="max_map_bytes"):
+        store.put_many([(key_of(big), big)])
+    assert mem(store).contains_many([key_of(big)]) == 1
+    assert disk(store).contains_many([key_of(big)]) == 0
+    assert disk(store).contains_many([k for k, _ in small]) == 3
+    mem(store).delete([k for k, _ in small])
+    out = store.get_many([k for k, _ in small] + [key_of(big)], fingerprint=FP)
+    for got, (_, block) in zip(out, small + [(key_of(big), big)], strict=True):
+        assert_same_block(got, block)
+
+
+def test_damaged_memory_value_falls_through_to_disk(store):
+    (key, block), = blocks(1)
+    store.put_many([(key, block)])
+    good = mem(store).get_many([key])[0]
+    damaged = bytearray(good)
+    damaged[-20] ^= 0x10
+    mem(store).put_many([(key, bytes(damaged))])
+    assert_same_block(store.get_many([key], fingerprint=FP)[0], block)
+    assert tier_stats(store, "memory")["corrupt"] == 1
+    assert tier_stats(store, "disk")["hits"] == 1
+    assert mem(store).get_many([key]) == [good]  # replaced by the promoted good copy
+
+
+# ------------------------------------------------------------------------------------------------------------
+# pins, deletes, events
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_pinned_block_is_never_evicted(make_store):
+    store = make_store(memory_bytes=int(3.5 * BLOCK_BYTES))
+    (pk, pinned), *others = blocks(12)
+    store.put_many([(pk, pinned)], pin=True)
+    assert store.is_pinned(pk) and store.stats()["pinned"] == 1
+    for key, block in others:
+        store.put_many([(key, block)])
+        store.get_many([key], fingerprint=FP)
+    assert mem(store).contains_many([pk]) == 1
+    assert pk not in [e["name"] for e in store.stats()["tiers"]]  # (sanity: stats are per tier, not per key)
+    assert tier_stats(store, "memory")["evictions"] == len(others) - 2
+
+    store.unpin([pk])
+    assert not store.is_pinned(pk) and store.stats()["pinned"] == 0
+    for key, block in others[:3]:
+        store.put_many([(key, block)])
+    assert mem(store).contains_many([pk]) == 0  # evicted from memory once unpinned
+    assert_same_block(store.get_many([pk], fingerprint=FP)[0], pinned)  # still on disk
+
+
+def test_pin_before_put(make_store):
+    store = make_store(memory_bytes=int(2.5 * BLOCK_BYTES))
+    entries = blocks(6)
+    store.pin([entries[0][0]])
+    for key, block in entries:
+        store.put_many([(key, block)])
+    assert mem(store).contains_many([entries[0][0]]) == 1
+
+
+def test_delete_removes_from_every_tier_and_unpins(store):
+    entries = blocks(3)
+    (k0, _), (k1, b1), (k2, _) = entries
+    store.put_many(entries, pin=True)
+    assert store.delete([k0, k2]) == 4  # two keys x two tiers
+    assert not store.is_pinned(k0) and store.is_pinned(k1)
+    assert store.get_many([k0, k1, k2], fingerprint=FP)[0] is None
+    assert_same_block(store.get_many([k1], fingerprint=FP)[0], b1)
+    assert mem(store).usage().blocks == disk(store).usage().blocks == 1
+    assert store.delete([k0]) == 0
+
+
+def test_subscribe_and_unsubscribe(store):
+    events: list[StoreEvent] = []
+    unsubscribe = store.subscribe(events.append)
+    (k0, b0), (k1, b1) = blocks(2, namespace="ns-e")
+    store.put_many([(k0, b0)])
+    size = len(encode_block(b0, k0))
+    assert events == [
+        StoreEvent("stored", "memory", k0, size, "ns-e", FP),
+        StoreEvent("stored", "disk", k0, size, "ns-e", FP),
+    ]
+    events.clear()
+    store.delete([k0])
+    removed = sorted((e.kind, e.tier, e.key) for e in events)
+    assert removed == [("removed", "disk", k0), ("removed", "memory", k0)]
+    unsubscribe()
+    events.clear()
+    store.put_many([(k1, b1)])
+    store.delete([k1])
+    assert events == []
+    unsubscribe()  # a second call is harmless
+
+
+def test_removed_events_only_for_values_that_were_there(store):
+    events: list[StoreEvent] = []
+    store.subscribe(events.append)
+    (k0, b0), (k1, b1), (k2, _) = blocks(3)
+    store.put_many([(k0, b0), (k1, b1)])
+    mem(store).delete([k1])  # k1 now only on disk; k2 nowhere
+    events.clear()
+    assert store.delete([k0, k1, k2]) == 3
+    assert sorted((e.tier, e.key) for e in events if e.kind == "removed") == sorted(
+        [("memory", k0), ("disk", k0), ("disk", k1)]
+    )
+
+
+def test_eviction_events(make_store):
+    store = make_store(memory_bytes=int(2.5 * BLOCK_BYTES))
+    events: list[StoreEvent] = []
+    store.subscribe(events.append)
+    entries = blocks(4, namespace="ns-v")
+    for key, block in entries:
+        store.put_many([(key, block)])
+    evicted = [e for e in events if e.kind == "evicted"]
+    assert [e.key for e in evicted] == [entries[0][0], entries[1][0]]
+    assert all(e.tier == "memory" and e.namespace == "ns-v" and e.model == FP for e in evicted)
+    assert all(e.nbytes > 0 for e in evicted)
+
+
+def test_listener_that_raises_does_not_break_the_store(store, caplog):
+    seen: list[StoreEvent] = []
+
+    def bad(event: StoreEvent) -> None:
+        raise RuntimeError("listener bug")
+
+    store.subscribe(bad)
+    store.subscribe(seen.append)
+    (key, block), = blocks(1)
+    assert store.put_many([(key, block)]) == 1
+    assert_same_block(store.get_many([key], fingerprint=FP)[0], block)
+    assert store.delete([key]) == 2
+    assert [e.kind for e in seen] == ["stored", "stored", "removed", "removed"]
+    assert "listener" in caplog.text
+
+
+# ------------------------------------------------------------------------------------------------------------
+# tenants and models
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_other_namespace_is_never_served(store):
+    (key, block), = blocks(1, namespace="alice")
+    store.put_many([(key, block)])
+    assert store.get_many([key], fingerprint=FP, namespace="bob") == [None]
+    assert store.get_many([key], fingerprint=FP) == [None]  # the "default" namespace is another tenant too
+    assert tier_stats(store, "memory")["foreign"] == 2
+    assert tier_stats(store, "disk")["foreign"] == 2
+    assert store.stats()["retrieve_hit_rate"] == 0.0
+    # not deleted: its owner still gets it
+    assert_same_block(store.get_many([key], fingerprint=FP, namespace="alice")[0], block)
+
+
+def test_other_model_is_never_served(store):
+    (key, block), = blocks(1)
+    store.put_many([(key, block)])
+    assert store.get_many([key], fingerprint="another-model") == [None]
+    assert tier_stats(store, "memory")["foreign"] == 1
+    assert tier_stats(store, "disk")["foreign"] == 1
+    assert tier_stats(store, "memory")["hits"] == 0
+    assert_same_block(store.get_many([key], fingerprint=FP)[0], block)
+
+
+def test_value_under_the_wrong_key_is_foreign(store):
+    (k0, b0), (k1, _) = blocks(2)
+    disk(store).put_many([(k1, encode_block(b0, k0))])  # a valid block of k0 stored under k1
+    assert store.get_many([k1], fingerprint=FP) == [None]
+    assert tier_stats(store, "disk")["foreign"] == 1
+    assert mem(store).contains_many([k1]) == 0  # and not promoted
+
+
+def test_counters_are_split_by_namespace_and_model(store):
+    (ka, ba), = blocks(1, namespace="alice")
+    (kb, bb), = blocks(1, namespace="bob")
+    store.put_many([(ka, ba), (kb, bb)])
+    store.get_many([ka], fingerprint=FP, namespace="alice")
+    store.get_many([kb, kb], fingerprint=FP, namespace="bob")
+    rows = {(r["tier"], r["namespace"], r["model"]): r for r in store.stats()["rows"]}
+    assert rows[("memory", "alice", FP)]["hits"] == 1
+    assert rows[("memory", "bob", FP)]["hits"] == 2
+    assert rows[("disk", "alice", FP)]["blocks_written"] == 1
+    assert rows[("*", "bob", FP)]["retrieve_blocks"] == 2
+
+
+# ------------------------------------------------------------------------------------------------------------
+# prefix lookup and stats
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _prefix_blocks(n_blocks: int, block_size: int = 4) -> list:
+    tokens = list(range(500, 500 + n_blocks * block_size))
+    keys = prefix_block_keys(FP, "default", tokens, block_size)
+    return [
+        (key, make_block(tokens[i * block_size : (i + 1) * block_size], start_pos=i * block_size))
+        for i, key in enumerate(keys)
+    ]
+
+
+def test_lookup_prefix_across_tiers(store):
+    entries = _prefix_blocks(5)
+    keys = [k for k, _ in entries]
+    encoded = [(k, encode_block(b, k)) for k, b in entries]
+    mem(store).put_many([encoded[0], encoded[2]])  # the prefix is split across the tiers
+    disk(store).put_many([encoded[1], encoded[3]])  # and block 4 is nowhere
+    assert store.lookup_prefix(keys) == 4
+    assert store.lookup_prefix(keys[:4]) == 4
+    assert store.lookup_prefix(keys[1:4]) == 3
+    assert store.contains_many(keys[:2]) == 2
+    assert store.lookup_prefix([keys[4], *keys[:4]]) == 0
+    assert store.lookup_prefix([]) == 0
+    mem(store).delete([keys[2]])
+    assert store.lookup_prefix(keys) == 2
+    # lookups: 5+4+3+2+5+0+5 = 24 blocks asked, 4+4+3+2+0+0+2 = 15 found
+    assert store.stats()["lookup_hit_rate"] == pytest.approx(15 / 24)
+
+    out = store.get_many(keys, fingerprint=FP)
+    for got, (_, block) in zip(out[:2], entries[:2], strict=True):
+        assert_same_block(got, block)
+    assert out[2] is None and out[4] is None
+    assert_same_block(out[3], entries[3][1])
+    assert store.lookup_prefix(keys) == 2
+
+
+def test_stats_shape(store):
+    s = store.stats()
+    assert set(s) == {"tiers", "lookup_hit_rate", "retrieve_hit_rate", "rows", "pinned"}
+    assert s["lookup_hit_rate"] is None and s["retrieve_hit_rate"] is None
+    assert s["rows"] == [] and s["pinned"] == 0
+    assert [t["name"] for t in s["tiers"]] == ["memory", "disk"]
+    expected_fields = {"name", "codec", "blocks", "bytes", "capacity_bytes", "hits", "misses", "bytes_read",
+                       "bytes_written", "evictions", "corrupt", "foreign", "rejected"}
+    for tier in s["tiers"]:
+        assert set(tier) == expected_fields
+        assert tier["codec"] == "raw"
+        assert all(tier[m] == 0 for m in expected_fields - {"name", "codec", "capacity_bytes"})
+    assert s["tiers"][0]["capacity_bytes"] == 64 * 1024
+
+    entries = blocks(3)
+    store.put_many(entries[:2])
+    store.get_many([k for k, _ in entries], fingerprint=FP)  # 2 of 3 found
+    store.get_many([entries[0][0]], fingerprint=FP)  # 1 of 1
+    store.lookup_prefix([entries[0][0], entries[2][0]])  # 1 of 2
+    s = store.stats()
+    assert s["retrieve_hit_rate"] == pytest.approx(3 / 4)
+    assert s["lookup_hit_rate"] == pytest.approx(1 / 2)
+    assert s["tiers"][0]["blocks"] == 2 and s["tiers"][0]["hits"] == 3 and s["tiers"][0]["misses"] == 1
+    assert s["tiers"][1]["hits"] == 0 and s["tiers"][1]["misses"] == 1
+    assert json.loads(json.dumps(s)) == s  # JSON-ready
+
+
+# ------------------------------------------------------------------------------------------------------------
+# configuration and the embedded store
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("512MiB", 512 * MiB),
+        ("2G", 2 << 30),
+        ("2GiB", 2 << 30),
+        ("2GB", 2 * 1000**3),
+        ("1000000", 1_000_000),
+        (" 3 mb ", 3_000_000),
+        ("1.5KiB", 1536),
+        ("10b", 10),
+        ("1T", 1 << 40),
+        (4096, 4096),
+    ],
+)
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "abc", "MiB", "12 parsecs", "1e3", "5 5", "0x10", "1.2.3M", "2 GiBs"])
+def test_parse_size_rejects_garbage(text):
+    with pytest.raises(ConfigError, match="size"):
+        parse_size(text)
+
+
+def test_open_embedded_store_round_trip_and_reopen(data_dir):
+    entries = blocks(3)
+    with open_embedded_store(data_dir, memory_bytes="1MiB", max_disk_bytes="64MiB", durable=False) as store:
+        assert [s.tier.name for s in store.specs] == ["memory", "disk"]
+        assert isinstance(store.specs[0].tier, MemoryTier) and store.specs[0].tier.capacity_bytes == MiB
+        assert isinstance(store.specs[1].tier, LMDBTier)
+        assert store.specs[1].tier.max_map_bytes == 64 * MiB
+        store.put_many(entries)
+    assert (data_dir / "lmdb").is_dir()
+    with open_embedded_store(data_dir, memory_bytes=None, max_disk_bytes=64 * MiB) as store:
+        assert [s.tier.name for s in store.specs] == ["disk"]
+        out = store.get_many([k for k, _ in entries], fingerprint=FP)
+        for got, (_, block) in zip(out, entries, strict=True):
+            assert_same_block(got, block)
+
+
+def test_open_embedded_store_default_dir_from_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSHELF_DATA_DIR", str(tmp_path / "from-env"))
+    with open_embedded_store(memory_bytes="1MiB", max_disk_bytes="16MiB", durable=False) as store:
+        store.put_many(blocks(1))
+    assert (tmp_path / "from-env" / "lmdb").is_dir()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"memory_bytes": "0"},
+        {"memory_bytes": 0},
+        {"memory_bytes": "-1MiB"},
+        {"memory_bytes": "lots"},
+        {"max_disk_bytes": "bogus"},
+        {"max_disk_bytes": 0},
+        {"write_policy": "around"},
+    ],
+)
+def test_open_embedded_store_config_errors(data_dir, kwargs):
+    with pytest.raises(ConfigError):
+        open_embedded_store(data_dir, **kwargs)
+
+
+def test_unknown_codec_in_tier_spec():
+    with pytest.raises(UnknownCodecError, match="no-such-codec"):
+        TierSpec(MemoryTier(1000), codec="no-such-codec")
+    with pytest.raises(CodecParamError, match="bits"):
+        TierSpec(MemoryTier(1000), codec="raw", codec_params={"bits": 4})
+    assert TierSpec(MemoryTier(1000)).codec == "raw"
+
+
+@pytest.mark.parametrize("which", ["memory_codec", "disk_codec"])
+def test_unknown_codec_in_embedded_store(data_dir, which):
+    with pytest.raises(UnknownCodecError, match="zzz"):
+        open_embedded_store(data_dir, memory_bytes="1MiB", max_disk_bytes="16MiB", **{which: "zzz"})
+
+
+def test_store_config_errors():
+    with pytest.raises(ConfigError, match="at least one tier"):
+        TieredStore([])
+    with pytest.raises(ConfigError, match="unique"):
+        TieredStore([MemoryTier(1000), MemoryTier(2000)])
+    with pytest.raises(ConfigError, match="unique"):
+        TieredStore([MemoryTier(1000, name="a"), TierSpec(MemoryTier(2000, name="a"))])
+    with pytest.raises(ConfigError, match="write_policy"):
+        TieredStore([MemoryTier(1000)], write_policy="sideways")
+    store = TieredStore([MemoryTier(1000, name="a"), MemoryTier(2000, name="b")])
+    assert [s.tier.name for s in store.specs] == ["a", "b"]
+
+
+def test_memory_only_store(make_block):
+    store = TieredStore([MemoryTier(MiB)])
+    block = make_block(3)
+    store.put_many([(key_of(block), block)])
+    assert_same_block(store.get_many([key_of(block)], fingerprint=block.fingerprint)[0], block)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# concurrency
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("write_policy", ["through", "back"])
+def test_threads_reading_and_writing_one_store(data_dir, write_policy):
+    universe = blocks(40)
+    expected = dict(universe)
+    keys = [k for k, _ in universe]
+    n_threads, n_ops = 4, 200
+    errors: list[BaseException] = []
+    written: set[bytes] = set()
+    written_lock = threading.Lock()
+    barrier = threading.Barrier(n_threads)
+    store = open_embedded_store(
+        data_dir,
+        memory_bytes=8 * BLOCK_BYTES,
+        max_disk_bytes="64MiB",
+        durable=False,
+        write_policy=write_policy,
+    )
+
+    def check(got_keys, got) -> None:
+        assert len(got) == len(got_keys)
+        for key, block in zip(got_keys, got, strict=True):
+            if block is not None:
+                assert_same_block(block, expected[key])
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            barrier.wait(timeout=30)
+            for _ in range(n_ops):
+                op = rng.random()
+                if op < 0.45:
+                    batch = rng.sample(keys, rng.randint(1, 3))
+                    store.put_many([(k, expected[k]) for k in batch])
+                    with written_lock:
+                        written.update(batch)
+                    got = store.get_many(batch, fingerprint=FP)
+                    check(batch, got)
+                    if write_policy == "through":  # write-through: on disk before put_many returned
+                        assert all(b is not None for b in got)
+                elif op < 0.9:
+                    batch = rng.sample(keys, rng.randint(1, 4))
+                    check(batch, store.get_many(batch, fingerprint=FP, copy=rng.random() < 0.5))
+                else:
+                    assert 0 <= store.lookup_prefix(rng.sample(keys, 3)) <= 3
+        except BaseException as exc:  # noqa: BLE001 - collected and re-raised in the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n_threads)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads), "a worker hung"
+        if errors:
+            raise errors[0]
+        assert tier_stats(store, "memory")["evictions"] > 0  # the small memory tier really evicted
+        assert store.specs[0].tier.usage().bytes <= 8 * BLOCK_BYTES
+        # every block ever written is still there, intact
+        final = sorted(written)
+        out = store.get_many(final, fingerprint=FP)
+        for key, block in zip(final, out, strict=True):
+            assert_same_block(block, expected[key])
+        if write_policy == "through":
+            assert store.specs[1].tier.usage().blocks == len(written)
+    finally:
+        store.close()
