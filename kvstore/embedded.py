@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
+from compress.registry import get_codec
 from kvstore.errors import ConfigError
 from kvstore.lmdb_tier import LMDBTier
 from kvstore.memory_tier import MemoryTier
@@ -45,6 +46,8 @@ def open_embedded_store(
 ) -> TieredStore:
     """A ``TieredStore`` of a memory tier (omitted when ``memory_bytes`` is None) over LMDB in ``data_dir``."""
     path = Path(data_dir) if data_dir is not None else default_data_dir()
+    get_codec(memory_codec)  # check the codecs before anything is opened
+    get_codec(disk_codec, disk_codec_params)
     specs: list[TierSpec] = []
     if memory_bytes is not None:
         specs.append(TierSpec(MemoryTier(parse_size(memory_bytes)), memory_codec))

@@ -95,7 +95,8 @@ class LMDBTier(Tier):
             if current >= self.max_map_bytes:
                 raise StoreFullError(
                     f"LMDB tier {self.path} is full at its max_map_bytes={self.max_map_bytes}; "
-                    "raise max_map_bytes or delete blocks (nothing stored was lost)"
+                    "raise max_map_bytes, or delete blocks (their pages are reused by later writes); "
+                    "nothing stored was lost"
                 )
             self._env.set_mapsize(min(self.max_map_bytes, max(current * 2, current + 2 * needed)))
 

@@ -85,7 +85,7 @@ class TieredStore:
         for listener in listeners:
             try:
                 listener(event)
-            except ZeroDivisionError:
+            except Exception:  # a listener must never break the store
                 log.exception("store event listener failed")
 
     # -- writes ---------------------------------------------------------------------------------------
@@ -119,22 +119,30 @@ class TieredStore:
                 stored = 0
             if n == 0:
                 accepted = stored
-            self._count_writes(spec, entries, encoded, stored)
+            rejected = self._count_writes(spec, entries, encoded, stored)
+            if self.write_policy == "back" and rejected and len(self.specs) > 1:
+                # what the first tier cannot hold (too large, or room only by evicting pins) goes one tier down
+                for key, value in rejected:
+                    self._write_down(0, key, value)
         if full_error is not None:
             raise full_error
         return accepted
 
-    def _count_writes(self, spec: TierSpec, entries, encoded, stored: int) -> None:
+    def _count_writes(self, spec: TierSpec, entries, encoded, stored: int) -> list[tuple[bytes, bytes]]:
+        """Count and announce what ``spec``'s tier stored; return the ``(key, value)`` pairs it rejected."""
         name = spec.tier.name
         # a tier that stored fewer than offered rejected the rest (too large, or room only by evicting pins)
         present = spec.tier.get_many([k for k, _ in entries]) if stored < len(entries) else None
+        rejected = []
         for i, ((key, block), (_, value)) in enumerate(zip(entries, encoded, strict=True)):
             if present is not None and present[i] is None:
                 self.counters.add(name, block.namespace, block.fingerprint, "rejected")
+                rejected.append((key, value))
                 continue
             self.counters.add(name, block.namespace, block.fingerprint, "blocks_written")
             self.counters.add(name, block.namespace, block.fingerprint, "bytes_written", len(value))
             self._emit(StoreEvent("stored", name, key, len(value), block.namespace, block.fingerprint))
+        return rejected
 
     def _on_evict(self, index: int, key: bytes, value: bytes) -> None:
         spec = self.specs[index]
@@ -155,7 +163,11 @@ class TieredStore:
                 value = encode_block(decode_block(value, expected_key=key), key, lower.codec, lower.codec_params)
             except KVShelfError:
                 return
-        lower.tier.put_many([(key, value)])
+        if lower.tier.put_many([(key, value)]):
+            header = read_header(value)
+            self.counters.add(lower.tier.name, header.namespace, header.fingerprint, "blocks_written")
+            self.counters.add(lower.tier.name, header.namespace, header.fingerprint, "bytes_written", len(value))
+            self._emit(StoreEvent("stored", lower.tier.name, key, len(value), header.namespace, header.fingerprint))
 
     # -- reads ----------------------------------------------------------------------------------------
 

@@ -111,7 +111,7 @@ def test_corrupted_block_on_disk_is_a_miss_and_output_unchanged(smollm2, texts, 
     cold = gen.generate(prompt, max_new_tokens=16, reuse=False)
     second_key = gen.block_spans(prompt, len(prompt), partial=False)[1][2]
     store.close()
-    env = lmdb.open(str(tmp_path / "lmdb"), max_dbs=4)
+    env = lmdb.open(str(tmp_path / "lmdb"), max_dbs=4, map_size=1 << 30)
     blocks = env.open_db(b"blocks")
     with env.begin(write=True, db=blocks) as txn:
         value = bytearray(txn.get(second_key))

@@ -166,7 +166,9 @@ def test_write_back_moves_evicted_values_down(make_store):
     assert sorted(disk(store).keys()) == sorted(keys[:3])
     assert [e.key for e in events if e.kind == "evicted"] == keys[:3]
     assert all(e.tier == "memory" for e in events if e.kind == "evicted")
-    assert {e.tier for e in events if e.kind == "stored"} == {"memory"}
+    assert [e.key for e in events if e.kind == "stored" and e.tier == "memory"] == keys
+    assert [e.key for e in events if e.kind == "stored" and e.tier == "disk"] == keys[:3]  # written down
+    assert tier_stats(store, "disk")["bytes_written"] > 0
     assert tier_stats(store, "memory")["evictions"] == 3
     assert tier_stats(store, "disk")["evictions"] == 0
     out = store.get_many(keys, fingerprint=FP)
@@ -238,7 +240,6 @@ def test_pinned_block_is_never_evicted(make_store):
         store.put_many([(key, block)])
         store.get_many([key], fingerprint=FP)
     assert mem(store).contains_many([pk]) == 1
-    assert pk not in [e["name"] for e in store.stats()["tiers"]]  # (sanity: stats are per tier, not per key)
     assert tier_stats(store, "memory")["evictions"] == len(others) - 2
 
     store.unpin([pk])
@@ -624,3 +625,15 @@ def test_threads_reading_and_writing_one_store(data_dir, write_policy):
             assert store.specs[1].tier.usage().blocks == len(written)
     finally:
         store.close()
+
+
+def test_write_back_sends_what_memory_rejects_to_disk(make_store):
+    store = make_store(memory_bytes=BLOCK_BYTES // 2, write_policy="back")  # no block fits in memory
+    entries = blocks(2)
+    store.put_many(entries)
+    keys = [k for k, _ in entries]
+    assert mem(store).keys() == []
+    assert sorted(disk(store).keys()) == sorted(keys)
+    assert tier_stats(store, "memory")["rejected"] == 2
+    for got, (_, block) in zip(store.get_many(keys, fingerprint=FP), entries, strict=True):
+        assert_same_block(got, block)

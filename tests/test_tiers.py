@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import sys
+import threading
 from pathlib import Path
 
 import lmdb
@@ -379,3 +381,53 @@ def test_damaged_lmdb_value_is_a_counted_miss_and_removed(lmdb_path, how):
         # the damaged block can be stored again and then served
         store.put_many([(bk, bad)])
         assert_same_block(store.get_many([bk], fingerprint=bad.fingerprint, namespace="ns")[0], bad)
+
+
+def test_memory_tier_accounting_under_threads():
+    tier = MemoryTier(50_000)
+    evicted_bytes = [0]
+    count_lock = threading.Lock()
+
+    def on_evict(key: bytes, value: bytes) -> None:
+        with count_lock:
+            evicted_bytes[0] += len(value)
+
+    tier.set_eviction_callback(on_evict)
+    tier.pin([k(0)])
+    tier.put_many([(k(0), v(0, 1000))])
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(1500):
+                i = rng.randrange(1, 200)
+                if rng.random() < 0.6:
+                    tier.put_many([(k(i), v(i, 100 + 37 * i))])
+                elif rng.random() < 0.8:
+                    value = tier.get_many([k(i)])[0]
+                    assert value is None or value == v(i, 100 + 37 * i)
+                else:
+                    tier.delete([k(i)])
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
+            errors.append(exc)
+
+    old_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # interleave threads as often as possible
+    try:
+        threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        sys.setswitchinterval(old_interval)
+    if errors:
+        raise errors[0]
+    held = tier.get_many(tier.keys())
+    usage = tier.usage()
+    assert usage.blocks == len(held)
+    assert usage.bytes == sum(len(x) for x in held)  # the byte count never drifts
+    assert usage.bytes <= 50_000
+    assert tier.get_many([k(0)]) == [v(0, 1000)]
+    assert evicted_bytes[0] > 0
