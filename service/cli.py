@@ -62,6 +62,17 @@ def bench_ttft(
         lengths=parsed, runs=runs, model_name=model, block_size=block_size, console=console)
 
 
+@bench_app.command("lmdb")
+def bench_lmdb(
+    json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+    reps: Annotated[int, typer.Option(min=3, help="reads per path (median reported)")] = 50,
+) -> None:
+    """Read throughput of an 8 MiB block: LMDB tier and store vs raw LMDB."""
+    from bench.lmdb_read import run
+
+    run(json_path=str(json_path) if json_path else None, reps=reps, console=console)
+
+
 @app.command("prepare-model")
 def prepare_model(name: Annotated[str, typer.Argument(help="bundled model name")] = "smollm2-135m") -> None:
     """Convert a bundled model to the safetensors cache once (``make install`` runs this)."""
