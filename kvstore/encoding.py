@@ -125,6 +125,36 @@ def read_header(data: bytes | memoryview) -> BlockHeader:
     return _parse_header(memoryview(data))[0]
 
 
+def verify_block(
+    data: bytes | memoryview,
+    *,
+    expected_key: bytes | None = None,
+    expected_fingerprint: str | None = None,
+    expected_namespace: str | None = None,
+) -> BlockHeader:
+    """Check an encoded block without decoding its tensors: checksum, header, and whose block it is.
+
+    Raises ``CorruptBlockError`` when the bytes are damaged and ``ForeignBlockError`` when they are a valid
+    block of another key, model or namespace.
+    """
+    view = memoryview(data)
+    header, payload_start = _parse_header(view)
+    body_end = len(view) - _CHECKSUM_BYTES
+    if xxhash.xxh3_64_digest(view[:body_end]) != bytes(view[body_end:]):
+        raise CorruptBlockError("block checksum mismatch")
+    if body_end - payload_start != header.payload_len:
+        raise CorruptBlockError(f"payload is {body_end - payload_start} bytes, header says {header.payload_len}")
+    if len(header.token_ids) != header.shape[2]:
+        raise CorruptBlockError(f"{len(header.token_ids)} token ids for {header.shape[2]} tokens")
+    if expected_key is not None and header.key != expected_key:
+        raise ForeignBlockError(f"block was stored under key {header.key.hex()}, not {expected_key.hex()}")
+    if expected_fingerprint is not None and header.fingerprint != expected_fingerprint:
+        raise ForeignBlockError(f"block belongs to model {header.fingerprint}, not {expected_fingerprint}")
+    if expected_namespace is not None and header.namespace != expected_namespace:
+        raise ForeignBlockError("block belongs to another namespace")
+    return header
+
+
 def decode_block(
     data: bytes | memoryview,
     *,
@@ -133,32 +163,18 @@ def decode_block(
     expected_namespace: str | None = None,
     copy: bool = True,
 ) -> KVBlock:
-    """Validate and decode an encoded block.
+    """Validate (see ``verify_block``) and decode an encoded block.
 
-    Raises ``CorruptBlockError`` when the bytes are damaged and ``ForeignBlockError`` when they are a valid
-    block of another key, model or namespace. With ``copy=False`` tensors may be read-only views of ``data``.
+    With ``copy=False`` tensors may be read-only views of ``data``.
     """
     view = memoryview(data)
-    header, payload_start = _parse_header(view)
+    header = verify_block(
+        view, expected_key=expected_key, expected_fingerprint=expected_fingerprint,
+        expected_namespace=expected_namespace,
+    )
     body_end = len(view) - _CHECKSUM_BYTES
-    if xxhash.xxh3_64_digest(view[:body_end]) != bytes(view[body_end:]):
-        raise CorruptBlockError("block checksum mismatch")
-    if body_end - payload_start != header.payload_len:
-        raise CorruptBlockError(
-            f"payload is {body_end - payload_start} bytes, header says {header.payload_len}"
-        )
-    if expected_key is not None and header.key != expected_key:
-        raise ForeignBlockError(f"block was stored under key {header.key.hex()}, not {expected_key.hex()}")
-    if expected_fingerprint is not None and header.fingerprint != expected_fingerprint:
-        raise ForeignBlockError(
-            f"block belongs to model {header.fingerprint}, not {expected_fingerprint}"
-        )
-    if expected_namespace is not None and header.namespace != expected_namespace:
-        raise ForeignBlockError("block belongs to another namespace")
-    if len(header.token_ids) != header.shape[2]:
-        raise CorruptBlockError(f"{len(header.token_ids)} token ids for {header.shape[2]} tokens")
     codec = get_codec(header.codec, header.params)
-    keys, values = codec.decode(view[payload_start:body_end], header.shape, header.dtype, copy)
+    keys, values = codec.decode(view[body_end - header.payload_len : body_end], header.shape, header.dtype, copy)
     return KVBlock(
         keys=keys,
         values=values,

@@ -7,17 +7,18 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from compress.registry import get_codec
 from kvstore.block import KVBlock
-from kvstore.encoding import decode_block, encode_block, read_header
-from kvstore.errors import ConfigError, CorruptBlockError, ForeignBlockError, KVShelfError, StoreFullError
+from kvstore.encoding import decode_block, encode_block, read_header, verify_block
+from kvstore.errors import ConfigError, ForeignBlockError, KVShelfError, StoreFullError
 from kvstore.stats import ALL_TIERS, UNKNOWN, Counters, StoreEvent
 from kvstore.tier import Tier
 
 log = logging.getLogger(__name__)
 Listener = Callable[[StoreEvent], None]
+T = TypeVar("T")
 
 
 @dataclass
@@ -90,12 +91,6 @@ class TieredStore:
 
     # -- writes ---------------------------------------------------------------------------------------
 
-    def _encode_for(self, spec: TierSpec, entries: Sequence[tuple[bytes, KVBlock]], cache: dict) -> list:
-        ident = (spec.codec, tuple(sorted(spec.codec_params.items())))
-        if ident not in cache:
-            cache[ident] = [(k, encode_block(b, k, spec.codec, spec.codec_params)) for k, b in entries]
-        return cache[ident]
-
     def put_many(self, entries: Sequence[tuple[bytes, KVBlock]], *, pin: bool = False) -> int:
         """Store ``(key, block)`` pairs; return how many the first written tier accepted.
 
@@ -103,15 +98,47 @@ class TieredStore:
         written and nothing already stored is lost.
         """
         entries = list(entries)
-        if not entries:
+        cache: dict[tuple, list[tuple[bytes, bytes]]] = {}
+
+        def encode_for(spec: TierSpec) -> list[tuple[bytes, bytes]]:
+            ident = (spec.codec, tuple(sorted(spec.codec_params.items())))
+            if ident not in cache:
+                cache[ident] = [(k, encode_block(b, k, spec.codec, spec.codec_params)) for k, b in entries]
+            return cache[ident]
+
+        owners = [(b.namespace, b.fingerprint) for _, b in entries]
+        return self._write(encode_for, owners, [k for k, _ in entries], pin)
+
+    def put_encoded_many(self, items: Sequence[tuple[bytes, bytes]], *, pin: bool = False) -> int:
+        """Store already-encoded values (from a remote client, say); each is verified first.
+
+        Raises ``CorruptBlockError`` / ``ForeignBlockError`` (nothing stored) if any value is damaged or was
+        encoded under another key. Values are re-encoded only for tiers configured with another codec.
+        """
+        items = list(items)
+        headers = [verify_block(value, expected_key=key) for key, value in items]
+
+        def encode_for(spec: TierSpec) -> list[tuple[bytes, bytes]]:
+            out = []
+            for (key, value), header in zip(items, headers, strict=True):
+                if header.codec != spec.codec or header.params != spec.codec_params:
+                    value = encode_block(decode_block(value, copy=False), key, spec.codec, spec.codec_params)
+                out.append((key, value))
+            return out
+
+        owners = [(h.namespace, h.fingerprint) for h in headers]
+        return self._write(encode_for, owners, [k for k, _ in items], pin)
+
+    def _write(self, encode_for: Callable[[TierSpec], list[tuple[bytes, bytes]]],
+               owners: list[tuple[str, str]], keys: list[bytes], pin: bool) -> int:
+        if not keys:
             return 0
         if pin:
-            self.pin(k for k, _ in entries)
+            self.pin(keys)
         targets = self.specs if self.write_policy == "through" else self.specs[:1]
-        encoded_by_codec: dict = {}
         accepted, full_error = 0, None
         for n, spec in enumerate(targets):
-            encoded = self._encode_for(spec, entries, encoded_by_codec)
+            encoded = encode_for(spec)
             try:
                 stored = spec.tier.put_many(encoded)
             except StoreFullError as exc:
@@ -119,7 +146,7 @@ class TieredStore:
                 stored = 0
             if n == 0:
                 accepted = stored
-            rejected = self._count_writes(spec, entries, encoded, stored)
+            rejected = self._count_writes(spec, encoded, owners, stored)
             if self.write_policy == "back" and rejected and len(self.specs) > 1:
                 # what the first tier cannot hold (too large, or room only by evicting pins) goes one tier down
                 for key, value in rejected:
@@ -128,20 +155,22 @@ class TieredStore:
             raise full_error
         return accepted
 
-    def _count_writes(self, spec: TierSpec, entries, encoded, stored: int) -> list[tuple[bytes, bytes]]:
+    def _count_writes(
+        self, spec: TierSpec, encoded: list[tuple[bytes, bytes]], owners: list[tuple[str, str]], stored: int
+    ) -> list[tuple[bytes, bytes]]:
         """Count and announce what ``spec``'s tier stored; return the ``(key, value)`` pairs it rejected."""
         name = spec.tier.name
         # a tier that stored fewer than offered rejected the rest (too large, or room only by evicting pins)
-        present = spec.tier.get_many([k for k, _ in entries]) if stored < len(entries) else None
+        present = spec.tier.get_many([k for k, _ in encoded]) if stored < len(encoded) else None
         rejected = []
-        for i, ((key, block), (_, value)) in enumerate(zip(entries, encoded, strict=True)):
+        for i, ((key, value), (ns, model)) in enumerate(zip(encoded, owners, strict=True)):
             if present is not None and present[i] is None:
-                self.counters.add(name, block.namespace, block.fingerprint, "rejected")
+                self.counters.add(name, ns, model, "rejected")
                 rejected.append((key, value))
                 continue
-            self.counters.add(name, block.namespace, block.fingerprint, "blocks_written")
-            self.counters.add(name, block.namespace, block.fingerprint, "bytes_written", len(value))
-            self._emit(StoreEvent("stored", name, key, len(value), block.namespace, block.fingerprint))
+            self.counters.add(name, ns, model, "blocks_written")
+            self.counters.add(name, ns, model, "bytes_written", len(value))
+            self._emit(StoreEvent("stored", name, key, len(value), ns, model))
         return rejected
 
     def _on_evict(self, index: int, key: bytes, value: bytes) -> None:
@@ -196,7 +225,27 @@ class TieredStore:
 
         With ``copy=False`` tensors may be read-only views of stored bytes (faster; never write to them).
         """
-        result: list[KVBlock | None] = [None] * len(keys)
+
+        def decode(key: bytes, value: bytes) -> KVBlock:
+            return decode_block(value, expected_key=key, expected_fingerprint=fingerprint,
+                                expected_namespace=namespace, copy=copy)
+
+        return self._fetch(keys, fingerprint, namespace, decode)
+
+    def get_encoded_many(
+        self, keys: Sequence[bytes], *, namespace: str, fingerprint: str | None = None
+    ) -> list[bytes | None]:
+        """Verified encoded values for ``keys`` (checksum, key and namespace checked; tensors not decoded)."""
+
+        def verify(key: bytes, value: bytes) -> bytes:
+            verify_block(value, expected_key=key, expected_fingerprint=fingerprint, expected_namespace=namespace)
+            return value
+
+        return self._fetch(keys, fingerprint or UNKNOWN, namespace, verify)
+
+    def _fetch(self, keys: Sequence[bytes], model: str, namespace: str, decode: Callable[[bytes, bytes], T]
+               ) -> list[T | None]:
+        result: list[T | None] = [None] * len(keys)
         remaining = list(range(len(keys)))
         for index, spec in enumerate(self.specs):
             if not remaining:
@@ -209,48 +258,44 @@ class TieredStore:
                     missed.append(j)
                     continue
                 try:
-                    block = decode_block(
-                        value,
-                        expected_key=keys[j],
-                        expected_fingerprint=fingerprint,
-                        expected_namespace=namespace,
-                        copy=copy,
-                    )
+                    result[j] = decode(keys[j], value)
                 except ForeignBlockError:
-                    self.counters.add(name, namespace, fingerprint, "foreign")
+                    self.counters.add(name, namespace, model, "foreign")
                     missed.append(j)
                     continue
-                except (CorruptBlockError, KVShelfError) as exc:
+                except KVShelfError as exc:
                     log.warning("tier %s: dropping damaged block %s: %s", name, keys[j].hex(), exc)
-                    self.counters.add(name, namespace, fingerprint, "corrupt")
+                    self.counters.add(name, namespace, model, "corrupt")
                     self._delete_from(spec, [keys[j]])
                     missed.append(j)
                     continue
-                result[j] = block
-                self.counters.add(name, namespace, fingerprint, "bytes_read", len(value))
-                promote.append((j, value))
-            self.counters.add(name, namespace, fingerprint, "hits", len(remaining) - len(missed))
-            self.counters.add(name, namespace, fingerprint, "misses", len(missed))
+                self.counters.add(name, namespace, model, "bytes_read", len(value))
+                promote.append((keys[j], value))
+            self.counters.add(name, namespace, model, "hits", len(remaining) - len(missed))
+            self.counters.add(name, namespace, model, "misses", len(missed))
             if index > 0 and promote:
-                self._promote(index, [(keys[j], result[j], value) for j, value in promote])
+                self._promote(index, promote)
             remaining = missed
-        self.counters.add(ALL_TIERS, namespace, fingerprint, "retrieve_blocks", len(keys))
-        self.counters.add(ALL_TIERS, namespace, fingerprint, "retrieve_hit_blocks", len(keys) - len(remaining))
+        self.counters.add(ALL_TIERS, namespace, model, "retrieve_blocks", len(keys))
+        self.counters.add(ALL_TIERS, namespace, model, "retrieve_hit_blocks", len(keys) - len(remaining))
         return result
 
-    def _promote(self, found_in: int, hits: list[tuple[bytes, KVBlock | None, bytes]]) -> None:
+    def _promote(self, found_in: int, hits: list[tuple[bytes, bytes]]) -> None:
+        """Copy verified ``(key, value)`` hits of tier ``found_in`` into every tier above it."""
         source = self.specs[found_in]
+        headers = [read_header(v) for _, v in hits]
+        owners = [(h.namespace, h.fingerprint) for h in headers]
         for spec in self.specs[:found_in]:
             if spec.same_codec(source):
-                encoded = [(k, v) for k, _, v in hits]
+                encoded = hits
             else:
-                encoded = [(k, encode_block(b, k, spec.codec, spec.codec_params)) for k, b, _ in hits if b]
+                encoded = [(k, encode_block(decode_block(v, copy=False), k, spec.codec, spec.codec_params))
+                           for k, v in hits]
             try:
                 stored = spec.tier.put_many(encoded)
             except StoreFullError:
                 continue
-            entries = [(k, b) for k, b, _ in hits if b is not None]
-            self._count_writes(spec, entries, encoded, stored)
+            self._count_writes(spec, encoded, owners, stored)
 
     # -- management -----------------------------------------------------------------------------------
 

@@ -637,3 +637,29 @@ def test_write_back_sends_what_memory_rejects_to_disk(make_store):
     assert tier_stats(store, "memory")["rejected"] == 2
     for got, (_, block) in zip(store.get_many(keys, fingerprint=FP), entries, strict=True):
         assert_same_block(got, block)
+
+
+def test_encoded_round_trip_without_decoding(store):
+    entries = blocks(3, namespace="tenant-a")
+    encoded = [(k, encode_block(b, k)) for k, b in entries]
+    assert store.put_encoded_many(encoded) == 3
+    mem(store).delete([k for k, _ in entries])  # force a read from disk, then promotion
+    got = store.get_encoded_many([k for k, _ in entries], namespace="tenant-a")
+    assert got == [v for _, v in encoded]
+    assert sorted(mem(store).keys()) == sorted(k for k, _ in entries)
+    assert store.get_encoded_many([entries[0][0]], namespace="tenant-b") == [None]  # another tenant: a miss
+    assert tier_stats(store, "memory")["foreign"] == 1
+
+
+def test_put_encoded_refuses_damaged_or_misfiled_values_and_stores_nothing(store):
+    from kvstore import CorruptBlockError, ForeignBlockError
+
+    (k0, b0), (k1, b1) = blocks(2)
+    good = encode_block(b0, k0)
+    damaged = bytearray(encode_block(b1, k1))
+    damaged[-20] ^= 1
+    with pytest.raises(CorruptBlockError):
+        store.put_encoded_many([(k0, good), (k1, bytes(damaged))])
+    with pytest.raises(ForeignBlockError):
+        store.put_encoded_many([(k1, good)])  # encoded for k0, offered under k1
+    assert mem(store).keys() == [] and disk(store).keys() == []
