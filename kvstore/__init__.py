@@ -10,6 +10,7 @@ from kvstore.errors import (
     ForeignBlockError,
     KVShelfError,
     StoreFullError,
+    TierUnavailableError,
     UnknownCodecError,
 )
 from kvstore.fingerprint import fingerprint_from_properties
@@ -34,6 +35,7 @@ __all__ = [
     "StoreFullError",
     "Tier",
     "TierSpec",
+    "TierUnavailableError",
     "TierUsage",
     "TieredStore",
     "UnknownCodecError",

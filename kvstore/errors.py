@@ -37,3 +37,7 @@ class UnsupportedModelError(KVShelfError):
 
 class ModelLoadError(KVShelfError):
     """A model name or path that cannot be loaded."""
+
+
+class TierUnavailableError(KVShelfError):
+    """A tier's backing service (Redis, a remote server) cannot be reached now; the store degrades around it."""

@@ -17,6 +17,7 @@ TIER_METRICS = (
     "corrupt",
     "foreign",
     "rejected",
+    "unavailable",
 )
 #: Store-wide metrics, counted under tier "*": blocks asked for and found by lookups and by retrievals.
 STORE_METRICS = ("lookup_blocks", "lookup_hit_blocks", "retrieve_blocks", "retrieve_hit_blocks")

@@ -12,13 +12,20 @@ from typing import Any, Literal, TypeVar
 from compress.registry import get_codec
 from kvstore.block import KVBlock
 from kvstore.encoding import decode_block, encode_block, read_header, verify_block
-from kvstore.errors import ConfigError, ForeignBlockError, KVShelfError, StoreFullError
+from kvstore.errors import ConfigError, ForeignBlockError, KVShelfError, StoreFullError, TierUnavailableError
+from kvstore.keys import KEY_BYTES
 from kvstore.stats import ALL_TIERS, UNKNOWN, Counters, StoreEvent
-from kvstore.tier import Tier
+from kvstore.tier import Tier, TierUsage
 
 log = logging.getLogger(__name__)
 Listener = Callable[[StoreEvent], None]
 T = TypeVar("T")
+
+
+def header_key(tier_key: bytes) -> bytes:
+    """The key an encoded value names in its header: a tier key may carry a scope prefix before it
+    (the service prefixes a tag of the tenant's namespace), the header holds the unscoped key."""
+    return tier_key[-KEY_BYTES:]
 
 
 @dataclass
@@ -116,7 +123,7 @@ class TieredStore:
         encoded under another key. Values are re-encoded only for tiers configured with another codec.
         """
         items = list(items)
-        headers = [verify_block(value, expected_key=key) for key, value in items]
+        headers = [verify_block(value, expected_key=header_key(key)) for key, value in items]
 
         def encode_for(spec: TierSpec) -> list[tuple[bytes, bytes]]:
             out = []
@@ -144,6 +151,9 @@ class TieredStore:
             except StoreFullError as exc:
                 full_error = exc
                 stored = 0
+            except TierUnavailableError as exc:
+                self._unavailable(spec, exc)
+                continue
             if n == 0:
                 accepted = stored
             rejected = self._count_writes(spec, encoded, owners, stored)
@@ -206,7 +216,11 @@ class TieredStore:
         while progress and n < len(keys):
             progress = False
             for spec in self.specs:
-                found = spec.tier.contains_many(keys[n:])
+                try:
+                    found = spec.tier.contains_many(keys[n:])
+                except TierUnavailableError as exc:
+                    self._unavailable(spec, exc)
+                    continue
                 if found:
                     n += found
                     progress = True
@@ -227,7 +241,7 @@ class TieredStore:
         """
 
         def decode(key: bytes, value: bytes) -> KVBlock:
-            return decode_block(value, expected_key=key, expected_fingerprint=fingerprint,
+            return decode_block(value, expected_key=header_key(key), expected_fingerprint=fingerprint,
                                 expected_namespace=namespace, copy=copy)
 
         return self._fetch(keys, fingerprint, namespace, decode)
@@ -238,7 +252,8 @@ class TieredStore:
         """Verified encoded values for ``keys`` (checksum, key and namespace checked; tensors not decoded)."""
 
         def verify(key: bytes, value: bytes) -> bytes:
-            verify_block(value, expected_key=key, expected_fingerprint=fingerprint, expected_namespace=namespace)
+            verify_block(value, expected_key=header_key(key), expected_fingerprint=fingerprint,
+                         expected_namespace=namespace)
             return value
 
         return self._fetch(keys, fingerprint or UNKNOWN, namespace, verify)
@@ -251,7 +266,11 @@ class TieredStore:
             if not remaining:
                 break
             name = spec.tier.name
-            values = spec.tier.get_many([keys[j] for j in remaining])
+            try:
+                values = spec.tier.get_many([keys[j] for j in remaining])
+            except TierUnavailableError as exc:
+                self._unavailable(spec, exc)
+                continue
             missed, promote = [], []
             for j, value in zip(remaining, values, strict=True):
                 if value is None:
@@ -295,7 +314,15 @@ class TieredStore:
                 stored = spec.tier.put_many(encoded)
             except StoreFullError:
                 continue
+            except TierUnavailableError as exc:
+                self._unavailable(spec, exc)
+                continue
             self._count_writes(spec, encoded, owners, stored)
+
+    def _unavailable(self, spec: TierSpec, exc: TierUnavailableError) -> None:
+        """An unreachable tier is skipped (reads miss, writes go to the other tiers) and counted."""
+        log.warning("tier %s unavailable: %s", spec.tier.name, exc)
+        self.counters.add(spec.tier.name, UNKNOWN, UNKNOWN, "unavailable")
 
     # -- management -----------------------------------------------------------------------------------
 
@@ -308,10 +335,16 @@ class TieredStore:
         return removed
 
     def delete(self, keys: Iterable[bytes]) -> int:
-        """Remove ``keys`` from every tier; return how many (key, tier) values were removed."""
+        """Remove ``keys`` from every reachable tier; return how many (key, tier) values were removed."""
         keys = list(keys)
         self.unpin(keys)
-        return sum(self._delete_from(spec, keys) for spec in self.specs)
+        removed = 0
+        for spec in self.specs:
+            try:
+                removed += self._delete_from(spec, keys)
+            except TierUnavailableError as exc:
+                self._unavailable(spec, exc)
+        return removed
 
     def pin(self, keys: Iterable[bytes]) -> None:
         keys = list(keys)
@@ -335,18 +368,22 @@ class TieredStore:
         """A JSON-ready snapshot: usage and counters per tier, and counter rows per namespace and model."""
         tiers = []
         for spec in self.specs:
-            usage = spec.tier.usage()
             name = spec.tier.name
+            try:
+                usage: TierUsage | None = spec.tier.usage()
+            except TierUnavailableError:
+                usage = None
             tiers.append(
                 {
                     "name": name,
                     "codec": spec.codec,
-                    "blocks": usage.blocks,
-                    "bytes": usage.bytes,
-                    "capacity_bytes": usage.capacity_bytes,
+                    "available": usage is not None,
+                    "blocks": usage.blocks if usage else None,
+                    "bytes": usage.bytes if usage else None,
+                    "capacity_bytes": usage.capacity_bytes if usage else None,
                     **{m: self.counters.total(m, tier=name) for m in (
                         "hits", "misses", "bytes_read", "bytes_written", "evictions", "corrupt", "foreign",
-                        "rejected")},
+                        "rejected", "unavailable")},
                 }
             )
         lookups = self.counters.total("lookup_blocks", tier=ALL_TIERS)

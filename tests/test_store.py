@@ -428,12 +428,13 @@ def test_stats_shape(store):
     assert s["lookup_hit_rate"] is None and s["retrieve_hit_rate"] is None
     assert s["rows"] == [] and s["pinned"] == 0
     assert [t["name"] for t in s["tiers"]] == ["memory", "disk"]
-    expected_fields = {"name", "codec", "blocks", "bytes", "capacity_bytes", "hits", "misses", "bytes_read",
-                       "bytes_written", "evictions", "corrupt", "foreign", "rejected"}
+    expected_fields = {"name", "codec", "available", "unavailable", "blocks", "bytes", "capacity_bytes", "hits",
+                       "misses", "bytes_read", "bytes_written", "evictions", "corrupt", "foreign", "rejected"}
     for tier in s["tiers"]:
         assert set(tier) == expected_fields
         assert tier["codec"] == "raw"
-        assert all(tier[m] == 0 for m in expected_fields - {"name", "codec", "capacity_bytes"})
+        assert tier["available"] is True
+        assert all(tier[m] == 0 for m in expected_fields - {"name", "codec", "capacity_bytes", "available"})
     assert s["tiers"][0]["capacity_bytes"] == 64 * 1024
 
     entries = blocks(3)
@@ -663,3 +664,38 @@ def test_put_encoded_refuses_damaged_or_misfiled_values_and_stores_nothing(store
     with pytest.raises(ForeignBlockError):
         store.put_encoded_many([(k1, good)])  # encoded for k0, offered under k1
     assert mem(store).keys() == [] and disk(store).keys() == []
+
+
+class _DownTier(MemoryTier):
+    """A tier whose backing service is unreachable (stands in for a stopped Redis in this unit test;
+    the Redis tests stop a real redis-server)."""
+
+    def _down(self, *args, **kwargs):
+        from kvstore import TierUnavailableError
+
+        raise TierUnavailableError("connection refused")
+
+    get_many = put_many = contains_many = delete = usage = _down
+
+
+def test_unreachable_tier_is_skipped_and_counted(data_dir):
+    store = TieredStore([MemoryTier(MiB, name="memory"), _DownTier(MiB, name="shared")])
+    entries = blocks(2)
+    assert store.put_many(entries) == 2
+    keys = [k for k, _ in entries]
+    assert store.lookup_prefix(keys) == 2
+    store.specs[0].tier.delete(keys[1:])
+    got = store.get_many(keys, fingerprint=FP)
+    assert_same_block(got[0], entries[0][1]) and got[1] is None
+    assert store.delete(keys) == 1
+    shared = tier_stats(store, "shared")
+    assert shared["available"] is False and shared["unavailable"] == 3  # put, get, delete
+
+
+def test_scoped_tier_keys_name_the_unscoped_key_in_the_header(store):
+    (key, block), = blocks(1, namespace="tenant-a")
+    scoped = b"\x01" * 8 + key
+    store.put_encoded_many([(scoped, encode_block(block, key))])
+    assert store.get_encoded_many([key], namespace="tenant-a") == [None]
+    assert store.get_encoded_many([scoped], namespace="tenant-a")[0] is not None
+    assert_same_block(store.get_many([scoped], fingerprint=FP, namespace="tenant-a")[0], block)
