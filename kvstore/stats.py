@@ -19,8 +19,11 @@ TIER_METRICS = (
     "rejected",
     "unavailable",
 )
-#: Store-wide metrics, counted under tier "*": blocks asked for and found by lookups and by retrievals.
-STORE_METRICS = ("lookup_blocks", "lookup_hit_blocks", "retrieve_blocks", "retrieve_hit_blocks")
+#: Store-wide metrics, counted under tier "*": blocks (and tokens) asked for and found by lookups and retrievals.
+STORE_METRICS = (
+    "lookup_blocks", "lookup_hit_blocks", "retrieve_blocks", "retrieve_hit_blocks",
+    "lookup_tokens", "lookup_hit_tokens", "retrieve_tokens", "retrieve_hit_tokens",
+)
 ALL_TIERS = "*"
 UNKNOWN = "?"
 

@@ -210,8 +210,14 @@ class TieredStore:
 
     # -- reads ----------------------------------------------------------------------------------------
 
-    def lookup_prefix(self, keys: Sequence[bytes], *, namespace: str = UNKNOWN, model: str = UNKNOWN) -> int:
-        """How many of ``keys``, in order, are cached in some tier (blocks may be split across tiers)."""
+    def lookup_prefix(
+        self, keys: Sequence[bytes], *, namespace: str = UNKNOWN, model: str = UNKNOWN,
+        tokens: Sequence[int] | None = None,
+    ) -> int:
+        """How many of ``keys``, in order, are cached in some tier (blocks may be split across tiers).
+
+        ``tokens``: tokens per key, to count the lookup hit rate in tokens as well as in blocks.
+        """
         n, progress = 0, True
         while progress and n < len(keys):
             progress = False
@@ -228,23 +234,28 @@ class TieredStore:
                         break
         self.counters.add(ALL_TIERS, namespace, model, "lookup_blocks", len(keys))
         self.counters.add(ALL_TIERS, namespace, model, "lookup_hit_blocks", n)
+        if tokens is not None:
+            self.counters.add(ALL_TIERS, namespace, model, "lookup_tokens", sum(tokens))
+            self.counters.add(ALL_TIERS, namespace, model, "lookup_hit_tokens", sum(tokens[:n]))
         return n
 
     contains_many = lookup_prefix
 
     def get_many(
-        self, keys: Sequence[bytes], *, fingerprint: str, namespace: str = "default", copy: bool = True
+        self, keys: Sequence[bytes], *, fingerprint: str, namespace: str = "default", copy: bool = True,
+        tokens: Sequence[int] | None = None,
     ) -> list[KVBlock | None]:
         """Blocks for ``keys`` (``None`` for misses). Only blocks of ``fingerprint`` and ``namespace`` are served.
 
         With ``copy=False`` tensors may be read-only views of stored bytes (faster; never write to them).
+        ``tokens``: tokens per key, to count the retrieve hit rate in tokens as well as in blocks.
         """
 
         def decode(key: bytes, value: bytes) -> KVBlock:
             return decode_block(value, expected_key=header_key(key), expected_fingerprint=fingerprint,
                                 expected_namespace=namespace, copy=copy)
 
-        return self._fetch(keys, fingerprint, namespace, decode)
+        return self._fetch(keys, fingerprint, namespace, decode, tokens)
 
     def get_encoded_many(
         self, keys: Sequence[bytes], *, namespace: str, fingerprint: str | None = None
@@ -258,8 +269,10 @@ class TieredStore:
 
         return self._fetch(keys, fingerprint or UNKNOWN, namespace, verify)
 
-    def _fetch(self, keys: Sequence[bytes], model: str, namespace: str, decode: Callable[[bytes, bytes], T]
-               ) -> list[T | None]:
+    def _fetch(
+        self, keys: Sequence[bytes], model: str, namespace: str, decode: Callable[[bytes, bytes], T],
+        tokens: Sequence[int] | None = None,
+    ) -> list[T | None]:
         result: list[T | None] = [None] * len(keys)
         remaining = list(range(len(keys)))
         for index, spec in enumerate(self.specs):
@@ -297,6 +310,10 @@ class TieredStore:
             remaining = missed
         self.counters.add(ALL_TIERS, namespace, model, "retrieve_blocks", len(keys))
         self.counters.add(ALL_TIERS, namespace, model, "retrieve_hit_blocks", len(keys) - len(remaining))
+        if tokens is not None:
+            missed_tokens = sum(tokens[j] for j in remaining)
+            self.counters.add(ALL_TIERS, namespace, model, "retrieve_tokens", sum(tokens))
+            self.counters.add(ALL_TIERS, namespace, model, "retrieve_hit_tokens", sum(tokens) - missed_tokens)
         return result
 
     def _promote(self, found_in: int, hits: list[tuple[bytes, bytes]]) -> None:

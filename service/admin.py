@@ -44,13 +44,19 @@ def _top(rows: list[dict[str, Any]], by: str, limit: int) -> list[tuple[str, dic
 def render(stats: dict[str, Any], title: str = "kvshelf", top: int = 5) -> Group:
     """Hit rates, usage per tier, top namespaces and models."""
     summary = Table(title=f"{title}: hit rates", show_header=True)
-    for col in ("", "asked (blocks)", "hits (blocks)", "hit rate"):
+    for col in ("", "blocks asked", "block hits", "hit rate (blocks)", "tokens asked", "token hits",
+                "hit rate (tokens)"):
         summary.add_column(col, justify="right")
     rows = stats.get("rows", [])
+
+    def total(metric: str) -> int:
+        return sum(int(r.get(metric, 0)) for r in rows if r["tier"] == ALL_TIERS)
+
     for kind in ("lookup", "retrieve"):
-        asked = sum(int(r.get(f"{kind}_blocks", 0)) for r in rows if r["tier"] == ALL_TIERS)
-        hits = sum(int(r.get(f"{kind}_hit_blocks", 0)) for r in rows if r["tier"] == ALL_TIERS)
-        summary.add_row(kind, str(asked), str(hits), _pct(hits, asked))
+        blocks, block_hits = total(f"{kind}_blocks"), total(f"{kind}_hit_blocks")
+        tokens, token_hits = total(f"{kind}_tokens"), total(f"{kind}_hit_tokens")
+        summary.add_row(kind, str(blocks), str(block_hits), _pct(block_hits, blocks), str(tokens), str(token_hits),
+                        _pct(token_hits, tokens))
     tiers = Table(title="tiers")
     for col in ("tier", "codec", "blocks", "bytes", "capacity", "hits", "misses", "hit rate", "evictions",
                 "corrupt", "foreign"):

@@ -54,8 +54,7 @@ class StoreCollector(Collector):
             m: CounterMetricFamily(f"{self.prefix}_tier_{m}", _HELP[m], labels=["tier", "namespace", "model"])
             for m in TIER_METRICS
         }
-        store_metrics = sorted({*STORE_METRICS, "lookup_tokens", "lookup_hit_tokens", "retrieve_tokens",
-                                "retrieve_hit_tokens"})
+        store_metrics = sorted(STORE_METRICS)
         store_families = {
             m: CounterMetricFamily(f"{self.prefix}_{m}", _HELP[m], labels=["namespace", "model"])
             for m in store_metrics

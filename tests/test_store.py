@@ -699,3 +699,14 @@ def test_scoped_tier_keys_name_the_unscoped_key_in_the_header(store):
     assert store.get_encoded_many([key], namespace="tenant-a") == [None]
     assert store.get_encoded_many([scoped], namespace="tenant-a")[0] is not None
     assert_same_block(store.get_many([scoped], fingerprint=FP, namespace="tenant-a")[0], block)
+
+
+def test_hit_rates_in_tokens(store):
+    entries = blocks(3, tokens=4)
+    store.put_many(entries[:2])
+    keys = [k for k, _ in entries]
+    assert store.lookup_prefix(keys, namespace="default", model=FP, tokens=[4, 4, 2]) == 2
+    store.get_many(keys, fingerprint=FP, tokens=[4, 4, 2])
+    c = store.counters
+    assert (c.total("lookup_tokens"), c.total("lookup_hit_tokens")) == (10, 8)
+    assert (c.total("retrieve_tokens"), c.total("retrieve_hit_tokens")) == (10, 8)
