@@ -1,0 +1,149 @@
+"""``kvshelf bench store``: put/get throughput and latency of 1, 8 and 32 MiB blocks, 1 and 8 clients:
+the kvshelf gRPC service vs raw redis-py SET/GET vs raw LMDB, in the same run.
+
+Every client thread moves its own keys; every get is checked against what was put (a mismatch counts as an
+error). MB/s is the total bytes moved over the wall time of the case; p50/p99 are per-operation latencies.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from bench.common import machine_description, write_json
+
+MiB = 1 << 20
+DEFAULT_SIZES = (1, 8, 32)
+DEFAULT_CLIENTS = (1, 8)
+
+#: A backend factory yields ``make_client() -> (put(key, value), get(key) -> bytes | None)``.
+ClientPair = tuple[Callable[[bytes, bytes], None], Callable[[bytes], bytes | None]]
+Backend = Callable[[], AbstractContextManager[Callable[[], ClientPair]]]
+
+
+@contextmanager
+def lmdb_backend() -> Iterator[Callable[[], ClientPair]]:
+    with tempfile.TemporaryDirectory(prefix="kvshelf-bench-store-") as tmp:
+        env = lmdb.open(str(Path(tmp) / "raw"), map_size=64 << 30, readahead=False, sync=False, max_readers=256)
+
+        def make() -> ClientPair:
+            def put(key: bytes, value: bytes) -> None:
+                with env.begin(write=True) as txn:
+                    txn.put(key, value)
+
+            def get(key: bytes) -> bytes | None:
+                with env.begin() as txn:
+                    return txn.get(key)
+
+            return put, get
+
+        yield make
+        env.close()
+
+
+@contextmanager
+def redis_backend() -> Iterator[Callable[[], ClientPair]]:
+    import redis
+
+    from bench.servers import redis_server
+
+    with redis_server() as url:
+        pool = redis.ConnectionPool.from_url(url, max_connections=64)
+
+        def make() -> ClientPair:
+            client = redis.Redis(connection_pool=pool)
+            return (lambda k, v: client.set(k, v)), client.get
+
+        yield make
+        pool.disconnect()
+
+
+def _percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q)) if values else float("nan")
+
+
+def _run_op(make_client: Callable[[], ClientPair], op: str, block_mib: int, clients: int, ops: int,
+            payloads: list[bytes]) -> dict[str, Any]:
+    latencies: list[list[float]] = [[] for _ in range(clients)]
+    errors = [0] * clients
+    barrier = threading.Barrier(clients + 1)
+
+    def work(c: int) -> None:
+        put, get = make_client()
+        barrier.wait()
+        for i in range(ops):
+            key = f"bench:{block_mib}:{clients}:{c}:{i}".encode().ljust(16, b"_")[:32]
+            expected = payloads[(c + i) % 2]
+            start = time.perf_counter()
+            try:
+                if op == "put":
+                    put(key, expected)
+                else:
+                    got = get(key)
+                    if got is None or bytes(got) != expected:
+                        errors[c] += 1
+            except Exception:
+                errors[c] += 1
+            latencies[c].append(time.perf_counter() - start)
+
+    threads = [threading.Thread(target=work, args=(c,)) for c in range(clients)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    started = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - started
+    flat = [x for per in latencies for x in per]
+    return {
+        "op": op, "block_mib": block_mib, "clients": clients,
+        "mb_s": round(clients * ops * block_mib * MiB / wall / 1e6, 1),
+        "p50_ms": round(1000 * statistics.median(flat), 2), "p99_ms": round(1000 * _percentile(flat, 99), 2),
+        "errors": sum(errors),
+    }
+
+
+def run_case(make_client: Callable[[], ClientPair], block_mib: int, clients: int, ops: int) -> list[dict]:
+    """Each client puts ``ops`` distinct blocks, then gets them back and verifies them."""
+    rng = np.random.default_rng(block_mib * 100 + clients)
+    payloads = [rng.integers(0, 256, block_mib * MiB, dtype=np.uint8).tobytes() for _ in range(2)]
+    return [_run_op(make_client, op, block_mib, clients, ops, payloads) for op in ("put", "get")]
+
+
+def run(
+    *, json_path: str | None, backends: dict[str, Backend], sizes: tuple[int, ...] = DEFAULT_SIZES,
+    clients: tuple[int, ...] = DEFAULT_CLIENTS, console: Console | None = None,
+) -> dict[str, Any]:
+    console = console or Console()
+    results = []
+    for name, backend in backends.items():
+        with backend() as make_client:
+            for block_mib in sizes:
+                for n in clients:
+                    ops = max(3, min(24, 96 // block_mib))
+                    console.print(f"[dim]{name}: {block_mib} MiB x {n} client(s) x {ops} ops[/dim]")
+                    for row in run_case(make_client, block_mib, n, ops):
+                        results.append({"backend": name, **row})
+    payload = {"machine": machine_description(), "results": results}
+    table = Table(title=f"store throughput ({payload['machine']})")
+    for col in ("backend", "op", "block MiB", "clients", "MB/s", "p50 ms", "p99 ms", "errors"):
+        table.add_column(col, justify="right")
+    for r in results:
+        table.add_row(r["backend"], r["op"], str(r["block_mib"]), str(r["clients"]), f"{r['mb_s']:.0f}",
+                      f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}", str(r["errors"]))
+    console.print(table)
+    if json_path:
+        write_json(json_path, payload)
+        console.print(f"wrote {json_path}")
+    return payload
