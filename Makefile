@@ -24,7 +24,11 @@ $(STAMP): pyproject.toml
 demo: install
 	$(VENV)/bin/kvshelf demo
 
-test: install
+# redis-server (and redis-cli, from redis-tools) for the Redis tier tests: Debian's packages, when absent.
+redis:
+	command -v redis-server >/dev/null || (apt-get update && apt-get install -y redis-server)
+
+test: install redis
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
@@ -40,3 +44,8 @@ lint: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+
+.PHONY: proto
+# Regenerate the gRPC stubs in proto/ from proto/kvshelf.proto (tests/test_service.py fails when they are stale).
+proto: install
+	$(PY) -m proto.generate

@@ -17,6 +17,7 @@ from kvstore.fingerprint import fingerprint_from_properties
 from kvstore.keys import KEY_BYTES, chunk_key, prefix_block_keys
 from kvstore.lmdb_tier import LMDBTier
 from kvstore.memory_tier import MemoryTier
+from kvstore.redis_tier import RedisTier
 from kvstore.stats import StoreEvent
 from kvstore.store import TieredStore, TierSpec
 from kvstore.tier import Tier, TierUsage
@@ -31,6 +32,7 @@ __all__ = [
     "KVShelfError",
     "LMDBTier",
     "MemoryTier",
+    "RedisTier",
     "StoreEvent",
     "StoreFullError",
     "Tier",

@@ -28,12 +28,45 @@ def demo(
     documents: Annotated[int, typer.Option(min=1, max=8, help="how many documents")] = 2,
     tokens: Annotated[int, typer.Option(min=300, max=7000, help="approximate tokens per document")] = 1800,
     data_dir: Annotated[Path | None, typer.Option(help="store directory (default: a temporary one)")] = None,
+    remote: Annotated[str | None, typer.Option(help="use a `kvshelf serve` server at HOST:PORT instead")] = None,
 ) -> None:
     """Long-document QA with the embedded store: cold vs warm (memory, and disk in a new process) TTFT."""
     from service.demo import run_demo
 
     run_demo(model_name=model, documents=documents, tokens=tokens,
-             data_dir=str(data_dir) if data_dir else None, console=console)
+             data_dir=str(data_dir) if data_dir else None, console=console, remote=remote)
+
+
+def _opt(help_text: str) -> object:
+    return typer.Option(help=help_text, show_default=False)
+
+
+@app.command()
+def serve(
+    listen: Annotated[str | None, _opt("HOST:PORT to listen on (default 127.0.0.1:50051)")] = None,
+    data_dir: Annotated[str | None, _opt("store directory (CPU memory + LMDB)")] = None,
+    memory: Annotated[str | None, _opt("memory tier capacity, e.g. 2GiB (0: none)")] = None,
+    max_disk: Annotated[str | None, _opt("LMDB size limit, e.g. 1TiB")] = None,
+    disk_codec: Annotated[str | None, _opt("codec of the LMDB (and Redis) tier (default raw)")] = None,
+    redis: Annotated[str | None, _opt("redis://HOST:PORT/DB or redis+cluster://HOST:PORT: the shared tier")] = None,
+    tokens_file: Annotated[str | None, _opt("TOML \\[tokens] \"token\" = \"namespace\" (none: dev mode)")] = None,
+    tls_cert: Annotated[str | None, _opt("PEM certificate (with --tls-key: serve TLS)")] = None,
+    tls_key: Annotated[str | None, _opt("PEM private key")] = None,
+    max_block: Annotated[str | None, _opt("largest encoded block accepted (default 256MiB)")] = None,
+    max_call: Annotated[str | None, _opt("most bytes one PutBlocks call may carry (default 1GiB)")] = None,
+    quota: Annotated[str | None, _opt("per-namespace byte quota, e.g. 10GiB (default none)")] = None,
+    grace: Annotated[float | None, _opt("seconds to drain in-flight calls on SIGTERM (default 10)")] = None,
+    workers: Annotated[int | None, _opt("RPC worker threads (default 16)")] = None,
+    config: Annotated[Path | None, _opt("TOML config file (or $KVSHELF_CONFIG)")] = None,
+) -> None:
+    """Run the gRPC KV service. Settings: flags > KVSHELF_* environment variables > --config TOML > defaults."""
+    from service.serve import load_config
+    from service.serve import serve as run_server
+
+    flags = dict(listen=listen, data_dir=data_dir, memory=memory, max_disk=max_disk, disk_codec=disk_codec,
+                 redis=redis, tokens_file=tokens_file, tls_cert=tls_cert, tls_key=tls_key, max_block=max_block,
+                 max_call=max_call, quota=quota, grace=grace, workers=workers)
+    raise typer.Exit(run_server(load_config(flags, config_file=config)))
 
 
 @bench_app.command("ttft")

@@ -110,15 +110,26 @@ def _ask(generator: Any, tokenizer: Any, doc: Document, question: str, **kw: Any
             "reused": result.reused_tokens, "prompt_tokens": len(result.prompt_ids)}
 
 
+def _open_store(data_dir: str, remote: str | None) -> Any:
+    """The embedded store in ``data_dir``, or a ``RemoteStore`` on ``remote`` (then ``data_dir`` holds only
+    the demo's scratch files)."""
+    if remote:
+        from service.client import RemoteStore
+
+        return RemoteStore(remote)
+    from kvstore.embedded import open_embedded_store
+
+    return open_embedded_store(data_dir)
+
+
 def disk_phase(spec_path: str) -> None:
     """The new process: reopen the store (memory empty, LMDB holding the blocks) and ask again."""
     from adapters.generate import CachedGenerator
     from adapters.model import load_model
-    from kvstore.embedded import open_embedded_store
 
     spec = json.loads(Path(spec_path).read_text())
     model, tokenizer = load_model(spec["model"])
-    store = open_embedded_store(spec["data_dir"])
+    store = _open_store(spec["data_dir"], spec.get("remote"))
     generator = CachedGenerator(model, tokenizer, store)
     generator.generate(list(range(10, 60)), max_new_tokens=2, reuse=False, store=False)  # warm-up
     reopened = store.stats()
@@ -130,11 +141,11 @@ def disk_phase(spec_path: str) -> None:
 
 def run_demo(
     *, model_name: str = "smollm2-135m", documents: int = 2, tokens: int = 1800, data_dir: str | None = None,
-    console: Console | None = None,
+    console: Console | None = None, remote: str | None = None,
 ) -> dict[str, Any]:
+    """Run the demo; with ``remote`` (HOST:PORT of `kvshelf serve`) both phases use that server's store."""
     from adapters.generate import CachedGenerator
     from adapters.model import load_model
-    from kvstore.embedded import open_embedded_store
 
     console = console or Console()
     console.rule("[bold]kvshelf demo[/bold]: long-document QA with prefix reuse")
@@ -146,7 +157,7 @@ def run_demo(
         tmp = tempfile.TemporaryDirectory(prefix="kvshelf-demo-")
         data_dir = tmp.name
     docs = make_documents(documents, tokens)
-    store = open_embedded_store(data_dir)
+    store = _open_store(data_dir, remote)
     generator = CachedGenerator(model, tokenizer, store)
     generator.generate(list(range(10, 60)), max_new_tokens=2, reuse=False, store=False)  # warm-up
     rows = []
@@ -162,7 +173,7 @@ def run_demo(
         spec = Path(data_dir) / "demo-spec.json"
         out = Path(data_dir) / "demo-disk.json"
         spec.write_text(json.dumps({"model": model_name, "data_dir": data_dir, "documents": documents,
-                                    "tokens": tokens, "out": str(out)}))
+                                    "tokens": tokens, "out": str(out), "remote": remote}))
         subprocess.run([sys.executable, "-m", "service.demo", "--disk-phase", str(spec)], check=True)
         disk = json.loads(out.read_text())
     for row, answer in zip(rows, disk["answers"], strict=True):

@@ -1,0 +1,233 @@
+"""``RemoteStore``: the store interface the adapters use, over a kvshelf gRPC server.
+
+Blocks are encoded on the client (``encode_block`` with the chosen codec) and decoded and verified on the
+client (a damaged or foreign value is a miss, never returned). The server only stores bytes.
+
+Errors: when the server cannot be reached (connection refused, DNS, TLS handshake, deadline), calls raise
+``kvstore.errors.TierUnavailableError`` naming the address; any other refusal by the server (bad token,
+another namespace, a quota, a bad input) raises ``RemoteStoreError`` carrying the gRPC status code.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from kvstore.block import KVBlock
+from kvstore.encoding import decode_block, encode_block
+from kvstore.errors import ConfigError, KVShelfError, TierUnavailableError
+from kvstore.keys import KEY_BYTES
+from proto import kvshelf_pb2 as pb
+from proto import kvshelf_pb2_grpc as pb_grpc
+from service.server import CHUNK_BYTES, MAX_MESSAGE_BYTES, iter_chunks
+
+log = logging.getLogger(__name__)
+_UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+class RemoteStoreError(KVShelfError):
+    """The server refused a call (``code`` is the ``grpc.StatusCode``)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+
+
+class RemoteStore:
+    """A kvshelf server as a store: ``put_many``, ``get_many``, ``lookup_prefix``... like ``TieredStore``.
+
+    Args:
+        address: ``host:port`` of the server.
+        token: bearer token (required when the server has a tokens file; it then fixes the namespace).
+        namespace: the namespace sent in requests (dev mode servers use it; token servers check it).
+        codec: the codec blocks are encoded with before they are sent.
+        tls_ca: PEM file (or bytes) of the CA that signed the server's certificate; enables TLS.
+        timeout_s: deadline of every call.
+        connect_timeout_s: how long the constructor waits for the server (0: do not wait).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None = None,
+        namespace: str = "default",
+        codec: str = "raw",
+        codec_params: dict[str, Any] | None = None,
+        tls_ca: str | Path | bytes | None = None,
+        timeout_s: float = 60.0,
+        connect_timeout_s: float = 10.0,
+    ) -> None:
+        self.address = address
+        self.namespace = namespace
+        self.codec = codec
+        self.codec_params = dict(codec_params or {})
+        self.timeout_s = timeout_s
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+        if tls_ca is not None:
+            ca = tls_ca if isinstance(tls_ca, bytes) else Path(tls_ca).read_bytes()
+            self._channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ca), options)
+        else:
+            self._channel = grpc.insecure_channel(address, options)
+        self._stub = pb_grpc.KVShelfStub(self._channel)
+        if connect_timeout_s > 0:
+            try:
+                grpc.channel_ready_future(self._channel).result(timeout=connect_timeout_s)
+            except grpc.FutureTimeoutError:
+                self._channel.close()
+                raise TierUnavailableError(
+                    f"kvshelf server at {address} unreachable (no connection within {connect_timeout_s:g} s"
+                    f"{'; TLS handshake failed?' if tls_ca is not None else ''})"
+                ) from None
+
+    # -- plumbing -------------------------------------------------------------------------------------
+
+    def _error(self, exc: grpc.RpcError) -> KVShelfError:
+        code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+        details = exc.details() if hasattr(exc, "details") else str(exc)
+        if code in _UNREACHABLE:
+            return TierUnavailableError(f"kvshelf server at {self.address} unavailable: {code.name}: {details}")
+        return RemoteStoreError(code, details or "")
+
+    def _call(self, method: str, request: Any) -> Any:
+        try:
+            return getattr(self._stub, method)(request, timeout=self.timeout_s, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise self._error(exc) from None
+
+    @staticmethod
+    def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
+        keys = list(keys)
+        for key in keys:
+            if len(key) != KEY_BYTES:
+                raise ConfigError(f"block keys are {KEY_BYTES} bytes, got one of {len(key)}")
+        return keys
+
+    # -- writes ---------------------------------------------------------------------------------------
+
+    def put_encoded_many(self, items: Sequence[tuple[bytes, bytes]], *, pin: bool = False) -> int:
+        """Send already-encoded ``(key, value)`` pairs; return how many the server's first tier accepted."""
+        items = list(items)
+        self._check_keys([k for k, _ in items])
+        if not items:
+            return 0
+
+        def requests() -> Iterator[pb.PutBlocksRequest]:
+            first = True
+            for key, value in items:
+                for n, (data, last) in enumerate(iter_chunks(value, CHUNK_BYTES)):
+                    chunk = pb.Chunk(data=data, last=last)
+                    if n == 0:
+                        chunk.key, chunk.total_size = key, len(value)
+                    req = pb.PutBlocksRequest(chunk=chunk)
+                    if first:
+                        req.namespace, req.pin, first = self.namespace, pin, False
+                    yield req
+
+        return int(self._call("PutBlocks", requests()).stored)
+
+    def put_many(self, entries: Sequence[tuple[bytes, KVBlock]], *, pin: bool = False) -> int:
+        """Encode ``(key, block)`` pairs with this store's codec and send them."""
+        return self.put_encoded_many(
+            [(key, encode_block(block, key, self.codec, self.codec_params)) for key, block in entries], pin=pin
+        )
+
+    # -- reads ----------------------------------------------------------------------------------------
+
+    def get_encoded_many(self, keys: Sequence[bytes], *, namespace: str | None = None,
+                         fingerprint: str | None = None) -> list[bytes | None]:
+        """Encoded values of ``keys`` as the server sent them (``None`` for misses); not verified here."""
+        keys = self._check_keys(keys)
+        out: list[bytes | None] = [None] * len(keys)
+        if not keys:
+            return out
+        request = pb.GetBlocksRequest(namespace=namespace or self.namespace, keys=keys, fingerprint=fingerprint or "")
+        parts: list[bytes] = []
+        try:
+            for msg in self._stub.GetBlocks(request, timeout=self.timeout_s, metadata=self._metadata):
+                if msg.WhichOneof("item") != "chunk":
+                    continue
+                parts.append(msg.chunk.data)
+                if msg.chunk.last:
+                    if msg.index < len(out):
+                        out[msg.index] = b"".join(parts)
+                    parts = []
+        except grpc.RpcError as exc:
+            raise self._error(exc) from None
+        return out
+
+    def get_many(
+        self, keys: Sequence[bytes], *, fingerprint: str, namespace: str | None = None, copy: bool = True
+    ) -> list[KVBlock | None]:
+        """Blocks for ``keys`` (``None`` for misses), verified here: a damaged or foreign value is a miss."""
+        keys = list(keys)
+        namespace = namespace or self.namespace
+        values = self.get_encoded_many(keys, namespace=namespace, fingerprint=fingerprint)
+        blocks: list[KVBlock | None] = []
+        for key, value in zip(keys, values, strict=True):
+            if value is None:
+                blocks.append(None)
+                continue
+            try:
+                blocks.append(decode_block(value, expected_key=key, expected_fingerprint=fingerprint,
+                                           expected_namespace=namespace, copy=copy))
+            except KVShelfError as exc:
+                log.warning("remote block %s rejected: %s", key.hex(), exc)
+                blocks.append(None)
+        return blocks
+
+    def lookup_prefix(self, keys: Sequence[bytes], *, namespace: str | None = None, model: str = "?") -> int:
+        """How many of ``keys``, in order, the server holds."""
+        keys = self._check_keys(keys)
+        if not keys:
+            return 0
+        request = pb.LookupPrefixRequest(namespace=namespace or self.namespace, keys=keys, model=model)
+        return int(self._call("LookupPrefix", request).found)
+
+    contains_many = lookup_prefix
+
+    def contains(self, keys: Sequence[bytes], *, namespace: str | None = None) -> list[bool]:
+        """Per key: does the server hold it."""
+        keys = self._check_keys(keys)
+        return list(self._call("Contains", pb.KeysRequest(namespace=namespace or self.namespace, keys=keys)).present)
+
+    # -- management -----------------------------------------------------------------------------------
+
+    def _keys_call(self, method: str, keys: Iterable[bytes]) -> int:
+        keys = self._check_keys(list(keys))
+        return int(self._call(method, pb.KeysRequest(namespace=self.namespace, keys=keys)).count)
+
+    def delete(self, keys: Iterable[bytes]) -> int:
+        """Remove ``keys``; return how many were held."""
+        return self._keys_call("Delete", keys)
+
+    def pin(self, keys: Iterable[bytes]) -> int:
+        """Pin the held ones of ``keys`` (never evicted); return how many were pinned."""
+        return self._keys_call("Pin", keys)
+
+    def unpin(self, keys: Iterable[bytes]) -> int:
+        return self._keys_call("Unpin", keys)
+
+    def clear(self, namespace: str | None = None) -> int:
+        """Remove every block of the namespace (only one's own); return how many keys were removed."""
+        return int(self._call("Clear", pb.ClearRequest(namespace=namespace or self.namespace)).count)
+
+    def stats(self) -> dict[str, Any]:
+        """The server's stats of this namespace (shaped like ``TieredStore.stats()``, plus usage and health)."""
+        return json.loads(self._call("Stats", pb.StatsRequest(namespace=self.namespace)).json)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> RemoteStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,174 @@
+"""``kvshelf serve``: configuration (flags > ``KVSHELF_*`` environment > TOML file > defaults) and the
+server's lifecycle (SIGTERM/SIGINT: stop accepting, drain in-flight calls for a grace period, close the
+store, exit 0).
+
+The TOML file holds the same settings as the flags, with ``_`` or ``-``, at top level or under ``[serve]``::
+
+    listen = "0.0.0.0:50051"
+    data_dir = "/var/lib/kvshelf"
+    memory = "8GiB"
+    redis = "redis://cache:6379/0"
+    tokens_file = "/etc/kvshelf/tokens.toml"
+    quota = "50GiB"
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import threading
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvstore.embedded import default_data_dir, open_embedded_store, parse_size
+from kvstore.errors import ConfigError
+from kvstore.store import TieredStore, TierSpec
+
+log = logging.getLogger(__name__)
+ENV_PREFIX = "KVSHELF_"
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Every setting of ``kvshelf serve`` (sizes accept ``"512MiB"``-style strings)."""
+
+    listen: str = "127.0.0.1:50051"
+    data_dir: str = ""  # "" -> $KVSHELF_DATA_DIR or ~/.cache/kvshelf/store
+    memory: str = "2GiB"  # memory tier capacity; "0" disables it
+    max_disk: str = "1TiB"
+    disk_codec: str = "raw"
+    redis: str = ""  # redis://host:port/db or redis+cluster://host:port: adds the shared tier
+    tokens_file: str = ""  # TOML [tokens] "token" = "namespace"; empty: dev mode (namespace from the request)
+    tls_cert: str = ""
+    tls_key: str = ""
+    max_block: str = "256MiB"
+    max_call: str = "1GiB"
+    quota: str = ""  # per-namespace byte quota; empty: unlimited
+    grace: float = 10.0  # seconds to drain in-flight calls on SIGTERM
+    workers: int = 16
+
+    def resolved_data_dir(self) -> Path:
+        return Path(self.data_dir) if self.data_dir else default_data_dir()
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(ServeConfig)}
+
+
+def _coerce(name: str, value: Any, source: str) -> Any:
+    kind = type(getattr(ServeConfig(), name))
+    try:
+        if kind is float:
+            return float(value)
+        if kind is int:
+            return int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source}: {name} must be a number, got {value!r}") from None
+    return str(value)
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Settings from a TOML file (top level or ``[serve]``); unknown keys are errors."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+    data = data.get("serve", data)
+    out = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if name not in FIELDS:
+            raise ConfigError(f"config file {path}: unknown setting {key!r}; known: {', '.join(FIELDS)}")
+        out[name] = _coerce(name, value, str(path))
+    return out
+
+
+def load_config(flags: Mapping[str, Any], env: Mapping[str, str] | None = None,
+                config_file: str | Path | None = None) -> ServeConfig:
+    """Merge the sources: ``flags`` (None values = not given) > ``KVSHELF_<NAME>`` in ``env`` > the TOML file
+    (``config_file``, else ``$KVSHELF_CONFIG``) > defaults."""
+    env = os.environ if env is None else env
+    config_file = config_file or env.get(f"{ENV_PREFIX}CONFIG") or None
+    merged: dict[str, Any] = read_config_file(config_file) if config_file else {}
+    for name in FIELDS:
+        value = env.get(ENV_PREFIX + name.upper())
+        if value is not None and value != "":
+            merged[name] = _coerce(name, value, f"${ENV_PREFIX}{name.upper()}")
+    for name, value in flags.items():
+        if name not in FIELDS:
+            raise ConfigError(f"unknown setting {name!r}")
+        if value is not None:
+            merged[name] = _coerce(name, value, f"--{name.replace('_', '-')}")
+    config = ServeConfig(**merged)
+    if bool(config.tls_cert) != bool(config.tls_key):
+        raise ConfigError("TLS needs both --tls-cert and --tls-key")
+    if config.grace < 0 or config.workers < 1:
+        raise ConfigError("grace must be >= 0 and workers >= 1")
+    return config
+
+
+def open_store(config: ServeConfig) -> TieredStore:
+    """CPU memory + LMDB under the data directory, plus Redis when ``config.redis`` is set."""
+    memory = parse_size(config.memory)
+    store = open_embedded_store(config.resolved_data_dir(), memory_bytes=memory or None,
+                                disk_codec=config.disk_codec, max_disk_bytes=config.max_disk)
+    if not config.redis:
+        return store
+    if not config.redis.startswith(("redis://", "rediss://", "redis+cluster://")):
+        store.close()
+        raise ConfigError(f"--redis must be a redis:// or redis+cluster:// URL, got {config.redis!r}")
+    try:
+        from kvstore.redis_tier import RedisTier
+    except ImportError as exc:
+        store.close()
+        raise ConfigError(f"--redis needs the Redis tier (kvstore.redis_tier): {exc}") from exc
+    redis = RedisTier.from_url(config.redis)
+    return TieredStore([*store.specs, TierSpec(redis, config.disk_codec)], write_policy=store.write_policy)
+
+
+def serve(config: ServeConfig, *, ready: threading.Event | None = None, stop: threading.Event | None = None) -> int:
+    """Run the server until SIGTERM/SIGINT (or ``stop`` is set); return the exit code (0).
+
+    Prints ``kvshelf serving on HOST:PORT`` once it accepts calls (the real port when ``listen`` ends in :0).
+    """
+    from service.auth import TokenTable
+    from service.server import ServerLimits, start_server
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    tokens = TokenTable.from_file(config.tokens_file) if config.tokens_file else None
+    limits = ServerLimits(max_block_bytes=parse_size(config.max_block), max_call_bytes=parse_size(config.max_call),
+                          quota_bytes=parse_size(config.quota) if config.quota else None)
+    cert = Path(config.tls_cert).read_bytes() if config.tls_cert else None
+    key = Path(config.tls_key).read_bytes() if config.tls_key else None
+    store = open_store(config)
+    try:
+        running = start_server(store, config.listen, tokens=tokens, limits=limits, tls_cert=cert, tls_key=key,
+                               max_workers=config.workers)
+    except BaseException:
+        store.close()
+        raise
+    stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+    host = config.listen.rsplit(":", 1)[0]
+    mode = "tokens" if tokens else "dev mode: no tokens file, namespaces from requests"
+    print(f"kvshelf serving on {host}:{running.port} ({'TLS' if cert else 'plaintext'}; {mode}; "
+          f"data {config.resolved_data_dir()})", flush=True)
+    if ready is not None:
+        ready.set()
+    stop.wait()
+    print(f"kvshelf: stopping (draining in-flight calls for up to {config.grace:g} s)", flush=True)
+    running.stop(config.grace)
+    store.close()
+    print("kvshelf: stopped", flush=True)
+    sys.stdout.flush()
+    return 0

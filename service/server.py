@@ -1,0 +1,561 @@
+"""The kvshelf gRPC servicer over a ``TieredStore`` of encoded blocks.
+
+The server never decodes tensors: it verifies each value (checksum, key, namespace, codec) and stores the
+bytes with ``put_encoded_many`` / ``get_encoded_many``. Tenants are isolated by key scoping: a tier key is
+``scope_tag(namespace) + key``, so one namespace can never read, test, pin, list or delete another's blocks.
+
+Every bad input ends its call with a clear status code and message; the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvstore.encoding import get_codec, verify_block  # (via kvstore: importing compress first is circular)
+from kvstore.errors import (
+    ConfigError,
+    CorruptBlockError,
+    ForeignBlockError,
+    KVShelfError,
+    StoreFullError,
+    TierUnavailableError,
+)
+from kvstore.keys import KEY_BYTES
+from kvstore.stats import ALL_TIERS, TIER_METRICS, StoreEvent
+from kvstore.store import TieredStore
+from proto import kvshelf_pb2 as pb
+from service.auth import MAX_NAMESPACE_CHARS, SCOPE_BYTES, TokenTable, scope_tag
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "kvshelf.v1.KVShelf"
+#: Health service name that is NOT_SERVING while some tier is unreachable (the server itself still serves).
+TIERS_HEALTH_NAME = "kvshelf.v1.KVShelf/tiers"
+CHUNK_BYTES = 4 << 20  # the most data one Chunk carries
+MAX_MESSAGE_BYTES = CHUNK_BYTES + (64 << 10)  # gRPC message limit: one full chunk plus framing
+MAX_KEYS_PER_CALL = 100_000
+
+
+def iter_chunks(value: bytes | memoryview, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[bytes, bool]]:
+    """``(data, last)`` pieces of ``value`` of at most ``chunk_bytes`` each (one empty piece for b"")."""
+    view = memoryview(value)
+    n = len(view)
+    if n == 0:
+        yield b"", True
+        return
+    for start in range(0, n, chunk_bytes):
+        end = min(start + chunk_bytes, n)
+        yield bytes(view[start:end]), end == n
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Size limits and quotas of one server."""
+
+    max_block_bytes: int = 256 << 20  # one encoded value
+    max_call_bytes: int = 1 << 30  # all values of one PutBlocks call (they are held until the call ends)
+    quota_bytes: int | None = None  # per namespace, in the tier holding the most of it; None: unlimited
+
+    def __post_init__(self) -> None:
+        if self.max_block_bytes <= 0 or self.max_call_bytes <= 0:
+            raise ConfigError("max block and call sizes must be > 0")
+        if self.quota_bytes is not None and self.quota_bytes <= 0:
+            raise ConfigError(f"the namespace quota must be > 0 bytes, got {self.quota_bytes}")
+
+
+class _Abort(Exception):
+    """Ends the current call with ``code`` and ``message``."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _fail(code: grpc.StatusCode, message: str) -> NoReturn:
+    raise _Abort(code, message)
+
+
+def _status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, _Abort):
+        return exc.code, exc.message
+    if isinstance(exc, TierUnavailableError):
+        return grpc.StatusCode.UNAVAILABLE, f"store unavailable: {exc}"
+    if isinstance(exc, StoreFullError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"store full: {exc}"
+    if isinstance(exc, KVShelfError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    log.exception("unexpected error in a kvshelf call")
+    return grpc.StatusCode.INTERNAL, f"internal server error: {type(exc).__name__}"
+
+
+class NamespaceUsage:
+    """Bytes and blocks each namespace holds per tier, from a one-time scan per namespace plus store events.
+
+    Used for the per-namespace quota and per-namespace stats. Puts in flight are reserved so concurrent
+    puts cannot together overshoot a quota.
+    """
+
+    def __init__(self, store: TieredStore) -> None:
+        self._store = store
+        self._lock = threading.Lock()
+        self._sizes: dict[bytes, dict[str, dict[bytes, int]]] = {}  # tag -> tier -> tier key -> bytes
+        self._totals: dict[bytes, dict[str, int]] = {}
+        self._pending: dict[bytes, int] = {}
+        self._unsubscribe = store.subscribe(self._on_event)
+
+    def _scan(self, tag: bytes) -> None:
+        sizes: dict[str, dict[bytes, int]] = {}
+        for keys, spec in ((tier_keys(spec.tier, tag), spec) for spec in self._store.specs):
+            held: dict[bytes, int] = {}
+            for start in range(0, len(keys), 64):
+                batch = keys[start : start + 64]
+                try:
+                    values = spec.tier.get_many(batch)
+                except TierUnavailableError:
+                    break
+                held.update((k, len(v)) for k, v in zip(batch, values, strict=True) if v is not None)
+            sizes[spec.tier.name] = held
+        self._sizes[tag] = sizes
+        self._totals[tag] = {tier: sum(held.values()) for tier, held in sizes.items()}
+
+    def _ensure(self, tag: bytes) -> None:
+        if tag not in self._sizes:
+            self._scan(tag)
+
+    def _on_event(self, event: StoreEvent) -> None:
+        if len(event.key) != SCOPE_BYTES + KEY_BYTES:
+            return
+        tag = event.key[:SCOPE_BYTES]
+        with self._lock:
+            if tag not in self._sizes:
+                return  # the namespace's first use scans the tiers
+            held = self._sizes[tag].setdefault(event.tier, {})
+            totals = self._totals[tag]
+            old = held.pop(event.key, 0)
+            totals[event.tier] = totals.get(event.tier, 0) - old
+            if event.kind == "stored":
+                held[event.key] = event.nbytes
+                totals[event.tier] += event.nbytes
+
+    def usage(self, tag: bytes) -> dict[str, tuple[int, int]]:
+        """``tier -> (blocks, bytes)`` the namespace of ``tag`` holds."""
+        with self._lock:
+            self._ensure(tag)
+            return {tier: (len(held), self._totals[tag].get(tier, 0)) for tier, held in self._sizes[tag].items()}
+
+    def held_bytes(self, tag: bytes) -> int:
+        """Bytes the namespace holds in the tier holding the most of it."""
+        with self._lock:
+            self._ensure(tag)
+            return max(self._totals[tag].values(), default=0)
+
+    def reserve(self, tag: bytes, namespace: str, items: Sequence[tuple[bytes, int]], quota: int) -> int:
+        """Reserve room for ``(tier key, bytes)`` puts under ``quota`` (keys already held count 0); return the
+        reserved amount for ``release``. Raises ``_Abort(RESOURCE_EXHAUSTED)`` naming the quota when over it."""
+        with self._lock:
+            self._ensure(tag)
+            held_keys = set().union(*(held.keys() for held in self._sizes[tag].values()))
+            adding = sum(size for key, size in dict(items).items() if key not in held_keys)
+            held = max(self._totals[tag].values(), default=0)
+            pending = self._pending.get(tag, 0)
+            if held + pending + adding > quota:
+                _fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      f"namespace {namespace!r} quota of {quota} bytes exceeded: it holds {held} bytes"
+                      f"{f' (+{pending} being written)' if pending else ''} and this put adds {adding}")
+            self._pending[tag] = pending + adding
+            return adding
+
+    def release(self, tag: bytes, amount: int) -> None:
+        with self._lock:
+            self._pending[tag] = self._pending.get(tag, 0) - amount
+
+    def close(self) -> None:
+        self._unsubscribe()
+
+
+def tier_keys(tier: Any, tag: bytes) -> list[bytes]:
+    """The tier keys of one namespace (tag + 16-byte key) in ``tier``; [] if it cannot list or is unreachable."""
+    try:
+        keys = tier.keys()
+    except (NotImplementedError, TierUnavailableError):
+        return []
+    return [k for k in keys if len(k) == SCOPE_BYTES + KEY_BYTES and k.startswith(tag)]
+
+
+class KVShelfServicer:
+    """Handlers of ``kvshelf.v1.KVShelf`` (requests are parsed here, so malformed bytes are INVALID_ARGUMENT)."""
+
+    def __init__(self, store: TieredStore, *, tokens: TokenTable | None = None,
+                 limits: ServerLimits | None = None) -> None:
+        self.store = store
+        self.tokens = tokens
+        self.limits = limits or ServerLimits()
+        self.usage = NamespaceUsage(store)
+        self.health = health.HealthServicer()
+        self._stop = threading.Event()
+        self._prober: threading.Thread | None = None
+        self._down: list[str] = []
+
+    # -- plumbing -------------------------------------------------------------------------------------
+
+    def generic_handler(self) -> grpc.GenericRpcHandler:
+        def unary(fn: Callable[[Any, grpc.ServicerContext], Message], req: type[Message]) -> grpc.RpcMethodHandler:
+            def handler(raw: bytes, context: grpc.ServicerContext) -> Message:
+                try:
+                    return fn(_parse(raw, req), context)
+                except Exception as exc:  # every failure becomes a status; the server keeps serving
+                    context.abort(*_status_of(exc))
+                    raise  # unreachable: abort raises
+
+            return grpc.unary_unary_rpc_method_handler(handler, response_serializer=_serialize)
+
+        def get_stream(raw: bytes, context: grpc.ServicerContext) -> Iterator[Message]:
+            try:
+                yield from self.GetBlocks(_parse(raw, pb.GetBlocksRequest), context)
+            except Exception as exc:
+                context.abort(*_status_of(exc))
+
+        def put_stream(raws: Iterator[bytes], context: grpc.ServicerContext) -> Message:
+            try:
+                return self.PutBlocks((_parse(raw, pb.PutBlocksRequest) for raw in raws), context)
+            except Exception as exc:
+                context.abort(*_status_of(exc))
+                raise
+
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, {
+            "PutBlocks": grpc.stream_unary_rpc_method_handler(put_stream, response_serializer=_serialize),
+            "GetBlocks": grpc.unary_stream_rpc_method_handler(get_stream, response_serializer=_serialize),
+            "Contains": unary(self.Contains, pb.KeysRequest),
+            "LookupPrefix": unary(self.LookupPrefix, pb.LookupPrefixRequest),
+            "Delete": unary(self.Delete, pb.KeysRequest),
+            "Pin": unary(self.Pin, pb.KeysRequest),
+            "Unpin": unary(self.Unpin, pb.KeysRequest),
+            "Stats": unary(self.Stats, pb.StatsRequest),
+            "Clear": unary(self.Clear, pb.ClearRequest),
+        })
+
+    def namespace(self, context: grpc.ServicerContext, requested: str) -> str:
+        """The caller's namespace: its token's (a differing ``requested`` is PERMISSION_DENIED), or in dev
+        mode (no tokens file) ``requested`` or ``default``."""
+        if self.tokens is None:
+            namespace = requested or "default"
+        else:
+            metadata = {k.lower(): v for k, v in context.invocation_metadata() if isinstance(v, str)}
+            auth = metadata.get("authorization", "")
+            if not auth.startswith("Bearer ") or not auth[7:].strip():
+                _fail(grpc.StatusCode.UNAUTHENTICATED, "missing 'authorization: Bearer <token>' metadata")
+            namespace = self.tokens.namespace_of(auth[7:].strip())
+            if namespace is None:
+                _fail(grpc.StatusCode.UNAUTHENTICATED, "unknown bearer token")
+            if requested and requested != namespace:
+                _fail(grpc.StatusCode.PERMISSION_DENIED,
+                      f"this token is for namespace {namespace!r}, the request names {requested!r}")
+        if len(namespace) > MAX_NAMESPACE_CHARS:
+            _fail(grpc.StatusCode.INVALID_ARGUMENT, f"namespace longer than {MAX_NAMESPACE_CHARS} characters")
+        return namespace
+
+    @staticmethod
+    def check_keys(keys: Sequence[bytes]) -> None:
+        if len(keys) > MAX_KEYS_PER_CALL:
+            _fail(grpc.StatusCode.INVALID_ARGUMENT, f"{len(keys)} keys in one call; the limit is {MAX_KEYS_PER_CALL}")
+        for i, key in enumerate(keys):
+            if len(key) != KEY_BYTES:
+                _fail(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"key {i} is {len(key)} bytes; block keys are {KEY_BYTES} bytes")
+
+    def scoped(self, context: grpc.ServicerContext, requested: str, keys: Sequence[bytes]) -> tuple[str, list[bytes]]:
+        namespace = self.namespace(context, requested)
+        self.check_keys(keys)
+        tag = scope_tag(namespace)
+        return namespace, [tag + key for key in keys]
+
+    # -- health ---------------------------------------------------------------------------------------
+
+    def refresh_health(self) -> list[str]:
+        """Probe the tiers; set the health statuses; return the names of unreachable tiers."""
+        down = [t["name"] for t in self.store.stats()["tiers"] if not t["available"]]
+        serving = health_pb2.HealthCheckResponse.SERVING
+        self.health.set("", serving)
+        self.health.set(SERVICE_NAME, serving)  # the local tiers serve even when a shared tier is down
+        self.health.set(TIERS_HEALTH_NAME, health_pb2.HealthCheckResponse.NOT_SERVING if down else serving)
+        if down != self._down:
+            if down:
+                log.warning("degraded: unreachable tiers %s (the other tiers serve)", ", ".join(down))
+            else:
+                log.warning("all tiers reachable again")
+            self._down = down
+        return down
+
+    def start_health_probe(self, interval_s: float = 5.0) -> None:
+        """Probe the tiers now and every ``interval_s`` seconds in a daemon thread."""
+        self.refresh_health()
+
+        def loop() -> None:
+            while not self._stop.wait(interval_s):
+                try:
+                    self.refresh_health()
+                except Exception:
+                    log.exception("health probe failed")
+
+        self._prober = threading.Thread(target=loop, name="kvshelf-health", daemon=True)
+        self._prober.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self.health.enter_graceful_shutdown()
+        self.usage.close()
+
+    # -- RPCs -----------------------------------------------------------------------------------------
+
+    def PutBlocks(self, requests: Iterable[pb.PutBlocksRequest], context: grpc.ServicerContext) -> Message:
+        namespace: str | None = None
+        pin = False
+        values: list[tuple[bytes, bytes]] = []
+        key: bytes | None = None
+        buf = bytearray()
+        call_bytes = 0
+        limits = self.limits
+        for req in requests:
+            if namespace is None:
+                namespace = self.namespace(context, req.namespace)
+                pin = req.pin
+            elif req.namespace and req.namespace != namespace:
+                _fail(grpc.StatusCode.INVALID_ARGUMENT, "the namespace may only be set on the first message")
+            if not req.HasField("chunk"):
+                _fail(grpc.StatusCode.INVALID_ARGUMENT, "malformed PutBlocks message: no chunk")
+            chunk = req.chunk
+            if key is None:
+                if not chunk.key:
+                    _fail(grpc.StatusCode.INVALID_ARGUMENT, "the first chunk of a value must carry its key")
+                self.check_keys([chunk.key])
+                if chunk.total_size > limits.max_block_bytes:
+                    _fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"a block of {chunk.total_size} bytes exceeds the max block size {limits.max_block_bytes}")
+                key, buf = chunk.key, bytearray()
+            elif chunk.key and chunk.key != key:
+                _fail(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"chunk for key {chunk.key.hex()} before the value of {key.hex()} ended (no last=true)")
+            buf += chunk.data
+            call_bytes += len(chunk.data)
+            if len(buf) > limits.max_block_bytes:
+                _fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      f"block {key.hex()} exceeds the max block size of {limits.max_block_bytes} bytes")
+            if call_bytes > limits.max_call_bytes:
+                _fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      f"one PutBlocks call may carry at most {limits.max_call_bytes} bytes; split it")
+            if chunk.last:
+                values.append((key, bytes(buf)))
+                key, buf = None, bytearray()
+        if namespace is None:  # an empty stream: still authenticate
+            self.namespace(context, "")
+            return pb.PutBlocksResponse(received=0, stored=0)
+        if key is not None:
+            _fail(grpc.StatusCode.INVALID_ARGUMENT,
+                  f"the stream ended inside the value of key {key.hex()} (no chunk with last=true); nothing stored")
+        for key, value in values:
+            self._verify(namespace, key, value)
+        tag = scope_tag(namespace)
+        items = [(tag + key, value) for key, value in values]
+        reserved = 0
+        if limits.quota_bytes is not None:
+            reserved = self.usage.reserve(tag, namespace, [(k, len(v)) for k, v in items], limits.quota_bytes)
+        try:
+            if not context.is_active():
+                _fail(grpc.StatusCode.CANCELLED, "the call was cancelled; nothing stored")
+            stored = self.store.put_encoded_many(items, pin=pin)
+        finally:
+            if reserved:
+                self.usage.release(tag, reserved)
+        return pb.PutBlocksResponse(received=len(items), stored=stored)
+
+    @staticmethod
+    def _verify(namespace: str, key: bytes, value: bytes) -> None:
+        try:
+            header = verify_block(value, expected_key=key)
+        except CorruptBlockError as exc:
+            _fail(grpc.StatusCode.DATA_LOSS, f"value of key {key.hex()} is damaged: {exc}")
+        except ForeignBlockError as exc:
+            _fail(grpc.StatusCode.INVALID_ARGUMENT, f"value sent under key {key.hex()} is another key's: {exc}")
+        if header.namespace != namespace:
+            _fail(grpc.StatusCode.PERMISSION_DENIED,
+                  f"block {key.hex()} is encoded for namespace {header.namespace!r}, this call is in {namespace!r}")
+        try:
+            get_codec(header.codec, header.params)
+        except ConfigError as exc:
+            _fail(grpc.StatusCode.INVALID_ARGUMENT, f"block {key.hex()}: {exc}")
+
+    def GetBlocks(self, req: pb.GetBlocksRequest, context: grpc.ServicerContext) -> Iterator[Message]:
+        namespace, keys = self.scoped(context, req.namespace, list(req.keys))
+        fingerprint = req.fingerprint or None
+        for start in range(0, len(keys), 16):  # bounded memory: a few blocks at a time
+            batch = keys[start : start + 16]
+            values = self.store.get_encoded_many(batch, namespace=namespace, fingerprint=fingerprint)
+            for offset, (tier_key, value) in enumerate(zip(batch, values, strict=True)):
+                index = start + offset
+                if value is None:
+                    yield pb.GetBlocksResponse(index=index, miss=True)
+                    continue
+                first = True
+                for data, last in iter_chunks(value):
+                    chunk = pb.Chunk(data=data, last=last)
+                    if first:
+                        chunk.key = tier_key[SCOPE_BYTES:]
+                        chunk.total_size = len(value)
+                        first = False
+                    yield pb.GetBlocksResponse(index=index, chunk=chunk)
+
+    def _present(self, keys: Sequence[bytes]) -> list[bool]:
+        present = [False] * len(keys)
+        for spec in self.store.specs:
+            for i, key in enumerate(keys):
+                if present[i]:
+                    continue
+                try:
+                    present[i] = spec.tier.contains_many([key]) == 1
+                except TierUnavailableError:
+                    break
+        return present
+
+    def Contains(self, req: pb.KeysRequest, context: grpc.ServicerContext) -> Message:
+        _, keys = self.scoped(context, req.namespace, list(req.keys))
+        present = self._present(keys)
+        prefix = next((i for i, p in enumerate(present) if not p), len(present))
+        return pb.ContainsResponse(present=present, prefix=prefix)
+
+    def LookupPrefix(self, req: pb.LookupPrefixRequest, context: grpc.ServicerContext) -> Message:
+        namespace, keys = self.scoped(context, req.namespace, list(req.keys))
+        found = self.store.lookup_prefix(keys, namespace=namespace, model=req.model or "?")
+        return pb.LookupPrefixResponse(found=found)
+
+    def Delete(self, req: pb.KeysRequest, context: grpc.ServicerContext) -> Message:
+        _, keys = self.scoped(context, req.namespace, list(req.keys))
+        present = sum(self._present(keys))
+        self.store.delete(keys)
+        return pb.CountResponse(count=present)
+
+    def Pin(self, req: pb.KeysRequest, context: grpc.ServicerContext) -> Message:
+        _, keys = self.scoped(context, req.namespace, list(req.keys))
+        present = [k for k, p in zip(keys, self._present(keys), strict=True) if p]
+        self.store.pin(present)  # only held blocks: pins never name absent (or other tenants') keys
+        return pb.CountResponse(count=len(present))
+
+    def Unpin(self, req: pb.KeysRequest, context: grpc.ServicerContext) -> Message:
+        _, keys = self.scoped(context, req.namespace, list(req.keys))
+        pinned = [k for k in keys if self.store.is_pinned(k)]
+        self.store.unpin(pinned)
+        return pb.CountResponse(count=len(pinned))
+
+    def Clear(self, req: pb.ClearRequest, context: grpc.ServicerContext) -> Message:
+        namespace = self.namespace(context, req.namespace)
+        tag = scope_tag(namespace)
+        keys = sorted(set().union(*(tier_keys(spec.tier, tag) for spec in self.store.specs)))
+        self.store.delete(keys)
+        return pb.CountResponse(count=len(keys))
+
+    def Stats(self, req: pb.StatsRequest, context: grpc.ServicerContext) -> Message:
+        namespace = self.namespace(context, req.namespace)
+        down = self.refresh_health()
+        full = self.store.stats()
+        rows = [r for r in full["rows"] if r["namespace"] == namespace]
+        held = self.usage.usage(scope_tag(namespace))
+        tiers = []
+        for t in full["tiers"]:
+            blocks, nbytes = held.get(t["name"], (0, 0))
+            entry = {"name": t["name"], "codec": t["codec"], "available": t["available"], "blocks": blocks,
+                     "bytes": nbytes, "capacity_bytes": t["capacity_bytes"]}
+            for metric in TIER_METRICS:
+                entry[metric] = sum(int(r.get(metric, 0)) for r in rows if r["tier"] == t["name"])
+            tiers.append(entry)
+
+        def rate(hit: str, total: str) -> float | None:
+            n = sum(int(r.get(total, 0)) for r in rows if r["tier"] == ALL_TIERS)
+            return sum(int(r.get(hit, 0)) for r in rows if r["tier"] == ALL_TIERS) / n if n else None
+
+        out: dict[str, Any] = {
+            "namespace": namespace,
+            "tiers": tiers,
+            "lookup_hit_rate": rate("lookup_hit_blocks", "lookup_blocks"),
+            "retrieve_hit_rate": rate("retrieve_hit_blocks", "retrieve_blocks"),
+            "rows": rows,
+            "usage": {"bytes": max((b for _, b in held.values()), default=0), "quota_bytes": self.limits.quota_bytes},
+            "health": {"status": "degraded" if down else "serving", "unavailable_tiers": down},
+        }
+        if self.tokens is None:  # dev mode: the whole store (every namespace) for the admin tool
+            out["store"] = full
+        return pb.StatsResponse(json=json.dumps(out), degraded=bool(down))
+
+
+def _parse(raw: bytes, cls: type[Message]) -> Any:
+    message = cls()
+    try:
+        message.ParseFromString(raw)
+    except (DecodeError, RuntimeWarning) as exc:
+        _fail(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {cls.__name__}: {exc}")
+    return message
+
+
+def _serialize(message: Message) -> bytes:
+    return message.SerializeToString()
+
+
+@dataclass
+class RunningServer:
+    """A started server: ``port`` is the bound port (useful with port 0)."""
+
+    server: grpc.Server
+    servicer: KVShelfServicer
+    port: int
+
+    def stop(self, grace_s: float | None = 5.0) -> None:
+        """Stop accepting calls, let in-flight ones finish for up to ``grace_s`` seconds, then cancel them."""
+        self.servicer.close()
+        self.server.stop(grace_s).wait()
+
+
+def start_server(
+    store: TieredStore,
+    listen: str = "127.0.0.1:0",
+    *,
+    tokens: TokenTable | None = None,
+    limits: ServerLimits | None = None,
+    tls_cert: bytes | None = None,
+    tls_key: bytes | None = None,
+    max_workers: int = 16,
+    health_interval_s: float = 5.0,
+) -> RunningServer:
+    """Serve ``store`` on ``listen`` (``host:port``; port 0 picks a free one). TLS when cert and key are given."""
+    if (tls_cert is None) != (tls_key is None):
+        raise ConfigError("TLS needs both a certificate and a key")
+    servicer = KVShelfServicer(store, tokens=tokens, limits=limits)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvshelf-rpc"),
+        options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                 ("grpc.so_reuseport", 0)],
+    )
+    server.add_generic_rpc_handlers((servicer.generic_handler(),))
+    health_pb2_grpc.add_HealthServicer_to_server(servicer.health, server)
+    reflection.enable_server_reflection(
+        (pb.DESCRIPTOR.services_by_name["KVShelf"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    if tls_cert is not None and tls_key is not None:
+        port = server.add_secure_port(listen, grpc.ssl_server_credentials([(tls_key, tls_cert)]))
+    else:
+        port = server.add_insecure_port(listen)
+    if port == 0:
+        raise ConfigError(f"cannot listen on {listen!r} (address in use or invalid)")
+    servicer.start_health_probe(health_interval_s)
+    server.start()
+    return RunningServer(server, servicer, port)

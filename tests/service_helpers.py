@@ -1,0 +1,99 @@
+"""Helpers of the gRPC service tests: servers on free ports, a subprocess `kvshelf serve`, a self-signed
+certificate, and the one stand-in of the suite (a tier whose backing service is unreachable)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from helpers import REPO_ROOT
+
+from kvstore.errors import TierUnavailableError
+from kvstore.tier import Tier, TierUsage
+
+TOKENS = {"token-of-tenant-a": "tenant-a", "token-of-tenant-b": "tenant-b"}
+
+
+class UnreachableTier(Tier):
+    """A STAND-IN (the only mock in these tests) for a shared tier whose server is down at start, such as
+    Redis: every data call raises ``TierUnavailableError`` as the real tier does when it cannot connect.
+    The real Redis case is tested with a real redis-server in the Redis tier's tests."""
+
+    def __init__(self, name: str = "shared") -> None:
+        self.name = name
+
+    def _down(self) -> TierUnavailableError:
+        return TierUnavailableError(f"tier {self.name}: connection refused")
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        raise self._down()
+
+    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> int:
+        raise self._down()
+
+    def contains_many(self, keys: Sequence[bytes]) -> int:
+        raise self._down()
+
+    def delete(self, keys: Iterable[bytes]) -> int:
+        raise self._down()
+
+    def usage(self) -> TierUsage:
+        raise self._down()
+
+    def keys(self) -> list[bytes]:
+        raise self._down()
+
+
+def write_tokens(path: Path, tokens: dict[str, str] = TOKENS) -> Path:
+    path.write_text("[tokens]\n" + "".join(f'"{t}" = "{ns}"\n' for t, ns in tokens.items()))
+    return path
+
+
+def self_signed_cert(directory: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for localhost / 127.0.0.1 (``openssl`` CLI): ``(cert.pem, key.pem)``."""
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+         "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+        check=True, capture_output=True, timeout=60,
+    )
+    return cert, key
+
+
+class ServeProcess:
+    """A real ``kvshelf serve`` subprocess on a free port (``listen 127.0.0.1:0``; the port is read from its
+    first line of output)."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        full_env = dict(os.environ)
+        full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), full_env.get("PYTHONPATH", "")) if p)
+        full_env.update(env or {})
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "from service.cli import main; main()", "serve", *args],
+            cwd=REPO_ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        assert self.proc.stdout is not None
+        seen = []
+        for line in self.proc.stdout:  # warnings (an unreachable tier...) may come first
+            seen.append(line)
+            if "kvshelf serving on" in line:
+                break
+        else:
+            self.proc.wait(timeout=30)
+            raise AssertionError(f"kvshelf serve did not start: {''.join(seen)}")
+        self.first_line = seen[-1]
+        self.output_before_start = "".join(seen[:-1])
+        self.address = self.first_line.split("kvshelf serving on ", 1)[1].split()[0]
+
+    def readline(self) -> str:
+        assert self.proc.stdout is not None
+        return self.proc.stdout.readline()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
