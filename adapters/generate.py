@@ -118,10 +118,15 @@ class CachedGenerator:
             return 0, None
         spans = self.block_spans(ids, cacheable_prefix or len(ids), partial=cacheable_prefix is not None)
         keys = [key for _, _, key in spans]
-        found = self.store.lookup_prefix(keys, namespace=self.namespace, model=self.fingerprint) if keys else 0
+        tokens = [end - start for start, end, _ in spans]
+        found = (
+            self.store.lookup_prefix(keys, namespace=self.namespace, model=self.fingerprint, tokens=tokens)
+            if keys else 0
+        )
         if not found:
             return 0, None
-        blocks = self.store.get_many(keys[:found], fingerprint=self.fingerprint, namespace=self.namespace, copy=False)
+        blocks = self.store.get_many(keys[:found], fingerprint=self.fingerprint, namespace=self.namespace,
+                                     copy=False, tokens=tokens[:found])
         usable = []
         for block in blocks:  # a damaged or vanished block ends the usable prefix
             if block is None:

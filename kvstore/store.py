@@ -258,7 +258,8 @@ class TieredStore:
         return self._fetch(keys, fingerprint, namespace, decode, tokens)
 
     def get_encoded_many(
-        self, keys: Sequence[bytes], *, namespace: str, fingerprint: str | None = None
+        self, keys: Sequence[bytes], *, namespace: str, fingerprint: str | None = None,
+        tokens: Sequence[int] | None = None,
     ) -> list[bytes | None]:
         """Verified encoded values for ``keys`` (checksum, key and namespace checked; tensors not decoded)."""
 
@@ -267,7 +268,7 @@ class TieredStore:
                          expected_namespace=namespace)
             return value
 
-        return self._fetch(keys, fingerprint or UNKNOWN, namespace, verify)
+        return self._fetch(keys, fingerprint or UNKNOWN, namespace, verify, tokens)
 
     def _fetch(
         self, keys: Sequence[bytes], model: str, namespace: str, decode: Callable[[bytes, bytes], T],

@@ -37,14 +37,16 @@ class PutBlocksResponse(_message.Message):
     def __init__(self, received: _Optional[int] = ..., stored: _Optional[int] = ...) -> None: ...
 
 class GetBlocksRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "fingerprint")
+    __slots__ = ("namespace", "keys", "fingerprint", "tokens")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     fingerprint: str
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., fingerprint: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetBlocksResponse(_message.Message):
     __slots__ = ("index", "chunk", "miss")
@@ -73,14 +75,16 @@ class ContainsResponse(_message.Message):
     def __init__(self, present: _Optional[_Iterable[bool]] = ..., prefix: _Optional[int] = ...) -> None: ...
 
 class LookupPrefixRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "model")
+    __slots__ = ("namespace", "keys", "model", "tokens")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     model: str
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., model: _Optional[str] = ...) -> None: ...
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., model: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LookupPrefixResponse(_message.Message):
     __slots__ = ("found",)

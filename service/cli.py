@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from kvstore.errors import KVShelfError
 
@@ -57,6 +58,9 @@ def serve(
     quota: Annotated[str | None, _opt("per-namespace byte quota, e.g. 10GiB (default none)")] = None,
     grace: Annotated[float | None, _opt("seconds to drain in-flight calls on SIGTERM (default 10)")] = None,
     workers: Annotated[int | None, _opt("RPC worker threads (default 16)")] = None,
+    metrics_port: Annotated[int | None, _opt("serve Prometheus /metrics on this port (default off)")] = None,
+    metrics_addr: Annotated[str | None, _opt("address of the metrics endpoint (default 127.0.0.1)")] = None,
+    history_interval: Annotated[float | None, _opt("seconds between stats-history samples (default 10)")] = None,
     config: Annotated[Path | None, _opt("TOML config file (or $KVSHELF_CONFIG)")] = None,
 ) -> None:
     """Run the gRPC KV service. Settings: flags > KVSHELF_* environment variables > --config TOML > defaults."""
@@ -65,7 +69,8 @@ def serve(
 
     flags = dict(listen=listen, data_dir=data_dir, memory=memory, max_disk=max_disk, disk_codec=disk_codec,
                  redis=redis, tokens_file=tokens_file, tls_cert=tls_cert, tls_key=tls_key, max_block=max_block,
-                 max_call=max_call, quota=quota, grace=grace, workers=workers)
+                 max_call=max_call, quota=quota, grace=grace, workers=workers, metrics_port=metrics_port,
+                 metrics_addr=metrics_addr, history_interval=history_interval)
     raise typer.Exit(run_server(load_config(flags, config_file=config)))
 
 
@@ -118,26 +123,70 @@ def prepare_model(name: Annotated[str, typer.Argument(help="bundled model name")
 
 @app.command()
 def stats(
-    data_dir: Annotated[Path, typer.Option(help="embedded store directory")],
-    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+    server: Annotated[str | None, typer.Option(help="HOST:PORT of a `kvshelf serve` server")] = None,
+    data_dir: Annotated[Path | None, typer.Option(help="or: an embedded store directory (what it holds)")] = None,
+    token: Annotated[str | None, typer.Option(help="bearer token (servers with a tokens file)",
+                                              envvar="KVSHELF_TOKEN")] = None,
+    namespace: Annotated[str, typer.Option(help="namespace (dev-mode servers)")] = "default",
+    tls_ca: Annotated[Path | None, typer.Option(help="CA certificate of a TLS server")] = None,
+    watch: Annotated[bool, typer.Option("--watch", help="refresh live until Ctrl-C")] = False,
+    interval: Annotated[float, typer.Option(min=0.2, help="seconds between refreshes with --watch")] = 2.0,
+    as_json: Annotated[bool, typer.Option("--json", help="print the raw stats as JSON")] = False,
+    plot: Annotated[Path | None, typer.Option(help="draw hit rate and usage over time (server history) to PNG")] = None,
 ) -> None:
-    """What an embedded store holds on disk (blocks and bytes)."""
+    """The admin view: hit rates (blocks and tokens), usage per tier, top namespaces and models, evictions."""
+    from service.admin import plot as draw_plot
+    from service.admin import render
+
+    if (server is None) == (data_dir is None):
+        raise KVShelfError("give exactly one of --server HOST:PORT or --data-dir DIR")
+    fetch = _remote_stats(server, token, namespace, tls_ca) if server else _local_stats(data_dir)
+    if plot is not None:
+        history = fetch().get("history")
+        if history is None:
+            raise KVShelfError("--plot needs a server's history: the server must run in dev mode (no tokens file)")
+        console.print(f"wrote {draw_plot(history, plot)}")
+        return
+    if as_json:
+        print(json.dumps(fetch(), indent=2))
+        return
+
+    def view() -> Any:
+        data = fetch()
+        health = data.get("health", {})
+        title = f"kvshelf {server or data_dir}" + (f" [{health['status']}]" if health else "")
+        return render(data.get("store", data), title=title)
+
+    if not watch:
+        console.print(view())
+        return
+    from rich.live import Live
+
+    with Live(view(), console=console, refresh_per_second=4) as live:
+        try:
+            while True:
+                time.sleep(interval)
+                live.update(view())
+        except KeyboardInterrupt:
+            pass
+
+
+def _remote_stats(server: str, token: str | None, namespace: str, tls_ca: Path | None) -> Callable[[], dict]:
+    from service.client import RemoteStore
+
+    remote = RemoteStore(server, token=token, namespace=namespace, tls_ca=tls_ca)
+    return remote.stats
+
+
+def _local_stats(data_dir: Path) -> Callable[[], dict]:
     from kvstore.lmdb_tier import LMDBTier
+    from kvstore.store import TieredStore
 
     lmdb_dir = data_dir / "lmdb"
     if not lmdb_dir.is_dir():
         raise KVShelfError(f"no kvshelf store at {data_dir} (expected {lmdb_dir})")
-    tier = LMDBTier(lmdb_dir)
-    usage = tier.usage()
-    tier.close()
-    if as_json:
-        print(json.dumps({"tier": "disk", "blocks": usage.blocks, "bytes": usage.bytes}))
-        return
-    table = Table(title=f"kvshelf store {data_dir}")
-    for col in ("tier", "blocks", "bytes"):
-        table.add_column(col, justify="right")
-    table.add_row("disk (LMDB)", str(usage.blocks), f"{usage.bytes / 2**20:.1f} MiB")
-    console.print(table)
+    store = TieredStore([LMDBTier(lmdb_dir)])
+    return store.stats
 
 
 def main() -> None:

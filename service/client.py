@@ -142,13 +142,17 @@ class RemoteStore:
     # -- reads ----------------------------------------------------------------------------------------
 
     def get_encoded_many(self, keys: Sequence[bytes], *, namespace: str | None = None,
-                         fingerprint: str | None = None) -> list[bytes | None]:
-        """Encoded values of ``keys`` as the server sent them (``None`` for misses); not verified here."""
+                         fingerprint: str | None = None, tokens: Sequence[int] | None = None) -> list[bytes | None]:
+        """Encoded values of ``keys`` as the server sent them (``None`` for misses); not verified here.
+
+        ``tokens``: tokens per key, so the server counts the retrieve hit rate in tokens too.
+        """
         keys = self._check_keys(keys)
         out: list[bytes | None] = [None] * len(keys)
         if not keys:
             return out
-        request = pb.GetBlocksRequest(namespace=namespace or self.namespace, keys=keys, fingerprint=fingerprint or "")
+        request = pb.GetBlocksRequest(namespace=namespace or self.namespace, keys=keys, fingerprint=fingerprint or "",
+                                      tokens=list(tokens or []))
         parts: list[bytes] = []
         try:
             for msg in self._stub.GetBlocks(request, timeout=self.timeout_s, metadata=self._metadata):
@@ -164,12 +168,13 @@ class RemoteStore:
         return out
 
     def get_many(
-        self, keys: Sequence[bytes], *, fingerprint: str, namespace: str | None = None, copy: bool = True
+        self, keys: Sequence[bytes], *, fingerprint: str, namespace: str | None = None, copy: bool = True,
+        tokens: Sequence[int] | None = None,
     ) -> list[KVBlock | None]:
         """Blocks for ``keys`` (``None`` for misses), verified here: a damaged or foreign value is a miss."""
         keys = list(keys)
         namespace = namespace or self.namespace
-        values = self.get_encoded_many(keys, namespace=namespace, fingerprint=fingerprint)
+        values = self.get_encoded_many(keys, namespace=namespace, fingerprint=fingerprint, tokens=tokens)
         blocks: list[KVBlock | None] = []
         for key, value in zip(keys, values, strict=True):
             if value is None:
@@ -183,12 +188,14 @@ class RemoteStore:
                 blocks.append(None)
         return blocks
 
-    def lookup_prefix(self, keys: Sequence[bytes], *, namespace: str | None = None, model: str = "?") -> int:
-        """How many of ``keys``, in order, the server holds."""
+    def lookup_prefix(self, keys: Sequence[bytes], *, namespace: str | None = None, model: str = "?",
+                      tokens: Sequence[int] | None = None) -> int:
+        """How many of ``keys``, in order, the server holds (``tokens`` per key: hit rate in tokens too)."""
         keys = self._check_keys(keys)
         if not keys:
             return 0
-        request = pb.LookupPrefixRequest(namespace=namespace or self.namespace, keys=keys, model=model)
+        request = pb.LookupPrefixRequest(namespace=namespace or self.namespace, keys=keys, model=model,
+                                         tokens=list(tokens or []))
         return int(self._call("LookupPrefix", request).found)
 
     contains_many = lookup_prefix

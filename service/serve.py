@@ -52,6 +52,9 @@ class ServeConfig:
     quota: str = ""  # per-namespace byte quota; empty: unlimited
     grace: float = 10.0  # seconds to drain in-flight calls on SIGTERM
     workers: int = 16
+    metrics_port: int = 0  # Prometheus /metrics on this port; 0: off
+    metrics_addr: str = "127.0.0.1"
+    history_interval: float = 10.0  # seconds between the stats-history samples `kvshelf stats --plot` draws
 
     def resolved_data_dir(self) -> Path:
         return Path(self.data_dir) if self.data_dir else default_data_dir()
@@ -112,6 +115,8 @@ def load_config(flags: Mapping[str, Any], env: Mapping[str, str] | None = None,
         raise ConfigError("TLS needs both --tls-cert and --tls-key")
     if config.grace < 0 or config.workers < 1:
         raise ConfigError("grace must be >= 0 and workers >= 1")
+    if not 0 <= config.metrics_port < 65536 or config.history_interval <= 0:
+        raise ConfigError("metrics_port must be in [0, 65535] and history_interval > 0")
     return config
 
 
@@ -140,6 +145,8 @@ def serve(config: ServeConfig, *, ready: threading.Event | None = None, stop: th
     Prints ``kvshelf serving on HOST:PORT`` once it accepts calls (the real port when ``listen`` ends in :0).
     """
     from service.auth import TokenTable
+    from service.history import StatsHistory
+    from service.metrics import serve_metrics
     from service.server import ServerLimits, start_server
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -149,10 +156,16 @@ def serve(config: ServeConfig, *, ready: threading.Event | None = None, stop: th
     cert = Path(config.tls_cert).read_bytes() if config.tls_cert else None
     key = Path(config.tls_key).read_bytes() if config.tls_key else None
     store = open_store(config)
+    history = StatsHistory(store, interval_s=config.history_interval).start()
     try:
+        interceptors = []
+        if config.metrics_port:
+            _, latency = serve_metrics(store, config.metrics_port, config.metrics_addr)
+            interceptors.append(latency)
         running = start_server(store, config.listen, tokens=tokens, limits=limits, tls_cert=cert, tls_key=key,
-                               max_workers=config.workers)
+                               max_workers=config.workers, interceptors=interceptors, history=history)
     except BaseException:
+        history.stop()
         store.close()
         raise
     stop = stop or threading.Event()
@@ -161,13 +174,15 @@ def serve(config: ServeConfig, *, ready: threading.Event | None = None, stop: th
             signal.signal(sig, lambda *_: stop.set())
     host = config.listen.rsplit(":", 1)[0]
     mode = "tokens" if tokens else "dev mode: no tokens file, namespaces from requests"
+    metrics = f"; metrics on {config.metrics_addr}:{config.metrics_port}" if config.metrics_port else ""
     print(f"kvshelf serving on {host}:{running.port} ({'TLS' if cert else 'plaintext'}; {mode}; "
-          f"data {config.resolved_data_dir()})", flush=True)
+          f"data {config.resolved_data_dir()}{metrics})", flush=True)
     if ready is not None:
         ready.set()
     stop.wait()
     print(f"kvshelf: stopping (draining in-flight calls for up to {config.grace:g} s)", flush=True)
     running.stop(config.grace)
+    history.stop()
     store.close()
     print("kvshelf: stopped", flush=True)
     sys.stdout.flush()

@@ -36,6 +36,7 @@ from kvstore.stats import ALL_TIERS, TIER_METRICS, StoreEvent
 from kvstore.store import TieredStore
 from proto import kvshelf_pb2 as pb
 from service.auth import MAX_NAMESPACE_CHARS, SCOPE_BYTES, TokenTable, scope_tag
+from service.history import StatsHistory
 
 log = logging.getLogger(__name__)
 
@@ -198,8 +199,9 @@ class KVShelfServicer:
     """Handlers of ``kvshelf.v1.KVShelf`` (requests are parsed here, so malformed bytes are INVALID_ARGUMENT)."""
 
     def __init__(self, store: TieredStore, *, tokens: TokenTable | None = None,
-                 limits: ServerLimits | None = None) -> None:
+                 limits: ServerLimits | None = None, history: StatsHistory | None = None) -> None:
         self.store = store
+        self.history = history
         self.tokens = tokens
         self.limits = limits or ServerLimits()
         self.usage = NamespaceUsage(store)
@@ -401,7 +403,8 @@ class KVShelfServicer:
         fingerprint = req.fingerprint or None
         for start in range(0, len(keys), 16):  # bounded memory: a few blocks at a time
             batch = keys[start : start + 16]
-            values = self.store.get_encoded_many(batch, namespace=namespace, fingerprint=fingerprint)
+            tokens = list(req.tokens[start : start + 16]) if len(req.tokens) == len(keys) else None
+            values = self.store.get_encoded_many(batch, namespace=namespace, fingerprint=fingerprint, tokens=tokens)
             for offset, (tier_key, value) in enumerate(zip(batch, values, strict=True)):
                 index = start + offset
                 if value is None:
@@ -436,7 +439,8 @@ class KVShelfServicer:
 
     def LookupPrefix(self, req: pb.LookupPrefixRequest, context: grpc.ServicerContext) -> Message:
         namespace, keys = self.scoped(context, req.namespace, list(req.keys))
-        found = self.store.lookup_prefix(keys, namespace=namespace, model=req.model or "?")
+        tokens = list(req.tokens) if len(req.tokens) == len(keys) else None
+        found = self.store.lookup_prefix(keys, namespace=namespace, model=req.model or "?", tokens=tokens)
         return pb.LookupPrefixResponse(found=found)
 
     def Delete(self, req: pb.KeysRequest, context: grpc.ServicerContext) -> Message:
@@ -492,8 +496,10 @@ class KVShelfServicer:
             "usage": {"bytes": max((b for _, b in held.values()), default=0), "quota_bytes": self.limits.quota_bytes},
             "health": {"status": "degraded" if down else "serving", "unavailable_tiers": down},
         }
-        if self.tokens is None:  # dev mode: the whole store (every namespace) for the admin tool
+        if self.tokens is None:  # dev mode: the whole store (every namespace) and its history for the admin tool
             out["store"] = full
+            if self.history is not None:
+                out["history"] = self.history.points()
         return pb.StatsResponse(json=json.dumps(out), degraded=bool(down))
 
 
@@ -534,13 +540,16 @@ def start_server(
     tls_key: bytes | None = None,
     max_workers: int = 16,
     health_interval_s: float = 5.0,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
+    history: StatsHistory | None = None,
 ) -> RunningServer:
     """Serve ``store`` on ``listen`` (``host:port``; port 0 picks a free one). TLS when cert and key are given."""
     if (tls_cert is None) != (tls_key is None):
         raise ConfigError("TLS needs both a certificate and a key")
-    servicer = KVShelfServicer(store, tokens=tokens, limits=limits)
+    servicer = KVShelfServicer(store, tokens=tokens, limits=limits, history=history)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvshelf-rpc"),
+        interceptors=list(interceptors),
         options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                  ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                  ("grpc.so_reuseport", 0)],
