@@ -49,3 +49,31 @@ def redis_server(maxmemory: str = "4gb") -> Iterator[str]:
         finally:
             proc.kill()
             proc.wait()
+
+
+@contextmanager
+def kvshelf_server(data_dir: str, *extra: str) -> Iterator[str]:
+    """A `kvshelf serve` subprocess on a free loopback port over ``data_dir``; yields ``host:port``."""
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from service.cli import main; main()", "serve", "--listen", "127.0.0.1:0",
+         "--data-dir", data_dir, "--memory", "4GiB", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if "kvshelf serving on" in line:
+                address = line.split("kvshelf serving on ", 1)[1].split()[0]
+                break
+        else:
+            raise ConfigError("kvshelf serve did not start")
+        yield address
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

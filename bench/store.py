@@ -1,12 +1,14 @@
 """``kvshelf bench store``: put/get throughput and latency of 1, 8 and 32 MiB blocks, 1 and 8 clients:
 the kvshelf gRPC service vs raw redis-py SET/GET vs raw LMDB, in the same run.
 
-Every client thread moves its own keys; every get is checked against what was put (a mismatch counts as an
-error). MB/s is the total bytes moved over the wall time of the case; p50/p99 are per-operation latencies.
+Every client thread moves its own keys; every value is a real encoded block (the service verifies what it
+stores), and every get is checked byte for byte against what was put (a mismatch counts as an error). MB/s
+is the total bytes moved over the wall time of the case; p50/p99 are per-operation latencies.
 """
 
 from __future__ import annotations
 
+import hashlib
 import statistics
 import tempfile
 import threading
@@ -18,6 +20,7 @@ from typing import Any
 
 import lmdb
 import numpy as np
+import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -69,12 +72,54 @@ def redis_backend() -> Iterator[Callable[[], ClientPair]]:
         pool.disconnect()
 
 
+@contextmanager
+def grpc_backend() -> Iterator[Callable[[], ClientPair]]:
+    """A `kvshelf serve` process on loopback (memory + LMDB, its defaults) and RemoteStore clients."""
+    from bench.servers import kvshelf_server
+    from service.client import RemoteStore
+
+    with tempfile.TemporaryDirectory(prefix="kvshelf-bench-grpc-") as tmp, kvshelf_server(tmp) as address:
+        remotes: list[RemoteStore] = []
+
+        def make() -> ClientPair:
+            remote = RemoteStore(address, namespace="bench")
+            remotes.append(remote)
+
+            def get(key: bytes) -> bytes | None:
+                return remote.get_encoded_many([key])[0]
+
+            return (lambda k, v: remote.put_encoded_many([(k, v)])), get
+
+        try:
+            yield make
+        finally:
+            for remote in remotes:
+                remote.close()
+
+
 def _percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if values else float("nan")
 
 
+def bench_key(block_mib: int, clients: int, client: int, op_index: int) -> bytes:
+    """The 16-byte key of one benchmark block."""
+    return hashlib.blake2b(f"bench:{block_mib}:{clients}:{client}:{op_index}".encode(), digest_size=16).digest()
+
+
+def make_values(block_mib: int, clients: int, ops: int) -> dict[bytes, bytes]:
+    """A valid encoded block of about ``block_mib`` MiB for every key (the service verifies what it stores)."""
+    from kvstore import KVBlock, encode_block
+
+    tokens = max(1, block_mib * MiB // (2 * 8 * 8 * 128 * 2))  # fp16 [8 layers, 8 heads, tokens, 128]
+    rng = torch.Generator().manual_seed(block_mib)
+    block = KVBlock(torch.randn(8, 8, tokens, 128, generator=rng).half(),
+                    torch.randn(8, 8, tokens, 128, generator=rng).half(), tuple(range(tokens)), 0, "b" * 32, "bench")
+    return {bench_key(block_mib, clients, c, i): encode_block(block, bench_key(block_mib, clients, c, i))
+            for c in range(clients) for i in range(ops)}
+
+
 def _run_op(make_client: Callable[[], ClientPair], op: str, block_mib: int, clients: int, ops: int,
-            payloads: list[bytes]) -> dict[str, Any]:
+            values: dict[bytes, bytes]) -> dict[str, Any]:
     latencies: list[list[float]] = [[] for _ in range(clients)]
     errors = [0] * clients
     barrier = threading.Barrier(clients + 1)
@@ -83,8 +128,8 @@ def _run_op(make_client: Callable[[], ClientPair], op: str, block_mib: int, clie
         put, get = make_client()
         barrier.wait()
         for i in range(ops):
-            key = f"bench:{block_mib}:{clients}:{c}:{i}".encode().ljust(16, b"_")[:32]
-            expected = payloads[(c + i) % 2]
+            key = bench_key(block_mib, clients, c, i)
+            expected = values[key]
             start = time.perf_counter()
             try:
                 if op == "put":
@@ -106,23 +151,26 @@ def _run_op(make_client: Callable[[], ClientPair], op: str, block_mib: int, clie
         t.join()
     wall = time.perf_counter() - started
     flat = [x for per in latencies for x in per]
+    moved = sum(len(v) for v in values.values())
     return {
         "op": op, "block_mib": block_mib, "clients": clients,
-        "mb_s": round(clients * ops * block_mib * MiB / wall / 1e6, 1),
+        "mb_s": round(moved / wall / 1e6, 1),
         "p50_ms": round(1000 * statistics.median(flat), 2), "p99_ms": round(1000 * _percentile(flat, 99), 2),
         "errors": sum(errors),
     }
 
 
 def run_case(make_client: Callable[[], ClientPair], block_mib: int, clients: int, ops: int) -> list[dict]:
-    """Each client puts ``ops`` distinct blocks, then gets them back and verifies them."""
-    rng = np.random.default_rng(block_mib * 100 + clients)
-    payloads = [rng.integers(0, 256, block_mib * MiB, dtype=np.uint8).tobytes() for _ in range(2)]
-    return [_run_op(make_client, op, block_mib, clients, ops, payloads) for op in ("put", "get")]
+    """Each client puts ``ops`` distinct blocks, then gets them back and verifies them byte for byte."""
+    values = make_values(block_mib, clients, ops)
+    return [_run_op(make_client, op, block_mib, clients, ops, values) for op in ("put", "get")]
+
+
+BACKENDS: dict[str, Backend] = {"grpc": grpc_backend, "redis": redis_backend, "lmdb": lmdb_backend}
 
 
 def run(
-    *, json_path: str | None, backends: dict[str, Backend], sizes: tuple[int, ...] = DEFAULT_SIZES,
+    *, json_path: str | None, backends: dict[str, Backend] = BACKENDS, sizes: tuple[int, ...] = DEFAULT_SIZES,
     clients: tuple[int, ...] = DEFAULT_CLIENTS, console: Console | None = None,
 ) -> dict[str, Any]:
     console = console or Console()

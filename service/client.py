@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import grpc.experimental
 
 from kvstore.block import KVBlock
 from kvstore.encoding import decode_block, encode_block
@@ -25,6 +26,7 @@ from kvstore.keys import KEY_BYTES
 from proto import kvshelf_pb2 as pb
 from proto import kvshelf_pb2_grpc as pb_grpc
 from service.server import CHUNK_BYTES, MAX_MESSAGE_BYTES, iter_chunks
+from service.wire import WireError, decode_response
 
 log = logging.getLogger(__name__)
 _UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
@@ -70,13 +72,20 @@ class RemoteStore:
         self.timeout_s = timeout_s
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   # server-streaming calls run in the caller's thread (no helper thread per call: ~1.5x faster)
+                   (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)]
         if tls_ca is not None:
             ca = tls_ca if isinstance(tls_ca, bytes) else Path(tls_ca).read_bytes()
             self._channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ca), options)
         else:
             self._channel = grpc.insecure_channel(address, options)
         self._stub = pb_grpc.KVShelfStub(self._channel)
+        # GetBlocks responses are read as raw bytes and parsed by service.wire into views (no copies)
+        self._get_blocks_raw = self._channel.unary_stream(
+            f"/{pb.DESCRIPTOR.services_by_name['KVShelf'].full_name}/GetBlocks",
+            request_serializer=pb.GetBlocksRequest.SerializeToString, response_deserializer=None,
+        )
         if connect_timeout_s > 0:
             try:
                 grpc.channel_ready_future(self._channel).result(timeout=connect_timeout_s)
@@ -123,7 +132,7 @@ class RemoteStore:
             first = True
             for key, value in items:
                 for n, (data, last) in enumerate(iter_chunks(value, CHUNK_BYTES)):
-                    chunk = pb.Chunk(data=data, last=last)
+                    chunk = pb.Chunk(data=bytes(data), last=last)
                     if n == 0:
                         chunk.key, chunk.total_size = key, len(value)
                     req = pb.PutBlocksRequest(chunk=chunk)
@@ -153,13 +162,17 @@ class RemoteStore:
             return out
         request = pb.GetBlocksRequest(namespace=namespace or self.namespace, keys=keys, fingerprint=fingerprint or "",
                                       tokens=list(tokens or []))
-        parts: list[bytes] = []
+        parts: list[memoryview] = []
         try:
-            for msg in self._stub.GetBlocks(request, timeout=self.timeout_s, metadata=self._metadata):
-                if msg.WhichOneof("item") != "chunk":
+            for raw in self._get_blocks_raw(request, timeout=self.timeout_s, metadata=self._metadata):
+                try:
+                    msg = decode_response(raw)
+                except WireError as exc:
+                    raise RemoteStoreError(grpc.StatusCode.DATA_LOSS, f"malformed GetBlocks response: {exc}") from None
+                if msg.miss:
                     continue
-                parts.append(msg.chunk.data)
-                if msg.chunk.last:
+                parts.append(msg.data)
+                if msg.last:
                     if msg.index < len(out):
                         out[msg.index] = b"".join(parts)
                     parts = []

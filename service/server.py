@@ -37,6 +37,7 @@ from kvstore.store import TieredStore
 from proto import kvshelf_pb2 as pb
 from service.auth import MAX_NAMESPACE_CHARS, SCOPE_BYTES, TokenTable, scope_tag
 from service.history import StatsHistory
+from service.wire import encode_chunk_response, encode_miss_response
 
 log = logging.getLogger(__name__)
 
@@ -48,16 +49,16 @@ MAX_MESSAGE_BYTES = CHUNK_BYTES + (64 << 10)  # gRPC message limit: one full chu
 MAX_KEYS_PER_CALL = 100_000
 
 
-def iter_chunks(value: bytes | memoryview, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[bytes, bool]]:
-    """``(data, last)`` pieces of ``value`` of at most ``chunk_bytes`` each (one empty piece for b"")."""
+def iter_chunks(value: bytes | memoryview, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[memoryview, bool]]:
+    """``(data, last)`` zero-copy pieces of ``value`` of at most ``chunk_bytes`` each (one empty piece for b"")."""
     view = memoryview(value)
     n = len(view)
     if n == 0:
-        yield b"", True
+        yield view, True
         return
     for start in range(0, n, chunk_bytes):
         end = min(start + chunk_bytes, n)
-        yield bytes(view[start:end]), end == n
+        yield view[start:end], end == n
 
 
 @dataclass(frozen=True)
@@ -223,7 +224,7 @@ class KVShelfServicer:
 
             return grpc.unary_unary_rpc_method_handler(handler, response_serializer=_serialize)
 
-        def get_stream(raw: bytes, context: grpc.ServicerContext) -> Iterator[Message]:
+        def get_stream(raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
             try:
                 yield from self.GetBlocks(_parse(raw, pb.GetBlocksRequest), context)
             except Exception as exc:
@@ -238,7 +239,7 @@ class KVShelfServicer:
 
         return grpc.method_handlers_generic_handler(SERVICE_NAME, {
             "PutBlocks": grpc.stream_unary_rpc_method_handler(put_stream, response_serializer=_serialize),
-            "GetBlocks": grpc.unary_stream_rpc_method_handler(get_stream, response_serializer=_serialize),
+            "GetBlocks": grpc.unary_stream_rpc_method_handler(get_stream, response_serializer=bytes),
             "Contains": unary(self.Contains, pb.KeysRequest),
             "LookupPrefix": unary(self.LookupPrefix, pb.LookupPrefixRequest),
             "Delete": unary(self.Delete, pb.KeysRequest),
@@ -398,7 +399,8 @@ class KVShelfServicer:
         except ConfigError as exc:
             _fail(grpc.StatusCode.INVALID_ARGUMENT, f"block {key.hex()}: {exc}")
 
-    def GetBlocks(self, req: pb.GetBlocksRequest, context: grpc.ServicerContext) -> Iterator[Message]:
+    def GetBlocks(self, req: pb.GetBlocksRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        """Serialised ``GetBlocksResponse`` messages (built by ``service.wire``: one copy of the data)."""
         namespace, keys = self.scoped(context, req.namespace, list(req.keys))
         fingerprint = req.fingerprint or None
         for start in range(0, len(keys), 16):  # bounded memory: a few blocks at a time
@@ -408,16 +410,16 @@ class KVShelfServicer:
             for offset, (tier_key, value) in enumerate(zip(batch, values, strict=True)):
                 index = start + offset
                 if value is None:
-                    yield pb.GetBlocksResponse(index=index, miss=True)
+                    yield encode_miss_response(index)
                     continue
                 first = True
                 for data, last in iter_chunks(value):
-                    chunk = pb.Chunk(data=data, last=last)
                     if first:
-                        chunk.key = tier_key[SCOPE_BYTES:]
-                        chunk.total_size = len(value)
+                        yield encode_chunk_response(index, data, key=tier_key[SCOPE_BYTES:], last=last,
+                                                    total_size=len(value))
                         first = False
-                    yield pb.GetBlocksResponse(index=index, chunk=chunk)
+                    else:
+                        yield encode_chunk_response(index, data, last=last)
 
     def _present(self, keys: Sequence[bytes]) -> list[bool]:
         present = [False] * len(keys)

@@ -1,0 +1,39 @@
+"""service.wire builds and reads exactly the bytes of the generated GetBlocksResponse class."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from proto import kvshelf_pb2 as pb
+from service.wire import WireError, decode_response, encode_chunk_response, encode_miss_response
+
+
+@pytest.mark.parametrize("index", [0, 1, 300, 2**31])
+@pytest.mark.parametrize("key", [b"", os.urandom(16)])
+@pytest.mark.parametrize("size", [0, 1, 5000])
+@pytest.mark.parametrize("last", [False, True])
+@pytest.mark.parametrize("total", [0, 5, 10**12])
+def test_chunk_response_matches_protobuf(index, key, size, last, total):
+    data = os.urandom(size)
+    message = pb.GetBlocksResponse(index=index, chunk=pb.Chunk(key=key, data=data, last=last, total_size=total))
+    assert encode_chunk_response(index, memoryview(data), key=key, last=last, total_size=total) == \
+        message.SerializeToString()
+    parsed = decode_response(message.SerializeToString())
+    assert (parsed.index, parsed.miss, parsed.key, bytes(parsed.data), parsed.last, parsed.total_size) == \
+        (index, False, key, data, last, total)
+
+
+@pytest.mark.parametrize("index", [0, 7, 2**20])
+def test_miss_response_matches_protobuf(index):
+    wire = pb.GetBlocksResponse(index=index, miss=True).SerializeToString()
+    assert encode_miss_response(index) == wire
+    assert decode_response(wire).miss and decode_response(wire).index == index
+
+
+@pytest.mark.parametrize("raw", [b"\x12\x05abc", b"\x08", b"\x08\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01",
+                                 b"\x0d\x00\x00\x00\x00"])
+def test_malformed_bytes_are_a_clear_error(raw):
+    with pytest.raises(WireError):
+        decode_response(raw)
