@@ -1,79 +1,179 @@
-"""Start real local servers for benchmarks: a throwaway ``redis-server`` on a free loopback port."""
+"""Real local servers for benchmarks and tests: ``redis-server`` processes and ``kvshelf serve``.
+
+Everything binds 127.0.0.1 on a free port, keeps nothing on disk (no persistence) and is killed on exit.
+"""
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
 
 from kvstore.errors import ConfigError
 
+HOST = "127.0.0.1"
+START_TIMEOUT_S = 20.0
+MISSING = "redis-server / redis-cli not found on PATH: run `make redis` (or `make install`) to install Redis"
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((HOST, port))
+        except OSError:
+            return False
+    return True
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port nothing listens on now, whose Redis Cluster bus port (+10000) is free too.
+
+    Redis Cluster needs the port to be at most 55535, so this picks from 20000-45000 rather than taking the
+    kernel's ephemeral pick.
+    """
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(20000, 45000)
+        if _bindable(port) and _bindable(port + 10000):
+            return port
+    raise ConfigError("no free TCP port pair on 127.0.0.1")
+
+
+def binary(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise ConfigError(MISSING)
+    return path
+
+
+@dataclass
+class RedisProcess:
+    """One ``redis-server`` subprocess on ``port``, writing its log and files under ``workdir``."""
+
+    port: int
+    workdir: Path
+    extra_args: list[str] = field(default_factory=list)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{HOST}:{self.port}/0"
+
+    @property
+    def log(self) -> Path:
+        return self.workdir / f"redis-{self.port}.log"
+
+    def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        args = [
+            binary("redis-server"), "--port", str(self.port), "--bind", HOST, "--save", "", "--appendonly", "no",
+            "--dir", str(self.workdir), "--logfile", str(self.log), "--protected-mode", "no", *self.extra_args,
+        ]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.wait_ready()
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(host=HOST, port=self.port, socket_timeout=5)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        assert self.proc is not None
+        while True:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+                log = self.log.read_text(errors="replace")[-2000:] if self.log.exists() else ""
+                raise ConfigError(f"redis-server on port {self.port} exited ({self.proc.returncode}): {err}{log}")
+            try:
+                with self.client() as client:
+                    if client.ping():
+                        return
+            except redis.exceptions.RedisError:
+                pass
+            if time.monotonic() > deadline:
+                raise ConfigError(f"redis-server on port {self.port} did not answer PING within {START_TIMEOUT_S} s")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        """Kill the server (SIGKILL: like a crash; nothing is saved) and wait for it to exit."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        if self.proc is not None and self.proc.stderr is not None:
+            self.proc.stderr.close()
+        self.proc = None
 
 
 @contextmanager
-def redis_server(maxmemory: str = "4gb") -> Iterator[str]:
-    """A ``redis-server`` on 127.0.0.1 (no persistence); yields its ``redis://`` URL; killed on exit."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise ConfigError("redis-server is not installed: run `make install` (it installs Redis from Debian)")
-    port = free_port()
+def redis_server(maxmemory: str = "4gb") -> Iterator[RedisProcess]:
+    """A standalone ``redis-server`` (``allkeys-lru`` under ``maxmemory``) for the duration of the block."""
     with tempfile.TemporaryDirectory(prefix="kvshelf-redis-") as workdir:
-        proc = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru", "--dir", workdir],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
+        server = RedisProcess(free_port(), Path(workdir),
+                              ["--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"])
+        server.start()
         try:
-            deadline = time.monotonic() + 10
-            while True:
-                try:
-                    with socket.create_connection(("127.0.0.1", port), timeout=0.2) as conn:
-                        conn.sendall(b"PING\r\n")
-                        if conn.recv(16).startswith(b"+PONG"):
-                            break
-                except OSError:
-                    pass
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise ConfigError(f"redis-server did not start on port {port}")
-                time.sleep(0.05)
-            yield f"redis://127.0.0.1:{port}/0"
+            yield server
         finally:
-            proc.kill()
-            proc.wait()
+            server.stop()
+
+
+class KVShelfProcess:
+    """A ``kvshelf serve`` subprocess; ``start()`` again after ``kill()`` restarts it on the same port."""
+
+    def __init__(self, data_dir: str | Path, *extra: str, port: int | None = None) -> None:
+        self.data_dir = str(data_dir)
+        self.extra = extra
+        self.port = port or free_port()
+        self.proc: subprocess.Popen[str] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{HOST}:{self.port}"
+
+    def start(self) -> KVShelfProcess:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "from service.cli import main; main()", "serve", "--listen", self.address,
+             "--data-dir", self.data_dir, *self.extra],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        assert self.proc.stdout is not None
+        seen = []
+        for line in self.proc.stdout:
+            seen.append(line)
+            if "kvshelf serving on" in line:
+                return self
+        self.proc.wait(timeout=30)
+        raise ConfigError(f"kvshelf serve did not start: {''.join(seen)[-2000:]}")
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, no draining."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+    def terminate(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.kill()
 
 
 @contextmanager
 def kvshelf_server(data_dir: str, *extra: str) -> Iterator[str]:
-    """A `kvshelf serve` subprocess on a free loopback port over ``data_dir``; yields ``host:port``."""
-    import sys
-
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "from service.cli import main; main()", "serve", "--listen", "127.0.0.1:0",
-         "--data-dir", data_dir, "--memory", "4GiB", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+    """A `kvshelf serve` subprocess (4 GiB memory tier) over ``data_dir``; yields ``host:port``."""
+    server = KVShelfProcess(data_dir, "--memory", "4GiB", *extra).start()
     try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if "kvshelf serving on" in line:
-                address = line.split("kvshelf serving on ", 1)[1].split()[0]
-                break
-        else:
-            raise ConfigError("kvshelf serve did not start")
-        yield address
+        yield server.address
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        server.terminate()

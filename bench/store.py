@@ -61,8 +61,8 @@ def redis_backend() -> Iterator[Callable[[], ClientPair]]:
 
     from bench.servers import redis_server
 
-    with redis_server() as url:
-        pool = redis.ConnectionPool.from_url(url, max_connections=64)
+    with redis_server() as server:
+        pool = redis.ConnectionPool.from_url(server.url, max_connections=64)
 
         def make() -> ClientPair:
             client = redis.Redis(connection_pool=pool)

@@ -111,6 +111,34 @@ def bench_lmdb(
     run(json_path=str(json_path) if json_path else None, reps=reps, console=console)
 
 
+@bench_app.command("store")
+def bench_store(
+    json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+    backends: Annotated[str, typer.Option(help="comma-separated: grpc, redis, lmdb")] = "grpc,redis,lmdb",
+    sizes: Annotated[str, typer.Option(help="block sizes in MiB")] = "1,8,32",
+    clients: Annotated[str, typer.Option(help="concurrent clients")] = "1,8",
+) -> None:
+    """Put/get throughput and p50/p99 latency: the gRPC service vs raw redis-py vs raw LMDB."""
+    from bench.store import BACKENDS, run
+
+    chosen = [b.strip() for b in backends.split(",") if b.strip()]
+    unknown = sorted(set(chosen) - set(BACKENDS))
+    if unknown:
+        raise KVShelfError(f"unknown backend(s) {unknown}; choose from {', '.join(BACKENDS)}")
+    run(json_path=str(json_path) if json_path else None, backends={b: BACKENDS[b] for b in chosen},
+        sizes=_ints(sizes, "--sizes"), clients=_ints(clients, "--clients"), console=console)
+
+
+def _ints(text: str, option: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise KVShelfError(f"{option} must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise KVShelfError(f"{option} must be positive integers, got {text!r}")
+    return values
+
+
 @app.command("prepare-model")
 def prepare_model(name: Annotated[str, typer.Argument(help="bundled model name")] = "smollm2-135m") -> None:
     """Convert a bundled model to the safetensors cache once (``make install`` runs this)."""

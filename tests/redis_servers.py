@@ -6,109 +6,27 @@ Import the fixtures into a test module (``from redis_servers import redis_server
 
 from __future__ import annotations
 
-import random
-import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import redis
 import redis.cluster
 
-HOST = "127.0.0.1"
-START_TIMEOUT_S = 20.0
-MISSING = "redis-server / redis-cli not found on PATH: run `make redis` (or `make install`) to install Redis"
+from bench.servers import HOST, MISSING, START_TIMEOUT_S, RedisProcess, binary, free_port
+from kvstore.errors import ConfigError
 
-
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((HOST, port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on now, whose cluster bus port (+10000) is free too.
-
-    Redis Cluster needs the port to be at most 55535, so this picks from 20000-45000 rather than taking the
-    kernel's ephemeral pick.
-    """
-    rng = random.Random()
-    for _ in range(1000):
-        port = rng.randrange(20000, 45000)
-        if _bindable(port) and _bindable(port + 10000):
-            return port
-    raise RuntimeError("no free TCP port pair on 127.0.0.1")
+__all__ = ["HOST", "MISSING", "RedisProcess", "free_port"]
 
 
 def _binary(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
+    try:
+        return binary(name)
+    except ConfigError:
         pytest.fail(MISSING, pytrace=False)
-    return path
-
-
-@dataclass
-class RedisProcess:
-    """One ``redis-server`` subprocess on ``port``, writing its log and files under ``workdir``."""
-
-    port: int
-    workdir: Path
-    extra_args: list[str] = field(default_factory=list)
-    proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://{HOST}:{self.port}/0"
-
-    @property
-    def log(self) -> Path:
-        return self.workdir / f"redis-{self.port}.log"
-
-    def start(self) -> None:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        args = [
-            _binary("redis-server"), "--port", str(self.port), "--bind", HOST, "--save", "", "--appendonly", "no",
-            "--dir", str(self.workdir), "--logfile", str(self.log), "--protected-mode", "no", *self.extra_args,
-        ]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        self.wait_ready()
-
-    def client(self) -> redis.Redis:
-        return redis.Redis(host=HOST, port=self.port, socket_timeout=5)
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        assert self.proc is not None
-        while True:
-            if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
-                log = self.log.read_text(errors="replace")[-2000:] if self.log.exists() else ""
-                pytest.fail(f"redis-server on port {self.port} exited ({self.proc.returncode}): {err}{log}")
-            try:
-                with self.client() as client:
-                    if client.ping():
-                        return
-            except redis.exceptions.RedisError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"redis-server on port {self.port} did not answer PING within {START_TIMEOUT_S} s")
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        """Kill the server (SIGKILL: like a crash; nothing is saved) and wait for it to exit."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        if self.proc is not None and self.proc.stderr is not None:
-            self.proc.stderr.close()
-        self.proc = None
 
 
 @dataclass
