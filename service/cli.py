@@ -129,6 +129,22 @@ def bench_store(
         sizes=_ints(sizes, "--sizes"), clients=_ints(clients, "--clients"), console=console)
 
 
+@bench_app.command("chaos")
+def bench_chaos(
+    json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+    seconds: Annotated[float, typer.Option(min=5, help="length of the run")] = 60,
+    clients: Annotated[int, typer.Option(min=1, max=64)] = 8,
+    redis_down: Annotated[float, typer.Option(min=0, help="seconds Redis stays down")] = 10,
+) -> None:
+    """Reliability: mixed traffic while the server is SIGKILLed and restarted and Redis goes away."""
+    from bench.chaos import run
+
+    result = run(json_path=str(json_path) if json_path else None, seconds=seconds, clients=clients,
+                 redis_down_s=redis_down, console=console)
+    if not result["ok"]:
+        raise typer.Exit(1)
+
+
 def _ints(text: str, option: str) -> tuple[int, ...]:
     try:
         values = tuple(int(x) for x in text.split(","))
