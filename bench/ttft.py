@@ -64,7 +64,7 @@ def disk_worker(spec_path: str) -> None:
 
     spec = json.loads(Path(spec_path).read_text())
     model, tokenizer = load_model(spec["model"])
-    store = open_embedded_store(spec["data_dir"], memory_bytes=None)
+    store = open_embedded_store(spec["data_dir"], memory_bytes=None, disk_codec=spec.get("disk_codec", "raw"))
     generator = CachedGenerator(model, tokenizer, store, block_size=spec["block_size"])
     _warm_up(generator)
     results = [
@@ -86,6 +86,7 @@ def run(
     block_size: int = 256,
     new_tokens: int = 16,
     console: Console | None = None,
+    disk_codec: str = "raw",
 ) -> dict[str, Any]:
     from adapters.generate import CachedGenerator
     from adapters.model import load_model
@@ -98,7 +99,7 @@ def run(
     prompts = [build_context(tokenizer, texts, n) + question for n in lengths]
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvshelf-bench-") as tmp:
-        store = open_embedded_store(tmp)
+        store = open_embedded_store(tmp, disk_codec=disk_codec)
         generator = CachedGenerator(model, tokenizer, store, block_size=block_size)
         _warm_up(generator)
         measured: dict[tuple[int, str], dict] = {}
@@ -118,7 +119,8 @@ def run(
         spec = Path(tmp) / "spec.json"
         out = Path(tmp) / "disk.json"
         spec.write_text(json.dumps({"model": model_name, "data_dir": tmp, "block_size": block_size, "runs": runs,
-                                    "new_tokens": new_tokens, "prompts": prompts, "out": str(out)}))
+                                    "new_tokens": new_tokens, "prompts": prompts, "out": str(out),
+                                    "disk_codec": disk_codec}))
         subprocess.run([sys.executable, "-m", "bench.ttft", "--worker", str(spec)], check=True)
         disk = json.loads(out.read_text())
         for n, result in zip(lengths, disk["results"], strict=True):

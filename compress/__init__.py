@@ -1,6 +1,16 @@
-"""KV codecs behind one registry (see ``compress.registry``)."""
+"""KV codecs behind one registry (see ``compress.registry``); importing this package registers them all.
 
-from compress import raw as _raw  # noqa: F401  (registers the built-in codecs)
+``raw`` (model dtype), ``fp16``, ``bf16``, ``zstd`` (lossless), ``int8``/``int4``/``int2`` (KIVI-style),
+``cachegen`` (CacheGen-style entropy coding), ``sparse`` (kept tokens only, any inner codec).
+"""
+
+from compress import bf16 as _bf16  # noqa: F401  (each import registers its codec)
+from compress import cachegen as _cachegen  # noqa: F401
+from compress import fp16 as _fp16  # noqa: F401
+from compress import kivi as _kivi  # noqa: F401
+from compress import raw as _raw  # noqa: F401
+from compress import sparse as _sparse  # noqa: F401
+from compress import zstd as _zstd  # noqa: F401
 from compress.registry import Codec, available_codecs, get_codec, register_codec
 
 __all__ = ["Codec", "available_codecs", "get_codec", "register_codec"]

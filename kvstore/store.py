@@ -37,7 +37,9 @@ class TierSpec:
     codec_params: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        get_codec(self.codec, self.codec_params)  # fail fast on an unknown codec or parameter
+        # fail fast on an unknown codec or parameter; keep the full parameters (defaults filled in), the form
+        # encoded headers carry, so a value already in this tier's codec is recognised and never re-encoded
+        self.codec_params = get_codec(self.codec, self.codec_params).params()
 
     def same_codec(self, other: TierSpec) -> bool:
         return self.codec == other.codec and self.codec_params == other.codec_params

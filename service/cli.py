@@ -82,8 +82,12 @@ def bench_ttft(
     runs: Annotated[int, typer.Option(min=1, help="runs per mode (median reported)")] = 3,
     model: ModelOpt = "smollm2-135m",
     block_size: Annotated[int, typer.Option(min=1)] = 256,
+    codec: Annotated[str, typer.Option(help="codec of the disk tier (warm-disk reads it)")] = "raw",
 ) -> None:
     """TTFT of full prefill vs warm-memory vs warm-disk reuse, with same-output checks."""
+    from compress.registry import get_codec
+
+    get_codec(codec)  # an unknown codec is a clear error before the model loads
     from bench.common import default_corpus
     from bench.ttft import run
 
@@ -97,7 +101,26 @@ def bench_ttft(
         raise KVShelfError(f"every length must be >= the block size {block_size}: {parsed}")
     chosen = corpus or default_corpus()
     run(json_path=str(json_path) if json_path else None, corpus=str(chosen) if chosen else None,
-        lengths=parsed, runs=runs, model_name=model, block_size=block_size, console=console)
+        lengths=parsed, runs=runs, model_name=model, block_size=block_size, console=console, disk_codec=codec)
+
+
+@bench_app.command("codecs")
+def bench_codecs(
+    json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+    corpus: Annotated[Path | None, typer.Option(help="JSONL of {title, abstract}")] = None,
+    windows: Annotated[int, typer.Option(min=1, help="2,048-token perplexity windows")] = 8,
+    anchors: Annotated[bool, typer.Option(help="also measure HF QuantizedCache (quanto/HQQ)")] = True,
+    model: ModelOpt = "smollm2-135m",
+) -> None:
+    """Compression ratio, bits per value, encode/decode MB/s and perplexity increase of every codec."""
+    from bench.codecs import run
+    from bench.common import default_corpus
+
+    if corpus is not None and not corpus.is_file():
+        raise KVShelfError(f"corpus {corpus} does not exist")
+    chosen = corpus or default_corpus()
+    run(str(json_path) if json_path else None, str(chosen) if chosen else None, windows=windows,
+        model_name=model, anchors=anchors, console=console)
 
 
 @bench_app.command("lmdb")

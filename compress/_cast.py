@@ -1,0 +1,41 @@
+"""Shared logic of the ``fp16`` and ``bf16`` codecs: keys and values cast to a 16-bit float type."""
+
+from __future__ import annotations
+
+import torch
+
+from compress.container import expect_len, pack_sections, unpack_sections
+from compress.raw import tensor_bytes, tensor_from_bytes
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def cast_encode(keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype) -> list[bytes | memoryview]:
+    """Keys and values cast to ``dtype`` (finite values beyond its range saturate to its largest value)."""
+    limit = torch.finfo(dtype).max
+
+    def cast(t: torch.Tensor) -> memoryview:
+        t = t.detach().to("cpu")
+        if t.dtype != dtype and torch.finfo(t.dtype).max > limit:
+            t = t.float().clamp(-limit, limit)
+        return tensor_bytes(t.to(dtype))
+
+    return pack_sections([cast(keys), cast(values)])
+
+
+def cast_decode(
+    payload: memoryview, shape: tuple[int, int, int, int], dtype: torch.dtype, stored: torch.dtype, codec: str,
+    copy: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    k_buf, v_buf = unpack_sections(payload, 2, codec)
+    nbytes = numel(shape) * 2
+    out = []
+    for buf, what in ((k_buf, "keys"), (v_buf, "values")):
+        t = tensor_from_bytes(expect_len(buf, nbytes, what, codec), stored, shape, copy=copy and dtype == stored)
+        out.append(t if t.dtype == dtype else t.to(dtype))
+    return out[0], out[1]

@@ -1,0 +1,30 @@
+"""``bf16``: keys and values stored as bfloat16 (fp32's exponent range, 8 significant bits).
+
+Error bound: each element is rounded to the nearest bf16, a relative error <= 2**-8. Exact for bf16 input.
+Payload: 2 bytes per value plus a 30-byte frame.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from compress._cast import cast_decode, cast_encode
+from compress.registry import Codec, register_codec
+
+
+@register_codec
+@dataclass
+class Bf16Codec(Codec):
+    """Keys and values ``[layers, kv_heads, tokens, head_dim]`` cast to bf16; decoded back to the block dtype."""
+
+    name = "bf16"
+
+    def encode(self, keys: torch.Tensor, values: torch.Tensor) -> list[bytes | memoryview]:
+        return cast_encode(keys, values, torch.bfloat16)
+
+    def decode(
+        self, payload: memoryview, shape: tuple[int, int, int, int], dtype: torch.dtype, copy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return cast_decode(payload, shape, dtype, torch.bfloat16, self.name, copy)

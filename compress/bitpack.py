@@ -1,0 +1,56 @@
+"""Vectorised bit packing of small unsigned codes and fp16 side information (no Python loops over values)."""
+
+from __future__ import annotations
+
+import torch
+
+from compress.raw import tensor_bytes, tensor_from_bytes
+from kvstore.errors import CorruptBlockError
+
+
+def packed_len(count: int, bits: int) -> int:
+    """Bytes that ``count`` codes of ``bits`` bits (1, 2, 4 or 8) take once packed."""
+    per = 8 // bits
+    return (count + per - 1) // per
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> memoryview:
+    """Pack a flat uint8 tensor of codes ``< 2**bits`` (bits in 1, 2, 4, 8), little-endian within each byte."""
+    codes = codes.reshape(-1).to(torch.uint8)
+    if bits == 8:
+        return tensor_bytes(codes)
+    per = 8 // bits
+    pad = (-codes.numel()) % per
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(pad)])
+    grid = codes.view(-1, per).to(torch.int32)
+    shifts = torch.arange(per, dtype=torch.int32) * bits
+    return tensor_bytes((grid << shifts).sum(dim=1).to(torch.uint8))
+
+
+def unpack_bits(buf: memoryview, count: int, bits: int) -> torch.Tensor:
+    """The ``count`` codes packed in ``buf`` as a flat uint8 tensor; ``CorruptBlockError`` on a length mismatch."""
+    if len(buf) != packed_len(count, bits):
+        raise CorruptBlockError(f"packed codes are {len(buf)} bytes, expected {packed_len(count, bits)}")
+    packed = tensor_from_bytes(buf, torch.uint8, (len(buf),), copy=False)
+    if bits == 8:
+        return packed
+    per = 8 // bits
+    shifts = (torch.arange(per, dtype=torch.uint8) * bits).to(torch.uint8)
+    mask = (1 << bits) - 1
+    return ((packed.unsqueeze(1) >> shifts) & mask).reshape(-1)[:count]
+
+
+def half_bytes(t: torch.Tensor) -> memoryview:
+    """fp16 bytes of ``t``."""
+    return tensor_bytes(t.to(torch.float16))
+
+
+def half_from(buf: memoryview, shape: tuple[int, ...], what: str, codec: str) -> torch.Tensor:
+    """A float32 tensor from fp16 bytes, after checking the length."""
+    n = 1
+    for s in shape:
+        n *= s
+    if len(buf) != 2 * n:
+        raise CorruptBlockError(f"{codec} payload: {what} is {len(buf)} bytes, expected {2 * n}")
+    return tensor_from_bytes(buf, torch.float16, shape, copy=False).float()

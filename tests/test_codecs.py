@@ -1,0 +1,307 @@
+"""Codecs: round trips within each codec's documented bound, corruption, parameters, and a tiered store."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import FINGERPRINT, key_of, make_block
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from compress import available_codecs, get_codec
+from compress.sparse import compact_block, kept_mask, mark_dropped
+from kvstore import KVBlock
+from kvstore.encoding import decode_block, encode_block
+from kvstore.errors import CodecParamError, CorruptBlockError
+
+LOSSLESS = ["raw", "zstd"]
+LOSSY = ["fp16", "bf16", "int8", "int4", "int2", "cachegen"]
+ALL = LOSSLESS + LOSSY + ["sparse"]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+OUT_EPS = {torch.float32: 2**-23, torch.float16: 2**-10, torch.bfloat16: 2**-7}
+
+
+def test_every_codec_is_registered() -> None:
+    assert set(ALL) <= set(available_codecs())
+
+
+def _groups_bound(x: torch.Tensor, group: int, bits: int) -> torch.Tensor:
+    """The documented per-element bound s/2 + 2^-11 |min| of a group quantizer over rows of ``x`` ``[rows, n]``."""
+    rows, n = x.shape
+    groups = (n + group - 1) // group
+    pad = groups * group - n
+    padded = torch.cat([x, x[:, -1:].expand(rows, pad)], dim=1) if pad else x
+    g = padded.view(rows, groups, group)
+    lo, hi = g.amin(2), g.amax(2)
+    step = (hi - lo.half().float()).clamp_min(0) / ((1 << bits) - 1)
+    bound = step * (1 + 2**-9) / 2 + 2**-11 * lo.abs() + 1e-6
+    return bound.repeat_interleave(group, dim=1)[:, :n]
+
+
+def _bound(name: str, codec, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+    k, v = keys.float(), values.float()
+    layers, heads, tokens, dim = k.shape
+    if name in LOSSLESS:
+        return torch.zeros_like(k), torch.zeros_like(v)
+    if name == "fp16":
+        return k.abs() * 2**-11 + 2**-24, v.abs() * 2**-11 + 2**-24
+    if name == "bf16":
+        return k.abs() * 2**-8, v.abs() * 2**-8
+    if name in ("int8", "int4", "int2"):
+        kb = _groups_bound(k.permute(0, 1, 3, 2).reshape(-1, tokens), codec.group_size, codec.bits)
+        vb = _groups_bound(v.permute(0, 2, 1, 3).reshape(layers * tokens, -1), codec.group_size, codec.bits)
+        return (kb.view(layers, heads, dim, tokens).permute(0, 1, 3, 2),
+                vb.view(layers, tokens, heads, dim).permute(0, 2, 1, 3))
+    assert name == "cachegen"
+    shape = tuple(k.shape)
+    rows = codec._rows(keys, values)
+    zero, step = codec._expand_grid(*codec._grid_params(rows, shape), shape)
+    b = step * (1 + 2**-9) / 2 + 2**-10 * zero.abs() + 1e-6
+    b = b.reshape(2, layers, heads, dim, tokens).permute(0, 1, 2, 4, 3)
+    return b[0], b[1]
+
+
+def _check_round_trip(name: str, block: KVBlock, params: dict | None = None) -> None:
+    codec = get_codec(name, params)
+    data = encode_block(block, key_of(block), name, params)
+    back = decode_block(data, expected_key=key_of(block))
+    assert back.keys.shape == block.keys.shape and back.values.shape == block.values.shape
+    assert back.keys.dtype == block.dtype and back.values.dtype == block.dtype
+    if name in LOSSLESS:
+        assert torch.equal(back.keys, block.keys)
+        assert torch.equal(back.values, block.values)
+        return
+    kb, vb = _bound(name, codec, block.keys, block.values)
+    eps = OUT_EPS[block.dtype]
+    for got, want, bound in ((back.keys, block.keys, kb), (back.values, block.values, vb)):
+        err = (got.float() - want.float()).abs()
+        assert bool((err <= bound + eps * want.float().abs() * 2 + eps * bound).all()), (
+            f"{name}: max excess {(err - bound).max().item()}"
+        )
+
+
+@pytest.mark.parametrize("name", LOSSLESS + LOSSY)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens", [1, 7, 33, 256])
+def test_round_trip(name: str, dtype: torch.dtype, tokens: int) -> None:
+    _check_round_trip(name, make_block(tokens, layers=3, heads=2, head_dim=16, dtype=dtype))
+
+
+@pytest.mark.parametrize("name", LOSSLESS + LOSSY)
+def test_round_trip_gqa_layouts(name: str) -> None:
+    for heads, dim in ((1, 8), (3, 64), (8, 4)):
+        _check_round_trip(name, make_block(19, layers=2, heads=heads, head_dim=dim))
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("group", [1, 5, 32, 1000])
+def test_kivi_group_sizes(name: str, group: int) -> None:
+    _check_round_trip(name, make_block(37, layers=2, heads=3, head_dim=8), {"group_size": group})
+
+
+@pytest.mark.parametrize("params", [{"bits": 2, "early_extra_bits": 0}, {"bits": 6, "early_extra_bits": 2},
+                                    {"group_size": 2, "early_fraction": 1.0}, {"bits": 1, "early_fraction": 0.0},
+                                    {"key_group": 1}, {"key_group": 7}, {"key_group": 1000}])
+def test_cachegen_settings(params: dict) -> None:
+    _check_round_trip("cachegen", make_block(41, layers=4, heads=2, head_dim=8), params)
+
+
+def test_cachegen_uses_deltas_on_smooth_channels() -> None:
+    """Slowly drifting channels code as anchors + deltas, and are smaller than the same quantization packed."""
+    t = torch.arange(256, dtype=torch.float32)
+    keys = (torch.sin(t / 300)[None, None, :, None] * torch.linspace(1, 3, 16)).expand(2, 2, 256, 16).contiguous()
+    block = KVBlock(keys, keys.clone() * 0.5, tuple(range(256)), 0, FINGERPRINT)
+    _check_round_trip("cachegen", block)
+    codec = get_codec("cachegen", {"early_extra_bits": 0, "key_group": 256})
+    payload = memoryview(b"".join(bytes(p) for p in codec.encode(block.keys, block.values)))
+    assert len(payload) < 0.7 * block.keys.numel() * 2 * 4 / 8
+    flags = payload[4 + 8 * 8 : 4 + 8 * 8 + 1]  # first bits of the per-channel delta flags (section 0)
+    assert flags[0] != 0
+
+
+def test_cachegen_beats_packed_int4_on_gaussian_outliers() -> None:
+    gen = torch.Generator().manual_seed(3)
+    keys = torch.randn((4, 2, 256, 32), generator=gen)
+    keys[:, :, ::50] *= 4  # outliers stretch the ranges, as in real KV
+    block = KVBlock(keys, keys.flip(2).clone(), tuple(range(256)), 0, FINGERPRINT)
+    cachegen = len(encode_block(block, key_of(block), "cachegen", {"early_extra_bits": 0, "key_group": 256}))
+    int4 = len(encode_block(block, key_of(block), "int4", {"group_size": 256}))  # the same quantization grid
+    assert cachegen < 0.9 * int4
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    name=st.sampled_from(LOSSLESS + LOSSY),
+    layers=st.integers(1, 3),
+    heads=st.integers(1, 4),
+    tokens=st.integers(1, 70),
+    dim=st.sampled_from([1, 2, 8, 24]),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**16),
+)
+def test_round_trip_property(name, layers, heads, tokens, dim, dtype, seed) -> None:  # noqa: ANN001
+    _check_round_trip(name, make_block(tokens, layers=layers, heads=heads, head_dim=dim, dtype=dtype, seed=seed))
+
+
+def test_constant_and_zero_blocks() -> None:
+    for fill in (0.0, 3.5, -1e4):
+        keys = torch.full((2, 2, 9, 4), fill)
+        block = KVBlock(keys, keys.clone(), tuple(range(9)), 0, FINGERPRINT)
+        for name in LOSSLESS + LOSSY:
+            _check_round_trip(name, block)
+
+
+def test_empty_block_round_trips() -> None:
+    block = KVBlock(torch.zeros(2, 2, 0, 4), torch.zeros(2, 2, 0, 4), (), 0, FINGERPRINT)
+    for name in ALL:
+        back = decode_block(encode_block(block, key_of(block), name))
+        assert back.keys.shape == (2, 2, 0, 4)
+
+
+# -- sparse -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("inner", ["raw", "fp16", "int8", "cachegen"])
+def test_sparse_keeps_marked_tokens(inner: str) -> None:
+    block = make_block(50, layers=2, heads=3, head_dim=8, start_pos=100)
+    kept = [0, 1, 2, 3, 17, 30, 49]
+    sparse = mark_dropped(block, kept)
+    assert kept_mask(sparse.keys).nonzero().flatten().tolist() == kept
+    data = encode_block(sparse, key_of(sparse), "sparse", {"inner": inner})
+    assert len(data) < len(encode_block(block, key_of(block), inner))
+    back = decode_block(data)
+    assert back.keys.shape == block.keys.shape
+    assert kept_mask(back.keys).nonzero().flatten().tolist() == kept
+    assert torch.isnan(back.values[:, :, 5]).all()
+    compact = compact_block(back)
+    assert compact.num_tokens == len(kept)
+    assert compact.extra["positions"] == ",".join(str(100 + i) for i in kept)
+    assert compact.token_ids == tuple(block.token_ids[i] for i in kept)
+    tol = {"raw": 0.0, "fp16": 0.01, "int8": 0.05}.get(inner, 0.3)
+    assert torch.allclose(compact.keys, block.keys[:, :, kept], atol=tol, rtol=0.02)
+
+
+def test_sparse_zero_fill_and_all_dropped() -> None:
+    block = make_block(8)
+    back = decode_block(encode_block(mark_dropped(block, [2]), key_of(block), "sparse", {"fill": "zero"}))
+    assert back.keys[:, :, 0].abs().sum() == 0 and torch.equal(back.keys[:, :, 2], block.keys[:, :, 2].half().float())
+    none = decode_block(encode_block(mark_dropped(block, []), key_of(block), "sparse"))
+    assert torch.isnan(none.keys).all()
+
+
+# -- corruption -------------------------------------------------------------------------------------------------
+
+
+def _payload(name: str, block: KVBlock) -> tuple[memoryview, object]:
+    codec = get_codec(name)
+    src = mark_dropped(block, list(range(0, block.num_tokens, 2))) if name == "sparse" else block
+    return memoryview(b"".join(bytes(p) for p in codec.encode(src.keys, src.values))), codec
+
+
+@pytest.mark.parametrize("name", [n for n in ALL if n != "raw"])
+def test_flipped_bytes_raise(name: str) -> None:
+    block = make_block(21, layers=2, heads=2, head_dim=8)
+    payload, codec = _payload(name, block)
+    shape = tuple(block.keys.shape)
+    for pos in sorted({0, 3, 9, len(payload) // 3, len(payload) // 2, len(payload) - 5, len(payload) - 1}):
+        damaged = bytearray(payload)
+        damaged[pos] ^= 0x5A
+        with pytest.raises(CorruptBlockError):
+            codec.decode(memoryview(bytes(damaged)), shape, block.dtype, True)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_truncated_payloads_raise(name: str) -> None:
+    block = make_block(21, layers=2, heads=2, head_dim=8)
+    payload, codec = _payload(name, block)
+    shape = tuple(block.keys.shape)
+    for cut in (0, 1, len(payload) // 2, len(payload) - 1):
+        with pytest.raises(CorruptBlockError):
+            codec.decode(payload[:cut], shape, block.dtype, True)
+    with pytest.raises(CorruptBlockError):
+        codec.decode(memoryview(bytes(payload) + b"\0"), shape, block.dtype, True)
+
+
+@pytest.mark.parametrize("name", [n for n in ALL if n != "raw"])
+def test_wrong_shape_raises(name: str) -> None:
+    block = make_block(21, layers=2, heads=2, head_dim=8)
+    payload, codec = _payload(name, block)
+    with pytest.raises(CorruptBlockError):
+        codec.decode(payload, (2, 2, 22, 8), block.dtype, True)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_corrupt_encoded_block_raises(name: str) -> None:
+    block = make_block(13)
+    src = mark_dropped(block, [0, 5]) if name == "sparse" else block
+    data = encode_block(src, key_of(block), name)
+    damaged = bytearray(data)
+    damaged[len(data) - 20] ^= 0xFF
+    with pytest.raises(CorruptBlockError):
+        decode_block(bytes(damaged))
+    with pytest.raises(CorruptBlockError):
+        decode_block(data[:-30])
+
+
+# -- parameters -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "named"),
+    [
+        ("int4", {"group": 32}, "group"),
+        ("int8", {"bits": 4}, "bits"),
+        ("zstd", {"levle": 3}, "levle"),
+        ("cachegen", {"anchors": 2}, "anchors"),
+        ("sparse", {"keep": [1]}, "keep"),
+        ("fp16", {"x": 1}, "x"),
+    ],
+)
+def test_unknown_params_are_named(name: str, params: dict, named: str) -> None:
+    with pytest.raises(CodecParamError, match=named):
+        get_codec(name, params)
+
+
+@pytest.mark.parametrize(
+    ("name", "params"),
+    [
+        ("int4", {"group_size": 0}),
+        ("int2", {"group_size": "32"}),
+        ("zstd", {"level": 99}),
+        ("cachegen", {"bits": 0}),
+        ("cachegen", {"bits": 7, "early_extra_bits": 2}),
+        ("cachegen", {"early_fraction": 1.5}),
+        ("sparse", {"inner": "nope"}),
+        ("sparse", {"inner": "int4", "inner_params": {"bogus": 1}}),
+        ("sparse", {"fill": "ones"}),
+    ],
+)
+def test_invalid_params_raise(name: str, params: dict) -> None:
+    with pytest.raises(CodecParamError, match=next(iter(params))):
+        get_codec(name, params)
+
+
+# -- through the store ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("disk_codec", ["int8", "cachegen", "zstd"])
+def test_tiered_store_memory_raw_disk_compressed(tmp_path, disk_codec: str) -> None:  # noqa: ANN001
+    from kvstore.embedded import open_embedded_store
+
+    blocks = [make_block(n + 5, layers=2, heads=2, head_dim=16, start_pos=n) for n in range(3)]
+    store = open_embedded_store(tmp_path / "data", disk_codec=disk_codec, durable=False)
+    try:
+        store.put_many([(key_of(b), b) for b in blocks])
+        store.close()
+        store = open_embedded_store(tmp_path / "data", memory_bytes=None, disk_codec=disk_codec, durable=False)
+        got = store.get_many([key_of(b) for b in blocks], fingerprint=FINGERPRINT)
+        for block, back in zip(blocks, got, strict=True):
+            assert back is not None and back.token_ids == block.token_ids
+            tol = {"zstd": 0.0, "int8": 0.05}[disk_codec] if disk_codec != "cachegen" else 0.25
+            assert torch.allclose(back.keys, block.keys, atol=tol) and torch.allclose(back.values, block.values,
+                                                                                       atol=tol)
+    finally:
+        store.close()
+    assert math.isfinite(float(blocks[0].keys.sum()))
