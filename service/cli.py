@@ -104,6 +104,55 @@ def bench_ttft(
         lengths=parsed, runs=runs, model_name=model, block_size=block_size, console=console, disk_codec=codec)
 
 
+@app.command()
+def precompute(
+    paths: Annotated[list[Path], typer.Argument(help=".txt files or .jsonl files ({title, abstract} or {text})")],
+    data_dir: Annotated[Path, typer.Option(help="embedded store directory")] = Path("kv-data"),
+    model: ModelOpt = "smollm2-135m",
+    namespace: Annotated[str, typer.Option(help="tenant namespace of the chunks")] = "default",
+    chunk_size: Annotated[int, typer.Option(min=1, help="tokens per chunk")] = 256,
+    overlap: Annotated[int, typer.Option(min=0, help="tokens shared by consecutive chunks")] = 0,
+    pin: Annotated[bool, typer.Option(help="pin the chunks in the store")] = False,
+) -> None:
+    """RAG (TurboRAG): chunk documents and store each chunk's KV position-independently; resumable."""
+    from adapters.model import load_model
+    from adapters.rag import precompute as run_precompute
+    from kvstore.embedded import open_embedded_store
+
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise KVShelfError(f"no such file(s): {', '.join(missing)}")
+    if overlap >= chunk_size:
+        raise KVShelfError(f"--overlap ({overlap}) must be smaller than --chunk-size ({chunk_size})")
+    loaded, tokenizer = load_model(model)
+    store = open_embedded_store(data_dir)
+    try:
+        summary = run_precompute(None, loaded, tokenizer, store, paths=paths, namespace=namespace,
+                                 chunk_size=chunk_size, overlap=overlap, pin=pin)
+    finally:
+        store.close()
+    console.print_json(json.dumps(summary, default=str))
+
+
+@bench_app.command("rag")
+def bench_rag(
+    json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+    corpus: Annotated[Path | None, typer.Option(help="JSONL of {title, abstract}")] = None,
+    cases: Annotated[int, typer.Option(min=1, help="needle QA cases")] = 40,
+    runs: Annotated[int, typer.Option(min=1, help="runs per TTFT measurement (median)")] = 3,
+    model: ModelOpt = "smollm2-135m",
+) -> None:
+    """Needle QA over 8 retrieved chunks: full vs reuse vs reuse-blend vs block attention; TTFT at 8x512."""
+    from bench.common import default_corpus
+    from bench.rag import run
+
+    if corpus is not None and not corpus.is_file():
+        raise KVShelfError(f"corpus {corpus} does not exist")
+    chosen = corpus or default_corpus()
+    run(json_path=str(json_path) if json_path else None, corpus=str(chosen) if chosen else None, cases=cases,
+        runs=runs, model_name=model, console=console)
+
+
 @bench_app.command("codecs")
 def bench_codecs(
     json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,

@@ -1,0 +1,148 @@
+"""Prompt modules (Prompt Cache, Gim et al., MLSys 2024) for HF models through a kvshelf store.
+
+``PromptModuleGenerator(model, tokenizer, store, schema)`` compiles a ``reuse.schema.PromptSchema`` (markup or
+Python), ``precompute()``s each module's KV at its schema positions (pinned in the store), and ``generate``s from a
+prompt (markup or a list of ``ModuleUse`` / free text): the modules' KV is loaded and only parameter values and
+free text are prefilled, at their positions. A prompt whose modules sit at their schema positions with no gap
+before the free text (a module at 0, or ``scope="prefix"`` modules after their predecessors) gives the same KV,
+and so the same output, as full prefill; independently encoded later modules and text after a parameter slot do
+not see what comes before them (the paper's approximation).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from adapters.cache_bridge import check_supported
+from adapters.fingerprint import model_fingerprint
+from adapters.reuse_engine import Layout, eos_ids, greedy_decode, prefill_rows
+from kvstore.block import KVBlock
+from kvstore.errors import ConfigError
+from kvstore.store import TieredStore
+from reuse.errors import SchemaError
+from reuse.keys import module_key
+from reuse.schema import Assembly, CompiledModule, PromptItem, PromptSchema, assemble, parse_prompt
+
+
+@dataclass(frozen=True)
+class ModuleResult:
+    new_ids: list[int]
+    text: str | None
+    prompt_tokens: int
+    reused_tokens: int  # module tokens whose KV came from the store
+    prefilled_tokens: int
+    ttft_s: float
+    total_s: float
+    assembly: Assembly = field(repr=False)
+    first_logits: torch.Tensor = field(repr=False)
+
+
+class PromptModuleGenerator:
+    """Generate from prompts assembled from a schema's cached modules plus parameters and free text."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, store: TieredStore | None,
+                 schema: PromptSchema | str, *, namespace: str = "default") -> None:
+        check_supported(model.config)
+        self.model, self.tokenizer, self.store, self.namespace = model, tokenizer, store, namespace
+        self.fingerprint = model_fingerprint(model)
+        self.schema = PromptSchema.from_markup(schema) if isinstance(schema, str) else schema
+        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        self.compiled = self.schema.compile(self.tokenize, self.max_positions)
+        self._by_name = {m.name: m for m in self.compiled.modules}
+
+    def tokenize(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ConfigError("prompt modules need a tokenizer")
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def key(self, module: CompiledModule) -> bytes:
+        scope = [t for name in module.scope for t in self._by_name[name].tokens]
+        return module_key(self.fingerprint, self.namespace, module.tokens, module.positions, scope)
+
+    def _compute(self, module: CompiledModule, done: dict[str, KVBlock]) -> KVBlock:
+        """A module's KV at its positions, after its scope modules (their KV in ``done``)."""
+        scope = [done[name] for name in module.scope]
+        rows_before = sum(b.num_tokens for b in scope)
+        layout = Layout.empty(self.model, rows_before + len(module.tokens))
+        row = 0
+        for block in scope:
+            layout.fill(row, block.keys, block.values)
+            row += block.num_tokens
+        rows = list(range(rows_before, layout.rows))
+        prefill_rows(self.model, layout, module.tokens, module.positions, rows)
+        k, v = layout.take(torch.tensor(rows))
+        return KVBlock(k, v, module.tokens, module.start, self.fingerprint, self.namespace)
+
+    @torch.inference_mode()
+    def module_blocks(self, names: Sequence[str], *, pin: bool = True) -> tuple[dict[str, KVBlock], int]:
+        """KV of ``names`` (and their scopes), from the store or computed and stored pinned; (blocks, computed)."""
+        needed: list[str] = []
+        for name in names:
+            for dep in (*self._by_name[name].scope, name):
+                if dep not in needed:
+                    needed.append(dep)
+        needed.sort(key=lambda n: [m.name for m in self.compiled.modules].index(n))
+        keys = [self.key(self._by_name[n]) for n in needed]
+        loaded = (self.store.get_many(keys, fingerprint=self.fingerprint, namespace=self.namespace, copy=False)
+                  if self.store is not None else [None] * len(keys))
+        done: dict[str, KVBlock] = {}
+        computed = 0
+        for name, key, block in zip(needed, keys, loaded, strict=True):
+            module = self._by_name[name]
+            if block is not None and list(block.token_ids) != list(module.tokens):
+                raise SchemaError(f"stored KV of module {name!r} does not match its tokens")
+            if block is None:
+                block = self._compute(module, done)
+                computed += 1
+                if self.store is not None:
+                    self.store.put_many([(key, block)], pin=pin)
+            done[name] = block
+        return done, computed
+
+    def precompute(self, *, pin: bool = True) -> dict[str, Any]:
+        """Compute and store (pinned) every module not yet stored; returns ``{"modules", "computed", "tokens"}``."""
+        names = [m.name for m in self.compiled.modules]
+        _, computed = self.module_blocks(names, pin=pin)
+        return {"modules": len(names), "computed": computed,
+                "tokens": sum(len(m.tokens) for m in self.compiled.modules)}
+
+    def assemble(self, prompt: str | Sequence[PromptItem], max_new_tokens: int = 0) -> Assembly:
+        if isinstance(prompt, str):
+            schema_name, items = parse_prompt(prompt)
+            if schema_name is not None and schema_name != self.compiled.name:
+                raise SchemaError(f"the prompt names schema {schema_name!r}, this generator has {self.compiled.name!r}")
+        else:
+            items = list(prompt)
+        return assemble(self.compiled, items, self.tokenize, max_positions=self.max_positions,
+                        max_new_tokens=max_new_tokens)
+
+    @torch.inference_mode()
+    def generate(self, prompt: str | Sequence[PromptItem], *, max_new_tokens: int = 32, reuse: bool = True,
+                 eos_token_id: int | Sequence[int] | None | str = "default") -> ModuleResult:
+        """Greedy generation. ``reuse=False`` prefills every row (modules included) at the same positions."""
+        started = time.perf_counter()
+        assembly = self.assemble(prompt, max_new_tokens)
+        n = len(assembly.tokens)
+        layout = Layout.empty(self.model, n)
+        cached = [c is not None for c in assembly.cached_by] if reuse else [False] * n
+        if reuse:
+            blocks, _ = self.module_blocks([m.name for m in assembly.modules])
+            for module in assembly.modules:
+                rows = torch.tensor([i for i, c in enumerate(assembly.cached_by) if c == module.name])
+                block = blocks[module.name]
+                layout.fill_rows(rows, block.keys, block.values)
+        cached[-1] = False  # the last row is always computed: its logits give the first new token
+        rows = [i for i in range(n) if not cached[i]]
+        first = prefill_rows(self.model, layout, [assembly.tokens[i] for i in rows],
+                             [assembly.positions[i] for i in rows], rows)
+        decoded = greedy_decode(self.model, layout.to_cache(self.model), first, assembly.positions[-1] + 1,
+                                max_new_tokens, eos=eos_ids(self.model, eos_token_id))
+        text = self.tokenizer.decode(decoded.new_ids, skip_special_tokens=True) if self.tokenizer else None
+        return ModuleResult(decoded.new_ids, text, n, n - len(rows), len(rows), decoded.first_token_at - started,
+                            decoded.finished_at - started, assembly, first)

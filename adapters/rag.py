@@ -1,0 +1,370 @@
+"""RAG chunk caches (TurboRAG, Lu et al. 2024), Block-Attention (Sun et al. 2024), CacheBlend selective recompute
+(Yao et al. 2025) and APE-style scaling (Yang et al. 2025) for HF models through a kvshelf store.
+
+Offline, ``precompute`` chunks documents by tokens and stores each chunk's KV computed alone at position 0 under
+its position-independent ``chunk_key``. At query time ``RAGGenerator.generate(chunks, question, mode=...)``:
+
+* ``full``: no reuse; the prefix, the chunks and the question are prefilled together (the reference);
+* ``reuse``: the chunks' KV is loaded in the given order, keys re-rotated to their new positions, and only the
+  question is prefilled (TurboRAG);
+* ``reuse-blend``: as ``reuse``, then every chunk token is recomputed through layers ``0..select_layer``, the
+  ``ratio`` (default 15%) whose KV deviates most at ``select_layer`` go on through the remaining layers, and
+  their fresh KV is blended in (CacheBlend);
+* ``block-attention``: each chunk is encoded after the shared prefix only (a block-diagonal mask) and cached
+  under a key that includes the prefix; the question (the last block) attends to everything.
+
+A chunk is never used for another model: chunk keys include the model fingerprint, and a loaded block is checked
+again. A chunk not stored for this model is recomputed (and stored) by default, or raises ``ChunkMissingError``
+with ``on_missing="error"``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from adapters.cache_bridge import blocks_from_cache, check_supported
+from adapters.fingerprint import model_fingerprint
+from adapters.reuse_engine import (
+    Layout,
+    embed,
+    eos_ids,
+    greedy_decode,
+    inv_freq,
+    last_logits,
+    prefill_rows,
+    run_layers,
+)
+from kvstore.block import KVBlock
+from kvstore.errors import ConfigError
+from kvstore.store import TieredStore
+from reuse.blend import DEFAULT_RATIO, check_ratio, kv_deviation, select_recompute
+from reuse.chunking import chunk_tokens
+from reuse.errors import ChunkMissingError, ContextTooLongError, ForeignChunkError
+from reuse.keys import prefixed_block_key, rag_chunk_key
+from reuse.masks import PREFIX, block_mask, causal_mask
+from reuse.rope import rerotate_keys
+
+MODES = ("full", "reuse", "reuse-blend", "block-attention")
+Text = str | Sequence[int]
+
+
+def _encode(tokenizer: PreTrainedTokenizerBase | None, text: Text) -> list[int]:
+    if isinstance(text, str):
+        if tokenizer is None:
+            raise ConfigError("text needs a tokenizer; pass token ids or a tokenizer")
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return [int(t) for t in text]
+
+
+def read_documents(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
+    """Documents from files: a ``.jsonl`` gives one per line (``text``, or ``title`` + ``abstract``); any other
+    file is one document."""
+    docs: list[str] = []
+    for path in paths:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"document file {p} does not exist")
+        if p.suffix == ".jsonl":
+            for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ConfigError(f"{p}: line {n} is not JSON: {exc}") from None
+                text = record.get("text") or f"{record.get('title', '')}. {record.get('abstract', '')}"
+                docs.append(text)
+        else:
+            docs.append(p.read_text(encoding="utf-8"))
+    return docs
+
+
+@torch.inference_mode()
+def compute_chunk(model: PreTrainedModel, ids: Sequence[int], fingerprint: str, namespace: str) -> KVBlock:
+    """The KV of ``ids`` computed alone at position 0: a block ``[layers, kv_heads, len(ids), head_dim]``."""
+    input_ids = torch.tensor([list(ids)], device=model.device)
+    out = model(input_ids=input_ids, use_cache=True, past_key_values=DynamicCache(config=model.config),
+                logits_to_keep=1)
+    (block,) = blocks_from_cache(out.past_key_values, ids, start=0, end=len(ids), block_size=len(ids),
+                                 fingerprint=fingerprint, namespace=namespace)
+    return block
+
+
+def precompute(
+    documents: Iterable[str] | None,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    store: TieredStore,
+    *,
+    paths: Sequence[str | os.PathLike[str]] = (),
+    namespace: str = "default",
+    chunk_size: int = 256,
+    overlap: int = 0,
+    pin: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Chunk documents (texts and/or files) by tokens and store each chunk's KV at position 0 (TurboRAG).
+
+    Resumable: chunks already in the store (for this model and namespace) are skipped, and each chunk is stored
+    as soon as it is computed, so an interrupted run loses at most one chunk. Returns a summary:
+    ``{"documents", "chunks", "computed", "skipped", "tokens", "computed_tokens", "seconds"}``.
+    """
+    check_supported(model.config)
+    texts = list(documents or []) + read_documents(paths)
+    fingerprint = model_fingerprint(model)
+    chunks = [c for text in texts for c in chunk_tokens(_encode(tokenizer, text), chunk_size, overlap)]
+    started = time.perf_counter()
+    computed = skipped = computed_tokens = 0
+    for ids in tqdm(chunks, desc="precompute chunks", unit="chunk", disable=not progress):
+        key = rag_chunk_key(fingerprint, namespace, ids)
+        if store.contains_many([key], namespace=namespace, model=fingerprint) == 1:
+            skipped += 1
+            continue
+        store.put_many([(key, compute_chunk(model, ids, fingerprint, namespace))], pin=pin)
+        computed += 1
+        computed_tokens += len(ids)
+    return {"documents": len(texts), "chunks": len(chunks), "computed": computed, "skipped": skipped,
+            "tokens": sum(len(c) for c in chunks), "computed_tokens": computed_tokens,
+            "seconds": round(time.perf_counter() - started, 3)}
+
+
+@dataclass(frozen=True)
+class RAGResult:
+    """One ``RAGGenerator.generate`` call."""
+
+    mode: str
+    new_ids: list[int]
+    text: str | None
+    prompt_tokens: int
+    reused_chunks: int  # chunks (or blocks) whose KV came from the store
+    computed_chunks: int  # chunks computed by this call (missing in the store)
+    recomputed_tokens: int  # reuse-blend: chunk tokens recomputed through the upper layers
+    ttft_s: float
+    total_s: float
+    first_logits: torch.Tensor = field(repr=False)  # [vocab] float32
+
+
+class RAGGenerator:
+    """Query-time assembly of cached chunks.
+
+    Args:
+        model, tokenizer, store: the HF model, its tokenizer (for string inputs), a kvshelf store (``None``:
+            every chunk is computed per call).
+        prefix: an optional shared prefix (system prompt) placed before the chunks; cached as a chunk at 0.
+        recompute_ratio: ``reuse-blend``'s share of chunk tokens recomputed (CacheBlend's r, default 0.15).
+        select_layer: the layer at which ``reuse-blend`` measures KV deviation (default 1; layer 0's K/V do not
+            depend on context, so it cannot be 0).
+        ape: ``(temperature, scale)``: APE-style attention for parallel chunks: later tokens' logits on chunk keys
+            are divided by ``temperature`` and shifted by ``log(scale)``. Off by default (see the README).
+        on_missing: ``"recompute"`` (default) or ``"error"`` for a chunk not stored for this model.
+    """
+
+    def __init__(
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None,
+        store: TieredStore | None = None, *, namespace: str = "default", prefix: Text | None = None,
+        recompute_ratio: float = DEFAULT_RATIO, select_layer: int = 1, ape: tuple[float, float] | None = None,
+        on_missing: str = "recompute",
+    ) -> None:
+        check_supported(model.config)
+        self.model, self.tokenizer, self.store, self.namespace = model, tokenizer, store, namespace
+        self.fingerprint = model_fingerprint(model)
+        self.inv_freq = inv_freq(model)
+        self.prefix = _encode(tokenizer, prefix) if prefix is not None else []
+        self.ratio = check_ratio(recompute_ratio)
+        layers = model.config.get_text_config(decoder=True).num_hidden_layers
+        if not 1 <= select_layer < layers:
+            raise ConfigError(f"select_layer must be in [1, {layers - 1}], got {select_layer}")
+        self.select_layer = select_layer
+        if ape is not None and (ape[0] <= 0 or ape[1] <= 0):
+            raise ConfigError(f"ape=(temperature, scale) must both be > 0, got {ape}")
+        self.ape = ape
+        if on_missing not in ("recompute", "error"):
+            raise ConfigError(f"on_missing must be 'recompute' or 'error', got {on_missing!r}")
+        self.on_missing = on_missing
+
+    # -- chunk KV -------------------------------------------------------------------------------------
+
+    def _load(self, keys: list[bytes], token_lists: list[list[int]]) -> list[KVBlock | None]:
+        if self.store is None or not keys:
+            return [None] * len(keys)
+        blocks = self.store.get_many(keys, fingerprint=self.fingerprint, namespace=self.namespace, copy=False,
+                                     tokens=[len(t) for t in token_lists])
+        for block, ids in zip(blocks, token_lists, strict=True):
+            if block is not None and (block.fingerprint != self.fingerprint or list(block.token_ids) != ids):
+                raise ForeignChunkError(
+                    f"the store returned a chunk of model {block.fingerprint} / {len(block.token_ids)} tokens for "
+                    f"model {self.fingerprint} / {len(ids)} tokens; it is never used"
+                )
+        return blocks
+
+    def _missing(self, what: str) -> None:
+        if self.on_missing == "error":
+            raise ChunkMissingError(
+                f"{what} is not stored for model {self.fingerprint} in namespace {self.namespace!r} (never "
+                f"precomputed, evicted, or stored by another model); run precompute, or use on_missing='recompute'"
+            )
+
+    def chunk_blocks(self, chunks: list[list[int]]) -> tuple[list[KVBlock], int]:
+        """Each chunk's KV at position 0, from the store or computed (and stored); returns (blocks, computed)."""
+        keys = [rag_chunk_key(self.fingerprint, self.namespace, ids) for ids in chunks]
+        blocks = self._load(keys, chunks)
+        computed = 0
+        for i, (block, ids) in enumerate(zip(blocks, chunks, strict=True)):
+            if block is None:
+                self._missing(f"chunk {i} ({len(ids)} tokens)")
+                blocks[i] = compute_chunk(self.model, ids, self.fingerprint, self.namespace)
+                if self.store is not None:
+                    self.store.put_many([(keys[i], blocks[i])])
+                computed += 1
+        return blocks, computed  # type: ignore[return-value]
+
+    def _prefix_block(self) -> KVBlock | None:
+        if not self.prefix:
+            return None
+        key = rag_chunk_key(self.fingerprint, self.namespace, self.prefix)
+        (block,) = self._load([key], [self.prefix])
+        if block is None:
+            block = compute_chunk(self.model, self.prefix, self.fingerprint, self.namespace)
+            if self.store is not None:
+                self.store.put_many([(key, block)])
+        return block
+
+    def block_attention_blocks(self, chunks: list[list[int]], prefix_block: KVBlock | None) -> tuple[list[KVBlock],
+                                                                                                       int]:
+        """Each chunk encoded after the prefix only (Block-Attention), at positions ``len(prefix)...``; missing
+        ones are computed together in one forward under a block-diagonal mask and stored."""
+        p = len(self.prefix)
+        keys = [prefixed_block_key(self.fingerprint, self.namespace, self.prefix, ids) for ids in chunks]
+        blocks = self._load(keys, chunks)
+        missing = [i for i, b in enumerate(blocks) if b is None]
+        if missing:
+            for i in missing:
+                self._missing(f"block {i} ({len(chunks[i])} tokens, after a {p}-token prefix)")
+            total = p + sum(len(chunks[i]) for i in missing)
+            layout = Layout.empty(self.model, total)
+            if prefix_block is not None:
+                layout.fill(0, prefix_block.keys, prefix_block.values)
+            segments = torch.full((total,), PREFIX, dtype=torch.long)
+            ids, positions, starts, row = [], [], [], p
+            for n, i in enumerate(missing):
+                segments[row : row + len(chunks[i])] = n
+                ids += chunks[i]
+                positions += list(range(p, p + len(chunks[i])))
+                starts.append(row)
+                row += len(chunks[i])
+            rows = torch.arange(p, total)
+            hidden = embed(self.model, ids)
+            run_layers(self.model, layout, hidden, torch.tensor(positions), rows,
+                       block_mask(rows, segments, self.model.dtype), range(self.model.config.num_hidden_layers))
+            for n, i in enumerate(missing):
+                k, v = layout.take(torch.arange(starts[n], starts[n] + len(chunks[i])))
+                blocks[i] = KVBlock(k, v, tuple(chunks[i]), p, self.fingerprint, self.namespace)
+                if self.store is not None:
+                    self.store.put_many([(keys[i], blocks[i])])
+        return blocks, len(missing)  # type: ignore[return-value]
+
+    # -- generation -----------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def generate(
+        self, chunks: Sequence[Text], question: Text, *, mode: str = "reuse", max_new_tokens: int = 32,
+        eos_token_id: int | Sequence[int] | None | str = "default",
+    ) -> RAGResult:
+        """Answer ``question`` over ``chunks`` (in this order) after the prefix; greedy decoding."""
+        if mode not in MODES:
+            raise ConfigError(f"unknown mode {mode!r}; use one of {MODES}")
+        started = time.perf_counter()
+        chunk_ids = [_encode(self.tokenizer, c) for c in chunks]
+        if any(not c for c in chunk_ids):
+            raise ConfigError("a chunk is empty")
+        q_ids = _encode(self.tokenizer, question)
+        if not q_ids:
+            raise ConfigError("the question is empty")
+        p, c_total = len(self.prefix), sum(len(c) for c in chunk_ids)
+        total = p + c_total + len(q_ids)
+        max_positions = getattr(self.model.config, "max_position_embeddings", None)
+        if max_positions and total + max_new_tokens > max_positions:
+            raise ContextTooLongError(
+                f"prefix {p} + chunks {c_total} + question {len(q_ids)} + {max_new_tokens} new tokens = "
+                f"{total + max_new_tokens} positions, over the model's {max_positions}"
+            )
+        reused = computed = recomputed = 0
+        bias = None
+        if mode == "full":
+            ids = self.prefix + [t for c in chunk_ids for t in c] + q_ids
+            out = self.model(input_ids=torch.tensor([ids], device=self.model.device), use_cache=True,
+                             past_key_values=DynamicCache(config=self.model.config), logits_to_keep=1)
+            cache, first = out.past_key_values, out.logits[0, -1].float()
+        else:
+            prefix_block = self._prefix_block()
+            if mode == "block-attention":
+                blocks, computed = self.block_attention_blocks(chunk_ids, prefix_block)
+            else:
+                blocks, computed = self.chunk_blocks(chunk_ids)
+            reused = len(blocks) - computed
+            layout = Layout.empty(self.model, total)
+            if prefix_block is not None:
+                layout.fill(0, prefix_block.keys, prefix_block.values)
+            row = p
+            for block in blocks:
+                layout.fill(row, rerotate_keys(block.keys, row - block.start_pos, self.inv_freq), block.values)
+                row += block.num_tokens
+            q_rows = list(range(p + c_total, total))
+            if mode == "reuse-blend":
+                first, recomputed = self._blend(layout, chunk_ids, q_ids)
+            else:
+                bias = self._apply_ape(layout, p, p + c_total)
+                first = prefill_rows(self.model, layout, q_ids, q_rows, q_rows, column_bias=bias)
+            cache = layout.to_cache(self.model)
+        decoded = greedy_decode(self.model, cache, first, total, max_new_tokens,
+                                eos=eos_ids(self.model, eos_token_id), column_bias=bias)
+        text = self.tokenizer.decode(decoded.new_ids, skip_special_tokens=True) if self.tokenizer else None
+        return RAGResult(mode, decoded.new_ids, text, total, reused, computed, recomputed,
+                         decoded.first_token_at - started, decoded.finished_at - started, first)
+
+    def _apply_ape(self, layout: Layout, start: int, end: int) -> torch.Tensor | None:
+        """APE-style: chunk keys scaled by ``1 / temperature`` (logits / T) and a ``log(scale)`` column bias."""
+        if self.ape is None:
+            return None
+        temperature, scale = self.ape
+        for keys in layout.keys:
+            keys[:, :, start:end] /= temperature
+        bias = torch.zeros(layout.rows, dtype=torch.float32)
+        bias[start:end] = math.log(scale)
+        return bias
+
+    def _blend(self, layout: Layout, chunk_ids: list[list[int]], q_ids: list[int]) -> tuple[torch.Tensor, int]:
+        """CacheBlend: recompute every chunk token (and the question) through layers ``0..select_layer``, choose
+        the ``ratio`` most deviating chunk tokens there, and carry only those plus the question through the rest."""
+        p = len(self.prefix)
+        c_ids = [t for c in chunk_ids for t in c]
+        n_chunk, total = len(c_ids), layout.rows
+        rows = torch.arange(p, total)
+        positions = rows.clone()
+        hidden = embed(self.model, c_ids + q_ids)
+        sel = self.select_layer
+        hidden = run_layers(self.model, layout, hidden, positions, rows, causal_mask(rows, total, self.model.dtype),
+                            range(sel))
+        old_k = layout.keys[sel][:, :, p : p + n_chunk].clone()
+        old_v = layout.values[sel][:, :, p : p + n_chunk].clone()
+        hidden = run_layers(self.model, layout, hidden, positions, rows, causal_mask(rows, total, self.model.dtype),
+                            range(sel, sel + 1))
+        deviation = kv_deviation(old_k, old_v, layout.keys[sel][:, :, p : p + n_chunk],
+                                 layout.values[sel][:, :, p : p + n_chunk])
+        chosen = select_recompute(deviation, self.ratio)
+        keep = torch.cat([chosen, torch.arange(n_chunk, n_chunk + len(q_ids))])  # indices into rows
+        rows, positions, hidden = rows[keep], positions[keep], hidden[:, keep]
+        hidden = run_layers(self.model, layout, hidden, positions, rows, causal_mask(rows, total, self.model.dtype),
+                            range(sel + 1, self.model.config.num_hidden_layers))
+        return last_logits(self.model, hidden), int(chosen.numel())

@@ -1,0 +1,232 @@
+"""``kvshelf bench rag``: needle QA over reused RAG chunks, TTFT at 8 x 512 tokens, and prompt-module TTFT.
+
+Needle QA: each case is 8 chunks of ~150-200 tokens (one corpus abstract each, cut to 185 tokens); one carries a
+planted sentence with a random 4-digit code; the question asks for it. Modes: ``full`` (no reuse), ``reuse``
+(TurboRAG: independent chunks, keys re-rotated), ``reuse-blend`` (CacheBlend, r = 15%), ``block-attention``
+(Block-Attention: chunks encoded after the system prompt), plus ``reuse-ape`` (APE-style temperature/scale).
+Chunk KV is precomputed once for the pool (not timed), as a RAG pipeline would. Reported per mode: accuracy (the
+code appears in the greedy answer), mean KL(full || mode) of the first answer token's distribution, mean TTFT and
+speedup vs ``full``, and accuracy with the chunk order shuffled.
+
+Second table: TTFT with 8 chunks x 512 tokens (median of ``runs``). Third: a 2,048-token prompt module plus 64
+free tokens vs full prefill, with the greedy outputs compared. Timings on a shared CPU are noisy.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import tempfile
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from tqdm import tqdm
+
+from bench.common import corpus_texts, machine_description, median, write_json
+
+SYSTEM = "You answer questions about the documents the user gives. Answer with the code only."
+QUESTION = "Question: What is the access code mentioned in one of the documents above? Answer with the 4-digit code."
+MODES = ("full", "reuse", "reuse-blend", "block-attention", "reuse-ape")
+APE = (0.9, 0.9)
+
+
+def _template(tokenizer: Any) -> tuple[str, str]:
+    marker = "\x00CTX\x00"
+    text = tokenizer.apply_chat_template(
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": marker}],
+        tokenize=False, add_generation_prompt=True,
+    )
+    before, after = text.split(marker)
+    return before + "Documents:\n\n", after
+
+
+def _enc(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+    p = torch.log_softmax(p_logits.double(), -1)
+    q = torch.log_softmax(q_logits.double(), -1)
+    return float((p.exp() * (p - q)).sum())
+
+
+def make_cases(tokenizer: Any, texts: list[str], cases: int, seed: int = 0) -> tuple[list[list[int]], list[dict]]:
+    """A pool of plain chunks and ``cases`` needle cases: ``{"chunks": [ids x 8], "code": str, "needle": i}``."""
+    rng = random.Random(seed)
+    texts = texts[: max(16, min(len(texts), 4 * cases))]  # a retrieval pool a few times the chunks asked for
+    trimmed = [tokenizer.decode(_enc(tokenizer, t)[:185]).strip() for t in texts]
+    pool = [_enc(tokenizer, t + "\n\n") for t in trimmed]
+    out = []
+    used: set[int] = set()
+    for _ in range(cases):
+        picks = rng.sample(range(len(pool)), 8)
+        used.update(picks)
+        needle = rng.randrange(8)
+        code = f"{rng.randrange(1000, 10000)}"
+        sentences = trimmed[picks[needle]].split(". ")
+        at = rng.randrange(1, max(2, len(sentences)))
+        sentences.insert(at, f"The access code of this study is {code}")
+        chunks = [pool[i] for i in picks]
+        chunks[needle] = _enc(tokenizer, ". ".join(sentences) + "\n\n")
+        out.append({"chunks": chunks, "code": code, "needle": needle})
+    return [pool[i] for i in sorted(used)], out
+
+
+def _generator(model: Any, tokenizer: Any, store: Any, prefix: list[int], mode: str) -> Any:
+    from adapters.rag import RAGGenerator
+
+    return RAGGenerator(model, tokenizer, store, prefix=prefix, ape=APE if mode == "reuse-ape" else None)
+
+
+def _mode_arg(mode: str) -> str:
+    return "reuse" if mode == "reuse-ape" else mode
+
+
+def needle_qa(model: Any, tokenizer: Any, texts: list[str], cases: int, store: Any, console: Console,
+              modes: tuple[str, ...] = MODES) -> list[dict[str, Any]]:
+    from adapters.rag import precompute
+
+    before, after = _template(tokenizer)
+    prefix, question = _enc(tokenizer, before), _enc(tokenizer, "\n" + QUESTION + after)
+    pool, needle_cases = make_cases(tokenizer, texts, cases)
+    rng = random.Random(1)
+    gens = {m: _generator(model, tokenizer, store, prefix, m) for m in modes}
+    # offline precompute (not timed): every chunk alone at 0, and every chunk as a block after the prefix
+    needle_chunks = [c["chunks"][c["needle"]] for c in needle_cases]
+    precompute([tokenizer.decode(prefix)], model, tokenizer, store, chunk_size=4096, progress=False)
+    for ids in tqdm(pool + needle_chunks, desc="precompute chunks + blocks", unit="chunk"):
+        gens["reuse"].chunk_blocks([ids])
+        if "block-attention" in gens:
+            gens["block-attention"].block_attention_blocks([ids], gens["block-attention"]._prefix_block())
+    rows: dict[str, dict[str, list]] = {m: {"hit": [], "hit_shuffled": [], "kl": [], "ttft": []} for m in modes}
+    for case in tqdm(needle_cases, desc="needle QA", unit="case"):
+        order = list(range(8))
+        rng.shuffle(order)
+        shuffled = [case["chunks"][i] for i in order]
+        reference = None
+        for mode in modes:
+            result = gens[mode].generate(case["chunks"], question, mode=_mode_arg(mode), max_new_tokens=8)
+            again = gens[mode].generate(shuffled, question, mode=_mode_arg(mode), max_new_tokens=8)
+            if mode == "full":
+                reference = result.first_logits
+            r = rows[mode]
+            r["hit"].append(case["code"] in (result.text or ""))
+            r["hit_shuffled"].append(case["code"] in (again.text or ""))
+            r["kl"].append(_kl(reference, result.first_logits) if reference is not None else 0.0)
+            r["ttft"].append(result.ttft_s)
+    full_ttft = statistics.fmean(rows["full"]["ttft"]) if "full" in rows else float("nan")
+    results = []
+    for mode in modes:
+        r = rows[mode]
+        ttft = statistics.fmean(r["ttft"])
+        results.append({"mode": mode, "accuracy": round(statistics.fmean(r["hit"]), 4),
+                        "accuracy_shuffled": round(statistics.fmean(r["hit_shuffled"]), 4),
+                        "kl": round(statistics.fmean(r["kl"]), 5), "ttft_s": round(ttft, 4),
+                        "speedup": round(full_ttft / ttft, 2), "cases": len(r["hit"]),
+                        "prompt_tokens": len(prefix) + sum(len(c) for c in needle_cases[0]["chunks"]) + len(question)})
+    return results
+
+
+def ttft_8x512(model: Any, tokenizer: Any, texts: list[str], store: Any, runs: int) -> list[dict[str, Any]]:
+    from bench.ttft import build_context
+
+    before, after = _template(tokenizer)
+    prefix, question = _enc(tokenizer, before), _enc(tokenizer, "\n" + QUESTION + after)
+    context = build_context(tokenizer, texts[100:], 8 * 512)
+    chunks = [context[i * 512 : (i + 1) * 512] for i in range(8)]
+    out = []
+    reference = None
+    for mode in ("full", "reuse", "reuse-blend", "block-attention"):
+        gen = _generator(model, tokenizer, store, prefix, mode)
+        gen.generate(chunks, question, mode=mode, max_new_tokens=1)  # warm: stores chunks / blocks
+        results = [gen.generate(chunks, question, mode=mode, max_new_tokens=1) for _ in range(runs)]
+        ttft = median([r.ttft_s for r in results])
+        reference = reference or ttft
+        out.append({"mode": mode, "chunks": 8, "chunk_tokens": 512, "prompt_tokens": results[0].prompt_tokens,
+                    "ttft_s": round(ttft, 4), "speedup": round(reference / ttft, 2),
+                    "recomputed_tokens": results[0].recomputed_tokens})
+    return out
+
+
+def prompt_module_ttft(model: Any, tokenizer: Any, texts: list[str], store: Any, runs: int,
+                       module_tokens: int = 2048, free_tokens: int = 64, new_tokens: int = 16) -> dict[str, Any]:
+    from adapters.generate import CachedGenerator
+    from adapters.prompt_modules import PromptModuleGenerator
+    from bench.ttft import build_context
+    from reuse.schema import Module, ModuleUse, PromptSchema
+
+    module_text = tokenizer.decode(build_context(tokenizer, texts, module_tokens + 40))
+    module_ids = _enc(tokenizer, module_text)[:module_tokens]
+    module_text = tokenizer.decode(module_ids)
+    free_ids = _enc(tokenizer, "\n\nQuestion: " + " ".join(texts[7].split()[:80]))[:free_tokens - 8]
+    free_ids += _enc(tokenizer, "\nSummary:")
+    free_text = tokenizer.decode(free_ids)
+    gen = PromptModuleGenerator(model, tokenizer, store, PromptSchema("bench", (Module("doc", (module_text,)),)))
+    gen.precompute()
+    assembly = gen.assemble([ModuleUse("doc"), free_text])
+    plain = CachedGenerator(model, tokenizer)
+    full = [plain.generate(list(assembly.tokens), max_new_tokens=new_tokens, reuse=False, store=False)
+            for _ in range(runs)]
+    cached = [gen.generate([ModuleUse("doc"), free_text],
+                           max_new_tokens=new_tokens) for _ in range(runs)]
+    full_ttft, cached_ttft = median([r.ttft_s for r in full]), median([r.ttft_s for r in cached])
+    return {"module_tokens": len(gen.compiled.modules[0].tokens), "free_tokens": assembly.uncached,
+            "full_ttft_s": round(full_ttft, 4), "module_ttft_s": round(cached_ttft, 4),
+            "speedup": round(full_ttft / cached_ttft, 2),
+            "same_output": all(r.new_ids == full[0].new_ids for r in cached)}
+
+
+def run(*, json_path: str | None, corpus: str | None, cases: int = 40, runs: int = 3,
+        model_name: str = "smollm2-135m", console: Console | None = None,
+        modes: tuple[str, ...] = MODES) -> dict[str, Any]:
+    from adapters.model import load_model
+    from kvstore.embedded import open_embedded_store
+
+    console = console or Console()
+    model, tokenizer = load_model(model_name)
+    texts = list(corpus_texts(corpus))
+    with tempfile.TemporaryDirectory(prefix="kvshelf-bench-rag-") as tmp:
+        store = open_embedded_store(tmp, memory_bytes="2GiB")
+        results = needle_qa(model, tokenizer, texts, cases, store, console, modes)
+        long_ctx = ttft_8x512(model, tokenizer, texts, store, runs)
+        modules = prompt_module_ttft(model, tokenizer, texts, store, runs)
+        store.close()
+    payload = {"model": model_name, "machine": machine_description(), "corpus": corpus or "synthetic",
+               "ape": list(APE), "recompute_ratio": 0.15, "results": results, "ttft_8x512": long_ctx,
+               "prompt_module": modules,
+               "note": "TTFT on a shared 2-core CPU; other processes may add noise"}
+    _print(console, payload)
+    if json_path:
+        write_json(json_path, payload)
+        console.print(f"wrote {json_path}")
+    return payload
+
+
+def _print(console: Console, payload: dict[str, Any]) -> None:
+    table = Table(title=f"RAG needle QA, {payload['model']} ({payload['machine']})")
+    for column in ("mode", "accuracy", "accuracy (shuffled)", "KL vs full", "TTFT (s)", "speedup", "cases"):
+        table.add_column(column, justify="right")
+    for r in payload["results"]:
+        table.add_row(r["mode"], f"{r['accuracy']:.1%}", f"{r['accuracy_shuffled']:.1%}", f"{r['kl']:.4f}",
+                      f"{r['ttft_s']:.3f}", f"{r['speedup']:.1f}x", str(r["cases"]))
+    console.print(table)
+    table = Table(title="TTFT, 8 chunks x 512 tokens (warm chunk cache)")
+    for column in ("mode", "prompt tokens", "TTFT (s)", "speedup", "recomputed tokens"):
+        table.add_column(column, justify="right")
+    for r in payload["ttft_8x512"]:
+        table.add_row(r["mode"], str(r["prompt_tokens"]), f"{r['ttft_s']:.3f}", f"{r['speedup']:.1f}x",
+                      str(r["recomputed_tokens"]))
+    console.print(table)
+    m = payload["prompt_module"]
+    table = Table(title="Prompt module: 2,048-token module + 64 free tokens")
+    for column in ("module tokens", "free tokens", "full TTFT (s)", "module TTFT (s)", "speedup", "same output"):
+        table.add_column(column, justify="right")
+    table.add_row(str(m["module_tokens"]), str(m["free_tokens"]), f"{m['full_ttft_s']:.3f}",
+                  f"{m['module_ttft_s']:.3f}", f"{m['speedup']:.1f}x", "yes" if m["same_output"] else "NO")
+    console.print(table)
+
+
+if __name__ == "__main__":
+    run(json_path="bench/results/rag.json", corpus=None)

@@ -1,0 +1,87 @@
+"""Context reuse on the real SmolLM2-135M-Instruct: prompt modules, RAG modes, foreign chunks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from adapters.generate import CachedGenerator
+from adapters.model import load_model, tiny_llama
+from adapters.prompt_modules import PromptModuleGenerator
+from adapters.rag import RAGGenerator, precompute
+from bench.common import corpus_texts, default_corpus
+from kvstore import open_embedded_store
+from reuse import ChunkMissingError, Module, ModuleUse, PromptSchema
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def texts():
+    corpus = default_corpus()
+    return list(corpus_texts(str(corpus) if corpus else None))
+
+
+def _enc(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_prompt_modules_at_schema_positions_equal_full_prefill(smollm2, texts, tmp_path):
+    model, tokenizer = smollm2
+    system = "<|im_start|>system\nYou summarise research abstracts.<|im_end|>\n<|im_start|>user\n"
+    schema = PromptSchema("papers", (Module("system", (system,)),
+                                     Module("paper", (texts[0][:700],), scope="prefix"),
+                                     Module("other", (texts[1][:300],))))
+    gen = PromptModuleGenerator(model, tokenizer, open_embedded_store(tmp_path), schema)
+    assert gen.precompute()["computed"] == 3
+    prompt = [ModuleUse("system"), ModuleUse("paper"), "\nWhat is the main idea?<|im_end|>\n<|im_start|>assistant\n"]
+    warm = gen.generate(prompt, max_new_tokens=16)
+    assembly = gen.assemble(prompt)
+    plain = CachedGenerator(model, tokenizer).generate(list(assembly.tokens), max_new_tokens=16, reuse=False,
+                                                       store=False)
+    assert warm.reused_tokens == len(gen.compiled.modules[0].tokens) + len(gen.compiled.modules[1].tokens)
+    assert warm.prefilled_tokens == len(assembly.tokens) - warm.reused_tokens
+    assert warm.new_ids == plain.new_ids
+
+
+def test_rag_modes_end_to_end_and_full_equals_plain_generate(smollm2, texts, tmp_path):
+    model, tokenizer = smollm2
+    store = open_embedded_store(tmp_path)
+    docs = [t[:500] for t in texts[:3]]
+    summary = precompute(docs, model, tokenizer, store, chunk_size=96, progress=False)
+    assert summary["computed"] == summary["chunks"] > 3
+    assert precompute(docs, model, tokenizer, store, chunk_size=96, progress=False)["skipped"] == summary["chunks"]
+    chunks = [_enc(tokenizer, d)[:96] for d in docs]
+    prefix = "<|im_start|>system\nAnswer from the documents.<|im_end|>\n<|im_start|>user\n"
+    question = "\nWhich topic does the first document study?<|im_end|>\n<|im_start|>assistant\n"
+    rag = RAGGenerator(model, tokenizer, store, prefix=prefix)
+    full = rag.generate(chunks, question, mode="full", max_new_tokens=12)
+    ids = _enc(tokenizer, prefix) + [t for c in chunks for t in c] + _enc(tokenizer, question)
+    plain = CachedGenerator(model, tokenizer).generate(ids, max_new_tokens=12, reuse=False, store=False)
+    assert full.new_ids == plain.new_ids
+    for mode in ("reuse", "reuse-blend", "block-attention"):
+        result = rag.generate(chunks, question, mode=mode, max_new_tokens=12)
+        assert result.new_ids and result.prompt_tokens == len(ids)
+        if mode != "block-attention":
+            assert result.reused_chunks == 3 and result.computed_chunks == 0  # precomputed above
+        print(mode, repr(result.text), "| full:", repr(full.text))
+    blend = rag.generate(chunks, question, mode="reuse-blend", max_new_tokens=1)
+    assert blend.recomputed_tokens == math.ceil(0.15 * sum(len(c) for c in chunks))
+
+
+def test_chunk_of_another_model_is_never_used(smollm2, tmp_path):
+    model, tokenizer = smollm2
+    store = open_embedded_store(tmp_path)
+    other = tiny_llama(seed=3, vocab=model.config.vocab_size)
+    chunks = [_enc(tokenizer, "Graph neural networks for molecules."), _enc(tokenizer, "Sparse attention.")]
+    RAGGenerator(other, tokenizer, store).chunk_blocks(chunks)
+    with pytest.raises(ChunkMissingError, match="another model"):
+        RAGGenerator(model, tokenizer, store, on_missing="error").generate(chunks, "What?", mode="reuse")
+    result = RAGGenerator(model, tokenizer, store).generate(chunks, "What?", mode="reuse", max_new_tokens=2)
+    assert (result.reused_chunks, result.computed_chunks) == (0, 2)
