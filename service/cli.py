@@ -153,6 +153,26 @@ def bench_rag(
         runs=runs, model_name=model, console=console)
 
 
+@bench_app.command("pruning")
+def bench_pruning(
+    json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+    corpus: Annotated[Path | None, typer.Option(help="JSONL of {title, abstract}")] = None,
+    cases: Annotated[int, typer.Option(min=1, help="needle QA cases (~1,300-token contexts)")] = 40,
+    windows: Annotated[int, typer.Option(min=1, help="2,048-token perplexity windows")] = 4,
+    kvpress: Annotated[bool, typer.Option(help="run NVIDIA kvpress in its own virtualenv as the anchor")] = True,
+    model: ModelOpt = "smollm2-135m",
+) -> None:
+    """Needle accuracy, perplexity increase, KV bytes and decode speed of each pruning method vs kvpress."""
+    from bench.common import default_corpus
+    from bench.pruning import run
+
+    if corpus is not None and not corpus.is_file():
+        raise KVShelfError(f"corpus {corpus} does not exist")
+    chosen = corpus or default_corpus()
+    run(json_path=str(json_path) if json_path else None, corpus=str(chosen) if chosen else None, cases=cases,
+        windows=windows, model_name=model, kvpress=kvpress, console=console)
+
+
 @bench_app.command("codecs")
 def bench_codecs(
     json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,

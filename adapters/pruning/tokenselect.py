@@ -1,0 +1,167 @@
+"""TokenSelect: dynamic per-head top-k of the cached tokens at each decode step, with a selection cache.
+
+Wu et al., "TokenSelect: Efficient Long-Context Inference and Length Extrapolation for LLMs via Dynamic
+Token-Level KV Cache Selection" (2024). The cache stays whole (it may live on a lower tier); each query attends
+only to the ``budget`` tokens each KV head scores highest by a per-head soft vote (softmax of every query head's
+logits, summed over its GQA group). Consecutive decode queries are similar, so a selection is reused while the
+cosine similarity of the new query to the one that made it stays >= ``similarity`` (the "selection cache").
+
+How it hooks transformers 5.x: a custom attention function registered in ``AttentionInterface`` (plus the
+sdpa mask in ``AttentionMaskInterface``) under ``kvshelf_tokenselect``; ``with TokenSelect(...)(model):``
+switches the model to it and back. The prefill of an empty cache runs as plain sdpa (full attention);
+afterwards a single query gathers its selection, and a chunk of queries (teacher forcing) masks per query to
+the top-k of the earlier cache plus its causal part of the chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from adapters.pruning.base import attention_modules, gather_tokens
+from adapters.pruning.budget import check_budget, resolve_budget
+from adapters.pruning.errors import PruningError
+
+IMPLEMENTATION = "kvshelf_tokenselect"
+_STATE = "_kvshelf_tokenselect"
+
+
+@dataclass
+class _LayerState:
+    query: torch.Tensor | None = None  # [b, h_q, d] query that made the selection
+    ranked: torch.Tensor | None = None  # [b, h_kv, k] selected indices, best first
+    tokens: int = 0  # cache length when it was made
+
+
+@dataclass
+class TokenSelect:
+    """Dynamic selection. ``budget``: ratio of the cached tokens (or a token count) each head attends per query.
+
+    Attributes after a run: ``steps`` decode steps seen, ``reused`` of them served from the selection cache.
+    """
+
+    budget: float | int = 0.125
+    similarity: float = 0.9
+    steps: int = 0
+    reused: int = 0
+    layers: dict[int, _LayerState] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_budget(self.budget)
+
+    @property
+    def name(self) -> str:
+        return "TokenSelect"
+
+    def keep(self, past: int) -> int:
+        """Tokens attended out of ``past`` cached ones (a count larger than the cache raises ``BudgetError``)."""
+        return resolve_budget(self.budget, past)
+
+    def vote(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Per-head soft vote: ``query [b, h_q, q, d]``, ``key [b, h_kv, n, d]`` -> ``[b, h_kv, q, n]``."""
+        g = module.num_key_value_groups
+        logits = (query.float() @ key.float().repeat_interleave(g, dim=1).transpose(2, 3)) * scaling
+        probs = torch.softmax(logits, dim=-1)
+        b, h_q, q, n = probs.shape
+        return probs.view(b, h_q // g, g, q, n).sum(2)
+
+    def decode(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scaling: float) -> torch.Tensor:
+        """One query ``[b, h_q, 1, d]`` over its selection: returns ``[b, 1, h_q, d]``."""
+        n = key.shape[2]
+        k = self.keep(n)
+        state = self.layers.setdefault(int(module.layer_idx), _LayerState())
+        q = query[:, :, 0]
+        fresh = n - state.tokens
+        reuse = (
+            state.query is not None and state.ranked is not None and 0 < fresh < k
+            and float(torch.cosine_similarity(q.float(), state.query.float(), dim=-1).min()) >= self.similarity
+        )
+        if reuse:  # the newest tokens, then the best of the earlier selection
+            b, h_kv = key.shape[:2]
+            new = torch.arange(state.tokens, n, device=key.device).expand(b, h_kv, -1)
+            idx = torch.cat([new, state.ranked[..., : k - fresh]], dim=-1)
+            if int(module.layer_idx) == 0:
+                self.reused += 1
+        else:
+            votes = self.vote(module, query, key, scaling)[:, :, 0]  # [b, h_kv, n]
+            votes[..., -1] = float("inf")  # the current token always sees itself
+            idx = torch.topk(votes, k, dim=-1).indices
+            state.query, state.ranked, state.tokens = q, idx, n
+        if int(module.layer_idx) == 0:
+            self.steps += 1
+        ks, vs = gather_tokens(key, idx), gather_tokens(value, idx)
+        g = module.num_key_value_groups
+        b, h_q, _, d = query.shape
+        qg = query.view(b, h_q // g, g, d)
+        weights = torch.softmax((qg.float() @ ks.float().transpose(2, 3)) * scaling, dim=-1)
+        out = (weights @ vs.float()).to(query.dtype)  # [b, h_kv, g, d]
+        return out.reshape(b, h_q, 1, d).transpose(1, 2)
+
+    def chunk(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              scaling: float) -> torch.Tensor:
+        """``q`` queries after a cache of ``n - q``: each attends to the top-k of the earlier cache (its own vote)
+        plus the chunk causally. Returns ``[b, q, h_q, d]``."""
+        n, q = key.shape[2], query.shape[2]
+        past = n - q
+        k = min(self.keep(past), past)
+        votes = self.vote(module, query, key[:, :, :past], scaling)  # [b, h_kv, q, past]
+        chosen = torch.zeros_like(votes, dtype=torch.bool).scatter_(-1, torch.topk(votes, k, dim=-1).indices, True)
+        causal = torch.ones(q, q, dtype=torch.bool, device=key.device).tril()
+        allowed = torch.cat([chosen, causal.expand(*chosen.shape[:3], q)], dim=-1)  # [b, h_kv, q, n]
+        g = module.num_key_value_groups
+        logits = (query.float() @ key.float().repeat_interleave(g, dim=1).transpose(2, 3)) * scaling
+        logits = logits.masked_fill(~allowed.repeat_interleave(g, dim=1), float("-inf"))
+        out = torch.softmax(logits, dim=-1) @ value.float().repeat_interleave(g, dim=1)
+        return out.to(query.dtype).transpose(1, 2)
+
+    @contextmanager
+    def __call__(self, model: nn.Module) -> Iterator[TokenSelect]:
+        modules = attention_modules(model)
+        register()
+        previous = model.config._attn_implementation
+        model.set_attn_implementation(IMPLEMENTATION)
+        for m in modules:
+            setattr(m, _STATE, self)
+        self.layers.clear()
+        try:
+            yield self
+        finally:
+            for m in modules:
+                if getattr(m, _STATE, None) is self:
+                    delattr(m, _STATE)
+            model.set_attn_implementation(previous)
+
+
+def tokenselect_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: torch.Tensor | None, scaling: float | None = None,
+                          **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """The registered attention function: ``query [b, h_q, q, d]``, ``key/value [b, h_kv, n, d]`` (whole cache)."""
+    method: TokenSelect | None = getattr(module, _STATE, None)
+    q, n = query.shape[2], key.shape[2]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if method is not None and query.shape[0] != 1:
+        raise PruningError(f"TokenSelect runs with batch size 1, got {query.shape[0]}")
+    if method is None or q >= n:
+        if method is not None:  # a new prefill: selections of an earlier prompt are stale
+            method.layers.pop(int(module.layer_idx), None)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    if q == 1:
+        if method.keep(n) >= n:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        return method.decode(module, query, key, value, scale), None
+    return method.chunk(module, query, key, value, scale), None
+
+
+def register() -> None:
+    """Register ``kvshelf_tokenselect`` with transformers (idempotent)."""
+    AttentionInterface.register(IMPLEMENTATION, tokenselect_attention)
+    AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
