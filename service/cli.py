@@ -85,21 +85,14 @@ def bench_ttft(
     codec: Annotated[str, typer.Option(help="codec of the disk tier (warm-disk reads it)")] = "raw",
 ) -> None:
     """TTFT of full prefill vs warm-memory vs warm-disk reuse, with same-output checks."""
+    from bench.ttft import run
     from compress.registry import get_codec
 
     get_codec(codec)  # an unknown codec is a clear error before the model loads
-    from bench.common import default_corpus
-    from bench.ttft import run
-
-    if corpus is not None and not corpus.is_file():
-        raise KVShelfError(f"corpus {corpus} does not exist")
-    try:
-        parsed = tuple(int(x) for x in lengths.split(","))
-    except ValueError:
-        raise KVShelfError(f"--lengths must be comma-separated integers, got {lengths!r}") from None
+    chosen = _corpus(corpus)
+    parsed = _ints(lengths, "--lengths")
     if any(n < block_size for n in parsed):
         raise KVShelfError(f"every length must be >= the block size {block_size}: {parsed}")
-    chosen = corpus or default_corpus()
     run(json_path=str(json_path) if json_path else None, corpus=str(chosen) if chosen else None,
         lengths=parsed, runs=runs, model_name=model, block_size=block_size, console=console, disk_codec=codec)
 
@@ -143,12 +136,9 @@ def bench_rag(
     model: ModelOpt = "smollm2-135m",
 ) -> None:
     """Needle QA over 8 retrieved chunks: full vs reuse vs reuse-blend vs block attention; TTFT at 8x512."""
-    from bench.common import default_corpus
     from bench.rag import run
 
-    if corpus is not None and not corpus.is_file():
-        raise KVShelfError(f"corpus {corpus} does not exist")
-    chosen = corpus or default_corpus()
+    chosen = _corpus(corpus)
     run(json_path=str(json_path) if json_path else None, corpus=str(chosen) if chosen else None, cases=cases,
         runs=runs, model_name=model, console=console)
 
@@ -163,12 +153,9 @@ def bench_pruning(
     model: ModelOpt = "smollm2-135m",
 ) -> None:
     """Needle accuracy, perplexity increase, KV bytes and decode speed of each pruning method vs kvpress."""
-    from bench.common import default_corpus
     from bench.pruning import run
 
-    if corpus is not None and not corpus.is_file():
-        raise KVShelfError(f"corpus {corpus} does not exist")
-    chosen = corpus or default_corpus()
+    chosen = _corpus(corpus)
     run(json_path=str(json_path) if json_path else None, corpus=str(chosen) if chosen else None, cases=cases,
         windows=windows, model_name=model, kvpress=kvpress, console=console)
 
@@ -183,11 +170,8 @@ def bench_codecs(
 ) -> None:
     """Compression ratio, bits per value, encode/decode MB/s and perplexity increase of every codec."""
     from bench.codecs import run
-    from bench.common import default_corpus
 
-    if corpus is not None and not corpus.is_file():
-        raise KVShelfError(f"corpus {corpus} does not exist")
-    chosen = corpus or default_corpus()
+    chosen = _corpus(corpus)
     run(str(json_path) if json_path else None, str(chosen) if chosen else None, windows=windows,
         model_name=model, anchors=anchors, console=console)
 
@@ -235,6 +219,15 @@ def bench_chaos(
                  redis_down_s=redis_down, console=console)
     if not result["ok"]:
         raise typer.Exit(1)
+
+
+def _corpus(corpus: Path | None) -> Path | None:
+    """The corpus to use: the given file (which must exist), else ../shared/data/abstracts.jsonl when present."""
+    from bench.common import default_corpus
+
+    if corpus is not None and not corpus.is_file():
+        raise KVShelfError(f"corpus {corpus} does not exist")
+    return corpus or default_corpus()
 
 
 def _ints(text: str, option: str) -> tuple[int, ...]:

@@ -20,3 +20,20 @@ def data_dir(tmp_path: Path) -> Path:
     path = tmp_path / "data"
     path.mkdir()
     return path
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """``(model, tokenizer)`` of the real SmolLM2-135M-Instruct (fp32, CPU), loaded once per test module."""
+    from adapters.model import load_model
+
+    return load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def texts() -> list[str]:
+    """Texts of ../shared/data/abstracts.jsonl (or made-up documents when the corpus is absent)."""
+    from bench.common import corpus_texts, default_corpus
+
+    corpus = default_corpus()
+    return list(corpus_texts(str(corpus) if corpus else None))

@@ -11,23 +11,10 @@ import lmdb
 import pytest
 
 from adapters.generate import CachedGenerator
-from adapters.model import load_model
-from bench.common import corpus_texts, default_corpus
 from bench.ttft import build_context
 from kvstore import open_embedded_store
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    return load_model("smollm2-135m")
-
-
-@pytest.fixture(scope="module")
-def texts():
-    corpus = default_corpus()
-    return list(corpus_texts(str(corpus) if corpus else None))
 
 
 def _question(tokenizer, text: str) -> list[int]:

@@ -5,24 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adapters.model import load_model
 from adapters.pruning import H2O, Keyformer, KeyNorm, SnapKV, StreamingLLM, TokenSelect
-from bench.common import corpus_texts, default_corpus
 from bench.pruning import QUESTION
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    return load_model("smollm2-135m")
-
-
-@pytest.fixture(scope="module")
-def case(smollm2):
+def case(smollm2, texts):
     _, tokenizer = smollm2
-    corpus = default_corpus()
-    texts = list(corpus_texts(str(corpus) if corpus else None))
     # easy: the needle sits ~30 tokens before the question, inside every recent window (64 for KeyNorm here)
     context = tokenizer("\n\n".join(texts[:4]), add_special_tokens=False)["input_ids"][:360]
     needle = tokenizer("\n\nThe secret code is 4821.\n\n", add_special_tokens=False)["input_ids"]

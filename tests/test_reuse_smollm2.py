@@ -7,25 +7,13 @@ import math
 import pytest
 
 from adapters.generate import CachedGenerator
-from adapters.model import load_model, tiny_llama
+from adapters.model import tiny_llama
 from adapters.prompt_modules import PromptModuleGenerator
 from adapters.rag import RAGGenerator, precompute
-from bench.common import corpus_texts, default_corpus
 from kvstore import open_embedded_store
 from reuse import ChunkMissingError, Module, ModuleUse, PromptSchema
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    return load_model("smollm2-135m")
-
-
-@pytest.fixture(scope="module")
-def texts():
-    corpus = default_corpus()
-    return list(corpus_texts(str(corpus) if corpus else None))
 
 
 def _enc(tokenizer, text: str) -> list[int]:
