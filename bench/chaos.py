@@ -23,7 +23,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from bench.common import machine_description, write_json
+from bench.common import machine_description, save_results
 from bench.servers import KVShelfProcess, RedisProcess, free_port
 from kvstore import KVBlock, encode_block
 from kvstore.errors import KVShelfError
@@ -159,7 +159,5 @@ def run(*, json_path: str | None, seconds: float = 60, clients: int = 8, redis_d
         console.print(f"  {line}")
     console.print("[green]OK[/green]: no wrong block, nothing committed lost" if payload["ok"]
                   else "[red]FAILED[/red]: see counts")
-    if json_path:
-        write_json(json_path, payload)
-        console.print(f"wrote {json_path}")
+    save_results(json_path, payload, console)
     return payload

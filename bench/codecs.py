@@ -27,7 +27,7 @@ from rich.markup import escape
 from rich.table import Table
 from tqdm import tqdm
 
-from bench.common import corpus_texts, default_corpus, machine_description, write_json
+from bench.common import corpus_texts, default_corpus, machine_description, save_results
 
 WINDOW = 2048
 PREFIX = 1536
@@ -231,9 +231,7 @@ def run(
         "corpus": str(corpus) if corpus else "synthetic (no corpus found)", "results": results,
     }
     _print_table(console, payload)
-    if json_path:
-        write_json(json_path, payload)
-        console.print(f"wrote {json_path}")
+    save_results(json_path, payload, console)
     return payload
 
 

@@ -70,3 +70,10 @@ def median(values: list[float]) -> float:
 def write_json(path: str | os.PathLike[str], payload: dict[str, Any]) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def save_results(json_path: str | os.PathLike[str] | None, payload: dict[str, Any], console: Any) -> None:
+    """Write a benchmark's JSON when a path was given, and say where."""
+    if json_path:
+        write_json(json_path, payload)
+        console.print(f"wrote {json_path}")

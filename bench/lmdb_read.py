@@ -20,7 +20,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from bench.common import machine_description, median, write_json
+from bench.common import machine_description, median, save_results
 
 SHAPE = (32, 8, 64, 64)  # float32 keys + values: exactly 8 MiB of payload
 
@@ -85,7 +85,5 @@ def run(*, json_path: str | None, reps: int = 50, console: Console | None = None
         table.add_row(r["path"], f"{r['block_mib']:.2f}", f"{r['ms']:.2f}", f"{r['gb_s']:.2f}",
                       f"{r['vs_raw_lmdb']:.2f}x")
     console.print(table)
-    if json_path:
-        write_json(json_path, payload)
-        console.print(f"wrote {json_path}")
+    save_results(json_path, payload, console)
     return payload

@@ -39,7 +39,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-from bench.common import REPO_ROOT, corpus_texts, machine_description, write_json
+from bench.common import REPO_ROOT, corpus_texts, machine_description, save_results
 
 BUDGETS = (0.5, 0.25, 0.125)
 STATIC = ("streamingllm", "h2o", "keyformer", "snapkv", "keynorm")
@@ -343,9 +343,7 @@ def run(
         "results": results,
     }
     _print_table(console, payload)
-    if json_path:
-        write_json(json_path, payload)
-        console.print(f"wrote {json_path}")
+    save_results(json_path, payload, console)
     return payload
 
 

@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-from bench.common import corpus_texts, machine_description, median, write_json
+from bench.common import corpus_texts, machine_description, median, save_results
 
 SYSTEM = "You answer questions about the documents the user gives. Answer with the code only."
 QUESTION = "Question: What is the access code mentioned in one of the documents above? Answer with the 4-digit code."
@@ -198,9 +198,7 @@ def run(*, json_path: str | None, corpus: str | None, cases: int = 40, runs: int
                "prompt_module": modules,
                "note": "TTFT on a shared 2-core CPU; other processes may add noise"}
     _print(console, payload)
-    if json_path:
-        write_json(json_path, payload)
-        console.print(f"wrote {json_path}")
+    save_results(json_path, payload, console)
     return payload
 
 

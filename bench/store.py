@@ -24,7 +24,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from bench.common import machine_description, write_json
+from bench.common import machine_description, save_results
 
 MiB = 1 << 20
 DEFAULT_SIZES = (1, 8, 32)
@@ -191,7 +191,5 @@ def run(
         table.add_row(r["backend"], r["op"], str(r["block_mib"]), str(r["clients"]), f"{r['mb_s']:.0f}",
                       f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}", str(r["errors"]))
     console.print(table)
-    if json_path:
-        write_json(json_path, payload)
-        console.print(f"wrote {json_path}")
+    save_results(json_path, payload, console)
     return payload

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-from bench.common import corpus_texts, machine_description, median, write_json
+from bench.common import corpus_texts, machine_description, median, save_results
 
 QUESTION = (
     "\n\nQuestion: Which problem does the first abstract above address, and which method do its authors "
@@ -150,9 +150,7 @@ def run(
         "results": results,
     }
     _print_table(console, payload)
-    if json_path:
-        write_json(json_path, payload)
-        console.print(f"wrote {json_path}")
+    save_results(json_path, payload, console)
     return payload
 
 
