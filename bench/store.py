@@ -73,8 +73,12 @@ def redis_backend() -> Iterator[Callable[[], ClientPair]]:
 
 
 @contextmanager
-def grpc_backend() -> Iterator[Callable[[], ClientPair]]:
-    """A `kvshelf serve` process on loopback (memory + LMDB, its defaults) and RemoteStore clients."""
+def grpc_backend(shared_memory: bool | None = None) -> Iterator[Callable[[], ClientPair]]:
+    """A `kvshelf serve` process on loopback (memory + LMDB, its defaults) and RemoteStore clients.
+
+    ``shared_memory=None`` is what a same-host client gets by default: gets through a /dev/shm arena
+    (service/arena.py); ``False`` forces every byte over gRPC's HTTP/2 wire.
+    """
     from bench.servers import kvshelf_server
     from service.client import RemoteStore
 
@@ -82,7 +86,7 @@ def grpc_backend() -> Iterator[Callable[[], ClientPair]]:
         remotes: list[RemoteStore] = []
 
         def make() -> ClientPair:
-            remote = RemoteStore(address, namespace="bench")
+            remote = RemoteStore(address, namespace="bench", shared_memory=shared_memory)
             remotes.append(remote)
 
             def get(key: bytes) -> bytes | None:
@@ -166,7 +170,23 @@ def run_case(make_client: Callable[[], ClientPair], block_mib: int, clients: int
     return [_run_op(make_client, op, block_mib, clients, ops, values) for op in ("put", "get")]
 
 
-BACKENDS: dict[str, Backend] = {"grpc": grpc_backend, "redis": redis_backend, "lmdb": lmdb_backend}
+@contextmanager
+def grpc_wire_backend() -> Iterator[Callable[[], ClientPair]]:
+    """The gRPC service with the same-host shared-memory path off: every byte over the wire."""
+    with grpc_backend(shared_memory=False) as make:
+        yield make
+
+
+BACKENDS: dict[str, Backend] = {"grpc": grpc_backend, "grpc-wire": grpc_wire_backend, "redis": redis_backend,
+                                "lmdb": lmdb_backend}
+
+
+def add_redis_ratios(results: list[dict[str, Any]]) -> None:
+    """``vs_redis``: each row's MB/s over raw redis-py's for the same op, block size and clients (same run)."""
+    redis_rows = {(r["op"], r["block_mib"], r["clients"]): r["mb_s"] for r in results if r["backend"] == "redis"}
+    for r in results:
+        anchor = redis_rows.get((r["op"], r["block_mib"], r["clients"]))
+        r["vs_redis"] = round(r["mb_s"] / anchor, 2) if anchor else None
 
 
 def run(
@@ -183,12 +203,16 @@ def run(
                     console.print(f"[dim]{name}: {block_mib} MiB x {n} client(s) x {ops} ops[/dim]")
                     for row in run_case(make_client, block_mib, n, ops):
                         results.append({"backend": name, **row})
-    payload = {"machine": machine_description(), "results": results}
+    add_redis_ratios(results)
+    payload = {"machine": machine_description(), "results": results,
+               "note": "grpc: a same-host client's default (gets through a /dev/shm arena); grpc-wire: every byte "
+                       "over gRPC/HTTP/2 on loopback; vs_redis: MB/s over raw redis-py's in this run"}
     table = Table(title=f"store throughput ({payload['machine']})")
-    for col in ("backend", "op", "block MiB", "clients", "MB/s", "p50 ms", "p99 ms", "errors"):
+    for col in ("backend", "op", "block MiB", "clients", "MB/s", "vs redis", "p50 ms", "p99 ms", "errors"):
         table.add_column(col, justify="right")
     for r in results:
-        table.add_row(r["backend"], r["op"], str(r["block_mib"]), str(r["clients"]), f"{r['mb_s']:.0f}",
+        ratio = f"{r['vs_redis']:.2f}x" if r["vs_redis"] is not None else "-"
+        table.add_row(r["backend"], r["op"], str(r["block_mib"]), str(r["clients"]), f"{r['mb_s']:.0f}", ratio,
                       f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}", str(r["errors"]))
     console.print(table)
     save_results(json_path, payload, console)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rkvshelf.proto\x12\nkvshelf.v1\"D\n\x05\x43hunk\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0c\n\x04last\x18\x03 \x01(\x08\x12\x12\n\ntotal_size\x18\x04 \x01(\x04\"T\n\x10PutBlocksRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0b\n\x03pin\x18\x02 \x01(\x08\x12 \n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x11.kvshelf.v1.Chunk\"5\n\x11PutBlocksResponse\x12\x10\n\x08received\x18\x01 \x01(\r\x12\x0e\n\x06stored\x18\x02 \x01(\r\"X\n\x10GetBlocksRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x0e\n\x06tokens\x18\x04 \x03(\r\"^\n\x11GetBlocksResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.kvshelf.v1.ChunkH\x00\x12\x0e\n\x04miss\x18\x03 \x01(\x08H\x00\x42\x06\n\x04item\".\n\x0bKeysRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"3\n\x10\x43ontainsResponse\x12\x0f\n\x07present\x18\x01 \x03(\x08\x12\x0e\n\x06prefix\x18\x02 \x01(\r\"U\n\x13LookupPrefixRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0e\n\x06tokens\x18\x04 \x03(\r\"%\n\x14LookupPrefixResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\r\"\x1e\n\rCountResponse\x12\r\n\x05\x63ount\x18\x01 \x01(\r\"!\n\x0cStatsRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\"/\n\rStatsResponse\x12\x0c\n\x04json\x18\x01 \x01(\t\x12\x10\n\x08\x64\x65graded\x18\x02 \x01(\x08\"!\n\x0c\x43learRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t2\xe9\x04\n\x07KVShelf\x12J\n\tPutBlocks\x12\x1c.kvshelf.v1.PutBlocksRequest\x1a\x1d.kvshelf.v1.PutBlocksResponse(\x01\x12J\n\tGetBlocks\x12\x1c.kvshelf.v1.GetBlocksRequest\x1a\x1d.kvshelf.v1.GetBlocksResponse0\x01\x12\x41\n\x08\x43ontains\x12\x17.kvshelf.v1.KeysRequest\x1a\x1c.kvshelf.v1.ContainsResponse\x12Q\n\x0cLookupPrefix\x12\x1f.kvshelf.v1.LookupPrefixRequest\x1a .kvshelf.v1.LookupPrefixResponse\x12<\n\x06\x44\x65lete\x12\x17.kvshelf.v1.KeysRequest\x1a\x19.kvshelf.v1.CountResponse\x12\x39\n\x03Pin\x12\x17.kvshelf.v1.KeysRequest\x1a\x19.kvshelf.v1.CountResponse\x12;\n\x05Unpin\x12\x17.kvshelf.v1.KeysRequest\x1a\x19.kvshelf.v1.CountResponse\x12<\n\x05Stats\x12\x18.kvshelf.v1.StatsRequest\x1a\x19.kvshelf.v1.StatsResponse\x12<\n\x05\x43lear\x12\x18.kvshelf.v1.ClearRequest\x1a\x19.kvshelf.v1.CountResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rkvshelf.proto\x12\nkvshelf.v1\"l\n\x05\x43hunk\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0c\n\x04last\x18\x03 \x01(\x08\x12\x12\n\ntotal_size\x18\x04 \x01(\x04\x12\x10\n\x08in_arena\x18\x05 \x01(\x08\x12\x14\n\x0c\x61rena_offset\x18\x06 \x01(\x04\"*\n\x0bSharedArena\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x0c\"T\n\x10PutBlocksRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0b\n\x03pin\x18\x02 \x01(\x08\x12 \n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x11.kvshelf.v1.Chunk\"5\n\x11PutBlocksResponse\x12\x10\n\x08received\x18\x01 \x01(\r\x12\x0e\n\x06stored\x18\x02 \x01(\r\"\x80\x01\n\x10GetBlocksRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x0e\n\x06tokens\x18\x04 \x03(\r\x12&\n\x05\x61rena\x18\x05 \x01(\x0b\x32\x17.kvshelf.v1.SharedArena\"^\n\x11GetBlocksResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.kvshelf.v1.ChunkH\x00\x12\x0e\n\x04miss\x18\x03 \x01(\x08H\x00\x42\x06\n\x04item\".\n\x0bKeysRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"3\n\x10\x43ontainsResponse\x12\x0f\n\x07present\x18\x01 \x03(\x08\x12\x0e\n\x06prefix\x18\x02 \x01(\r\"U\n\x13LookupPrefixRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0e\n\x06tokens\x18\x04 \x03(\r\"%\n\x14LookupPrefixResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\r\"\x1e\n\rCountResponse\x12\r\n\x05\x63ount\x18\x01 \x01(\r\"!\n\x0cStatsRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\"/\n\rStatsResponse\x12\x0c\n\x04json\x18\x01 \x01(\t\x12\x10\n\x08\x64\x65graded\x18\x02 \x01(\x08\"!\n\x0c\x43learRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t2\xe9\x04\n\x07KVShelf\x12J\n\tPutBlocks\x12\x1c.kvshelf.v1.PutBlocksRequest\x1a\x1d.kvshelf.v1.PutBlocksResponse(\x01\x12J\n\tGetBlocks\x12\x1c.kvshelf.v1.GetBlocksRequest\x1a\x1d.kvshelf.v1.GetBlocksResponse0\x01\x12\x41\n\x08\x43ontains\x12\x17.kvshelf.v1.KeysRequest\x1a\x1c.kvshelf.v1.ContainsResponse\x12Q\n\x0cLookupPrefix\x12\x1f.kvshelf.v1.LookupPrefixRequest\x1a .kvshelf.v1.LookupPrefixResponse\x12<\n\x06\x44\x65lete\x12\x17.kvshelf.v1.KeysRequest\x1a\x19.kvshelf.v1.CountResponse\x12\x39\n\x03Pin\x12\x17.kvshelf.v1.KeysRequest\x1a\x19.kvshelf.v1.CountResponse\x12;\n\x05Unpin\x12\x17.kvshelf.v1.KeysRequest\x1a\x19.kvshelf.v1.CountResponse\x12<\n\x05Stats\x12\x18.kvshelf.v1.StatsRequest\x1a\x19.kvshelf.v1.StatsResponse\x12<\n\x05\x43lear\x12\x18.kvshelf.v1.ClearRequest\x1a\x19.kvshelf.v1.CountResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,31 +32,33 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvshelf_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CHUNK']._serialized_start=29
-  _globals['_CHUNK']._serialized_end=97
-  _globals['_PUTBLOCKSREQUEST']._serialized_start=99
-  _globals['_PUTBLOCKSREQUEST']._serialized_end=183
-  _globals['_PUTBLOCKSRESPONSE']._serialized_start=185
-  _globals['_PUTBLOCKSRESPONSE']._serialized_end=238
-  _globals['_GETBLOCKSREQUEST']._serialized_start=240
-  _globals['_GETBLOCKSREQUEST']._serialized_end=328
-  _globals['_GETBLOCKSRESPONSE']._serialized_start=330
-  _globals['_GETBLOCKSRESPONSE']._serialized_end=424
-  _globals['_KEYSREQUEST']._serialized_start=426
-  _globals['_KEYSREQUEST']._serialized_end=472
-  _globals['_CONTAINSRESPONSE']._serialized_start=474
-  _globals['_CONTAINSRESPONSE']._serialized_end=525
-  _globals['_LOOKUPPREFIXREQUEST']._serialized_start=527
-  _globals['_LOOKUPPREFIXREQUEST']._serialized_end=612
-  _globals['_LOOKUPPREFIXRESPONSE']._serialized_start=614
-  _globals['_LOOKUPPREFIXRESPONSE']._serialized_end=651
-  _globals['_COUNTRESPONSE']._serialized_start=653
-  _globals['_COUNTRESPONSE']._serialized_end=683
-  _globals['_STATSREQUEST']._serialized_start=685
-  _globals['_STATSREQUEST']._serialized_end=718
-  _globals['_STATSRESPONSE']._serialized_start=720
-  _globals['_STATSRESPONSE']._serialized_end=767
-  _globals['_CLEARREQUEST']._serialized_start=769
-  _globals['_CLEARREQUEST']._serialized_end=802
-  _globals['_KVSHELF']._serialized_start=805
-  _globals['_KVSHELF']._serialized_end=1422
+  _globals['_CHUNK']._serialized_end=137
+  _globals['_SHAREDARENA']._serialized_start=139
+  _globals['_SHAREDARENA']._serialized_end=181
+  _globals['_PUTBLOCKSREQUEST']._serialized_start=183
+  _globals['_PUTBLOCKSREQUEST']._serialized_end=267
+  _globals['_PUTBLOCKSRESPONSE']._serialized_start=269
+  _globals['_PUTBLOCKSRESPONSE']._serialized_end=322
+  _globals['_GETBLOCKSREQUEST']._serialized_start=325
+  _globals['_GETBLOCKSREQUEST']._serialized_end=453
+  _globals['_GETBLOCKSRESPONSE']._serialized_start=455
+  _globals['_GETBLOCKSRESPONSE']._serialized_end=549
+  _globals['_KEYSREQUEST']._serialized_start=551
+  _globals['_KEYSREQUEST']._serialized_end=597
+  _globals['_CONTAINSRESPONSE']._serialized_start=599
+  _globals['_CONTAINSRESPONSE']._serialized_end=650
+  _globals['_LOOKUPPREFIXREQUEST']._serialized_start=652
+  _globals['_LOOKUPPREFIXREQUEST']._serialized_end=737
+  _globals['_LOOKUPPREFIXRESPONSE']._serialized_start=739
+  _globals['_LOOKUPPREFIXRESPONSE']._serialized_end=776
+  _globals['_COUNTRESPONSE']._serialized_start=778
+  _globals['_COUNTRESPONSE']._serialized_end=808
+  _globals['_STATSREQUEST']._serialized_start=810
+  _globals['_STATSREQUEST']._serialized_end=843
+  _globals['_STATSRESPONSE']._serialized_start=845
+  _globals['_STATSRESPONSE']._serialized_end=892
+  _globals['_CLEARREQUEST']._serialized_start=894
+  _globals['_CLEARREQUEST']._serialized_end=927
+  _globals['_KVSHELF']._serialized_start=930
+  _globals['_KVSHELF']._serialized_end=1547
 # @@protoc_insertion_point(module_scope)

@@ -7,16 +7,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Chunk(_message.Message):
-    __slots__ = ("key", "data", "last", "total_size")
+    __slots__ = ("key", "data", "last", "total_size", "in_arena", "arena_offset")
     KEY_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    IN_ARENA_FIELD_NUMBER: _ClassVar[int]
+    ARENA_OFFSET_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     data: bytes
     last: bool
     total_size: int
-    def __init__(self, key: _Optional[bytes] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., total_size: _Optional[int] = ...) -> None: ...
+    in_arena: bool
+    arena_offset: int
+    def __init__(self, key: _Optional[bytes] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., total_size: _Optional[int] = ..., in_arena: _Optional[bool] = ..., arena_offset: _Optional[int] = ...) -> None: ...
+
+class SharedArena(_message.Message):
+    __slots__ = ("name", "token")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    token: bytes
+    def __init__(self, name: _Optional[str] = ..., token: _Optional[bytes] = ...) -> None: ...
 
 class PutBlocksRequest(_message.Message):
     __slots__ = ("namespace", "pin", "chunk")
@@ -37,16 +49,18 @@ class PutBlocksResponse(_message.Message):
     def __init__(self, received: _Optional[int] = ..., stored: _Optional[int] = ...) -> None: ...
 
 class GetBlocksRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "fingerprint", "tokens")
+    __slots__ = ("namespace", "keys", "fingerprint", "tokens", "arena")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ARENA_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     fingerprint: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., fingerprint: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    arena: SharedArena
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., fingerprint: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., arena: _Optional[_Union[SharedArena, _Mapping]] = ...) -> None: ...
 
 class GetBlocksResponse(_message.Message):
     __slots__ = ("index", "chunk", "miss")

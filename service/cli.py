@@ -61,6 +61,9 @@ def serve(
     metrics_port: Annotated[int | None, _opt("serve Prometheus /metrics on this port (default off)")] = None,
     metrics_addr: Annotated[str | None, _opt("address of the metrics endpoint (default 127.0.0.1)")] = None,
     history_interval: Annotated[float | None, _opt("seconds between stats-history samples (default 10)")] = None,
+    shared_memory: Annotated[bool | None, typer.Option(
+        "--shared-memory/--no-shared-memory", show_default=False,
+        help="same-host gets through /dev/shm arenas for loopback/Unix-socket clients (default on)")] = None,
     config: Annotated[Path | None, _opt("TOML config file (or $KVSHELF_CONFIG)")] = None,
 ) -> None:
     """Run the gRPC KV service. Settings: flags > KVSHELF_* environment variables > --config TOML > defaults."""
@@ -70,7 +73,7 @@ def serve(
     flags = dict(listen=listen, data_dir=data_dir, memory=memory, max_disk=max_disk, disk_codec=disk_codec,
                  redis=redis, tokens_file=tokens_file, tls_cert=tls_cert, tls_key=tls_key, max_block=max_block,
                  max_call=max_call, quota=quota, grace=grace, workers=workers, metrics_port=metrics_port,
-                 metrics_addr=metrics_addr, history_interval=history_interval)
+                 metrics_addr=metrics_addr, history_interval=history_interval, shared_memory=shared_memory)
     raise typer.Exit(run_server(load_config(flags, config_file=config)))
 
 
@@ -190,7 +193,8 @@ def bench_lmdb(
 @bench_app.command("store")
 def bench_store(
     json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
-    backends: Annotated[str, typer.Option(help="comma-separated: grpc, redis, lmdb")] = "grpc,redis,lmdb",
+    backends: Annotated[str, typer.Option(
+        help="comma-separated: grpc (same-host default), grpc-wire, redis, lmdb")] = "grpc,grpc-wire,redis,lmdb",
     sizes: Annotated[str, typer.Option(help="block sizes in MiB")] = "1,8,32",
     clients: Annotated[str, typer.Option(help="concurrent clients")] = "1,8",
 ) -> None:

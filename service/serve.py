@@ -55,6 +55,7 @@ class ServeConfig:
     metrics_port: int = 0  # Prometheus /metrics on this port; 0: off
     metrics_addr: str = "127.0.0.1"
     history_interval: float = 10.0  # seconds between the stats-history samples `kvshelf stats --plot` draws
+    shared_memory: bool = True  # same-host gets through client arenas in /dev/shm (loopback/Unix peers only)
 
     def resolved_data_dir(self) -> Path:
         return Path(self.data_dir) if self.data_dir else default_data_dir()
@@ -65,6 +66,15 @@ FIELDS = {f.name: f for f in dataclasses.fields(ServeConfig)}
 
 def _coerce(name: str, value: Any, source: str) -> Any:
     kind = type(getattr(ServeConfig(), name))
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{source}: {name} must be true or false, got {value!r}")
     try:
         if kind is float:
             return float(value)
@@ -152,7 +162,8 @@ def serve(config: ServeConfig, *, ready: threading.Event | None = None, stop: th
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tokens = TokenTable.from_file(config.tokens_file) if config.tokens_file else None
     limits = ServerLimits(max_block_bytes=parse_size(config.max_block), max_call_bytes=parse_size(config.max_call),
-                          quota_bytes=parse_size(config.quota) if config.quota else None)
+                          quota_bytes=parse_size(config.quota) if config.quota else None,
+                          shared_memory=config.shared_memory)
     cert = Path(config.tls_cert).read_bytes() if config.tls_cert else None
     key = Path(config.tls_key).read_bytes() if config.tls_key else None
     store = open_store(config)

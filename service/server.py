@@ -35,9 +35,10 @@ from kvstore.keys import KEY_BYTES
 from kvstore.stats import ALL_TIERS, TIER_METRICS, StoreEvent
 from kvstore.store import TieredStore
 from proto import kvshelf_pb2 as pb
+from service.arena import ArenaUnavailable, ArenaWriter
 from service.auth import MAX_NAMESPACE_CHARS, SCOPE_BYTES, TokenTable, scope_tag
 from service.history import StatsHistory
-from service.wire import encode_chunk_response, encode_miss_response
+from service.wire import encode_arena_response, encode_chunk_response, encode_miss_response
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,18 @@ def iter_chunks(value: bytes | memoryview, chunk_bytes: int = CHUNK_BYTES) -> It
         yield view[start:end], end == n
 
 
+def is_local_peer(peer: str) -> bool:
+    """Whether a gRPC peer string (``ipv4:127.0.0.1:5555``, ``ipv6:[::1]:5555``, ``unix:...``) is this host."""
+    if peer.startswith("unix:"):
+        return True
+    if peer.startswith("ipv4:"):
+        return peer[5:].startswith("127.")
+    if peer.startswith("ipv6:"):
+        host = peer[5:].rsplit(":", 1)[0].strip("[]")
+        return host == "::1" or host.startswith("::ffff:127.")
+    return False
+
+
 @dataclass(frozen=True)
 class ServerLimits:
     """Size limits and quotas of one server."""
@@ -68,6 +81,7 @@ class ServerLimits:
     max_block_bytes: int = 256 << 20  # one encoded value
     max_call_bytes: int = 1 << 30  # all values of one PutBlocks call (they are held until the call ends)
     quota_bytes: int | None = None  # per namespace, in the tier holding the most of it; None: unlimited
+    shared_memory: bool = True  # same-host GetBlocks through client arenas in /dev/shm (service/arena.py)
 
     def __post_init__(self) -> None:
         if self.max_block_bytes <= 0 or self.max_call_bytes <= 0:
@@ -339,6 +353,8 @@ class KVShelfServicer:
             if not req.HasField("chunk"):
                 _fail(grpc.StatusCode.INVALID_ARGUMENT, "malformed PutBlocks message: no chunk")
             chunk = req.chunk
+            if chunk.in_arena:
+                _fail(grpc.StatusCode.INVALID_ARGUMENT, "PutBlocks chunks carry their data: in_arena is GetBlocks-only")
             if key is None:
                 if not chunk.key:
                     _fail(grpc.StatusCode.INVALID_ARGUMENT, "the first chunk of a value must carry its key")
@@ -399,10 +415,33 @@ class KVShelfServicer:
         except ConfigError as exc:
             _fail(grpc.StatusCode.INVALID_ARGUMENT, f"block {key.hex()}: {exc}")
 
+    def _arena(self, req: pb.GetBlocksRequest, context: grpc.ServicerContext) -> ArenaWriter | None:
+        """The request's shared-memory arena when allowed and usable (local peer, our file, right token)."""
+        if not (req.HasField("arena") and self.limits.shared_memory and is_local_peer(context.peer())):
+            return None
+        try:
+            return ArenaWriter.open(req.arena.name, req.arena.token)
+        except ArenaUnavailable as exc:
+            log.debug("arena not used: %s", exc)
+            return None
+
     def GetBlocks(self, req: pb.GetBlocksRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
-        """Serialised ``GetBlocksResponse`` messages (built by ``service.wire``: one copy of the data)."""
+        """Serialised ``GetBlocksResponse`` messages (built by ``service.wire``: one copy of the data).
+
+        With a usable shared-memory arena (same host), values that fit are written there and only their
+        offsets are sent; the rest go over the wire in chunks.
+        """
         namespace, keys = self.scoped(context, req.namespace, list(req.keys))
         fingerprint = req.fingerprint or None
+        arena = self._arena(req, context)
+        try:
+            yield from self._get_blocks(keys, req, namespace, fingerprint, arena)
+        finally:
+            if arena is not None:
+                arena.close()
+
+    def _get_blocks(self, keys: list[bytes], req: pb.GetBlocksRequest, namespace: str, fingerprint: str | None,
+                    arena: ArenaWriter | None) -> Iterator[bytes]:
         for start in range(0, len(keys), 16):  # bounded memory: a few blocks at a time
             batch = keys[start : start + 16]
             tokens = list(req.tokens[start : start + 16]) if len(req.tokens) == len(keys) else None
@@ -411,6 +450,10 @@ class KVShelfServicer:
                 index = start + offset
                 if value is None:
                     yield encode_miss_response(index)
+                    continue
+                offset = arena.write(value) if arena is not None else None
+                if offset is not None:
+                    yield encode_arena_response(index, tier_key[SCOPE_BYTES:], offset, len(value))
                     continue
                 first = True
                 for data, last in iter_chunks(value):

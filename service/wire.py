@@ -65,6 +65,21 @@ def encode_chunk_response(index: int, data: bytes | memoryview, *, key: bytes = 
     return b"".join([prefix, head, data_head, data if len(data) else b"", tail])
 
 
+def encode_arena_response(index: int, key: bytes, offset: int, size: int) -> bytes:
+    """``GetBlocksResponse(index, chunk=Chunk(key, last, total_size=size, in_arena, arena_offset=offset))``."""
+    body = bytearray()
+    if key:
+        body += _field(1, _LEN) + _varint(len(key)) + key
+    body += _field(3, _VARINT) + b"\x01"
+    if size:
+        body += _field(4, _VARINT) + _varint(size)
+    body += _field(5, _VARINT) + b"\x01"
+    if offset:
+        body += _field(6, _VARINT) + _varint(offset)
+    prefix = (_field(1, _VARINT) + _varint(index) if index else b"") + _field(2, _LEN) + _varint(len(body))
+    return prefix + bytes(body)
+
+
 def encode_miss_response(index: int) -> bytes:
     """``GetBlocksResponse(index, miss=True)`` serialised."""
     return (_field(1, _VARINT) + _varint(index) if index else b"") + _field(3, _VARINT) + b"\x01"
@@ -78,6 +93,8 @@ class ChunkResponse:
     data: memoryview = memoryview(b"")
     last: bool = False
     total_size: int = 0
+    in_arena: bool = False
+    arena_offset: int = 0
 
 
 def _fields(buf: memoryview) -> list[tuple[int, int | memoryview]]:
@@ -113,7 +130,7 @@ def decode_response(raw: bytes) -> ChunkResponse:
             miss = bool(value)
     if chunk is None:
         return ChunkResponse(index=index, miss=miss)
-    key, data, last, total = b"", memoryview(b""), False, 0
+    key, data, last, total, in_arena, arena_offset = b"", memoryview(b""), False, 0, False, 0
     for number, value in _fields(chunk):
         if number == 1 and isinstance(value, memoryview):
             key = bytes(value)
@@ -123,4 +140,9 @@ def decode_response(raw: bytes) -> ChunkResponse:
             last = bool(value)
         elif number == 4 and isinstance(value, int):
             total = value
-    return ChunkResponse(index=index, miss=False, key=key, data=data, last=last, total_size=total)
+        elif number == 5 and isinstance(value, int):
+            in_arena = bool(value)
+        elif number == 6 and isinstance(value, int):
+            arena_offset = value
+    return ChunkResponse(index=index, miss=False, key=key, data=data, last=last, total_size=total,
+                         in_arena=in_arena, arena_offset=arena_offset)

@@ -399,6 +399,17 @@ def test_config_precedence(tmp_path):
         load_config({"tls_cert": "c.pem"}, env={})
 
 
+def test_shared_memory_setting_from_every_source(tmp_path):
+    assert load_config({}, env={}).shared_memory is True
+    assert load_config({}, env={"KVSHELF_SHARED_MEMORY": "false"}).shared_memory is False
+    assert load_config({"shared_memory": True}, env={"KVSHELF_SHARED_MEMORY": "0"}).shared_memory is True
+    config = tmp_path / "kvshelf.toml"
+    config.write_text("shared-memory = false\n")
+    assert load_config({}, env={}, config_file=config).shared_memory is False
+    with pytest.raises(ConfigError, match="KVSHELF_SHARED_MEMORY: shared_memory must be true or false, got 'maybe'"):
+        load_config({}, env={"KVSHELF_SHARED_MEMORY": "maybe"})
+
+
 def test_serve_subprocess_end_to_end_and_sigterm_drain(tmp_path):
     tokens = write_tokens(tmp_path / "tokens.toml")
     proc = ServeProcess("--listen", "127.0.0.1:0", "--memory", "64MiB", "--grace", "30",

@@ -7,7 +7,13 @@ import os
 import pytest
 
 from proto import kvshelf_pb2 as pb
-from service.wire import WireError, decode_response, encode_chunk_response, encode_miss_response
+from service.wire import (
+    WireError,
+    decode_response,
+    encode_arena_response,
+    encode_chunk_response,
+    encode_miss_response,
+)
 
 
 @pytest.mark.parametrize("index", [0, 1, 300, 2**31])
@@ -23,6 +29,19 @@ def test_chunk_response_matches_protobuf(index, key, size, last, total):
     parsed = decode_response(message.SerializeToString())
     assert (parsed.index, parsed.miss, parsed.key, bytes(parsed.data), parsed.last, parsed.total_size) == \
         (index, False, key, data, last, total)
+
+
+@pytest.mark.parametrize("index", [0, 9, 2**31])
+@pytest.mark.parametrize("key", [b"", os.urandom(16)])
+@pytest.mark.parametrize("offset", [0, 64, 3 << 30])
+@pytest.mark.parametrize("size", [0, 1, 8 << 20])
+def test_arena_response_matches_protobuf(index, key, offset, size):
+    chunk = pb.Chunk(key=key, last=True, total_size=size, in_arena=True, arena_offset=offset)
+    wire = pb.GetBlocksResponse(index=index, chunk=chunk).SerializeToString()
+    assert encode_arena_response(index, key, offset, size) == wire
+    parsed = decode_response(wire)
+    assert (parsed.index, parsed.key, parsed.last, parsed.total_size, parsed.in_arena, parsed.arena_offset,
+            bytes(parsed.data)) == (index, key, True, size, True, offset, b"")
 
 
 @pytest.mark.parametrize("index", [0, 7, 2**20])

@@ -1,0 +1,186 @@
+"""Same-host fast path for ``GetBlocks``: values handed over through a client-owned shared-memory file.
+
+Over the wire a block is copied by protobuf, by gRPC's HTTP/2 framing, twice by the kernel's loopback TCP and
+once more into a Python ``bytes``. When client and server share a machine, the client can instead name a
+file it owns in ``/dev/shm`` (an *arena*) in its ``GetBlocks`` request; the server ``pwrite``s each value
+into it and streams only ``(offset, length)``; the client ``pread``s the value out: two kernel copies in all.
+
+Safety:
+- the client creates the arena ``0600`` under a random name and writes a random 16-byte token into its
+  header; the server only writes into a regular file (no symlinks) named like an arena, owned by its own
+  user, whose header carries the token the request names: a caller cannot make the server write into a file
+  it does not own and know the token of;
+- the server offers the path only to loopback or Unix-socket peers and only when enabled
+  (``kvshelf serve --no-shared-memory`` turns it off); a value that does not fit, or any error opening or
+  writing the arena, falls back to the wire for that value: the path is an optimisation, never a failure;
+- ``pwrite``/``pread`` (not ``mmap``) so a full ``/dev/shm`` is an ``OSError`` (fallback), never ``SIGBUS``;
+- one request at a time per arena (the client keeps a pool), and arenas of dead client processes are swept
+  when a new one is created.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import stat
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+ARENA_DIR = Path("/dev/shm")
+MAGIC = b"KVSHARENA1\0\0\0\0\0\0"  # 16 bytes
+TOKEN_BYTES = 16
+HEADER_BYTES = 64  # magic, token, padding: values start here
+DEFAULT_ARENA_BYTES = 256 << 20  # sparse: tmpfs pages are only taken as values are written
+_NAME = re.compile(r"kvshelf-arena-(\d+)-[0-9a-f]{32}")
+
+
+class ArenaUnavailable(OSError):
+    """The arena cannot be used (missing, not ours, wrong token, no space): fall back to the wire."""
+
+
+def shared_memory_supported() -> bool:
+    """Whether this machine has a writable ``/dev/shm`` (Linux)."""
+    return ARENA_DIR.is_dir() and os.access(ARENA_DIR, os.W_OK)
+
+
+def _sweep_dead_arenas() -> None:
+    """Remove arenas whose creating process no longer exists (a client killed before it could clean up)."""
+    for path in ARENA_DIR.glob("kvshelf-arena-*"):
+        match = _NAME.fullmatch(path.name)
+        if match is None:
+            continue
+        try:
+            os.kill(int(match.group(1)), 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+        except (PermissionError, OverflowError):
+            continue
+
+
+class ClientArena:
+    """One client-owned arena file: create, ``read`` values the server wrote, ``close`` (unlinks it)."""
+
+    def __init__(self, capacity: int = DEFAULT_ARENA_BYTES) -> None:
+        if capacity <= HEADER_BYTES:
+            raise ValueError(f"arena capacity must exceed {HEADER_BYTES} bytes, got {capacity}")
+        _sweep_dead_arenas()
+        self.name = f"kvshelf-arena-{os.getpid()}-{secrets.token_hex(16)}"
+        self.token = secrets.token_bytes(TOKEN_BYTES)
+        self.capacity = capacity
+        path = ARENA_DIR / self.name
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            os.ftruncate(self._fd, capacity)  # sparse: no memory taken until written
+            os.pwrite(self._fd, MAGIC + self.token, 0)
+        except OSError:
+            self.close()
+            raise
+
+    def read(self, offset: int, length: int) -> bytes:
+        """The ``length`` bytes at ``offset`` (a copy: the arena is reused by the next request)."""
+        if offset < HEADER_BYTES or length < 0 or offset + length > self.capacity:
+            raise ArenaUnavailable(f"arena range {offset}+{length} outside the arena ({self.capacity} bytes)")
+        data = os.pread(self._fd, length, offset)
+        if len(data) != length:
+            raise ArenaUnavailable(f"arena read short: {len(data)} of {length} bytes")
+        return data
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        (ARENA_DIR / self.name).unlink(missing_ok=True)
+
+
+class ArenaPool:
+    """Arenas for a multi-threaded client: each request takes one, and gives it back when done."""
+
+    def __init__(self, capacity: int = DEFAULT_ARENA_BYTES) -> None:
+        self.capacity = capacity
+        self._free: list[ClientArena] = []
+        self._all: list[ClientArena] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def acquire(self) -> ClientArena:
+        with self._lock:
+            if self._closed:
+                raise ArenaUnavailable("arena pool closed")
+            if self._free:
+                return self._free.pop()
+        arena = ClientArena(self.capacity)
+        with self._lock:
+            self._all.append(arena)
+        return arena
+
+    def release(self, arena: ClientArena) -> None:
+        with self._lock:
+            if self._closed:
+                arena.close()
+            else:
+                self._free.append(arena)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            arenas, self._all, self._free = self._all, [], []
+        for arena in arenas:
+            arena.close()
+
+
+@dataclass
+class ArenaWriter:
+    """Server side of one request's arena: ``write`` returns the offset of a value, or ``None`` (use the wire)."""
+
+    fd: int
+    capacity: int
+    offset: int = HEADER_BYTES
+
+    @classmethod
+    def open(cls, name: str, token: bytes) -> ArenaWriter:
+        """Open the arena ``name`` after checking it is a regular arena file of ours carrying ``token``."""
+        if _NAME.fullmatch(name) is None:
+            raise ArenaUnavailable(f"not an arena name: {name!r}")
+        if len(token) != TOKEN_BYTES:
+            raise ArenaUnavailable("arena token must be 16 bytes")
+        try:
+            fd = os.open(ARENA_DIR / name, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise ArenaUnavailable(f"cannot open arena {name}: {exc.strerror}") from None
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+                raise ArenaUnavailable(f"arena {name} is not a regular file owned by this server's user")
+            if os.pread(fd, HEADER_BYTES, 0)[: len(MAGIC) + TOKEN_BYTES] != MAGIC + token:
+                raise ArenaUnavailable(f"arena {name}: wrong header or token")
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(fd=fd, capacity=info.st_size)
+
+    def write(self, value: bytes | memoryview) -> int | None:
+        """Write ``value`` at the next free offset; ``None`` when it does not fit or the write fails."""
+        size = len(value)
+        if self.fd < 0 or self.offset + size > self.capacity:
+            return None
+        try:
+            written = os.pwrite(self.fd, value, self.offset)
+        except OSError as exc:  # /dev/shm full: the rest goes over the wire
+            log.debug("arena write failed (%s): falling back to the wire", exc)
+            self.close()
+            return None
+        if written != size:
+            self.close()
+            return None
+        offset, self.offset = self.offset, self.offset + size
+        return offset
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1

@@ -1,0 +1,23 @@
+"""`kvshelf bench store` end to end at its smallest: real `kvshelf serve`, real redis-server, real LMDB."""
+
+from __future__ import annotations
+
+import json
+
+from rich.console import Console
+
+from bench.store import BACKENDS, run
+
+
+def test_bench_store_small_run_writes_its_schema(tmp_path):
+    out = tmp_path / "store.json"
+    payload = run(json_path=str(out), backends=BACKENDS, sizes=(1,), clients=(1, 2), console=Console(quiet=True))
+    rows = json.loads(out.read_text())["results"]
+    assert rows == payload["results"]
+    assert {(r["backend"], r["op"], r["clients"]) for r in rows} == {
+        (b, op, c) for b in BACKENDS for op in ("put", "get") for c in (1, 2)}
+    for r in rows:
+        assert r["errors"] == 0, r  # every get was verified byte for byte
+        assert r["mb_s"] > 0 and 0 < r["p50_ms"] <= r["p99_ms"]
+        assert r["block_mib"] == 1
+        assert (r["vs_redis"] == 1.0) if r["backend"] == "redis" else r["vs_redis"] > 0
