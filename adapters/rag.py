@@ -7,8 +7,11 @@ its position-independent ``chunk_key``. At query time ``RAGGenerator.generate(ch
 * ``full``: no reuse; the prefix, the chunks and the question are prefilled together (the reference);
 * ``reuse``: the chunks' KV is loaded in the given order, keys re-rotated to their new positions, and only the
   question is prefilled (TurboRAG);
-* ``reuse-blend``: as ``reuse``, then every chunk token is recomputed through layers ``0..select_layer``, the
-  ``ratio`` (default 15%) whose KV deviates most at ``select_layer`` go on through the remaining layers, and
+* ``reuse-blend``: independently encoded chunks (by default the Block-Attention blocks below, each encoded after
+  the shared prefix, as CacheBlend's reference code encodes every chunk after the prompt's opening tokens;
+  ``blend_base="chunk"``: TurboRAG's position-0 chunks), then every token is recomputed through layers
+  ``0..select_layer-1`` (one layer by default) and only the K/V projections of layer ``select_layer``; the
+  ``ratio`` (default 15%) of chunk tokens whose KV deviates most there go on through the remaining layers, and
   their fresh KV is blended in (CacheBlend);
 * ``block-attention``: each chunk is encoded after the shared prefix only (a block-diagonal mask) and cached
   under a key that includes the prefix; the question (the last block) attends to everything.
@@ -42,8 +45,10 @@ from adapters.reuse_engine import (
     greedy_decode,
     inv_freq,
     last_logits,
+    layer_kv,
     prefill_rows,
     run_layers,
+    write_kv,
 )
 from kvstore.block import KVBlock
 from kvstore.errors import ConfigError
@@ -52,10 +57,12 @@ from reuse.blend import DEFAULT_RATIO, check_ratio, kv_deviation, select_recompu
 from reuse.chunking import chunk_tokens
 from reuse.errors import ChunkMissingError, ContextTooLongError, ForeignChunkError
 from reuse.keys import prefixed_block_key, rag_chunk_key
-from reuse.masks import PREFIX, block_mask, causal_mask
+from reuse.masks import PREFIX, block_mask
 from reuse.rope import rerotate_keys
 
 MODES = ("full", "reuse", "reuse-blend", "block-attention")
+BLEND_BASES = ("block", "chunk")
+BLEND_GROUP_ROWS = 64  # reuse-blend: queries per causal attention group (see ``run_layers``)
 Text = str | Sequence[int]
 
 
@@ -165,6 +172,10 @@ class RAGGenerator:
         recompute_ratio: ``reuse-blend``'s share of chunk tokens recomputed (CacheBlend's r, default 0.15).
         select_layer: the layer at which ``reuse-blend`` measures KV deviation (default 1; layer 0's K/V do not
             depend on context, so it cannot be 0).
+        blend_base: the chunk KV ``reuse-blend`` starts from: ``"block"`` (default; each chunk encoded after the
+            shared prefix, the Block-Attention blocks) or ``"chunk"`` (each chunk alone at position 0, TurboRAG's).
+            Chunks encoded alone make their first token an attention sink and miss the prefix's instructions; the
+            needle benchmark (``kvshelf bench rag``) measures both.
         ape: ``(temperature, scale)``: APE-style attention for parallel chunks: later tokens' logits on chunk keys
             are divided by ``temperature`` and shifted by ``log(scale)``. Off by default (see the README).
         on_missing: ``"recompute"`` (default) or ``"error"`` for a chunk not stored for this model.
@@ -173,8 +184,8 @@ class RAGGenerator:
     def __init__(
         self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None,
         store: TieredStore | None = None, *, namespace: str = "default", prefix: Text | None = None,
-        recompute_ratio: float = DEFAULT_RATIO, select_layer: int = 1, ape: tuple[float, float] | None = None,
-        on_missing: str = "recompute",
+        recompute_ratio: float = DEFAULT_RATIO, select_layer: int = 1, blend_base: str = "block",
+        ape: tuple[float, float] | None = None, on_missing: str = "recompute",
     ) -> None:
         check_supported(model.config)
         self.model, self.tokenizer, self.store, self.namespace = model, tokenizer, store, namespace
@@ -186,6 +197,9 @@ class RAGGenerator:
         if not 1 <= select_layer < layers:
             raise ConfigError(f"select_layer must be in [1, {layers - 1}], got {select_layer}")
         self.select_layer = select_layer
+        if blend_base not in BLEND_BASES:
+            raise ConfigError(f"blend_base must be one of {BLEND_BASES}, got {blend_base!r}")
+        self.blend_base = blend_base
         if ape is not None and (ape[0] <= 0 or ape[1] <= 0):
             raise ConfigError(f"ape=(temperature, scale) must both be > 0, got {ape}")
         self.ape = ape
@@ -308,12 +322,12 @@ class RAGGenerator:
             cache, first = out.past_key_values, out.logits[0, -1].float()
         else:
             prefix_block = self._prefix_block()
-            if mode == "block-attention":
+            if mode == "block-attention" or (mode == "reuse-blend" and self.blend_base == "block"):
                 blocks, computed = self.block_attention_blocks(chunk_ids, prefix_block)
             else:
                 blocks, computed = self.chunk_blocks(chunk_ids)
             reused = len(blocks) - computed
-            layout = Layout.empty(self.model, total)
+            layout = Layout.empty(self.model, total, zero=False)  # every row is filled or computed below
             if prefix_block is not None:
                 layout.fill(0, prefix_block.keys, prefix_block.values)
             row = p
@@ -345,26 +359,35 @@ class RAGGenerator:
         return bias
 
     def _blend(self, layout: Layout, chunk_ids: list[list[int]], q_ids: list[int]) -> tuple[torch.Tensor, int]:
-        """CacheBlend: recompute every chunk token (and the question) through layers ``0..select_layer``, choose
-        the ``ratio`` most deviating chunk tokens there, and carry only those plus the question through the rest."""
+        """CacheBlend (Yao et al., EuroSys 2025) selective recompute over the assembled ``layout``.
+
+        1. The whole prompt goes through layers ``0..select_layer-1`` (one layer by default) as a plain causal
+           prefill; their fresh KV replaces the reused KV for every token.
+        2. Layer ``select_layer``'s K/V projections of those outputs (no attention, no MLP) give every token's
+           fresh KV there; the ``ratio`` of chunk tokens whose KV deviates most from the reused KV are chosen.
+        3. Only the chosen tokens and the question run through the remaining layers, in causal groups over the
+           blended cache; at the last layer the chosen tokens need only their K/V, the question the whole layer.
+        """
         p = len(self.prefix)
         c_ids = [t for c in chunk_ids for t in c]
-        n_chunk, total = len(c_ids), layout.rows
-        rows = torch.arange(p, total)
-        positions = rows.clone()
-        hidden = embed(self.model, c_ids + q_ids)
-        sel = self.select_layer
-        hidden = run_layers(self.model, layout, hidden, positions, rows, causal_mask(rows, total, self.model.dtype),
+        n_chunk, total, sel = len(c_ids), layout.rows, self.select_layer
+        last = self.model.config.num_hidden_layers - 1
+        rows = torch.arange(total)
+        hidden = run_layers(self.model, layout, embed(self.model, self.prefix + c_ids + q_ids), rows, rows, None,
                             range(sel))
-        old_k = layout.keys[sel][:, :, p : p + n_chunk].clone()
-        old_v = layout.values[sel][:, :, p : p + n_chunk].clone()
-        hidden = run_layers(self.model, layout, hidden, positions, rows, causal_mask(rows, total, self.model.dtype),
-                            range(sel, sel + 1))
-        deviation = kv_deviation(old_k, old_v, layout.keys[sel][:, :, p : p + n_chunk],
-                                 layout.values[sel][:, :, p : p + n_chunk])
-        chosen = select_recompute(deviation, self.ratio)
-        keep = torch.cat([chosen, torch.arange(n_chunk, n_chunk + len(q_ids))])  # indices into rows
-        rows, positions, hidden = rows[keep], positions[keep], hidden[:, keep]
-        hidden = run_layers(self.model, layout, hidden, positions, rows, causal_mask(rows, total, self.model.dtype),
-                            range(sel + 1, self.model.config.num_hidden_layers))
-        return last_logits(self.model, hidden), int(chosen.numel())
+        new_k, new_v = layer_kv(self.model, sel, hidden, rows)
+        span = slice(p, p + n_chunk)
+        deviation = kv_deviation(layout.keys[sel][:, :, span], layout.values[sel][:, :, span], new_k[:, :, span],
+                                 new_v[:, :, span])
+        write_kv(layout, sel, rows, new_k, new_v)
+        chosen = select_recompute(deviation, self.ratio) + p  # layout rows
+        keep = torch.cat([chosen, torch.arange(p + n_chunk, total)])
+        hidden = run_layers(self.model, layout, hidden[:, keep], keep, keep, None, range(sel, last),
+                            group_rows=BLEND_GROUP_ROWS)
+        n_sel = int(chosen.numel())
+        if n_sel and sel < last:
+            k, v = layer_kv(self.model, last, hidden[:, :n_sel], chosen)
+            write_kv(layout, last, chosen, k, v)
+        hidden = run_layers(self.model, layout, hidden[:, n_sel:], keep[n_sel:], keep[n_sel:], None,
+                            range(max(sel, last), last + 1))
+        return last_logits(self.model, hidden), n_sel

@@ -12,12 +12,14 @@ Positions are explicit, so layouts may have gaps (Prompt Cache parameter slots).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import AttentionInterface, DynamicCache, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from adapters.cache_bridge import check_supported
 from adapters.fingerprint import kv_geometry
@@ -33,11 +35,14 @@ class Layout:
     values: list[torch.Tensor]
 
     @classmethod
-    def empty(cls, model: PreTrainedModel, rows: int) -> Layout:
+    def empty(cls, model: PreTrainedModel, rows: int, *, zero: bool = True) -> Layout:
+        """A layout of ``rows`` rows per layer; ``zero=False`` leaves them uninitialised (cheaper: for callers that
+        write every row, from blocks or by computing it)."""
         layers, kv_heads, head_dim = kv_geometry(model)
         shape = (1, kv_heads, rows, head_dim)
         kw = {"dtype": model.dtype, "device": model.device}
-        return cls([torch.zeros(shape, **kw) for _ in range(layers)], [torch.zeros(shape, **kw) for _ in range(layers)])
+        make = torch.zeros if zero else torch.empty
+        return cls([make(shape, **kw) for _ in range(layers)], [make(shape, **kw) for _ in range(layers)])
 
     @property
     def rows(self) -> int:
@@ -52,6 +57,10 @@ class Layout:
 
     def fill_rows(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Copy ``[layers, kv_heads, n, head_dim]`` into the (not necessarily contiguous) layout ``rows`` ``[n]``."""
+        span = contiguous_span(rows)
+        if span is not None:  # a slice copy, much cheaper than a scatter
+            self.fill(span.start, keys, values)
+            return
         for layer in range(len(self.keys)):
             self.keys[layer][0, :, rows] = keys[layer]
             self.values[layer][0, :, rows] = values[layer]
@@ -70,20 +79,116 @@ class Layout:
         return cache
 
 
+def contiguous_span(rows: torch.Tensor) -> slice | None:
+    """``slice(first, last + 1)`` when ``rows`` ``[n]`` (ascending) is one contiguous run, else ``None``."""
+    n = int(rows.numel())
+    if n == 0:
+        return None
+    first, last = int(rows[0]), int(rows[-1])
+    if last - first + 1 != n or not bool((rows[1:] > rows[:-1]).all()):
+        return None
+    return slice(first, last + 1)
+
+
 class _ScatterKV:
     """Duck-typed cache for one forward: a layer's fresh K/V of the query rows go into the layout at ``rows``
-    and the attention sees the whole layout. (HF attention only calls ``update`` on its cache.)"""
+    and the attention sees the layout's first ``kv_end`` rows (all by default). (HF attention only calls
+    ``update`` on its cache.)"""
 
-    def __init__(self, layout: Layout, rows: torch.Tensor) -> None:
+    def __init__(self, layout: Layout, rows: torch.Tensor, kv_end: int | None = None) -> None:
         self.layout = layout
         self.rows = rows.to(layout.keys[0].device)
+        self.kv_end = layout.rows if kv_end is None else kv_end
+        self._slice = contiguous_span(self.rows)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self.layout.keys[layer_idx], self.layout.values[layer_idx]
-        keys[:, :, self.rows] = key_states
-        values[:, :, self.rows] = value_states
-        return keys, values
+        where = self._slice if self._slice is not None else self.rows  # a slice copy is cheaper than a scatter
+        keys[:, :, where] = key_states
+        values[:, :, where] = value_states
+        return keys[:, :, : self.kv_end], values[:, :, : self.kv_end]
+
+
+class _Captured(Exception):  # noqa: N818 - control flow, not an error
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        super().__init__("captured")
+        self.keys, self.values = keys, values
+
+
+class _CaptureKV:
+    """Duck-typed cache that stops a decoder layer right after its K/V projections (and RoPE): the layer's own
+    code computes the K/V, and no attention or MLP is spent."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        raise _Captured(key_states, value_states)
+
+
+FOLDED = "kvshelf_gqa_fold"
+PARTS = "kvshelf_query_parts"  # attention kwarg: [(query slice, kv_end, tiled mask)], see ``run_layers``
+
+
+def _fold(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """``[b, h, q, d] -> [b, h_kv, g * q, d]``: the ``g`` query heads sharing a KV head, one after another."""
+    batch, heads, q, dim = query.shape
+    return query.reshape(batch, kv_heads, (heads // kv_heads) * q, dim)
+
+
+def folded_gqa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                         **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """SDPA for grouped-query attention under an explicit mask without ``repeat_kv``: the query heads that share
+    a KV head are folded into the query length, ``query [b, h, q, d] -> [b, h_kv, g * q, d]``, and the mask
+    ``[b, 1, q, n]`` tiled to ``[b, 1, g * q, n]`` (or passed already tiled). Same result as HF's ``sdpa``, which
+    copies K/V ``g`` times whenever a mask is given. Returns ``[b, q, h, d]``.
+
+    With ``kwargs[PARTS]`` (a list of ``(query slice, kv_end, mask [1, 1, g * q_part, kv_end])``) each run of
+    queries attends only to the first ``kv_end`` keys under its own mask: causal attention of scattered query
+    rows (CacheBlend) without attending to keys no query of the run can see; the layer's projections and MLP
+    still run once over all queries."""
+    batch, heads, q, dim = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    parts = kwargs.pop(PARTS, None)
+    if parts is not None:
+        outs = [torch.nn.functional.scaled_dot_product_attention(
+                    _fold(query[:, :, part], kv_heads), key[:, :, :kv_end], value[:, :, :kv_end], attn_mask=mask,
+                    dropout_p=dropout, scale=scaling).reshape(batch, heads, part.stop - part.start, dim)
+                for part, kv_end, mask in parts]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        return out.transpose(1, 2).contiguous(), None
+    if (attention_mask is None or groups == 1 or q == 1 or kwargs.get("position_bias") is not None
+            or kwargs.get("softcap") is not None):  # no mask: HF's sdpa (causal kernel, native GQA)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    mask = attention_mask
+    if mask is not None and mask.shape[-2] != groups * q:
+        mask = mask.expand(-1, -1, q, -1).repeat(1, 1, groups, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        _fold(query, kv_heads), key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
+    return out.reshape(batch, heads, q, dim).transpose(1, 2).contiguous(), None
+
+
+@contextmanager
+def folded_attention(model: PreTrainedModel) -> Iterator[int | None]:
+    """Switch an ``sdpa`` model to ``folded_gqa_attention`` for the block; yields the query heads per KV head
+    (1 without grouped heads), or ``None`` when the model stays as it is (another attention implementation)."""
+    config = model.config.get_text_config(decoder=True)
+    groups = config.num_attention_heads // getattr(config, "num_key_value_heads", config.num_attention_heads)
+    previous = model.config._attn_implementation
+    if previous not in ("sdpa", FOLDED):
+        yield None
+        return
+    if previous == FOLDED:  # nested
+        yield groups
+        return
+    AttentionInterface.register(FOLDED, folded_gqa_attention)
+    model.set_attn_implementation(FOLDED)
+    try:
+        yield groups
+    finally:
+        model.set_attn_implementation(previous)
 
 
 def decoder(model: PreTrainedModel) -> Any:
@@ -107,21 +212,91 @@ def embed(model: PreTrainedModel, ids: Sequence[int]) -> torch.Tensor:
     return model.get_input_embeddings()(torch.tensor([list(ids)], device=model.device))
 
 
+def _groups(rows: torch.Tensor, group_rows: int | None) -> list[tuple[slice, int]]:
+    """Split ascending query ``rows`` ``[q]`` into runs of at most ``group_rows``; each with the layout length
+    its queries can see under a causal (or block) mask: its last row + 1."""
+    q = int(rows.numel())
+    if not group_rows or q <= group_rows:
+        return [(slice(0, q), int(rows.max()) + 1 if q else 0)]
+    return [(slice(i, min(q, i + group_rows)), int(rows[min(q, i + group_rows) - 1]) + 1)
+            for i in range(0, q, group_rows)]
+
+
+def _group_mask(mask: torch.Tensor | None, rows: torch.Tensor, part: slice, kv_end: int, tiles: int,
+                dtype: torch.dtype) -> torch.Tensor:
+    """The ``[1, 1, tiles * q_part, kv_end]`` mask of one query group (``tiles``: folded query heads per KV head)."""
+    if mask is None:
+        return causal_mask(rows[part].repeat(tiles), kv_end, dtype)
+    return mask[..., part, :kv_end].repeat(1, 1, tiles, 1)
+
+
 def run_layers(
     model: PreTrainedModel, layout: Layout, hidden: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
-    mask: torch.Tensor, layers: range,
+    mask: torch.Tensor | None, layers: range, *, group_rows: int | None = None,
 ) -> torch.Tensor:
     """Run ``hidden`` ``[1, q, hidden]`` (tokens at ``positions`` ``[q]``, layout ``rows`` ``[q]``) through
-    ``layers`` under ``mask`` ``[1, 1, q, layout.rows]``; the layout receives their K/V. Returns the hidden states."""
+    ``layers`` under ``mask`` ``[1, 1, q, layout.rows]`` (``None``: causal over the layout, each group's mask built
+    for that group only); the layout receives their K/V. Returns the hidden states.
+
+    ``group_rows``: with ascending ``rows`` and a mask that never shows a row a later one (``causal_mask``,
+    ``block_mask``), queries go through each layer in groups of that many, each attending only to the layout
+    rows up to its last query: causal attention at about half the cost of attending to the whole layout (what
+    CacheBlend's scattered recomputed tokens need). Results are the same up to float rounding.
+    """
+    inner = decoder(model)
+    position_ids = positions.to(model.device)[None]
+    cos, sin = inner.rotary_emb(hidden, position_ids=position_ids)
+    everything = slice(0, int(rows.numel()))
+    plain_prefill = mask is None and contiguous_span(rows) == slice(0, layout.rows)
+    groups = _groups(rows, group_rows) if group_rows and not plain_prefill else [(everything, layout.rows)]
+    with folded_attention(model) as heads_per_kv:
+        if heads_per_kv is not None:  # one pass per layer; the runs of queries are split inside the attention
+            cache = _ScatterKV(layout, rows, max(kv_end for _, kv_end in groups))
+            kwargs: dict[str, Any] = {"attention_mask": None}
+            if not plain_prefill:  # a plain prefill of every row needs no mask (SDPA's own causal kernel)
+                kwargs[PARTS] = [(part, kv_end, _group_mask(mask, rows, part, kv_end, heads_per_kv, model.dtype).to(
+                    model.device)) for part, kv_end in groups]
+            for index in layers:
+                hidden = inner.layers[index](hidden, position_ids=position_ids, past_key_values=cache, use_cache=True,
+                                             position_embeddings=(cos, sin), **kwargs)
+            return hidden
+        # another attention implementation: each run of queries through the layer on its own
+        parts = [(part, _ScatterKV(layout, rows[part], kv_end),
+                  None if plain_prefill else _group_mask(mask, rows, part, kv_end, 1, model.dtype).to(model.device))
+                 for part, kv_end in groups]
+        for index in layers:
+            outs = [inner.layers[index](hidden[:, part], attention_mask=part_mask, position_ids=position_ids[:, part],
+                                        past_key_values=cache, use_cache=True,
+                                        position_embeddings=(cos[:, part], sin[:, part]))
+                    for part, cache, part_mask in parts]
+            hidden = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    return hidden
+
+
+def layer_kv(model: PreTrainedModel, layer: int, hidden: torch.Tensor,
+             positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K/V that decoder layer ``layer`` makes from its input ``hidden`` ``[1, q, hidden]`` at ``positions``
+    ``[q]``: ``[1, kv_heads, q, head_dim]`` each (RoPE applied), without the layer's attention or MLP.
+
+    CacheBlend (Yao et al., EuroSys 2025) measures KV deviation at an early layer; only the K/V projections of
+    that layer are needed for every token, not its attention.
+    """
     inner = decoder(model)
     position_ids = positions.to(model.device)[None]
     embeddings = inner.rotary_emb(hidden, position_ids=position_ids)
-    cache = _ScatterKV(layout, rows)
-    mask = mask.to(model.device)
-    for index in layers:
-        hidden = inner.layers[index](hidden, attention_mask=mask, position_ids=position_ids,
-                                     past_key_values=cache, use_cache=True, position_embeddings=embeddings)
-    return hidden
+    try:
+        inner.layers[layer](hidden, attention_mask=None, position_ids=position_ids, past_key_values=_CaptureKV(),
+                            use_cache=True, position_embeddings=embeddings)
+    except _Captured as captured:
+        return captured.keys, captured.values
+    raise UnsupportedModelError(f"decoder layer {layer} of {type(model).__name__} did not update its cache")
+
+
+def write_kv(layout: Layout, layer: int, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Write ``[1, kv_heads, n, head_dim]`` K/V of one layer into layout ``rows`` ``[n]``."""
+    where: slice | torch.Tensor = contiguous_span(rows) or rows
+    layout.keys[layer][:, :, where] = keys
+    layout.values[layer][:, :, where] = values
 
 
 def last_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
@@ -134,12 +309,20 @@ def prefill_rows(
     model: PreTrainedModel, layout: Layout, ids: Sequence[int], positions: Sequence[int], rows: Sequence[int],
     *, mask: torch.Tensor | None = None, column_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Compute query rows through all layers (causal over the layout unless ``mask`` is given); last logits."""
-    rows_t = torch.tensor(list(rows), dtype=torch.long)
+    """Compute query rows through all layers (causal over the layout unless ``mask`` is given); last logits.
+
+    At the last layer only the last row needs attention and MLP (its logits); the other rows need only their K/V
+    there, so they get the K/V projections alone."""
+    rows_t, positions_t = torch.tensor(list(rows), dtype=torch.long), torch.tensor(list(positions))
     if mask is None:
         mask = causal_mask(rows_t, layout.rows, model.dtype, column_bias)
-    hidden = run_layers(model, layout, embed(model, ids), torch.tensor(list(positions)), rows_t, mask,
-                        range(len(decoder(model).layers)))
+    last = len(decoder(model).layers) - 1
+    hidden = run_layers(model, layout, embed(model, ids), positions_t, rows_t, mask, range(last))
+    if len(rows_t) > 1:
+        k, v = layer_kv(model, last, hidden[:, :-1], positions_t[:-1])
+        write_kv(layout, last, rows_t[:-1], k, v)
+    hidden = run_layers(model, layout, hidden[:, -1:], positions_t[-1:], rows_t[-1:], mask[..., -1:, :],
+                        range(last, last + 1))
     return last_logits(model, hidden)
 
 

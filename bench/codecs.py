@@ -42,8 +42,11 @@ SETTINGS: list[tuple[str, dict[str, Any]]] = [
     ("int8", {"group_size": 128}),
     ("int4", {"group_size": 32}),
     ("int2", {"group_size": 32}),
+    ("cachegen", {}),  # defaults: bits=3.5, fp16 sink tokens, no rotation
     ("cachegen", {"bits": 4}),
-    ("cachegen", {"bits": 4, "early_extra_bits": 2, "early_fraction": 0.3}),
+    ("cachegen", {"bits": 3.25}),
+    ("cachegen", {"bits": 3}),
+    ("cachegen", {"rotate": True}),  # QuaRot-style Hadamard rotation first
     ("sparse", {"inner": "int8", "inner_params": {"group_size": 128}}),
 ]
 SPARSE_SINKS, SPARSE_RECENT = 64, 1088  # the sparse setting keeps StreamingLLM-style sinks + recent tokens

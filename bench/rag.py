@@ -1,20 +1,26 @@
 """``kvshelf bench rag``: needle QA over reused RAG chunks, TTFT at 8 x 512 tokens, and prompt-module TTFT.
 
-Needle QA: each case is 8 chunks of ~150-200 tokens (one corpus abstract each, cut to 185 tokens); one carries a
-planted sentence with a random 4-digit code; the question asks for it. Modes: ``full`` (no reuse), ``reuse``
-(TurboRAG: independent chunks, keys re-rotated), ``reuse-blend`` (CacheBlend, r = 15%), ``block-attention``
-(Block-Attention: chunks encoded after the system prompt), plus ``reuse-ape`` (APE-style temperature/scale).
-Chunk KV is precomputed once for the pool (not timed), as a RAG pipeline would. Reported per mode: accuracy (the
-code appears in the greedy answer), mean KL(full || mode) of the first answer token's distribution, mean TTFT and
-speedup vs ``full``, and accuracy with the chunk order shuffled.
+Needle QA: each case is 8 chunks of ~150-160 tokens (one corpus abstract each, cut to 150 tokens); one carries a
+planted short sentence with a random 4-digit code ("The secret code is 1234.", its own paragraph); the question
+asks for it and the assistant turn opens with "The secret code is" (the same prompt in every mode), so the code is
+the answer's first tokens. Modes: ``full`` (no reuse), ``reuse`` (TurboRAG: chunks encoded alone at position 0,
+keys re-rotated), ``reuse-blend`` (CacheBlend, r = 15%, over chunks encoded after the shared prefix),
+``block-attention`` (Block-Attention: chunks encoded after the system prompt), plus ``reuse-blend-chunk``
+(CacheBlend over the position-0 chunks) and ``block-attention-ape`` (APE temperature/scale on the parallel blocks).
+Chunk KV is precomputed once for the pool (not timed), as a RAG pipeline would. Reported per mode: accuracy (exact
+match: the greedy answer starts with the code), mean KL(full || mode) of the first answer token's distribution,
+median TTFT over cases (mean beside it) and speedup vs ``full``, and accuracy with the chunk order shuffled. One
+generation per case, mode and order.
 
 Second table: TTFT with 8 chunks x 512 tokens (median of ``runs``). Third: a 2,048-token prompt module plus 64
-free tokens vs full prefill, with the greedy outputs compared. Timings on a shared CPU are noisy.
+free tokens vs full prefill (median of ``runs``), with the greedy outputs compared. Timings on a shared CPU are
+noisy.
 """
 
 from __future__ import annotations
 
 import random
+import re
 import statistics
 import tempfile
 from typing import Any
@@ -26,20 +32,46 @@ from tqdm import tqdm
 
 from bench.common import corpus_texts, machine_description, median, save_results
 
-SYSTEM = "You answer questions about the documents the user gives. Answer with the code only."
-QUESTION = "Question: What is the access code mentioned in one of the documents above? Answer with the 4-digit code."
-MODES = ("full", "reuse", "reuse-blend", "block-attention", "reuse-ape")
+SYSTEM = "You find the secret code in the documents the user gives. Answer with the code only."
+INTRO = "Find the secret code in these documents.\n\nDocuments:\n\n"
+QUESTION = "\nQuestion: What is the secret code mentioned in the documents above?"
+ANSWER = "The secret code is"  # the assistant turn starts the answer: a 135M model then gives the code itself
+NEEDLE = "The secret code is {code}."
+CHUNK_TOKENS = 150
+NEW_TOKENS = 6  # " " and 4 digits are single tokens; room for one more
+MODES = ("full", "reuse", "reuse-blend", "block-attention", "reuse-blend-chunk", "block-attention-ape")
 APE = (0.9, 0.9)
+# extra rows: (RAGGenerator mode, constructor options)
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "reuse-blend-chunk": ("reuse-blend", {"blend_base": "chunk"}),  # CacheBlend over TurboRAG's position-0 chunks
+    "block-attention-ape": ("block-attention", {"ape": APE}),  # APE: parallel blocks after the shared prefix
+}
 
 
 def _template(tokenizer: Any) -> tuple[str, str]:
+    """The chat template split around the documents: ``(shared prefix, text after the documents)``. The same
+    prompt serves every mode; the question ends the user turn and the assistant turn opens with ``ANSWER``."""
     marker = "\x00CTX\x00"
     text = tokenizer.apply_chat_template(
         [{"role": "system", "content": SYSTEM}, {"role": "user", "content": marker}],
         tokenize=False, add_generation_prompt=True,
     )
     before, after = text.split(marker)
-    return before + "Documents:\n\n", after
+    return before + INTRO, QUESTION + after + ANSWER
+
+
+def answer_code(text: str | None) -> str | None:
+    """The number the answer starts with (exact match is ``answer_code(answer) == code``)."""
+    match = re.match(r"\s*(\d+)", text or "")
+    return match.group(1) if match else None
+
+
+def plant(text: str, code: str, rng: random.Random) -> str:
+    """``text`` with the needle sentence as its own short paragraph at a random sentence boundary (not first)."""
+    sentences = text.split(". ")
+    at = rng.randrange(1, max(2, len(sentences)))
+    head, tail = ". ".join(sentences[:at]), ". ".join(sentences[at:])
+    return f"{head}{'' if head.endswith('.') else '.'}\n\n{NEEDLE.format(code=code)}\n\n{tail}".rstrip()
 
 
 def _enc(tokenizer: Any, text: str) -> list[int]:
@@ -53,10 +85,12 @@ def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
 
 
 def make_cases(tokenizer: Any, texts: list[str], cases: int, seed: int = 0) -> tuple[list[list[int]], list[dict]]:
-    """A pool of plain chunks and ``cases`` needle cases: ``{"chunks": [ids x 8], "code": str, "needle": i}``."""
+    """A pool of plain chunks and ``cases`` needle cases: ``{"chunks": [ids x 8], "code": str, "needle": i}``.
+
+    Each chunk is one abstract cut to ``CHUNK_TOKENS`` tokens; the needle chunk adds the planted sentence."""
     rng = random.Random(seed)
     texts = texts[: max(16, min(len(texts), 4 * cases))]  # a retrieval pool a few times the chunks asked for
-    trimmed = [tokenizer.decode(_enc(tokenizer, t)[:185]).strip() for t in texts]
+    trimmed = [tokenizer.decode(_enc(tokenizer, t)[:CHUNK_TOKENS]).strip() for t in texts]
     pool = [_enc(tokenizer, t + "\n\n") for t in trimmed]
     out = []
     used: set[int] = set()
@@ -65,11 +99,8 @@ def make_cases(tokenizer: Any, texts: list[str], cases: int, seed: int = 0) -> t
         used.update(picks)
         needle = rng.randrange(8)
         code = f"{rng.randrange(1000, 10000)}"
-        sentences = trimmed[picks[needle]].split(". ")
-        at = rng.randrange(1, max(2, len(sentences)))
-        sentences.insert(at, f"The access code of this study is {code}")
         chunks = [pool[i] for i in picks]
-        chunks[needle] = _enc(tokenizer, ". ".join(sentences) + "\n\n")
+        chunks[needle] = _enc(tokenizer, plant(trimmed[picks[needle]], code, rng) + "\n\n")
         out.append({"chunks": chunks, "code": code, "needle": needle})
     return [pool[i] for i in sorted(used)], out
 
@@ -77,11 +108,11 @@ def make_cases(tokenizer: Any, texts: list[str], cases: int, seed: int = 0) -> t
 def _generator(model: Any, tokenizer: Any, store: Any, prefix: list[int], mode: str) -> Any:
     from adapters.rag import RAGGenerator
 
-    return RAGGenerator(model, tokenizer, store, prefix=prefix, ape=APE if mode == "reuse-ape" else None)
+    return RAGGenerator(model, tokenizer, store, prefix=prefix, **VARIANTS.get(mode, (mode, {}))[1])
 
 
 def _mode_arg(mode: str) -> str:
-    return "reuse" if mode == "reuse-ape" else mode
+    return VARIANTS.get(mode, (mode, {}))[0]
 
 
 def needle_qa(model: Any, tokenizer: Any, texts: list[str], cases: int, store: Any, console: Console,
@@ -89,17 +120,17 @@ def needle_qa(model: Any, tokenizer: Any, texts: list[str], cases: int, store: A
     from adapters.rag import precompute
 
     before, after = _template(tokenizer)
-    prefix, question = _enc(tokenizer, before), _enc(tokenizer, "\n" + QUESTION + after)
+    prefix, question = _enc(tokenizer, before), _enc(tokenizer, after)
     pool, needle_cases = make_cases(tokenizer, texts, cases)
     rng = random.Random(1)
     gens = {m: _generator(model, tokenizer, store, prefix, m) for m in modes}
     # offline precompute (not timed): every chunk alone at 0, and every chunk as a block after the prefix
     needle_chunks = [c["chunks"][c["needle"]] for c in needle_cases]
     precompute([tokenizer.decode(prefix)], model, tokenizer, store, chunk_size=4096, progress=False)
+    plain = _generator(model, tokenizer, store, prefix, "reuse")
     for ids in tqdm(pool + needle_chunks, desc="precompute chunks + blocks", unit="chunk"):
-        gens["reuse"].chunk_blocks([ids])
-        if "block-attention" in gens:
-            gens["block-attention"].block_attention_blocks([ids], gens["block-attention"]._prefix_block())
+        plain.chunk_blocks([ids])  # TurboRAG: alone at position 0 (reuse, reuse-blend-chunk)
+        plain.block_attention_blocks([ids], plain._prefix_block())  # after the prefix (block-attention, reuse-blend)
     rows: dict[str, dict[str, list]] = {m: {"hit": [], "hit_shuffled": [], "kl": [], "ttft": []} for m in modes}
     for case in tqdm(needle_cases, desc="needle QA", unit="case"):
         order = list(range(8))
@@ -107,23 +138,25 @@ def needle_qa(model: Any, tokenizer: Any, texts: list[str], cases: int, store: A
         shuffled = [case["chunks"][i] for i in order]
         reference = None
         for mode in modes:
-            result = gens[mode].generate(case["chunks"], question, mode=_mode_arg(mode), max_new_tokens=8)
-            again = gens[mode].generate(shuffled, question, mode=_mode_arg(mode), max_new_tokens=8)
+            result = gens[mode].generate(case["chunks"], question, mode=_mode_arg(mode), max_new_tokens=NEW_TOKENS)
+            again = gens[mode].generate(shuffled, question, mode=_mode_arg(mode), max_new_tokens=NEW_TOKENS)
             if mode == "full":
                 reference = result.first_logits
             r = rows[mode]
-            r["hit"].append(case["code"] in (result.text or ""))
-            r["hit_shuffled"].append(case["code"] in (again.text or ""))
+            r["hit"].append(answer_code(result.text) == case["code"])
+            r["hit_shuffled"].append(answer_code(again.text) == case["code"])
             r["kl"].append(_kl(reference, result.first_logits) if reference is not None else 0.0)
             r["ttft"].append(result.ttft_s)
-    full_ttft = statistics.fmean(rows["full"]["ttft"]) if "full" in rows else float("nan")
+    # TTFT: the median over cases (robust to bursts of load on a shared CPU), the mean beside it
+    full_ttft = median(rows["full"]["ttft"]) if "full" in rows else float("nan")
     results = []
     for mode in modes:
         r = rows[mode]
-        ttft = statistics.fmean(r["ttft"])
+        ttft = median(r["ttft"])
         results.append({"mode": mode, "accuracy": round(statistics.fmean(r["hit"]), 4),
                         "accuracy_shuffled": round(statistics.fmean(r["hit_shuffled"]), 4),
                         "kl": round(statistics.fmean(r["kl"]), 5), "ttft_s": round(ttft, 4),
+                        "ttft_mean_s": round(statistics.fmean(r["ttft"]), 4),
                         "speedup": round(full_ttft / ttft, 2), "cases": len(r["hit"]),
                         "prompt_tokens": len(prefix) + sum(len(c) for c in needle_cases[0]["chunks"]) + len(question)})
     return results
@@ -133,14 +166,15 @@ def ttft_8x512(model: Any, tokenizer: Any, texts: list[str], store: Any, runs: i
     from bench.ttft import build_context
 
     before, after = _template(tokenizer)
-    prefix, question = _enc(tokenizer, before), _enc(tokenizer, "\n" + QUESTION + after)
+    prefix, question = _enc(tokenizer, before), _enc(tokenizer, after)
     context = build_context(tokenizer, texts[100:], 8 * 512)
     chunks = [context[i * 512 : (i + 1) * 512] for i in range(8)]
     out = []
     reference = None
     for mode in ("full", "reuse", "reuse-blend", "block-attention"):
         gen = _generator(model, tokenizer, store, prefix, mode)
-        gen.generate(chunks, question, mode=mode, max_new_tokens=1)  # warm: stores chunks / blocks
+        if mode != "full":  # warm: stores the chunks / blocks (the model is warm from the needle QA)
+            gen.generate(chunks, question, mode=mode, max_new_tokens=1)
         results = [gen.generate(chunks, question, mode=mode, max_new_tokens=1) for _ in range(runs)]
         ttft = median([r.ttft_s for r in results])
         reference = reference or ttft
@@ -160,9 +194,11 @@ def prompt_module_ttft(model: Any, tokenizer: Any, texts: list[str], store: Any,
     module_text = tokenizer.decode(build_context(tokenizer, texts, module_tokens + 40))
     module_ids = _enc(tokenizer, module_text)[:module_tokens]
     module_text = tokenizer.decode(module_ids)
-    free_ids = _enc(tokenizer, "\n\nQuestion: " + " ".join(texts[7].split()[:80]))[:free_tokens - 8]
-    free_ids += _enc(tokenizer, "\nSummary:")
-    free_text = tokenizer.decode(free_ids)
+    question_ids = _enc(tokenizer, "\n\nQuestion: " + " ".join(texts[7].split()[:120]))
+    for keep in range(free_tokens, 0, -1):  # exactly ``free_tokens`` free tokens once tokenized on their own
+        free_text = tokenizer.decode(question_ids[:keep]) + "\nSummary:"
+        if len(_enc(tokenizer, free_text)) <= free_tokens:
+            break
     gen = PromptModuleGenerator(model, tokenizer, store, PromptSchema("bench", (Module("doc", (module_text,)),)))
     gen.precompute()
     assembly = gen.assemble([ModuleUse("doc"), free_text])
@@ -188,7 +224,9 @@ def run(*, json_path: str | None, corpus: str | None, cases: int = 40, runs: int
     model, tokenizer = load_model(model_name)
     texts = list(corpus_texts(corpus))
     with tempfile.TemporaryDirectory(prefix="kvshelf-bench-rag-") as tmp:
-        store = open_embedded_store(tmp, memory_bytes="2GiB")
+        # the chunk KV of the whole pool (~3 GB raw) stays in memory: the timed reads never wait on the disk, and
+        # the untimed precompute does not wait on fsync of every chunk (write-back, nothing is evicted)
+        store = open_embedded_store(tmp, memory_bytes="6GiB", write_policy="back", durable=False)
         results = needle_qa(model, tokenizer, texts, cases, store, console, modes)
         long_ctx = ttft_8x512(model, tokenizer, texts, store, runs)
         modules = prompt_module_ttft(model, tokenizer, texts, store, runs)
@@ -203,7 +241,7 @@ def run(*, json_path: str | None, corpus: str | None, cases: int = 40, runs: int
 
 
 def _print(console: Console, payload: dict[str, Any]) -> None:
-    table = Table(title=f"RAG needle QA, {payload['model']} ({payload['machine']})")
+    table = Table(title=f"RAG needle QA, {payload['model']} ({payload['machine']}), TTFT: median over cases")
     for column in ("mode", "accuracy", "accuracy (shuffled)", "KL vs full", "TTFT (s)", "speedup", "cases"):
         table.add_column(column, justify="right")
     for r in payload["results"]:

@@ -145,6 +145,7 @@ def run(
         "machine": machine_description(),
         "runs": runs,
         "block_size": block_size,
+        "disk_codec": disk_codec,
         "question_tokens": len(question),
         "corpus": corpus or "synthetic (no corpus found)",
         "results": results,
@@ -155,7 +156,8 @@ def run(
 
 
 def _print_table(console: Console, payload: dict[str, Any]) -> None:
-    table = Table(title=f"TTFT, {payload['model']}, median of {payload['runs']} ({payload['machine']})")
+    table = Table(title=f"TTFT, {payload['model']}, disk codec {payload.get('disk_codec', 'raw')}, median of "
+                        f"{payload['runs']} ({payload['machine']})")
     for column in ("context tokens", "mode", "TTFT (s)", "speedup vs full", "reused tokens", "same output"):
         table.add_column(column, justify="right")
     for r in payload["results"]:

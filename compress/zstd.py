@@ -2,21 +2,34 @@
 
 Shuffle: an ``n``-element tensor of ``itemsize``-byte values ``[n, itemsize]`` is transposed to byte planes
 ``[itemsize, n]`` (all low bytes, then the next byte...), which puts the slowly varying sign/exponent bytes
-together and lets zstd find their redundancy (as in Blosc's shuffle filter). Error bound: exact (bit for bit).
+together and lets zstd find their redundancy (as in Blosc's shuffle filter). Each plane is its own zstd frame,
+or is stored as is when zstd would not make it smaller: on fp32 KV only the top (sign + exponent) plane
+compresses, the mantissa planes are noise, so decoding them is a view of the payload, not a decompression.
+Unshuffling is one ``numpy.stack`` into a preallocated buffer. Error bound: exact (bit for bit).
+
+Payload sections: a flags section (one byte per plane: 1 zstd, 0 stored), then the ``itemsize`` planes of the
+keys and the ``itemsize`` planes of the values.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import zstandard
 
 from compress._cast import numel
 from compress.container import pack_sections, unpack_sections
-from compress.raw import tensor_bytes, tensor_from_bytes
+from compress.raw import tensor_bytes
 from compress.registry import Codec, register_codec
 from kvstore.errors import CorruptBlockError
+
+_KEEP_RAW = 0.97  # store a plane as is unless zstd makes it at least 3% smaller
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def shuffle(t: torch.Tensor) -> memoryview:
@@ -26,17 +39,28 @@ def shuffle(t: torch.Tensor) -> memoryview:
     return tensor_bytes(planes)
 
 
+def unshuffle_planes(planes: list[bytes | memoryview], dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Inverse of ``shuffle`` from its ``itemsize`` planes of ``n`` bytes each (one copy, into a new tensor)."""
+    n = numel(shape)
+    if n == 0:
+        return torch.empty(shape, dtype=dtype)
+    out = np.empty((n, len(planes)), dtype=np.uint8)
+    np.stack([np.frombuffer(p, dtype=np.uint8) for p in planes], axis=1, out=out)
+    return torch.from_numpy(out).view(dtype).reshape(shape)
+
+
 def unshuffle(buf: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    planes = tensor_from_bytes(memoryview(buf), torch.uint8, (itemsize, numel(shape)), copy=False)
-    return planes.t().contiguous().reshape(-1).view(dtype).reshape(shape)
+    """Inverse of ``shuffle`` from its concatenated planes."""
+    itemsize, n = _itemsize(dtype), numel(shape)
+    view = memoryview(buf).cast("B")
+    return unshuffle_planes([view[i * n : (i + 1) * n] for i in range(itemsize)], dtype, shape)
 
 
 @register_codec
 @dataclass
 class ZstdCodec(Codec):
     """Lossless: byte-plane shuffle then zstd at ``level`` (1..22; negative levels down to -7 trade ratio for
-    speed). Keys and values ``[layers, kv_heads, tokens, head_dim]`` are compressed as two frames."""
+    speed). Keys and values ``[layers, kv_heads, tokens, head_dim]`` are compressed plane by plane."""
 
     name = "zstd"
     level: int = 3
@@ -47,21 +71,37 @@ class ZstdCodec(Codec):
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor) -> list[bytes | memoryview]:
         compressor = zstandard.ZstdCompressor(level=self.level, write_content_size=True)
-        return pack_sections([compressor.compress(shuffle(keys)), compressor.compress(shuffle(values))])
+        flags, planes = bytearray(), []
+        for t in (keys, values):
+            itemsize, n = t.element_size(), t.numel()
+            shuffled = shuffle(t)
+            for i in range(itemsize):
+                plane = shuffled[i * n : (i + 1) * n]
+                packed = compressor.compress(plane) if n else b""
+                use = bool(n) and len(packed) < _KEEP_RAW * n
+                flags.append(1 if use else 0)
+                planes.append(packed if use else plane)
+        return pack_sections([bytes(flags), *planes])
 
     def decode(
         self, payload: memoryview, shape: tuple[int, int, int, int], dtype: torch.dtype, copy: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        frames = unpack_sections(payload, 2, self.name)
-        expected = numel(shape) * torch.empty((), dtype=dtype).element_size()
+        itemsize, n = _itemsize(dtype), numel(shape)
+        parts = unpack_sections(payload, 1 + 2 * itemsize, self.name)
+        flags = bytes(parts[0])
+        if len(flags) != 2 * itemsize or any(f not in (0, 1) for f in flags):
+            raise CorruptBlockError(f"zstd payload: bad plane flags {flags!r}")
         decompressor = zstandard.ZstdDecompressor()
-        out = []
-        for frame in frames:
-            try:
-                raw = decompressor.decompress(frame, max_output_size=expected)
-            except zstandard.ZstdError as exc:
-                raise CorruptBlockError(f"zstd payload does not decompress: {exc}") from exc
-            if len(raw) != expected:
-                raise CorruptBlockError(f"zstd frame holds {len(raw)} bytes, expected {expected} for {shape}")
-            out.append(unshuffle(raw, dtype, shape))
-        return out[0], out[1]
+        planes: list[bytes | memoryview] = []
+        for flag, frame in zip(flags, parts[1:], strict=True):
+            if flag:
+                try:
+                    plane: bytes | memoryview = decompressor.decompress(frame, max_output_size=n)
+                except zstandard.ZstdError as exc:
+                    raise CorruptBlockError(f"zstd payload does not decompress: {exc}") from exc
+            else:
+                plane = frame
+            if len(plane) != n:
+                raise CorruptBlockError(f"zstd plane holds {len(plane)} bytes, expected {n} for {shape}")
+            planes.append(plane)
+        return (unshuffle_planes(planes[:itemsize], dtype, shape), unshuffle_planes(planes[itemsize:], dtype, shape))

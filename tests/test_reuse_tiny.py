@@ -262,16 +262,22 @@ def test_modes_run_and_full_equals_plain_generate(model, tmp_path):
     assert (reuse.reused_chunks, reuse.computed_chunks) == (0, 3)  # computed on demand and stored
     reuse = rag.generate(chunks[::-1], question, mode="reuse", max_new_tokens=10, eos_token_id=None)
     assert (reuse.reused_chunks, reuse.computed_chunks) == (3, 0)  # any order reuses them
-    blend = rag.generate(chunks, question, mode="reuse-blend", max_new_tokens=10, eos_token_id=None)
-    assert blend.reused_chunks == 3 and blend.recomputed_tokens == 12  # ceil(0.15 * 75)
+    blend = RAGGenerator(model, None, store, prefix=prefix, blend_base="chunk").generate(
+        chunks, question, mode="reuse-blend", max_new_tokens=10, eos_token_id=None)
+    assert blend.reused_chunks == 3 and blend.recomputed_tokens == 12  # ceil(0.15 * 75), over the position-0 chunks
     block = rag.generate(chunks, question, mode="block-attention", max_new_tokens=10, eos_token_id=None)
     assert block.computed_chunks == 3
     block = rag.generate(chunks, question, mode="block-attention", max_new_tokens=10, eos_token_id=None)
     assert block.reused_chunks == 3
-    everything = RAGGenerator(model, None, store, prefix=prefix, recompute_ratio=1.0)
-    exact = everything.generate(chunks, question, mode="reuse-blend", max_new_tokens=10, eos_token_id=None)
-    assert exact.new_ids == full.new_ids  # recomputing every token restores full prefill
-    assert torch.allclose(exact.first_logits, full.first_logits, atol=1e-4)
+    blend = rag.generate(chunks, question, mode="reuse-blend", max_new_tokens=10, eos_token_id=None)
+    assert blend.reused_chunks == 3 and blend.recomputed_tokens == 12  # default base: the blocks after the prefix
+    for base in ("block", "chunk"):
+        everything = RAGGenerator(model, None, store, prefix=prefix, recompute_ratio=1.0, blend_base=base)
+        exact = everything.generate(chunks, question, mode="reuse-blend", max_new_tokens=10, eos_token_id=None)
+        assert exact.new_ids == full.new_ids  # recomputing every token restores full prefill
+        assert torch.allclose(exact.first_logits, full.first_logits, atol=1e-4)
+    with pytest.raises(KVShelfError, match="blend_base"):
+        RAGGenerator(model, None, store, blend_base="bogus")
     ape = RAGGenerator(model, None, store, prefix=prefix, ape=(0.9, 0.8))
     assert len(ape.generate(chunks, question, mode="reuse", max_new_tokens=4, eos_token_id=None).new_ids) == 4
     with pytest.raises(KVShelfError, match="unknown mode"):
