@@ -111,6 +111,9 @@ def _percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if values else float("nan")
 
 
+#: Seconds between a case's put and get phases (see ``run_case``).
+SETTLE_S = 2.0
+
 #: A key no case stores: each client's untimed warm-up get misses on it.
 WARMUP_KEY = hashlib.blake2b(b"bench:warm-up", digest_size=16).digest()
 
@@ -180,7 +183,11 @@ def _run_op(make_client: Callable[[], ClientPair], op: str, block_mib: int, clie
 def run_case(make_client: Callable[[], ClientPair], block_mib: int, clients: int, ops: int) -> list[dict]:
     """Each client puts ``ops`` distinct blocks, then gets them back and verifies them byte for byte."""
     values = make_values(block_mib, clients, ops)
-    return [_run_op(make_client, op, block_mib, clients, ops, values) for op in ("put", "get")]
+    put = _run_op(make_client, "put", block_mib, clients, ops, values)
+    # Every backend alike: let the put phase's after-effects settle (the kernel writing back dirty pages, the
+    # allocator returning memory) so the get phase measures reads, not the tail of the writes before them.
+    time.sleep(SETTLE_S)
+    return [put, _run_op(make_client, "get", block_mib, clients, ops, values)]
 
 
 @contextmanager
