@@ -1,17 +1,20 @@
 """``kvshelf bench store``: put/get throughput and latency of 1, 8 and 32 MiB blocks, 1 and 8 clients:
 the kvshelf gRPC service vs raw redis-py SET/GET vs raw LMDB, in the same run.
 
-Every client thread moves its own keys; every value is a real encoded block (the service verifies what it
-stores), and every get is checked byte for byte against what was put (a mismatch counts as an error). MB/s
-is the total bytes moved over the wall time of the case; p50/p99 are per-operation latencies.
+Every client is a process of its own (as inference workers are; ``bench/store_worker.py``) and moves its own
+keys; every value is a real encoded block (the service verifies what it stores), and every get is checked byte
+for byte against what was put (a mismatch counts as an error). MB/s is the total bytes moved over the wall time
+of the case (first op started to last op ended); p50/p99 are per-operation latencies.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import statistics
+import subprocess
+import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -30,76 +33,80 @@ from bench.servers import binary
 MiB = 1 << 20
 DEFAULT_SIZES = (1, 8, 32)
 DEFAULT_CLIENTS = (1, 8)
+WORKER_TIMEOUT_S = 600.0
 
-#: A backend factory yields ``make_client() -> (put(key, value), get(key) -> bytes | None)``.
+#: A client: ``(put(key, value), get(key) -> bytes | None)``.
 ClientPair = tuple[Callable[[bytes, bytes], None], Callable[[bytes], bytes | None]]
-Backend = Callable[[], AbstractContextManager[Callable[[], ClientPair]]]
+#: A backend is a context manager yielding its *target*: a JSON object from which ``connect`` builds a client
+#: in any process (the benchmark's clients are processes of their own, as inference workers are).
+Backend = Callable[[], AbstractContextManager[dict[str, Any]]]
 
 
 @contextmanager
-def lmdb_backend() -> Iterator[Callable[[], ClientPair]]:
+def lmdb_backend() -> Iterator[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="kvshelf-bench-store-") as tmp:
-        env = lmdb.open(str(Path(tmp) / "raw"), map_size=64 << 30, readahead=False, sync=False, max_readers=256)
-
-        def make() -> ClientPair:
-            def put(key: bytes, value: bytes) -> None:
-                with env.begin(write=True) as txn:
-                    txn.put(key, value)
-
-            def get(key: bytes) -> bytes | None:
-                with env.begin() as txn:
-                    return txn.get(key)
-
-            return put, get
-
-        yield make
-        env.close()
+        path = Path(tmp) / "raw"
+        lmdb.open(str(path), map_size=64 << 30).close()
+        yield {"kind": "lmdb", "path": str(path)}
 
 
 @contextmanager
-def redis_backend() -> Iterator[Callable[[], ClientPair]]:
-    import redis
-
+def redis_backend() -> Iterator[dict[str, Any]]:
     from bench.servers import redis_server
 
     with redis_server() as server:
-        pool = redis.ConnectionPool.from_url(server.url, max_connections=64)
-
-        def make() -> ClientPair:
-            client = redis.Redis(connection_pool=pool)
-            return (lambda k, v: client.set(k, v)), client.get
-
-        yield make
-        pool.disconnect()
+        yield {"kind": "redis", "url": server.url}
 
 
 @contextmanager
-def grpc_backend(shared_memory: bool | None = None) -> Iterator[Callable[[], ClientPair]]:
+def grpc_backend(shared_memory: bool | None = None) -> Iterator[dict[str, Any]]:
     """A `kvshelf serve` process on loopback (memory + LMDB, its defaults) and RemoteStore clients.
 
     ``shared_memory=None`` is what a same-host client gets by default: gets through a /dev/shm arena
     (service/arena.py); ``False`` forces every byte over gRPC's HTTP/2 wire.
     """
     from bench.servers import kvshelf_server
-    from service.client import RemoteStore
 
     with tempfile.TemporaryDirectory(prefix="kvshelf-bench-grpc-") as tmp, kvshelf_server(tmp) as address:
-        remotes: list[RemoteStore] = []
+        yield {"kind": "grpc", "address": address, "shared_memory": shared_memory}
 
-        def make() -> ClientPair:
-            remote = RemoteStore(address, namespace="bench", shared_memory=shared_memory)
-            remotes.append(remote)
 
-            def get(key: bytes) -> bytes | None:
-                return remote.get_encoded_many([key])[0]
+@contextmanager
+def grpc_wire_backend() -> Iterator[dict[str, Any]]:
+    """The gRPC service with the same-host shared-memory path off: every byte over the wire."""
+    with grpc_backend(shared_memory=False) as target:
+        yield target
 
-            return (lambda k, v: remote.put_encoded_many([(k, v)])), get
 
-        try:
-            yield make
-        finally:
-            for remote in remotes:
-                remote.close()
+def connect(target: dict[str, Any]) -> tuple[ClientPair, Callable[[], None]]:
+    """A client of ``target`` and its ``close``."""
+    if target["kind"] == "lmdb":
+        env = lmdb.open(target["path"], map_size=64 << 30, readahead=False, sync=False, max_readers=256)
+
+        def put(key: bytes, value: bytes) -> None:
+            with env.begin(write=True) as txn:
+                txn.put(key, value)
+
+        def get(key: bytes) -> bytes | None:
+            with env.begin() as txn:
+                return txn.get(key)
+
+        return (put, get), env.close
+    if target["kind"] == "redis":
+        import redis
+
+        client = redis.Redis.from_url(target["url"])
+        return ((lambda k, v: client.set(k, v)), client.get), client.close
+    if target["kind"] == "grpc":
+        from service.client import RemoteStore
+
+        remote = RemoteStore(target["address"], namespace="bench", shared_memory=target["shared_memory"])
+
+        def remote_get(key: bytes) -> bytes | None:
+            return remote.get_encoded_many([key])[0]
+
+        return ((lambda k, v: remote.put_encoded_many([(k, v)])), remote_get), remote.close
+    raise ValueError(f"unknown backend kind {target['kind']!r}")
 
 
 def ops_per_client(block_mib: int) -> int:
@@ -123,32 +130,34 @@ def bench_key(block_mib: int, clients: int, client: int, op_index: int) -> bytes
     return hashlib.blake2b(f"bench:{block_mib}:{clients}:{client}:{op_index}".encode(), digest_size=16).digest()
 
 
-def make_values(block_mib: int, clients: int, ops: int) -> dict[bytes, bytes]:
-    """A valid encoded block of about ``block_mib`` MiB for every key (the service verifies what it stores)."""
+def client_values(block_mib: int, clients: int, client: int, ops: int) -> dict[bytes, bytes]:
+    """A valid encoded block of about ``block_mib`` MiB for each of one client's keys (deterministic, so the put
+    and the get process of a client build the same values; the service verifies what it stores)."""
     from kvstore import KVBlock, encode_block
 
     tokens = max(1, block_mib * MiB // (2 * 8 * 8 * 128 * 2))  # fp16 [8 layers, 8 heads, tokens, 128]
     rng = torch.Generator().manual_seed(block_mib)
     block = KVBlock(torch.randn(8, 8, tokens, 128, generator=rng).half(),
                     torch.randn(8, 8, tokens, 128, generator=rng).half(), tuple(range(tokens)), 0, "b" * 32, "bench")
-    return {bench_key(block_mib, clients, c, i): encode_block(block, bench_key(block_mib, clients, c, i))
-            for c in range(clients) for i in range(ops)}
+    return {bench_key(block_mib, clients, client, i): encode_block(block, bench_key(block_mib, clients, client, i))
+            for i in range(ops)}
 
 
-def _run_op(make_client: Callable[[], ClientPair], op: str, block_mib: int, clients: int, ops: int,
-            values: dict[bytes, bytes]) -> dict[str, Any]:
-    latencies: list[list[float]] = [[] for _ in range(clients)]
-    errors = [0] * clients
-    barrier = threading.Barrier(clients + 1)
-
-    def work(c: int) -> None:
-        put, get = make_client()
+def client_work(target: dict[str, Any], op: str, block_mib: int, clients: int, client: int, ops: int,
+                ready: Callable[[], None]) -> dict[str, Any]:
+    """One client's part of a case: connect, an untimed warm-up op, ``ready()`` (returns at the common start),
+    then ``ops`` timed ops on its own keys, every get verified byte for byte."""
+    values = client_values(block_mib, clients, client, ops)
+    (put, get), close = connect(target)
+    try:
         # Untimed warm-up, every backend alike: connect, and move one full-size value (gRPC's HTTP/2 windows
         # grow, the client's /dev/shm arena gets its pages); the put case reads back a value of the previous case.
-        get(bench_key(block_mib, clients, c, 0) if op == "get" else WARMUP_KEY)
-        barrier.wait()
+        get(bench_key(block_mib, clients, client, 0) if op == "get" else WARMUP_KEY)
+        ready()
+        latencies, errors = [], 0
+        began = time.perf_counter()
         for i in range(ops):
-            key = bench_key(block_mib, clients, c, i)
+            key = bench_key(block_mib, clients, client, i)
             expected = values[key]
             start = time.perf_counter()
             try:
@@ -157,44 +166,59 @@ def _run_op(make_client: Callable[[], ClientPair], op: str, block_mib: int, clie
                 else:
                     got = get(key)
                     if got is None or bytes(got) != expected:
-                        errors[c] += 1
+                        errors += 1
             except Exception:
-                errors[c] += 1
-            latencies[c].append(time.perf_counter() - start)
+                errors += 1
+            latencies.append(time.perf_counter() - start)
+        return {"latencies": latencies, "errors": errors, "began": began, "ended": time.perf_counter(),
+                "bytes": sum(len(v) for v in values.values())}
+    finally:
+        close()
 
-    threads = [threading.Thread(target=work, args=(c,)) for c in range(clients)]
-    for t in threads:
-        t.start()
-    barrier.wait()
-    started = time.perf_counter()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - started
-    flat = [x for per in latencies for x in per]
-    moved = sum(len(v) for v in values.values())
+
+def _run_op(target: dict[str, Any], op: str, block_mib: int, clients: int, ops: int) -> dict[str, Any]:
+    """One phase of a case with ``clients`` worker processes (``python -m bench.store_worker``) that start
+    together once all are connected and warm; JSON lines over their pipes."""
+    spec = {"target": target, "op": op, "block_mib": block_mib, "clients": clients, "ops": ops}
+    workers = [subprocess.Popen([sys.executable, "-m", "bench.store_worker", json.dumps({**spec, "client": c})],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+               for c in range(clients)]
+    try:
+        for w in workers:
+            line = w.stdout.readline() if w.stdout else ""
+            if line.strip() != "ready":
+                raise RuntimeError(f"bench store worker failed to start (exit {w.poll()}): {line.strip()!r}")
+        for w in workers:  # the common start: every worker is blocked reading this line
+            assert w.stdin is not None
+            w.stdin.write("go\n")
+            w.stdin.flush()
+        reports = []
+        for w in workers:
+            out, _ = w.communicate(timeout=WORKER_TIMEOUT_S)
+            if w.returncode != 0:
+                raise RuntimeError(f"bench store worker exited with {w.returncode}")
+            reports.append(json.loads(out))
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+    flat = [x for r in reports for x in r["latencies"]]
+    wall = max(r["ended"] for r in reports) - min(r["began"] for r in reports)  # CLOCK_MONOTONIC: system-wide
     return {
         "op": op, "block_mib": block_mib, "clients": clients,
-        "mb_s": round(moved / wall / 1e6, 1),
+        "mb_s": round(sum(r["bytes"] for r in reports) / wall / 1e6, 1),
         "p50_ms": round(1000 * statistics.median(flat), 2), "p99_ms": round(1000 * _percentile(flat, 99), 2),
-        "errors": sum(errors),
+        "errors": sum(r["errors"] for r in reports),
     }
 
 
-def run_case(make_client: Callable[[], ClientPair], block_mib: int, clients: int, ops: int) -> list[dict]:
+def run_case(target: dict[str, Any], block_mib: int, clients: int, ops: int, settle_s: float = SETTLE_S) -> list[dict]:
     """Each client puts ``ops`` distinct blocks, then gets them back and verifies them byte for byte."""
-    values = make_values(block_mib, clients, ops)
-    put = _run_op(make_client, "put", block_mib, clients, ops, values)
+    put = _run_op(target, "put", block_mib, clients, ops)
     # Every backend alike: let the put phase's after-effects settle (the kernel writing back dirty pages, the
     # allocator returning memory) so the get phase measures reads, not the tail of the writes before them.
-    time.sleep(SETTLE_S)
-    return [put, _run_op(make_client, "get", block_mib, clients, ops, values)]
-
-
-@contextmanager
-def grpc_wire_backend() -> Iterator[Callable[[], ClientPair]]:
-    """The gRPC service with the same-host shared-memory path off: every byte over the wire."""
-    with grpc_backend(shared_memory=False) as make:
-        yield make
+    time.sleep(settle_s)
+    return [put, _run_op(target, "get", block_mib, clients, ops)]
 
 
 BACKENDS: dict[str, Backend] = {"grpc": grpc_backend, "grpc-wire": grpc_wire_backend, "redis": redis_backend,
@@ -211,19 +235,19 @@ def add_redis_ratios(results: list[dict[str, Any]]) -> None:
 
 def run(
     *, json_path: str | None, backends: dict[str, Backend] = BACKENDS, sizes: tuple[int, ...] = DEFAULT_SIZES,
-    clients: tuple[int, ...] = DEFAULT_CLIENTS, console: Console | None = None,
+    clients: tuple[int, ...] = DEFAULT_CLIENTS, console: Console | None = None, settle_s: float = SETTLE_S,
 ) -> dict[str, Any]:
     console = console or Console()
     if "redis" in backends:
         binary("redis-server")  # fail before minutes of other backends, not after them
     results = []
     for name, backend in backends.items():
-        with backend() as make_client:
+        with backend() as target:
             for block_mib in sizes:
                 for n in clients:
                     ops = ops_per_client(block_mib)
                     console.print(f"[dim]{name}: {block_mib} MiB x {n} client(s) x {ops} ops[/dim]")
-                    for row in run_case(make_client, block_mib, n, ops):
+                    for row in run_case(target, block_mib, n, ops, settle_s):
                         results.append({"backend": name, **row})
     add_redis_ratios(results)
     payload = {"machine": machine_description(), "results": results,

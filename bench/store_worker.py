@@ -1,0 +1,29 @@
+"""One client process of ``kvshelf bench store`` (``python -m bench.store_worker SPEC_JSON``).
+
+Protocol over its pipes (JSON, no pickle): it connects and warms up, prints ``ready``, waits for one line on
+stdin (the common start), runs its timed operations and prints one JSON object (``bench.store.client_work``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from bench.store import client_work
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(argv[1])
+
+    def ready() -> None:
+        print("ready", flush=True)
+        sys.stdin.readline()
+
+    report = client_work(spec["target"], spec["op"], spec["block_mib"], spec["clients"], spec["client"],
+                         spec["ops"], ready)
+    print(json.dumps(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
