@@ -111,18 +111,20 @@ def test_cachegen_settings(params: dict) -> None:
     _check_round_trip("cachegen", make_block(41, layers=4, heads=2, head_dim=8), params)
 
 
-def test_cachegen_uses_deltas_on_smooth_channels() -> None:
+@pytest.mark.parametrize("tokens", [256, 251, 40])  # whole groups of 16, then a partial last group
+def test_cachegen_uses_deltas_on_smooth_channels(tokens: int) -> None:
     """Slowly drifting channels code as anchors + deltas, and are smaller than the same quantization packed."""
     from compress.container import unpack_sections
 
-    t = torch.arange(256, dtype=torch.float32)
-    keys = (torch.sin(t / 300)[None, None, :, None] * torch.linspace(1, 3, 16)).expand(2, 2, 256, 16).contiguous()
-    block = KVBlock(keys, keys.clone() * 0.5, tuple(range(256)), 0, FINGERPRINT)
+    t = torch.arange(tokens, dtype=torch.float32)
+    keys = (torch.sin(t / 300)[None, None, :, None] * torch.linspace(1, 3, 16)).expand(2, 2, tokens, 16).contiguous()
+    block = KVBlock(keys, keys.clone() * 0.5, tuple(range(tokens)), 0, FINGERPRINT)
     _check_round_trip("cachegen", block)
     codec = get_codec("cachegen", {"early_extra_bits": 0, "rotate": False, "sink_ratio": 0})
     payload = memoryview(b"".join(bytes(p) for p in codec.encode(block.keys, block.values)))
-    assert len(payload) < 0.8 * block.keys.numel() * 2 * 4 / 8  # smaller than 4-bit packing
-    flags = unpack_sections(payload, 14, "cachegen")[2]  # the per-channel delta flags
+    if tokens >= 64:  # beyond the fixed per-channel overhead: smaller than 4-bit packing
+        assert len(payload) < 0.8 * block.keys.numel() * 2 * 4 / 8
+    flags = unpack_sections(payload, 16, "cachegen")[2]  # the per-channel delta flags
     assert any(flags)
 
 
@@ -140,6 +142,40 @@ def test_cachegen_beats_packed_int4_on_gaussian_outliers() -> None:
         errors[name] = float((back.keys - block.keys).pow(2).mean() + (back.values - block.values).pow(2).mean())
     assert sizes["cachegen"] < 0.9 * sizes["int4"]
     assert errors["cachegen"] < errors["int4"]
+
+
+def _cachegen_sections(block: KVBlock, params: dict) -> list:
+    from compress.container import unpack_sections
+
+    codec = get_codec("cachegen", params)
+    payload = memoryview(b"".join(bytes(p) for p in codec.encode(block.keys, block.values)))
+    return unpack_sections(payload, 16, "cachegen")
+
+
+def test_cachegen_wide_escapes() -> None:
+    """Escapes far apart (index gap >= 65535) and far out (coarse part beyond int8) take their wide forms."""
+    gen = torch.Generator().manual_seed(11)
+    keys = torch.rand((2, 1, 1100, 64), generator=gen) * 2 - 1  # bounded: no escapes but the two below
+    values = torch.rand((2, 1, 1100, 64), generator=gen) * 2 - 1
+    keys[0, 0, 0, 0] = 3e4
+    values[1, 0, -1, -1] = -3e4
+    block = KVBlock(keys, values, tuple(range(1100)), 0, FINGERPRINT)
+    params = {"bits": 3.5, "sink_ratio": 0}
+    _check_round_trip("cachegen", block, params)
+    parts = _cachegen_sections(block, params)
+    assert len(parts[14]) == 4 and len(parts[15]) == 8  # one uint32 gap, two int32 coarse parts
+    back = decode_block(encode_block(block, key_of(block), "cachegen", params))
+    assert abs(float(back.keys[0, 0, 0, 0]) - 3e4) < 1e-3 * 3e4
+    assert abs(float(back.values[1, 0, -1, -1]) + 3e4) < 1e-3 * 3e4
+
+
+def test_cachegen_mixed_fine_widths() -> None:
+    """Streams with different fine widths, some beyond 6 bits (int16 symbols), decode within the bound."""
+    block = make_block(300, layers=4, heads=2, head_dim=16, seed=9)
+    params = {"bits": 7, "early_extra_bits": 1, "early_fraction": 0.25, "sink_ratio": 0}
+    _check_round_trip("cachegen", block, params)
+    widths = set(bytes(_cachegen_sections(block, params)[1]))
+    assert len(widths) >= 2 and max(widths) >= 7
 
 
 def test_cachegen_rotation_error_is_bounded_in_l2() -> None:
