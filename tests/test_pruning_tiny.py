@@ -283,3 +283,91 @@ def test_tokenselect_is_batch_one_and_resets_between_prompts(model):
         assert ts.reused == 1  # the new prompt's first step made a fresh selection
         with pytest.raises(KVShelfError, match="batch size 1"):
             model.generate(torch.cat([_ids(30), _ids(30, seed=2)]), max_new_tokens=2, do_sample=False)
+
+
+def test_growing_layer_behaves_like_a_dynamic_layer():
+    """In-place appends past the headroom, crop and reset give the same tensors as ``DynamicLayer``'s cat."""
+    from transformers.cache_utils import DynamicLayer
+
+    from adapters.pruning.layout import GrowingLayer
+
+    g = torch.Generator().manual_seed(5)
+    start = torch.randn(1, 2, 10, 4, generator=g), torch.randn(1, 2, 10, 4, generator=g)
+    grow, plain = GrowingLayer.of(*start, headroom=3), DynamicLayer()
+    plain.update(*start)
+    buffer = grow._k.data
+    for step in range(9):  # 3 fit in the headroom, then the buffer grows
+        new = torch.randn(1, 2, 1, 4, generator=g), torch.randn(1, 2, 1, 4, generator=g)
+        k, v = grow.update(*new)
+        pk, pv = plain.update(*new)
+        assert torch.equal(k, pk) and torch.equal(v, pv)
+        assert grow.get_seq_length() == plain.get_seq_length() == 11 + step
+        if step < 3:
+            assert grow._k.data is buffer  # written in place, no copy of the cache
+    assert grow.allocated_bytes >= grow.keys.nbytes + grow.values.nbytes
+    grow.crop(-4)
+    plain.crop(-4)
+    assert torch.equal(grow.keys, plain.keys) and grow.get_seq_length() == 15
+    grow.reset()
+    assert grow.get_seq_length() == 0 and grow.keys is None
+
+
+def test_pruned_cache_decodes_in_place_and_matches_a_dynamic_cache(model):
+    """``prune_cache`` / ``with method(model)`` leave ``GrowingLayer`` s; decoding them gives DynamicLayer's logits."""
+    from adapters.pruning.layout import GrowingLayer, cache_bytes
+
+    ids = _ids(48, seed=14)
+    cache = DynamicCache()
+    with torch.inference_mode(), scoring(model, {"s": SnapKV(0.5, window=8)}) as kept:
+        first = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1].argmax()
+    pruned = prune_cache(cache, kept["s"])
+    plain = DynamicCache()
+    for i, layer in enumerate(pruned.layers):
+        plain.update(layer.keys.clone(), layer.values.clone(), i)
+    assert all(isinstance(layer, GrowingLayer) for layer in pruned.layers)
+    assert cache_bytes(pruned) > cache_bytes(plain)  # the headroom is counted
+    token = torch.tensor([[int(first)]])
+    with torch.inference_mode():
+        for step in range(40):  # past the 32-token headroom: one growth
+            a = model(input_ids=token, past_key_values=pruned, position_ids=torch.tensor([[48 + step]])).logits
+            b = model(input_ids=token, past_key_values=plain, position_ids=torch.tensor([[48 + step]])).logits
+            assert torch.allclose(a, b, atol=1e-5)
+            token = a[:, -1:].argmax(-1)
+    assert pruned.get_seq_length() == plain.get_seq_length() == 24 + 40
+    with SnapKV(0.5, window=8)(model):
+        out = model.generate(ids, max_new_tokens=3, do_sample=False, eos_token_id=None, return_dict_in_generate=True)
+    assert all(isinstance(layer, GrowingLayer) for layer in out.past_key_values.layers)
+
+
+def test_attention_weight_methods_prefill_eager_and_decode_sdpa(model):
+    """H2O reads the prefill's attention weights (eager); its decode steps run with sdpa, same tokens as eager."""
+    ids = _ids(50, seed=15)
+    seen: list[str] = []
+    handle = model.model.layers[0].self_attn.register_forward_pre_hook(
+        lambda module, args: seen.append(model.config._attn_implementation))
+    model.set_attn_implementation("eager")
+    try:
+        with H2O(0.5)(model) as session:
+            out = model.generate(ids, max_new_tokens=5, do_sample=False, eos_token_id=None,
+                                 return_dict_in_generate=True, output_logits=True)
+            again = model.generate(ids, max_new_tokens=2, do_sample=False, eos_token_id=None)
+        assert model.config._attn_implementation == "eager"  # restored
+        # eager all the way: score with H2O on an eager prefill, decode the pruned cache with eager attention
+        cache = DynamicCache()
+        with torch.inference_mode(), scoring(model, {"h": H2O(0.5)}) as kept:
+            logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1]
+        pruned, token, eager_logits = prune_cache(cache, kept["h"]), logits.argmax().view(1, 1), [logits]
+        with torch.inference_mode():
+            for step in range(4):
+                logits = model(input_ids=token, past_key_values=pruned, position_ids=torch.tensor([[50 + step]]))
+                eager_logits.append(logits.logits[0, -1])
+                token = logits.logits[:, -1:].argmax(-1)
+    finally:
+        handle.remove()
+        model.set_attn_implementation("sdpa")
+    assert seen[:5] == ["eager", "sdpa", "sdpa", "sdpa", "sdpa"]
+    assert seen[5:7] == ["eager", "sdpa"]  # a second prompt's prefill is eager again
+    assert set(session.kept) == {0, 1}
+    assert torch.equal(again[0, :52], out.sequences[0, :52])
+    for ours, eager in zip(out.logits, eager_logits, strict=True):
+        assert torch.allclose(ours[0], eager, atol=1e-4)

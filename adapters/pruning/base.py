@@ -13,6 +13,11 @@ the cache shrank; the causal mask only needs the cache length, which ``DynamicLa
 The prefill's own output is computed with the full cache (each layer is pruned right after it ran), so the first
 generated token is the uncompressed one; every later step sees the pruned cache.
 
+Decode speed: a pruned layer becomes a ``GrowingLayer`` (``layout.py``: in-place appends, no per-step copy of the
+whole cache as ``DynamicLayer``'s ``torch.cat`` does), and a method that reads attention weights switches the
+model to eager attention for the prefill only: decode steps run with sdpa (the original implementation is back
+when the ``with`` block ends).
+
 Shapes: ``b`` batch, ``h_q`` query heads, ``h_kv`` KV heads, ``g = h_q / h_kv`` (GQA group), ``n`` tokens,
 ``d`` head dim.
 """
@@ -20,7 +25,7 @@ Shapes: ``b`` batch, ``h_q`` query heads, ``h_kv`` KV heads, ``g = h_q / h_kv`` 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
@@ -29,6 +34,7 @@ from torch import nn
 
 from adapters.pruning.budget import check_budget, resolve_budget
 from adapters.pruning.errors import AttentionImplementationError, UnsupportedArchitectureError
+from adapters.pruning.layout import GrowingLayer, cache_bytes, growing_cache
 from kvstore.errors import UnsupportedModelError
 
 _ATTN_WEIGHT_IMPLEMENTATIONS = ("eager",)
@@ -216,12 +222,12 @@ class PruningSession:
     tokens_before: int = 0
 
     def kv_bytes(self, cache: Any) -> int:
-        """Bytes of keys and values a (pruned) cache holds now."""
-        return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.is_initialized)
+        """Bytes of keys and values a (pruned) cache takes now (a ``GrowingLayer``'s headroom included)."""
+        return cache_bytes(cache)
 
 
 def _layer_inputs(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> tuple[Any, LayerInputs] | None:
-    """The cache layer and its ``LayerInputs`` when this call is a prefill of an empty cache, else ``None``."""
+    """The cache and the layer's ``LayerInputs`` when this call is a prefill of an empty cache, else ``None``."""
     hidden = kwargs.get("hidden_states", args[0] if args else None)
     cache = kwargs.get("past_key_values")
     if cache is None or hidden is None:
@@ -230,7 +236,41 @@ def _layer_inputs(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
     if not layer.is_initialized or layer.keys.shape[2] != hidden.shape[1]:
         return None  # a decode step, or a continuation of an already filled cache
     attentions = output[1] if isinstance(output, tuple) and len(output) > 1 else None
-    return layer, LayerInputs(module, hidden, layer.keys, layer.values, kwargs["position_embeddings"], attentions)
+    return cache, LayerInputs(module, hidden, layer.keys, layer.values, kwargs["position_embeddings"], attentions)
+
+
+@contextmanager
+def eager_prefill(model: nn.Module) -> Iterator[None]:
+    """Eager attention for prefills of an empty cache (they must return attention weights), sdpa for decode steps.
+
+    A forward pre-hook on ``model`` switches ``config._attn_implementation`` between ``"eager"`` and ``"sdpa"``
+    only (any other implementation, e.g. TokenSelect's, is left alone), and puts ``"eager"`` back on exit if it
+    switched. A model without sdpa support keeps eager throughout.
+    """
+    if not getattr(model, "_supports_sdpa", False):
+        yield
+        return
+    switched = False
+
+    def switch(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        nonlocal switched
+        cache = kwargs.get("past_key_values")
+        prefill = cache is None or cache.get_seq_length() == 0
+        impl = model.config._attn_implementation
+        if prefill and switched and impl == "sdpa":
+            model.set_attn_implementation("eager")
+            switched = False
+        elif not prefill and impl == "eager":
+            model.set_attn_implementation("sdpa")
+            switched = True
+
+    handle = model.register_forward_pre_hook(switch, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+        if switched and model.config._attn_implementation == "sdpa":
+            model.set_attn_implementation("eager")
 
 
 @contextmanager
@@ -243,19 +283,20 @@ def hooked(model: nn.Module, method: PruningMethod) -> Iterator[PruningSession]:
         found = _layer_inputs(module, args, kwargs, output)
         if found is None:
             return
-        layer, inputs = found
+        cache, inputs = found
         if method.needs_attentions and inputs.attentions is None:
             check_attn_implementation(model, method.name)
             raise AttentionImplementationError(f"{method.name} got no attention weights from the model")
         idx = method.keep_indices(inputs)
         session.tokens_before = inputs.tokens
         session.kept[module.layer_idx] = idx
-        layer.keys = gather_tokens(layer.keys, idx).contiguous()
-        layer.values = gather_tokens(layer.values, idx).contiguous()
+        cache.layers[module.layer_idx] = GrowingLayer.of(gather_tokens(inputs.keys, idx),
+                                                         gather_tokens(inputs.values, idx))
 
     handles = [m.register_forward_hook(hook, with_kwargs=True) for m in modules]
     try:
-        yield session
+        with eager_prefill(model) if method.needs_attentions else nullcontext():
+            yield session
     finally:
         for handle in handles:
             handle.remove()
@@ -294,11 +335,9 @@ def scoring(model: nn.Module, methods: dict[str, PruningMethod]) -> Iterator[dic
 
 
 def prune_cache(cache: Any, kept: dict[int, torch.Tensor]) -> Any:
-    """A new ``DynamicCache`` holding, per layer, only the tokens ``kept[layer] [b, h_kv, k]`` of ``cache``."""
-    from transformers import DynamicCache
+    """A new ``DynamicCache`` holding, per layer, only the tokens ``kept[layer] [b, h_kv, k]`` of ``cache``.
 
-    out = DynamicCache()
-    for i, layer in enumerate(cache.layers):
-        idx = kept[i]
-        out.update(gather_tokens(layer.keys, idx).contiguous(), gather_tokens(layer.values, idx).contiguous(), i)
-    return out
+    Its layers are ``GrowingLayer`` s (in-place decode appends), as in a cache pruned by ``with method(model):``.
+    """
+    return growing_cache([(gather_tokens(layer.keys, kept[i]), gather_tokens(layer.values, kept[i]))
+                          for i, layer in enumerate(cache.layers)])
