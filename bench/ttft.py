@@ -4,7 +4,11 @@ For contexts of 1,024 / 2,048 / 4,096 tokens from the corpus plus a ~32-token qu
 
 * ``full``: no reuse, the whole prompt is prefilled (the anchor);
 * ``warm-memory``: the context's blocks are in the embedded store's memory tier;
-* ``warm-disk``: a fresh process whose store has only the LMDB tier holding the blocks.
+* ``warm-disk``: a fresh process whose store has only the LMDB tier holding the blocks, encoded with the disk
+  codec (``--codec``, default ``raw``);
+* ``warm-disk-raw`` (with a disk codec other than ``raw``): the anchor of ``warm-disk`` in the same run, a fresh
+  process reading the same blocks stored ``raw`` in an LMDB store of their own; ``vs_raw`` is its TTFT over the
+  codec's (above 1: the codec is faster).
 
 Each mode's TTFT is the median of ``runs`` calls; ``same_output`` compares 16 greedy tokens with ``full``.
 """
@@ -53,6 +57,8 @@ def _timed_runs(generator: Any, prompt: list[int], runs: int, new_tokens: int, *
         ttfts.append(result.ttft_s)
         outputs.append(result.new_ids)
         reused.append(result.reused_tokens)
+    if not ttfts:  # runs == 0 (the full mode's extra runs with --runs 1)
+        return {"ttft_s": float("nan"), "all_ttft_s": [], "new_ids": [], "reused_tokens": 0}
     return {"ttft_s": median(ttfts), "all_ttft_s": ttfts, "new_ids": outputs, "reused_tokens": min(reused)}
 
 
@@ -115,31 +121,46 @@ def run(
             measured[(n, "full")] = full
             measured[(n, "warm-memory")] = _timed_runs(generator, prompt, runs, new_tokens, reuse=True, store=False)
         store.close()
-        console.print("[dim]warm-disk: a fresh process with only the LMDB tier...[/dim]")
-        spec = Path(tmp) / "spec.json"
-        out = Path(tmp) / "disk.json"
-        spec.write_text(json.dumps({"model": model_name, "data_dir": tmp, "block_size": block_size, "runs": runs,
-                                    "new_tokens": new_tokens, "prompts": prompts, "out": str(out),
-                                    "disk_codec": disk_codec}))
-        subprocess.run([sys.executable, "-m", "bench.ttft", "--worker", str(spec)], check=True)
-        disk = json.loads(out.read_text())
-        for n, result in zip(lengths, disk["results"], strict=True):
-            measured[(n, "warm-disk")] = result
+        disk_runs = [("warm-disk", tmp, disk_codec)]
+        if disk_codec != "raw":  # the anchor: the same contexts' blocks stored raw, in a store of their own
+            raw_dir = str(Path(tmp) / "raw")
+            raw_store = open_embedded_store(raw_dir, memory_bytes=None, disk_codec="raw")
+            raw_generator = CachedGenerator(model, tokenizer, raw_store, block_size=block_size)
+            for prompt in tqdm(prompts, desc="raw anchor blocks", unit="ctx"):
+                raw_generator.generate(prompt, max_new_tokens=1, reuse=False, store=True)
+            raw_store.close()
+            disk_runs.insert(0, ("warm-disk-raw", raw_dir, "raw"))
+        for mode, data_dir, codec in disk_runs:
+            console.print(f"[dim]{mode}: a fresh process with only the LMDB tier ({codec})...[/dim]")
+            spec = Path(tmp) / f"spec-{mode}.json"
+            out = Path(tmp) / f"disk-{mode}.json"
+            spec.write_text(json.dumps({"model": model_name, "data_dir": data_dir, "block_size": block_size,
+                                        "runs": runs, "new_tokens": new_tokens, "prompts": prompts,
+                                        "out": str(out), "disk_codec": codec}))
+            subprocess.run([sys.executable, "-m", "bench.ttft", "--worker", str(spec)], check=True)
+            disk = json.loads(out.read_text())
+            for n, result in zip(lengths, disk["results"], strict=True):
+                measured[(n, mode)] = result
+    modes = ["full", "warm-memory", *(mode for mode, _, _ in disk_runs)]
     for n in lengths:
         reference = measured[(n, "full")]
-        for mode in ("full", "warm-memory", "warm-disk"):
+        for mode in modes:
             m = measured[(n, mode)]
-            results.append(
-                {
-                    "tokens": n,
-                    "prompt_tokens": n + len(question),
-                    "mode": mode,
-                    "ttft_s": round(m["ttft_s"], 4),
-                    "speedup": round(reference["ttft_s"] / m["ttft_s"], 2),
-                    "same_output": all(ids == reference["new_ids"][0] for ids in m["new_ids"]),
-                    "reused_tokens": m["reused_tokens"],
-                }
-            )
+            row = {
+                "tokens": n,
+                "prompt_tokens": n + len(question),
+                "mode": mode,
+                "ttft_s": round(m["ttft_s"], 4),
+                "speedup": round(reference["ttft_s"] / m["ttft_s"], 2),
+                "same_output": all(ids == reference["new_ids"][0] for ids in m["new_ids"]),
+                "reused_tokens": m["reused_tokens"],
+            }
+            if mode.startswith("warm-disk"):
+                row["disk_codec"] = "raw" if mode == "warm-disk-raw" else disk_codec
+                row["all_ttft_s"] = [round(t, 4) for t in m["all_ttft_s"]]
+            if mode == "warm-disk" and (n, "warm-disk-raw") in measured:
+                row["vs_raw"] = round(measured[(n, "warm-disk-raw")]["ttft_s"] / m["ttft_s"], 3)
+            results.append(row)
     payload = {
         "model": model_name,
         "machine": machine_description(),
@@ -158,12 +179,14 @@ def run(
 def _print_table(console: Console, payload: dict[str, Any]) -> None:
     table = Table(title=f"TTFT, {payload['model']}, disk codec {payload.get('disk_codec', 'raw')}, median of "
                         f"{payload['runs']} ({payload['machine']})")
-    for column in ("context tokens", "mode", "TTFT (s)", "speedup vs full", "reused tokens", "same output"):
+    for column in ("context tokens", "mode", "disk codec", "TTFT (s)", "speedup vs full", "vs raw disk",
+                   "reused tokens", "same output"):
         table.add_column(column, justify="right")
     for r in payload["results"]:
-        table.add_row(str(r["tokens"]), r["mode"], f"{r['ttft_s']:.3f}", f"{r['speedup']:.1f}x",
+        table.add_row(str(r["tokens"]), r["mode"], r.get("disk_codec", "-"), f"{r['ttft_s']:.3f}",
+                      f"{r['speedup']:.1f}x", f"{r['vs_raw']:.2f}x" if "vs_raw" in r else "-",
                       str(r["reused_tokens"]), "yes" if r["same_output"] else "NO")
-    console.print(table)
+    console.print(table, width=max(console.width, 130))
 
 
 if __name__ == "__main__":
