@@ -1,25 +1,33 @@
 """``kvshelf bench pruning``: token pruning and selection on SmolLM2, with NVIDIA kvpress as the anchor.
 
-Two protocols, budgets 50% / 25% / 12.5% of the prompt:
+Three phases, budgets 50% / 25% / 12.5% of the prompt, every method and the kvpress anchor in each:
 
+* **decode speed** (first, so that a cut-short run still has it): on ``speed_cases`` needle prompts, each
+  method's pruned cache decodes ``speed_steps`` greedy tokens, ``speed_rounds`` timed runs per case after one
+  untimed warm-up run, kvshelf and kvpress **interleaved** run by run (a kvshelf run, the kvpress run of the same
+  configuration, ...; the order flips every round) so load bursts on a shared machine hit both; both processes
+  use the same number of torch threads and the same decode loop (one token per forward, a fresh copy of the
+  pruned cache per run, copy not timed). ``decode_tok_s`` is the median over runs; the kvshelf / kvpress SnapKV
+  ratio is the median of the per-pair ratios.
 * **needle QA**: ``cases`` prompts of ~1,300 tokens (corpus abstracts with one planted sentence holding a random
   4-digit code, then a question asking for it); greedy answer of ``new_tokens`` tokens; correct when the code is
   in it. The whole prompt (context + question) is prefilled and compressed, as ``with press(model):
   model.generate(...)`` does in kvpress.
-* **perplexity**: ``windows`` windows of 2,048 corpus tokens (default 4, not 8: each window costs 19 teacher-forced
-  512-token passes, ~1.5 min on 2 shared cores; pass ``windows=8`` for the full protocol); prefill
-  ``[0, 1536)``; compress (or select); teacher-forced perplexity of ``[1536, 2048)``;
-  ``dppl_rel`` = ppl / ppl(full) - 1.
+* **perplexity**: ``windows`` windows of 2,048 corpus tokens (the codecs protocol: 8); prefill ``[0, 1536)``;
+  compress (or select); teacher-forced perplexity of ``[1536, 2048)``; ``dppl_rel`` = ppl / ppl(full) - 1.
 
-kvshelf side: one eager prefill per case is scored by every static method at once (``adapters.pruning.scoring``:
+kvshelf side: one eager prefill per prompt is scored by every static method at once (``adapters.pruning.scoring``:
 the prefill's computation does not depend on the pruning, as each layer is pruned after it ran), then each
-method's pruned cache decodes greedily (sdpa). TokenSelect keeps the full cache and attends to its selection.
+method's pruned cache decodes greedily (sdpa) in ``GrowingLayer`` s, the layout ``with method(model):`` leaves
+(in-place appends: no per-step ``torch.cat`` of the whole cache); the speed section also times SnapKV's pruned
+cache in plain ``DynamicLayer`` s, to show what that layout buys. ``full`` and TokenSelect (which keeps the full
+cache and attends to its selection) decode in plain ``DynamicLayer`` s.
 kvpress side: its ``SnapKVPress`` and ``StreamingLLMPress`` in a virtualenv of its own (``.venv-kvpress``,
-created on first use: kvpress pins an older transformers, 5.2, than kvshelf's), on the same model weights, token
-ids and decode loop; one prefill per case too, each press's own ``compress`` (what its forward hook calls) run on
-every layer. ``kv_bytes``: the largest cache (keys + values, fp32) after decoding;
-``decode_tok_s``: decode tokens / decode seconds (first token excluded: it comes from the full prefill).
-Timings on a shared CPU are noisy.
+created on first use: kvpress pins an older transformers, 5.2, than kvshelf's), one long-lived worker process on
+the same model weights, token ids and decode loop; one prefill per prompt too, each press's own ``compress``
+(what its forward hook calls) run on every layer. Needle cases and windows alternate between the two sides, and
+the JSON is rewritten after every phase step (``status`` says how far a run got). ``kv_bytes``: the largest cache
+(keys + values, fp32, a ``GrowingLayer``'s headroom included) after decoding.
 """
 
 from __future__ import annotations
@@ -27,25 +35,36 @@ from __future__ import annotations
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
+from adapters.pruning.layout import cache_bytes
 from bench.common import REPO_ROOT, corpus_texts, machine_description, save_results
 
 BUDGETS = (0.5, 0.25, 0.125)
 STATIC = ("streamingllm", "h2o", "keyformer", "snapkv", "keynorm")
+KVPRESS_METHODS = ("snapkv", "streamingllm")
 QUESTION = "\n\nQuestion: What is the secret code mentioned in the text above?\nAnswer: The secret code is"
 KVPRESS_VENV = REPO_ROOT / ".venv-kvpress"
 KVPRESS_REQUIREMENTS = ("torch==2.13.0", "kvpress")
+
+Config = tuple[str, float]
+
+
+def key(name: str, budget: float) -> str:
+    return f"{name}@{budget}"
 
 
 def needle_cases(tokenizer: Any, texts: list[str], count: int, tokens: int = 1300, seed: int = 0) -> list[dict]:
@@ -79,16 +98,27 @@ def ppl_windows(tokenizer: Any, texts: list[str], count: int, length: int = 2048
     return [ids[i * length:(i + 1) * length] for i in range(len(ids) // length)][:count]
 
 
-def _clone(cache: Any) -> Any:
-    from adapters.pruning import prune_cache
-
-    full = {i: torch.arange(layer.keys.shape[2]).expand(*layer.keys.shape[:2], -1)
-            for i, layer in enumerate(cache.layers)}
-    return prune_cache(cache, full)
+def configs(budgets: tuple[float, ...]) -> list[Config]:
+    """kvshelf's configurations: ``full``, every static method and TokenSelect at every budget."""
+    return [("full", 1.0)] + [(n, b) for n in STATIC for b in budgets] + [("tokenselect", b) for b in budgets]
 
 
-def _kv_bytes(cache: Any) -> int:
-    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+def fresh(cache: Any) -> Any:
+    """A new ``DynamicCache`` over the same tensors (decoding concatenates into new ones, so no copy is needed)."""
+    from transformers import DynamicCache
+
+    out = DynamicCache()
+    for i, layer in enumerate(cache.layers):
+        out.update(layer.keys, layer.values, i)
+    return out
+
+
+def _methods(budgets: tuple[float, ...]) -> dict[str, Any]:
+    from adapters.pruning import H2O, Keyformer, KeyNorm, SnapKV, StreamingLLM
+
+    makers = {"streamingllm": StreamingLLM, "h2o": H2O, "keyformer": Keyformer, "snapkv": SnapKV,
+              "keynorm": lambda budget: KeyNorm(budget, recent=32)}
+    return {key(name, b): makers[name](budget=b) for name in STATIC for b in budgets}
 
 
 @torch.inference_mode()
@@ -114,67 +144,44 @@ def _chunk_nll(model: Any, cache: Any, ids: list[int], start: int, first_logits:
     return float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[start:])))
 
 
-def _methods(budgets: tuple[float, ...]) -> dict[str, Any]:
-    from adapters.pruning import H2O, Keyformer, KeyNorm, SnapKV, StreamingLLM
+class Prefilled:
+    """One eager prefill of ``ids`` scored by every static method: builds each configuration's cache on demand."""
 
-    makers = {"streamingllm": StreamingLLM, "h2o": H2O, "keyformer": Keyformer, "snapkv": SnapKV,
-              "keynorm": lambda budget: KeyNorm(budget, recent=32)}
-    return {f"{name}@{b}": makers[name](budget=b) for name in STATIC for b in budgets}
+    def __init__(self, model: Any, ids: list[int], methods: dict[str, Any]) -> None:
+        from transformers import DynamicCache
+
+        from adapters.pruning import scoring
+
+        previous = model.config._attn_implementation
+        model.set_attn_implementation("eager")  # H2O and Keyformer read the prefill's attention weights
+        try:
+            self.cache = DynamicCache()
+            with torch.inference_mode(), scoring(model, methods) as kept:
+                self.logits = model(input_ids=torch.tensor([ids]), past_key_values=self.cache,
+                                    use_cache=True).logits[0, -1]
+        finally:
+            model.set_attn_implementation(previous)  # decode runs with sdpa
+        self.kept, self.first, self.length = kept, int(self.logits.argmax()), len(ids)
+
+    def cache_for(self, name: str, budget: float) -> Any:
+        """A fresh cache for a configuration: the full one, or a pruned one (``GrowingLayer`` s, as in use)."""
+        from adapters.pruning import prune_cache
+
+        if name in ("full", "tokenselect"):
+            return fresh(self.cache)
+        return prune_cache(self.cache, self.kept[key(name, budget)])
+
+    def dynamic_layer_cache(self, name: str, budget: float) -> Any:
+        """The same pruned tokens in plain ``DynamicLayer`` s (``torch.cat`` per step), for the layout comparison."""
+        pruned = self.cache_for(name, budget)
+        return fresh(pruned)
 
 
-def _prefill(model: Any, ids: list[int], methods: dict[str, Any]) -> tuple[Any, torch.Tensor, dict]:
-    from transformers import DynamicCache
+def attending(model: Any, name: str, budget: float) -> Any:
+    """The context a configuration decodes in: TokenSelect's attention, or nothing for a (pruned) static cache."""
+    from adapters.pruning import TokenSelect
 
-    from adapters.pruning import scoring
-
-    model.set_attn_implementation("eager")
-    cache = DynamicCache()
-    with torch.inference_mode(), scoring(model, methods) as kept:
-        logits = model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True).logits[0, -1]
-    model.set_attn_implementation("sdpa")
-    return cache, logits, kept
-
-
-def run_kvshelf(model: Any, cases: list[dict], windows: list[list[int]], budgets: tuple[float, ...],
-                new_tokens: int, prefill: int) -> dict[tuple[str, float], dict]:
-    from adapters.pruning import TokenSelect, prune_cache
-
-    methods = _methods(budgets)
-    configs = [("full", 1.0)] + [(n, b) for n in STATIC for b in budgets] + [("tokenselect", b) for b in budgets]
-    acc: dict[tuple[str, float], dict] = {c: {"outputs": [], "secs": 0.0, "steps": 0, "kv": 0, "nll": []}
-                                          for c in configs}
-    for case in tqdm(cases, desc="kvshelf needle", unit="case"):
-        ids = case["ids"]
-        cache, logits, kept = _prefill(model, ids, methods)
-        first = int(logits.argmax())
-        for name, budget in configs:
-            if name == "full" or name == "tokenselect":
-                c = _clone(cache)
-                if name == "tokenselect":
-                    with TokenSelect(budget)(model):
-                        out, secs = _decode(model, c, first, len(ids), new_tokens - 1)
-                else:
-                    out, secs = _decode(model, c, first, len(ids), new_tokens - 1)
-            else:
-                c = prune_cache(cache, kept[f"{name}@{budget}"])
-                out, secs = _decode(model, c, first, len(ids), new_tokens - 1)
-            r = acc[(name, budget)]
-            r["outputs"].append(out)
-            r["secs"] += secs
-            r["steps"] += new_tokens - 1
-            r["kv"] = max(r["kv"], _kv_bytes(c))
-    for ids in tqdm(windows, desc="kvshelf perplexity", unit="window"):
-        cache, logits, kept = _prefill(model, ids[:prefill], methods)
-        for name, budget in configs:
-            if name == "tokenselect":
-                with TokenSelect(budget)(model):
-                    nll = _chunk_nll(model, _clone(cache), ids, prefill, logits)
-            elif name == "full":
-                nll = _chunk_nll(model, _clone(cache), ids, prefill, logits)
-            else:
-                nll = _chunk_nll(model, prune_cache(cache, kept[f"{name}@{budget}"]), ids, prefill, logits)
-            acc[(name, budget)]["nll"].append(nll)
-    return acc
+    return TokenSelect(budget)(model) if name == "tokenselect" else nullcontext()
 
 
 KVPRESS_WORKER = r'''
@@ -182,36 +189,46 @@ import json, sys, time
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 from kvpress import SnapKVPress, StreamingLLMPress
-spec = json.load(open(sys.argv[1]))
-torch.set_num_threads(spec["threads"])
-model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32, attn_implementation="sdpa").eval()
-presses = {(name, b): cls(compression_ratio=1.0 - b) for name, cls in (("snapkv", SnapKVPress),
-           ("streamingllm", StreamingLLMPress)) for b in spec["budgets"]}
+
+
+def reply(obj):
+    sys.stdout.write("@@ " + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+init = json.loads(sys.stdin.readline())
+torch.set_num_threads(init["threads"])
+model = AutoModelForCausalLM.from_pretrained(init["model"], dtype=torch.float32, attn_implementation="sdpa").eval()
+classes = {"snapkv": SnapKVPress, "streamingllm": StreamingLLMPress}
+presses = {f"{name}@{b}": classes[name](compression_ratio=1.0 - b) for name in init["methods"]
+           for b in init["budgets"]}
 modules = [layer.self_attn for layer in model.model.layers]
 
 
 def prefill(ids):
     # one prefill for every press: each press's own `compress` (what its forward hook calls) on each layer
-    compressed = {key: [] for key in presses}
+    compressed = {k: [] for k in presses}
 
     def hook(module, args, kwargs, output):
         layer = kwargs["past_key_values"].layers[module.layer_idx]
-        for key, press in presses.items():
-            compressed[key].append(press.compress(module, kwargs["hidden_states"], layer.keys, layer.values,
-                                                  output[1], kwargs))
+        for k, press in presses.items():
+            compressed[k].append(press.compress(module, kwargs["hidden_states"], layer.keys, layer.values,
+                                                output[1], kwargs))
     handles = [m.register_forward_hook(hook, with_kwargs=True) for m in modules]
     try:
         logits = model(input_ids=torch.tensor([ids]), past_key_values=DynamicCache(), use_cache=True).logits
     finally:
         for h in handles:
             h.remove()
-    caches = {}
-    for key, layers in compressed.items():
-        cache = DynamicCache()
-        for i, (k, v) in enumerate(layers):
-            cache.update(k, v, i)
-        caches[key] = cache
-    return logits[0, -1], caches
+    return logits[0, -1], {k: [(kk.contiguous(), vv.contiguous()) for kk, vv in layers]
+                           for k, layers in compressed.items()}
+
+
+def fresh(layers):
+    cache = DynamicCache()
+    for i, (k, v) in enumerate(layers):
+        cache.update(k, v, i)
+    return cache
 
 
 def step(ids, cache, start):
@@ -221,31 +238,89 @@ def step(ids, cache, start):
                  cache_position=torch.arange(length, length + ids.shape[1])).logits
 
 
-results = {key: {"method": key[0], "budget": key[1], "outputs": [], "secs": 0.0, "steps": 0, "kv": 0, "nll": []}
-           for key in presses}
+def decode(cache, first, position, steps):
+    out, token = [first], first
+    t0 = time.perf_counter()
+    for s in range(steps):
+        token = int(step(torch.tensor([[token]]), cache, position + s)[0, -1].argmax())
+        out.append(token)
+    return out, time.perf_counter() - t0
+
+
+prepared = None
+reply({"ready": True})
 with torch.inference_mode():
-    for n, ids in enumerate(spec["cases"]):
-        last, caches = prefill(ids)
-        first = int(last.argmax())
-        for key, cache in caches.items():
-            r, token, out = results[key], first, [first]
-            t0 = time.perf_counter()
-            for s in range(spec["new_tokens"] - 1):
-                token = int(step(torch.tensor([[token]]), cache, len(ids) + s)[0, -1].argmax())
-                out.append(token)
-            r["secs"] += time.perf_counter() - t0
-            r["steps"] += spec["new_tokens"] - 1
-            r["outputs"].append(out)
-            r["kv"] = max(r["kv"], sum(int(lay.keys.nbytes + lay.values.nbytes) for lay in cache.layers))
-        print(f"kvpress case {n + 1}/{len(spec['cases'])}", flush=True)
-    p = spec["prefill"]
-    for ids in spec["windows"]:
-        last, caches = prefill(ids[:p])
-        for key, cache in caches.items():
-            logits = torch.cat([last.unsqueeze(0), step(torch.tensor([ids[p:-1]]), cache, p)[0]]).float()
-            results[key]["nll"].append(float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[p:]))))
-json.dump({"results": list(results.values())}, open(spec["out"], "w"))
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd["op"]
+        if op == "quit":
+            break
+        if op == "case":
+            ids = cmd["ids"]
+            last, caches = prefill(ids)
+            answer = {}
+            for k, layers in caches.items():
+                cache = fresh(layers)
+                out, _ = decode(cache, int(last.argmax()), len(ids), cmd["new_tokens"] - 1)
+                answer[k] = {"out": out, "kv": sum(int(l.keys.nbytes + l.values.nbytes) for l in cache.layers)}
+            reply(answer)
+        elif op == "window":
+            ids, p = cmd["ids"], cmd["prefill"]
+            last, caches = prefill(ids[:p])
+            answer = {}
+            for k, layers in caches.items():
+                logits = torch.cat([last.unsqueeze(0), step(torch.tensor([ids[p:-1]]), fresh(layers), p)[0]]).float()
+                answer[k] = float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[p:])))
+            reply(answer)
+        elif op == "prepare":
+            last, caches = prefill(cmd["ids"])
+            prepared = (int(last.argmax()), len(cmd["ids"]), caches)
+            reply({"ok": True})
+        elif op == "time":
+            first, position, caches = prepared
+            _, secs = decode(fresh(caches[cmd["key"]]), first, position, cmd["steps"])
+            reply({"secs": secs})
 '''
+
+
+class KvpressWorker:
+    """The kvpress anchor: one long-lived process in ``.venv-kvpress``, driven by JSON lines (``@@ `` replies)."""
+
+    def __init__(self, python: Path, model_dir: str, budgets: tuple[float, ...], threads: int, tmp: Path) -> None:
+        self.script, self.log = tmp / "kvpress_worker.py", tmp / "kvpress_worker.log"
+        self.script.write_text(KVPRESS_WORKER)
+        self._err: IO[str] = self.log.open("w")
+        self.proc = subprocess.Popen([str(python), str(self.script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._err, text=True, env={**os.environ, "PYTHONPATH": ""})
+        self._send({"model": model_dir, "budgets": list(budgets), "threads": threads,
+                    "methods": list(KVPRESS_METHODS)})
+        self._read()
+
+    def _send(self, obj: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(obj) + "\n")
+        self.proc.stdin.flush()
+
+    def _read(self) -> Any:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("@@ "):
+                return json.loads(line[3:])
+        self._err.flush()
+        raise RuntimeError(f"kvpress worker exited: {self.log.read_text().strip()[-800:]}")
+
+    def call(self, op: str, **kwargs: Any) -> Any:
+        self._send({"op": op, **kwargs})
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self._send({"op": "quit"})
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+        self._err.close()
 
 
 def ensure_kvpress_venv(console: Console) -> tuple[Path | None, str | None]:
@@ -265,42 +340,127 @@ def ensure_kvpress_venv(console: Console) -> tuple[Path | None, str | None]:
     return python, None
 
 
-def run_kvpress(console: Console, model_dir: str, cases: list[dict], windows: list[list[int]],
-                budgets: tuple[float, ...], new_tokens: int, prefill: int) -> tuple[dict, str]:
-    """kvpress results keyed like ``run_kvshelf``'s, and a note (its transformers version, or why it failed)."""
+@contextmanager
+def kvpress_worker(console: Console, enabled: bool, model_dir: str, budgets: tuple[float, ...],
+                   threads: int) -> Iterator[tuple[KvpressWorker | None, str]]:
+    """The running kvpress worker (or ``None``) and a note: its versions, or why it is not there."""
+    if not enabled:
+        yield None, "kvpress anchor disabled"
+        return
     python, reason = ensure_kvpress_venv(console)
     if python is None:
-        return {}, f"kvpress not run: {reason}"
+        yield None, f"kvpress not run: {reason}"
+        return
     version = subprocess.run([str(python), "-c", "import kvpress, transformers, importlib.metadata as m; "
                               "print(m.version('kvpress'), transformers.__version__)"],
                              capture_output=True, text=True).stdout.split()
-    with tempfile.TemporaryDirectory(prefix="kvshelf-kvpress-") as tmp:
-        spec, out, worker = Path(tmp) / "spec.json", Path(tmp) / "out.json", Path(tmp) / "worker.py"
-        worker.write_text(KVPRESS_WORKER)
-        spec.write_text(json.dumps({"model": model_dir, "cases": [c["ids"] for c in cases], "windows": windows,
-                                    "budgets": list(budgets), "new_tokens": new_tokens, "prefill": prefill,
-                                    "out": str(out), "threads": torch.get_num_threads()}))
-        console.print("[dim]kvpress anchor in its own virtualenv...[/dim]")
-        done = subprocess.run([str(python), str(worker), str(spec)], capture_output=True, text=True,
-                              env={**os.environ, "PYTHONPATH": ""})
-        if done.returncode != 0 or not out.exists():
-            return {}, f"kvpress failed to run: {done.stderr.strip()[-600:]}"
-        raw = json.loads(out.read_text())["results"]
     note = f"kvpress {version[0]} on transformers {version[1]} (pinned older release; kvshelf uses the current one)"
-    return {(r["method"], r["budget"]): r for r in raw}, note
+    with tempfile.TemporaryDirectory(prefix="kvshelf-kvpress-") as tmp:
+        console.print("[dim]kvpress anchor in its own virtualenv (one worker process)...[/dim]")
+        try:
+            worker = KvpressWorker(python, model_dir, budgets, threads, Path(tmp))
+        except RuntimeError as exc:
+            yield None, f"kvpress failed to start: {exc}"
+            return
+        try:
+            yield worker, note
+        finally:
+            worker.close()
 
 
-def _row(method: str, impl: str, budget: float, r: dict, cases: list[dict], tokenizer: Any,
+class Tally:
+    """Everything measured per (impl, method, budget): outputs, peak KV bytes, NLLs, decode speed runs."""
+
+    def __init__(self) -> None:
+        self.rows: dict[tuple[str, str, float], dict[str, Any]] = {}
+        self.snapkv_pairs: dict[float, list[float]] = {}
+        self.snapkv_dynamic: dict[float, list[float]] = {}
+
+    def of(self, impl: str, name: str, budget: float) -> dict[str, Any]:
+        return self.rows.setdefault((impl, name, budget), {"outputs": [], "kv": 0, "nll": [], "tok_s": []})
+
+
+def measure_speed(model: Any, worker: KvpressWorker | None, cases: list[dict], budgets: tuple[float, ...],
+                  tally: Tally, steps: int, rounds: int) -> None:
+    """Interleaved decode timing (see the module docstring); fills ``tok_s`` and the SnapKV pair ratios."""
+    methods = _methods(budgets)
+    theirs = {(n, b) for n in KVPRESS_METHODS for b in budgets} if worker else set()
+    for case in tqdm(cases, desc="decode speed", unit="case"):
+        pre = Prefilled(model, case["ids"], methods)
+        if worker:
+            worker.call("prepare", ids=case["ids"])
+        for rnd in range(rounds + 1):  # round 0 warms up (untimed)
+            for name, budget in configs(budgets):
+                order = ("kvshelf", "kvpress") if rnd % 2 == 0 else ("kvpress", "kvshelf")
+                secs: dict[str, float] = {}
+                for impl in order:
+                    if impl == "kvpress":
+                        if (name, budget) in theirs:
+                            secs[impl] = worker.call("time", key=key(name, budget), steps=steps)["secs"]
+                        continue
+                    cache = pre.cache_for(name, budget)
+                    with attending(model, name, budget):
+                        secs[impl] = _decode(model, cache, pre.first, pre.length, steps)[1]
+                if rnd == 0:
+                    continue
+                for impl, s in secs.items():
+                    tally.of(impl, name, budget)["tok_s"].append(steps / s)
+                if name == "snapkv" and "kvpress" in secs:
+                    tally.snapkv_pairs.setdefault(budget, []).append(secs["kvpress"] / secs["kvshelf"])
+            for budget in budgets:  # what the in-place layout buys: SnapKV's cache in DynamicLayers
+                cache = pre.dynamic_layer_cache("snapkv", budget)
+                s = _decode(model, cache, pre.first, pre.length, steps)[1]
+                if rnd > 0:
+                    tally.snapkv_dynamic.setdefault(budget, []).append(steps / s)
+
+
+def needle_case(model: Any, worker: KvpressWorker | None, case: dict, budgets: tuple[float, ...], tally: Tally,
+                new_tokens: int) -> None:
+    pre = Prefilled(model, case["ids"], _methods(budgets))
+    for name, budget in configs(budgets):
+        cache = pre.cache_for(name, budget)
+        with attending(model, name, budget):
+            out, _ = _decode(model, cache, pre.first, pre.length, new_tokens - 1)
+        row = tally.of("kvshelf", name, budget)
+        row["outputs"].append(out)
+        row["kv"] = max(row["kv"], cache_bytes(cache))
+    if worker:
+        for k, r in worker.call("case", ids=case["ids"], new_tokens=new_tokens).items():
+            name, budget = k.split("@")
+            row = tally.of("kvpress", name, float(budget))
+            row["outputs"].append(r["out"])
+            row["kv"] = max(row["kv"], int(r["kv"]))
+
+
+def ppl_window(model: Any, worker: KvpressWorker | None, ids: list[int], prefill: int, budgets: tuple[float, ...],
+               tally: Tally) -> None:
+    pre = Prefilled(model, ids[:prefill], _methods(budgets))
+    for name, budget in configs(budgets):
+        with attending(model, name, budget):
+            nll = _chunk_nll(model, pre.cache_for(name, budget), ids, prefill, pre.logits)
+        tally.of("kvshelf", name, budget)["nll"].append(nll)
+    if worker:
+        for k, nll in worker.call("window", ids=ids, prefill=prefill).items():
+            name, budget = k.split("@")
+            tally.of("kvpress", name, float(budget))["nll"].append(nll)
+
+
+def _ppl(nll: list[float]) -> float | None:
+    return float(torch.tensor(nll).mean().exp()) if nll else None
+
+
+def _row(impl: str, method: str, budget: float, r: dict, cases: list[dict], tokenizer: Any,
          full_ppl: float | None) -> dict[str, Any]:
-    correct = [c["code"] in tokenizer.decode(out) for c, out in zip(cases, r["outputs"], strict=True)]
-    ppl = float(torch.tensor(r["nll"]).mean().exp()) if r["nll"] else float("nan")
+    correct = [c["code"] in tokenizer.decode(out) for c, out in zip(cases, r["outputs"], strict=False)]
+    ppl = _ppl(r["nll"])
     return {
         "method": method, "impl": impl, "budget": budget,
-        "accuracy": round(sum(correct) / len(correct), 4),
-        "dppl_rel": round(ppl / full_ppl - 1.0, 4) if full_ppl else 0.0,
-        "ppl": round(ppl, 4),
+        "accuracy": round(sum(correct) / len(correct), 4) if correct else None,
+        "dppl_rel": round(ppl / full_ppl - 1.0, 4) if ppl is not None and full_ppl else None,
+        "ppl": round(ppl, 4) if ppl is not None else None,
         "kv_bytes": int(r["kv"]),
-        "decode_tok_s": round(r["steps"] / r["secs"], 2) if r["secs"] else 0.0,
+        "decode_tok_s": round(statistics.median(r["tok_s"]), 2) if r["tok_s"] else None,
+        "decode_runs": len(r["tok_s"]),
         "cases": len(correct), "windows": len(r["nll"]),
         "correct": correct,
     }
@@ -311,9 +471,12 @@ def run(
     json_path: str | None,
     corpus: str | None,
     cases: int = 40,
-    windows: int = 4,
+    windows: int = 8,
     budgets: tuple[float, ...] = BUDGETS,
     new_tokens: int = 6,
+    speed_cases: int = 2,
+    speed_rounds: int = 3,
+    speed_steps: int = 24,
     model_name: str = "smollm2-135m",
     kvpress: bool = True,
     console: Console | None = None,
@@ -322,29 +485,53 @@ def run(
 
     console = console or Console()
     started = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads)  # the kvpress worker is given the same count
     model, tokenizer = load_model(model_name)
     texts = list(corpus_texts(corpus))
     needle = needle_cases(tokenizer, texts, cases)
     wins = ppl_windows(tokenizer, texts, windows)
     prefill = 1536
-    ours = run_kvshelf(model, needle, wins, budgets, new_tokens, prefill)
-    full_ppl = float(torch.tensor(ours[("full", 1.0)]["nll"]).mean().exp())
-    results = [_row(m, "kvshelf", b, r, needle, tokenizer, full_ppl) for (m, b), r in ours.items()]
-    note = "kvpress anchor disabled"
-    if kvpress:
-        theirs, note = run_kvpress(console, str(convert_bundled(model_name)), needle, wins, budgets, new_tokens,
-                                   prefill)
-        results += [_row(m, "kvpress", b, r, needle, tokenizer, full_ppl) for (m, b), r in theirs.items()]
-    payload = {
-        "model": model_name, "machine": machine_description(), "corpus": corpus or "synthetic (no corpus found)",
-        "needle_tokens": len(needle[0]["ids"]), "ppl_window": 2048, "ppl_prefill": prefill,
-        "new_tokens": new_tokens, "kvpress": note, "runtime_s": round(time.perf_counter() - started, 1),
-        "note": "decode timings on a shared 2-core CPU are noisy; peak KV bytes are fp32",
-        "results": results,
-    }
-    _print_table(console, payload)
-    save_results(json_path, payload, console)
-    return payload
+    tally = Tally()
+
+    def payload(status: str, note: str) -> dict[str, Any]:
+        full = tally.rows.get(("kvshelf", "full", 1.0))
+        full_ppl = _ppl(full["nll"]) if full else None
+        ordered = sorted(tally.rows.items(), key=lambda kv: (kv[0][0] != "kvshelf", kv[0][1] != "full"))
+        return {
+            "model": model_name, "machine": machine_description(), "status": status,
+            "corpus": corpus or "synthetic (no corpus found)",
+            "needle_tokens": len(needle[0]["ids"]), "ppl_window": 2048, "ppl_prefill": prefill,
+            "new_tokens": new_tokens, "kvpress": note, "runtime_s": round(time.perf_counter() - started, 1),
+            "speed": {"cases": speed_cases, "rounds": speed_rounds, "steps": speed_steps, "threads": threads,
+                      "protocol": "interleaved kvshelf/kvpress runs (order flips each round), one untimed warm-up "
+                                  "round, median tok/s over runs; ratio = median of per-pair kvshelf/kvpress",
+                      "snapkv_ratio": {str(b): round(statistics.median(v), 3)
+                                       for b, v in tally.snapkv_pairs.items()},
+                      "snapkv_dynamic_layer_tok_s": {str(b): round(statistics.median(v), 2)
+                                                     for b, v in tally.snapkv_dynamic.items()}},
+            "note": "peak KV bytes are fp32; decode timings on a shared 2-core CPU",
+            "results": [_row(impl, m, b, r, needle, tokenizer, full_ppl) for (impl, m, b), r in ordered],
+        }
+
+    with kvpress_worker(console, kvpress, str(convert_bundled(model_name)), budgets, threads) as (worker, note):
+        measure_speed(model, worker, needle[:speed_cases], budgets, tally, speed_steps, speed_rounds)
+        save_results(json_path, payload("partial: decode speed done", note), console)
+        for i, case in enumerate(tqdm(needle, desc="needle", unit="case"), 1):
+            needle_case(model, worker, case, budgets, tally, new_tokens)
+            if json_path and i % 5 == 0:
+                save_results(json_path, payload(f"partial: needle {i}/{len(needle)}", note), console)
+        for i, ids in enumerate(tqdm(wins, desc="perplexity", unit="window"), 1):
+            ppl_window(model, worker, ids, prefill, budgets, tally)
+            save_results(json_path, payload(f"partial: perplexity {i}/{len(wins)}", note), console)
+    final = payload("complete", note)
+    _print_table(console, final)
+    save_results(json_path, final, console)
+    return final
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def _print_table(console: Console, payload: dict[str, Any]) -> None:
@@ -353,9 +540,12 @@ def _print_table(console: Console, payload: dict[str, Any]) -> None:
     for column in ("method", "impl", "budget", "needle acc", "Δppl rel", "peak KV MiB", "decode tok/s", "cases"):
         table.add_column(column, justify="right")
     for r in payload["results"]:
-        table.add_row(r["method"], r["impl"], f"{r['budget']:.3f}", f"{r['accuracy']:.3f}", f"{r['dppl_rel']:+.4f}",
-                      f"{r['kv_bytes'] / 2**20:.1f}", f"{r['decode_tok_s']:.1f}", str(r["cases"]))
+        table.add_row(r["method"], r["impl"], f"{r['budget']:.3f}", _fmt(r["accuracy"], ".3f"),
+                      _fmt(r["dppl_rel"], "+.4f"), f"{r['kv_bytes'] / 2**20:.1f}", _fmt(r["decode_tok_s"], ".1f"),
+                      str(r["cases"]))
     console.print(table)
+    for budget, ratio in payload["speed"]["snapkv_ratio"].items():
+        console.print(f"SnapKV decode speed at budget {budget}: kvshelf / kvpress = {ratio:.3f}x (median of pairs)")
 
 
 if __name__ == "__main__":
