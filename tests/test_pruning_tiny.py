@@ -328,7 +328,7 @@ def test_pruned_cache_decodes_in_place_and_matches_a_dynamic_cache(model):
     assert cache_bytes(pruned) > cache_bytes(plain)  # the headroom is counted
     token = torch.tensor([[int(first)]])
     with torch.inference_mode():
-        for step in range(40):  # past the 32-token headroom: one growth
+        for step in range(40):  # past the 16-token headroom: the buffer grows
             a = model(input_ids=token, past_key_values=pruned, position_ids=torch.tensor([[48 + step]])).logits
             b = model(input_ids=token, past_key_values=plain, position_ids=torch.tensor([[48 + step]])).logits
             assert torch.allclose(a, b, atol=1e-5)

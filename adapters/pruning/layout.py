@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicLayer
 
-DEFAULT_HEADROOM = 32
+DEFAULT_HEADROOM = 16
 
 
 class _Buffer:
