@@ -55,3 +55,35 @@ def test_tokenselect_finds_the_code_attending_to_an_eighth(smollm2, case):
         answer = tokenizer.decode(_generate(model, case["ids"]))
     assert case["code"] in answer, answer
     assert ts.steps == 7
+
+
+def test_in_place_pruned_cache_decodes_like_a_dynamic_cache(smollm2, case):
+    """``with SnapKV(...)`` decodes in ``GrowingLayer`` s: same tokens and logits as its tokens in DynamicLayers."""
+    from transformers import DynamicCache
+
+    from adapters.pruning import scoring
+    from adapters.pruning.layout import GrowingLayer
+
+    model, _ = smollm2
+    ids = case["ids"]
+    with SnapKV(0.25)(model):
+        out = model.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False, eos_token_id=None,
+                             return_dict_in_generate=True, output_logits=True)
+    assert all(isinstance(layer, GrowingLayer) for layer in out.past_key_values.layers)
+    full = DynamicCache()
+    with torch.inference_mode(), scoring(model, {"s": SnapKV(0.25)}) as kept:
+        logits = model(input_ids=torch.tensor([ids]), past_key_values=full, use_cache=True).logits[0, -1]
+    plain = DynamicCache()
+    for i, layer in enumerate(full.layers):
+        idx = kept["s"][i].unsqueeze(-1).expand(-1, -1, -1, layer.keys.shape[-1])
+        plain.update(layer.keys.gather(2, idx), layer.values.gather(2, idx), i)
+    tokens, reference = [int(logits.argmax())], [logits]
+    with torch.inference_mode():
+        for step in range(19):
+            logits = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=plain,
+                           position_ids=torch.tensor([[len(ids) + step]])).logits[0, -1]
+            tokens.append(int(logits.argmax()))
+            reference.append(logits)
+    assert out.sequences[0, len(ids):].tolist() == tokens
+    for ours, ref in zip(out.logits, reference, strict=True):
+        assert torch.allclose(ours[0], ref, atol=1e-3)
