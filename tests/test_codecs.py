@@ -169,6 +169,31 @@ def test_cachegen_wide_escapes() -> None:
     assert abs(float(back.values[1, 0, -1, -1]) + 3e4) < 1e-3 * 3e4
 
 
+@pytest.mark.parametrize(("section", "edit"), [
+    (0, lambda b: b"\x02"),  # the previous payload format
+    (9, lambda b: b"\xfe\xff" + b[2:]),  # the first escape's index gap pushes the last one past the block
+    (10, lambda b: b[:1] + b"\x01" + b[2:]),  # an escape whose coarse part would not need one
+    (14, lambda b: b + b"\0\0\0\0"),  # a wide gap too many
+    (15, lambda b: b[:-4]),  # a wide coarse part too few
+    (8, lambda b: b[:-1]),  # sign bits too few
+    (11, lambda b: b + b"\0\0"),  # an escaped flag word too many
+])
+def test_cachegen_inconsistent_sections_raise(section: int, edit) -> None:  # noqa: ANN001
+    """Well-framed payloads (valid CRC) whose sections disagree raise CorruptBlockError, never garbage."""
+    from compress.container import pack_sections
+
+    gen = torch.Generator().manual_seed(11)
+    keys = torch.rand((2, 1, 1100, 64), generator=gen) * 2 - 1
+    values = torch.randn((2, 1, 1100, 64), generator=gen)
+    keys[0, 0, 0, 0], values[1, 0, -1, -1] = 3e4, -3e4
+    parts = [bytes(p) for p in _cachegen_sections(KVBlock(keys, values, tuple(range(1100)), 0, FINGERPRINT),
+                                                  {"sink_ratio": 0})]
+    parts[section] = edit(parts[section])
+    payload = memoryview(b"".join(bytes(p) for p in pack_sections(parts)))
+    with pytest.raises(CorruptBlockError):
+        get_codec("cachegen").decode(payload, (2, 1, 1100, 64), torch.float32, True)
+
+
 def test_cachegen_mixed_fine_widths() -> None:
     """Streams with different fine widths, some beyond 6 bits (int16 symbols), decode within the bound."""
     block = make_block(300, layers=4, heads=2, head_dim=16, seed=9)
