@@ -1,7 +1,8 @@
 """KV codecs behind one registry (see ``compress.registry``); importing this package registers them all.
 
 ``raw`` (model dtype), ``fp16``, ``bf16``, ``zstd`` (lossless), ``int8``/``int4``/``int2`` (KIVI-style),
-``cachegen`` (CacheGen-style entropy coding), ``sparse`` (kept tokens only, any inner codec).
+``cachegen`` (CacheGen-style entropy coding), ``sparse`` (kept tokens only, any inner codec),
+``xquant`` (XQuant latent, needs the model: ``adapters.xquant``).
 """
 
 from compress import bf16 as _bf16  # noqa: F401  (each import registers its codec)
@@ -10,6 +11,7 @@ from compress import fp16 as _fp16  # noqa: F401
 from compress import kivi as _kivi  # noqa: F401
 from compress import raw as _raw  # noqa: F401
 from compress import sparse as _sparse  # noqa: F401
+from compress import xquant as _xquant  # noqa: F401
 from compress import zstd as _zstd  # noqa: F401
 from compress.registry import Codec, available_codecs, get_codec, register_codec
 

@@ -44,6 +44,16 @@ class Codec(ABC):
         With ``copy=False`` the tensors may be read-only views of ``payload``.
         """
 
+    def encode_at(self, keys: torch.Tensor, values: torch.Tensor, start_pos: int) -> list[bytes | memoryview]:
+        """``encode`` of a block whose first token is at position ``start_pos`` (codecs that need it override)."""
+        return self.encode(keys, values)
+
+    def decode_at(
+        self, payload: memoryview, shape: tuple[int, int, int, int], dtype: torch.dtype, copy: bool, start_pos: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``decode`` of a block whose first token is at position ``start_pos`` (codecs that need it override)."""
+        return self.decode(payload, shape, dtype, copy)
+
 
 def register_codec(cls: type[Codec]) -> type[Codec]:
     """Class decorator: make ``cls`` available under ``cls.name``."""

@@ -60,7 +60,7 @@ def encode_block(block: KVBlock, key: bytes, codec_name: str = "raw", codec_para
     if block.dtype not in DTYPE_NAMES:
         raise KVShelfError(f"unsupported KV dtype {block.dtype}; supported: {sorted(DTYPES)}")
     codec = get_codec(codec_name, codec_params)
-    parts = codec.encode(block.keys, block.values)
+    parts = codec.encode_at(block.keys, block.values, block.start_pos)
     payload_len = sum(len(p) for p in parts)
     header = json.dumps(
         {
@@ -174,7 +174,9 @@ def decode_block(
     )
     body_end = len(view) - _CHECKSUM_BYTES
     codec = get_codec(header.codec, header.params)
-    keys, values = codec.decode(view[body_end - header.payload_len : body_end], header.shape, header.dtype, copy)
+    keys, values = codec.decode_at(
+        view[body_end - header.payload_len : body_end], header.shape, header.dtype, copy, header.start_pos
+    )
     return KVBlock(
         keys=keys,
         values=values,

@@ -1,0 +1,132 @@
+"""Binding a HF model to the ``xquant`` codec: its latent basis, calibration spreads and RoPE (``compress.xquant``).
+
+``xquant_params(model, calibration=...)`` computes the model's ``XQuantTables``, binds them in this process and
+returns the codec parameters (``{"model": digest, ...}``) to give a tier or ``encode_block``. Blocks encoded with
+them decode wherever the same tables are bound: in this process, or in another one after ``load_tables`` of a
+file written by ``save_tables`` (recomputing the tables elsewhere may differ in the last float bits, hence have
+another digest, and then decoding says the tables are not bound rather than returning wrong tensors).
+
+The basis (XQuant, Tomar et al. 2025; see ``compress.xquant``): the latent of ``X`` from which ``[K_pre | V]``
+is rematerialized. ``basis="svd"``: the left singular vectors of ``[W_k; W_v]`` (XQuant's GQA latent, from the
+weights alone). ``basis="klt"`` (default): the same latent with the SVD taken in the metric of the
+activations (SVD-LLM, Wang et al. 2024; Palu, Chang et al. 2024), i.e. the eigenvectors of the covariance of
+``[K_pre | V]`` on the calibration tokens; it needs fewer bits for the same error. The calibration text should
+look like the traffic (pass ``calibration`` token ids); without it, seeded random tokens are used (it works,
+at a worse rate).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from adapters.fingerprint import kv_geometry
+from compress.xquant import XQuantTables, bind_tables
+from kvstore.errors import ConfigError, UnsupportedModelError
+
+CALIBRATION_CHUNK = 1024
+_SKIP = 4  # first tokens of every calibration chunk left out of the statistics (attention sinks)
+_SEED = 20250815
+
+
+def _rotary(model: PreTrainedModel) -> tuple[torch.Tensor, float]:
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    inv_freq = getattr(rotary, "inv_freq", None)
+    if inv_freq is None:
+        raise UnsupportedModelError(f"xquant: {type(model).__name__} has no model.rotary_emb.inv_freq (not a RoPE "
+                                    "decoder in the Llama layout)")
+    return inv_freq.detach().to("cpu", torch.float32), float(getattr(rotary, "attention_scaling", 1.0))
+
+
+def _unrope(keys: torch.Tensor, inv_freq: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Pre-RoPE keys ``[layers, heads, tokens, dim]`` of keys rotated at positions ``0..tokens-1``."""
+    freqs = torch.arange(keys.shape[2], dtype=torch.float32)[:, None] * inv_freq[None]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos() * scaling, emb.sin() * scaling
+    a, b = keys.chunk(2, dim=-1)
+    return (keys * cos - torch.cat([-b, a], dim=-1) * sin) / scaling**2
+
+
+def _latents(model: PreTrainedModel, ids: Sequence[int], inv_freq: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``[layers, tokens, C]`` float64 rows ``[K_pre | V]`` of the calibration tokens (chunks, sinks left out)."""
+    rows = []
+    device = next(model.parameters()).device
+    for s in range(0, len(ids), CALIBRATION_CHUNK):
+        chunk = list(ids[s : s + CALIBRATION_CHUNK])
+        if len(chunk) <= 2 * _SKIP:
+            continue
+        with torch.no_grad():
+            cache = model(torch.tensor([chunk], device=device), use_cache=True).past_key_values
+        keys = torch.stack([layer.keys[0] for layer in cache.layers]).to("cpu", torch.float32)
+        values = torch.stack([layer.values[0] for layer in cache.layers]).to("cpu", torch.float32)
+        k_pre = _unrope(keys, inv_freq, scaling)
+        layers, _, tokens, _ = keys.shape
+        z = torch.cat([k_pre.permute(0, 2, 1, 3).reshape(layers, tokens, -1),
+                       values.permute(0, 2, 1, 3).reshape(layers, tokens, -1)], dim=-1)
+        rows.append(z[:, _SKIP:].double())
+    if not rows:
+        raise ConfigError(f"xquant calibration needs more than {2 * _SKIP} tokens, got {len(ids)}")
+    return torch.cat(rows, dim=1)
+
+
+def _fix_signs(basis: torch.Tensor) -> torch.Tensor:
+    """Each column's largest-magnitude entry made positive (singular vectors are defined up to sign)."""
+    pivot = basis.abs().argmax(dim=1, keepdim=True)
+    return basis * torch.sign(torch.gather(basis, 1, pivot)).clamp_min(0).mul(2).sub(1)
+
+
+def xquant_tables(
+    model: PreTrainedModel, calibration: Sequence[int] | None = None, *, basis: str = "klt",
+    calibration_tokens: int = 4096,
+) -> XQuantTables:
+    """Compute the ``XQuantTables`` of ``model`` from ``calibration`` token ids (seeded random ids when None).
+
+    ``basis``: ``"klt"`` (activation-aware SVD latent, default) or ``"svd"`` (SVD of ``[W_k; W_v]``).
+    """
+    if basis not in ("klt", "svd"):
+        raise ConfigError(f"xquant basis must be 'klt' or 'svd', got {basis!r}")
+    layers, kv_heads, head_dim = kv_geometry(model)
+    inv_freq, scaling = _rotary(model)
+    if inv_freq.shape != (head_dim // 2,):
+        raise UnsupportedModelError(f"xquant: rotary inv_freq {tuple(inv_freq.shape)} does not fit head_dim "
+                                    f"{head_dim} (partial rotary is not supported)")
+    if calibration is None:
+        vocab = model.config.get_text_config(decoder=True).vocab_size
+        gen = torch.Generator().manual_seed(_SEED)
+        calibration = torch.randint(0, vocab, (calibration_tokens,), generator=gen).tolist()
+    z = _latents(model, list(calibration)[:calibration_tokens], inv_freq, scaling)  # [L, N, C]
+    centred = z - z.mean(dim=1, keepdim=True)
+    cov = centred.transpose(1, 2) @ centred / z.shape[1]  # [L, C, C]
+    if basis == "klt":
+        _, vectors = torch.linalg.eigh(cov)
+        vectors = vectors.flip(-1)
+    else:
+        attn = [layer.self_attn for layer in model.model.layers]
+        w = torch.stack([torch.cat([a.k_proj.weight, a.v_proj.weight]).detach().to("cpu", torch.float64)
+                         for a in attn])  # [L, C, hidden]
+        if w.shape[1] != 2 * kv_heads * head_dim:
+            raise UnsupportedModelError(f"xquant: k/v projections of width {w.shape[1]}, expected "
+                                        f"{2 * kv_heads * head_dim}")
+        vectors = torch.linalg.svd(w, full_matrices=False)[0]
+    vectors = _fix_signs(vectors)
+    sigma = torch.einsum("lci,lcd,ldi->li", vectors, cov, vectors).clamp_min(0).sqrt()
+    return XQuantTables(vectors.float(), sigma.float(), inv_freq, kv_heads, head_dim, scaling)
+
+
+def bind_xquant(model: PreTrainedModel, calibration: Sequence[int] | None = None, *, basis: str = "klt") -> str:
+    """Compute and bind the tables of ``model`` (cached on the model per basis); return their digest."""
+    cache: dict[str, XQuantTables] = model.__dict__.setdefault("_kvshelf_xquant", {})
+    tables = cache.get(basis)
+    if tables is None:
+        tables = cache[basis] = xquant_tables(model, calibration, basis=basis)
+    return bind_tables(tables)
+
+
+def xquant_params(
+    model: PreTrainedModel, calibration: Sequence[int] | None = None, *, basis: str = "klt", **codec_params: Any
+) -> dict[str, Any]:
+    """Codec parameters for ``xquant`` on ``model`` (its tables computed and bound); ``codec_params`` are added."""
+    return {"model": bind_xquant(model, calibration, basis=basis), **codec_params}

@@ -1,0 +1,487 @@
+"""``xquant``: the KV cache stored as a quantized, entropy-coded latent of the layer input, rematerialized at load.
+
+After XQuant (Tomar et al., "XQuant: Breaking the Memory Wall for LLM Inference with KV Cache Rematerialization",
+2025). XQuant stores the post-RMSNorm attention input ``X`` and recomputes ``K = X W_k``, ``V = X W_v`` at load
+time; for GQA models, where ``X`` (576 wide on SmolLM2) is wider than ``[K V]`` (384), it stores ``X`` projected on
+the right singular vectors of ``[W_k; W_v]`` instead: a latent of width ``C = 2 * kv_heads * head_dim`` from which
+the pre-RoPE keys and the values are one matrix product away. Since the pre-RoPE keys and the values *are*
+linear in ``X`` (no bias on Llama-style models), that latent is an orthonormal change of basis of
+``Z = [K_pre | V]`` (``[tokens, C]`` per layer), and this codec computes it from the block's keys and values:
+
+* **Pre-RoPE**: keys are un-rotated at the block's positions (``start_pos``, which is why this codec is given
+  the block's position: see ``Codec.encode_at``) and rotated back after decoding.
+* **Latent basis** (``XQuantTables.basis``, ``[layers, C, C]``, orthonormal columns, by decreasing energy):
+  either the left singular vectors of ``[W_k; W_v]`` (XQuant's SVD latent, ``basis="svd"`` in the adapter), or
+  those of ``[W_k; W_v]`` whitened by the activations' covariance, i.e. the eigenvectors of ``Cov(Z)`` on a
+  calibration text (the "activation-aware" SVD of SVD-LLM, Wang et al. 2024 and Palu, Chang et al. 2024;
+  ``basis="klt"``, the default: it compacts the energy of ``Z`` best, the Karhunen-Loeve transform).
+* **Quantization** of each latent component ``i`` with a uniform step ``step_i = step * key_step_scale **
+  key_share_i`` (``key_share_i``: the fraction of the basis vector lying in the key half), around the component's
+  mean over the block (fp16, stored). One step for all components is the MSE-optimal allocation of transform
+  coding (reverse water-filling: low-energy components get few or zero bits by themselves); components whose
+  calibration spread is below ``drop_below * step_i`` are not stored at all (their block mean stands in).
+* **Entropy coding, fast to decode**: components are put in four classes by their calibration spread over
+  their step (known to both sides, no side information). A class packs 5, 3, 2 or 1 symbols of alphabet 3, 5, 15
+  or 255 per byte (symbols beyond a class's range are escapes: int32 position + int32 symbol) and the byte
+  stream is Huffman coded by zstd (literals-only parameters). Packing several small symbols per byte lets the
+  byte-wise Huffman code reach well below 1 bit per symbol on low-energy components.
+* **Attention sinks in fp16**: tokens whose latent energy is far above the block's median (a sequence's first
+  token on Llama-style models; Xiao et al., "Efficient Streaming Language Models with Attention Sinks", 2024),
+  at most ``max_sinks``, are stored as their exact fp16 keys and values and excluded from the statistics.
+* **Rematerialization** at decode: ``Z = basis[:, :, kept] @ (symbols * step + mean)`` in one batched matrix
+  product per block (the steps and means are folded into the matrix), then RoPE at the block's positions.
+
+The codec needs the model (``needs_model``): it is built with the digest of an ``XQuantTables`` bound in this
+process (``bind_tables``); ``adapters.xquant.xquant_params(model)`` computes and binds the tables of a HF model
+and returns the codec parameters. Encoding or decoding a block whose tables are not bound raises
+``XQuantUnboundError`` naming the digest (never a guess). Tables are shared across processes by saving them
+(``save_tables`` / ``load_tables``, safetensors); recomputing them elsewhere may differ in the last float bits
+and then has another digest.
+
+Error bound (``drop_below=0``): every latent component is within ``step_i / 2`` of the input (escapes
+included), so the L2 error of each token's ``[K_pre | V]`` (hence of its keys and values, RoPE being a rotation)
+is at most ``sqrt(C) * max_i step_i / 2``, plus float32 rounding and the output dtype's rounding; sink tokens
+are within fp16 rounding. Dropped components add their deviation from the block mean. Keys, values:
+``[layers, kv_heads, tokens, head_dim]``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import numpy as np
+import torch
+import zstandard
+
+from compress.container import expect_len, pack_sections, unpack_sections
+from compress.raw import tensor_bytes, tensor_from_bytes
+from compress.registry import Codec, register_codec
+from kvstore.errors import CodecParamError, ConfigError, CorruptBlockError
+
+NAME = "xquant"
+_FORMAT = 1
+_HEAD = struct.Struct("<BHHI")  # format, tokens, sinks, escapes
+# (symbols per byte, half range): a byte holds ``per`` digits of base ``2 * half + 2``, the last digit an escape
+# (the symbol is then the next value of the escapes section): 4**4, 6**3, 16**2 and 256 codes
+_SCHEMES: tuple[tuple[int, int], ...] = ((4, 1), (3, 2), (2, 7), (1, 127))
+# a component goes to the first class whose bound exceeds its calibration spread / step
+_CLASS_BOUNDS = (0.4, 0.9, 2.6, math.inf)
+_SECTIONS = 4 + len(_SCHEMES)  # head, means, sinks, escapes, one stream per class
+_ESCAPE = -128  # the escape digit once unpacked (int8)
+_HALF_MAX = 65504.0
+_SYMBOL_LIMIT = 1 << 30
+_ZSTD_PARAMS = zstandard.ZstdCompressionParameters(
+    window_log=17, chain_log=6, hash_log=6, search_log=1, min_match=7, target_length=0,
+    strategy=zstandard.STRATEGY_FAST,
+)
+
+
+class XQuantUnboundError(ConfigError):
+    """An ``xquant`` block whose model tables are not bound in this process (the model's weights are needed)."""
+
+
+@dataclass(frozen=True)
+class XQuantTables:
+    """What ``xquant`` needs of a model: the latent basis, calibration spreads and RoPE.
+
+    ``basis``: ``[layers, C, C]`` float32, orthonormal columns; a token's latent is ``[K_pre | V] @ basis``
+    with ``K_pre`` the pre-RoPE keys of all kv heads concatenated (``C = 2 * kv_heads * head_dim``).
+    ``sigma``: ``[layers, C]`` float32, each latent component's spread on the calibration text.
+    ``inv_freq``: ``[head_dim // 2]`` float32 RoPE inverse frequencies (HF ``rotate_half`` convention) and
+    ``attention_scaling`` the factor HF applies to cos and sin.
+    """
+
+    basis: torch.Tensor
+    sigma: torch.Tensor
+    inv_freq: torch.Tensor
+    kv_heads: int
+    head_dim: int
+    attention_scaling: float = 1.0
+    digest: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        layers, width = self.basis.shape[0], 2 * self.kv_heads * self.head_dim
+        if self.basis.shape != (layers, width, width) or self.sigma.shape != (layers, width):
+            raise ConfigError(f"xquant tables: basis {tuple(self.basis.shape)} / sigma {tuple(self.sigma.shape)} do "
+                              f"not fit {self.kv_heads} kv heads of dim {self.head_dim}")
+        if self.head_dim % 2 or self.inv_freq.shape != (self.head_dim // 2,):
+            raise ConfigError(f"xquant tables: inv_freq {tuple(self.inv_freq.shape)} for head_dim {self.head_dim}")
+        for name in ("basis", "sigma", "inv_freq"):
+            object.__setattr__(self, name, getattr(self, name).detach().to("cpu", torch.float32).contiguous())
+        h = hashlib.blake2b(digest_size=12)
+        h.update(struct.pack("<IIId", layers, self.kv_heads, self.head_dim, self.attention_scaling))
+        for t in (self.basis, self.sigma, self.inv_freq):
+            h.update(tensor_bytes(t))
+        object.__setattr__(self, "digest", h.hexdigest())
+
+    @property
+    def layers(self) -> int:
+        return int(self.basis.shape[0])
+
+    @property
+    def width(self) -> int:
+        return 2 * self.kv_heads * self.head_dim
+
+
+_BOUND: dict[str, XQuantTables] = {}
+
+
+def bind_tables(tables: XQuantTables) -> str:
+    """Make ``tables`` available to ``xquant`` codecs in this process; return their digest (the ``model`` param)."""
+    _BOUND[tables.digest] = tables
+    return tables.digest
+
+
+def unbind_tables(digest: str) -> None:
+    """Forget the tables bound under ``digest`` (blocks using them then fail to decode with a clear error)."""
+    _BOUND.pop(digest, None)
+    _plan.cache_clear()
+    _cos_sin.cache_clear()
+
+
+def bound_tables(digest: str) -> XQuantTables:
+    """The tables bound under ``digest``; ``XQuantUnboundError`` when there are none."""
+    tables = _BOUND.get(digest)
+    if tables is None:
+        raise XQuantUnboundError(
+            f"xquant block needs the model tables {digest or '(none given)'!r}, which are not bound in this "
+            "process: build the codec parameters with adapters.xquant.xquant_params(model) (or load_tables) first")
+    return tables
+
+
+def save_tables(tables: XQuantTables, path: str) -> None:
+    """Write ``tables`` to a safetensors file (no pickle)."""
+    from safetensors.torch import save_file
+
+    meta = {"kv_heads": str(tables.kv_heads), "head_dim": str(tables.head_dim),
+            "attention_scaling": repr(tables.attention_scaling), "digest": tables.digest}
+    save_file({"basis": tables.basis, "sigma": tables.sigma, "inv_freq": tables.inv_freq}, path, metadata=meta)
+
+
+def load_tables(path: str) -> XQuantTables:
+    """Read tables written by ``save_tables``; ``ConfigError`` when the file is not such tables."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as fh:
+            meta = fh.metadata() or {}
+            tables = XQuantTables(fh.get_tensor("basis"), fh.get_tensor("sigma"), fh.get_tensor("inv_freq"),
+                                  int(meta["kv_heads"]), int(meta["head_dim"]), float(meta["attention_scaling"]))
+    except (OSError, KeyError, ValueError, RuntimeError) as exc:
+        raise ConfigError(f"{path}: not xquant tables: {exc}") from exc
+    if meta.get("digest") != tables.digest:
+        raise ConfigError(f"{path}: xquant tables digest {tables.digest} differs from the stored {meta.get('digest')}")
+    return tables
+
+
+@functools.lru_cache(maxsize=64)
+def _cos_sin(digest: str, start: int, tokens: int, full: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[tokens, 1, head_dim // 2]`` (``head_dim`` when ``full``) cos and sin (times HF's attention scaling) of
+    positions ``start..start + tokens - 1``."""
+    tables = bound_tables(digest)
+    freqs = torch.arange(start, start + tokens, dtype=torch.float32)[:, None] * tables.inv_freq[None]
+    if full:
+        freqs = torch.cat([freqs, freqs], dim=-1)
+    return (freqs.cos() * tables.attention_scaling)[:, None], (freqs.sin() * tables.attention_scaling)[:, None]
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """RoPE (HF ``rotate_half`` convention) of ``x`` ``[..., tokens, heads, head_dim]``, or its inverse."""
+    a, b = x.chunk(2, dim=-1)
+    if inverse:
+        scale = 1.0 / (cos.square() + sin.square())
+        cos, sin = cos * scale, -sin * scale
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Per (tables, parameters): kept components, their classes, and the folded decode matrix.
+
+    Streams hold the kept components class by class (``rows``: flat ``layer * C + component`` indices, stream
+    order); the decoder gathers them into a ``[layers, width, tokens]`` grid (``gather``: a stream row per grid
+    row, ``len(rows)`` for the zero padding row) and multiplies by ``matrix`` ``[layers, width, C]``, the basis
+    rows of the kept components times their steps.
+    """
+
+    steps: torch.Tensor  # [layers, C] float32
+    class_sizes: tuple[int, ...]
+    rows: torch.Tensor  # [kept] int64
+    gather: torch.Tensor  # [layers * width] int64
+    grid_row: torch.Tensor  # [kept] int64: the grid row of each stream row
+    width: int
+    matrix: torch.Tensor  # [layers, width, C] float32
+    matrix_bf16: torch.Tensor
+
+
+@functools.lru_cache(maxsize=16)
+def _plan(digest: str, step: float, key_step_scale: float, drop_below: float) -> _Plan:
+    tables = bound_tables(digest)
+    layers, width_c = tables.layers, tables.width
+    half = tables.kv_heads * tables.head_dim
+    key_share = (tables.basis[:, :half, :].double() ** 2).sum(dim=1)  # [layers, C]
+    steps = (step * key_step_scale**key_share).float()
+    ratio = (tables.sigma / steps).reshape(-1)
+    cls = torch.full(ratio.shape, -1, dtype=torch.int64)
+    lower = drop_below
+    for c, bound in enumerate(_CLASS_BOUNDS):
+        cls[(ratio >= lower) & (ratio < bound) & (cls < 0)] = c
+    classes = [torch.nonzero(cls == c).flatten() for c in range(len(_SCHEMES))]
+    rows = torch.cat(classes)
+    layer_of = rows // width_c
+    counts = torch.bincount(layer_of, minlength=layers)
+    width = max(int(counts.max()) if len(rows) else 0, 1)
+    order = torch.argsort(layer_of, stable=True)  # stream rows grouped by layer
+    starts = torch.cumsum(counts, 0) - counts
+    slot = torch.empty_like(rows)
+    slot[order] = torch.arange(len(rows)) - starts[layer_of[order]]
+    grid_row = layer_of * width + slot
+    gather = torch.full((layers * width,), len(rows), dtype=torch.int64)
+    gather[grid_row] = torch.arange(len(rows))
+    matrix = torch.zeros(layers, width, width_c)
+    comp = rows % width_c
+    matrix[layer_of, slot] = tables.basis[layer_of, :, comp] * steps.reshape(-1)[rows][:, None]
+    return _Plan(steps, tuple(len(c) for c in classes), rows, gather, grid_row, width, matrix,
+                 matrix.to(torch.bfloat16))
+
+
+def _lut(per: int, half_range: int) -> np.ndarray:
+    """``[256]`` of uint8/16/32 words: the ``per`` digits packed in each byte value, as int8 symbols
+    (``_ESCAPE`` for the escape digit), in a word of 1, 2 or 4 bytes (the 4th byte unused when ``per`` is 3)."""
+    base = 2 * half_range + 2
+    codes = np.arange(256)
+    width = {1: 1, 2: 2, 3: 4, 4: 4}[per]
+    out = np.zeros((256, width), dtype=np.int8)
+    for j in range(per):
+        digit = codes // base**j % base
+        out[:, j] = np.where(digit == base - 1, _ESCAPE, digit - half_range)
+    return out.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[width]).reshape(256)
+
+
+_LUTS = tuple(_lut(per, m) for per, m in _SCHEMES)
+
+
+def _pack(symbols: torch.Tensor, per: int, half_range: int) -> tuple[bytes, torch.Tensor]:
+    """Flat int32 ``symbols`` packed ``per`` to a byte; returns the bytes and the escaped symbols (in order)."""
+    base = 2 * half_range + 2
+    out = symbols.abs() > half_range
+    escaped = symbols[out]
+    digits = torch.where(out, base - 1 - half_range, symbols) + half_range
+    pad = (-digits.numel()) % per
+    if pad:
+        digits = torch.cat([digits, digits.new_full((pad,), half_range)])
+    weights = base ** torch.arange(per, dtype=torch.int32)
+    packed = (digits.view(-1, per) * weights).sum(dim=1).to(torch.uint8)
+    return packed.numpy().tobytes(), escaped
+
+
+def _unpack(data: bytes, count: int, scheme: int) -> np.ndarray:
+    """``count`` int8 symbols (``_ESCAPE`` marks escapes) from the packed bytes of class ``scheme``."""
+    per = _SCHEMES[scheme][0]
+    if len(data) != (count + per - 1) // per:
+        raise CorruptBlockError(f"xquant payload: class {scheme} stream has {len(data)} bytes for {count} symbols")
+    words = _LUTS[scheme][np.frombuffer(data, dtype=np.uint8)].view(np.int8)
+    if per == 3:
+        words = words.reshape(-1, 4)[:, :3]
+    return words.reshape(-1)[:count]
+
+
+def _zstd(data: bytes) -> bytes:
+    return zstandard.ZstdCompressor(compression_params=_ZSTD_PARAMS).compress(data)
+
+
+def _unzstd(data: memoryview, size: int, what: str) -> bytes:
+    try:
+        out = zstandard.ZstdDecompressor().decompress(data, max_output_size=size + 1)
+    except zstandard.ZstdError as exc:
+        raise CorruptBlockError(f"xquant payload: {what} does not decompress: {exc}") from exc
+    if len(out) != size:
+        raise CorruptBlockError(f"xquant payload: {what} is {len(out)} bytes, expected {size}")
+    return out
+
+
+@register_codec
+@dataclass
+class XQuantCodec(Codec):
+    """Pre-RoPE ``[K | V]`` latent (XQuant's SVD latent of ``X``), quantized and Huffman coded; see the module.
+
+    Parameters: ``model``, the digest of bound ``XQuantTables`` (from ``adapters.xquant.xquant_params``);
+    ``step`` (> 0) the latent quantization step; ``key_step_scale`` (> 0) the step factor of key components;
+    ``drop_below`` (>= 0) the calibration spread, in steps, below which a component is not stored;
+    ``max_sinks`` (0..64) and ``sink_ratio`` (> 1) of the fp16 sink tokens.
+    """
+
+    name: ClassVar[str] = NAME
+    needs_model: ClassVar[bool] = True
+
+    model: str = ""
+    step: float = 0.35
+    key_step_scale: float = 1.0
+    drop_below: float = 0.1
+    max_sinks: int = 2
+    sink_ratio: float = 4.0
+    matmul: str = "bf16"
+
+    def __post_init__(self) -> None:
+        bad = []
+        if not isinstance(self.model, str):
+            bad.append(f"model={self.model!r} (a digest string)")
+        for name in ("step", "key_step_scale", "sink_ratio", "drop_below"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                bad.append(f"{name}={value!r} (a finite number)")
+        if not bad:
+            if not self.step > 0:
+                bad.append(f"step={self.step!r} (> 0)")
+            if not self.key_step_scale > 0:
+                bad.append(f"key_step_scale={self.key_step_scale!r} (> 0)")
+            if not self.drop_below >= 0:
+                bad.append(f"drop_below={self.drop_below!r} (>= 0)")
+            if not self.sink_ratio > 1:
+                bad.append(f"sink_ratio={self.sink_ratio!r} (> 1)")
+        if self.matmul not in ("bf16", "fp32"):
+            bad.append(f"matmul={self.matmul!r} ('bf16' or 'fp32')")
+        if isinstance(self.max_sinks, bool) or not isinstance(self.max_sinks, int) or not 0 <= self.max_sinks <= 64:
+            bad.append(f"max_sinks={self.max_sinks!r} (an integer in 0..64)")
+        if bad:
+            raise CodecParamError(f"codec {NAME!r}: invalid parameter(s): {', '.join(bad)}")
+
+    # ----------------------------------------------------------------------------------------------- helpers
+    def _tables(self, shape: tuple[int, int, int, int]) -> XQuantTables:
+        tables = bound_tables(self.model)
+        layers, heads, _, dim = shape
+        if (layers, heads, dim) != (tables.layers, tables.kv_heads, tables.head_dim):
+            raise CodecParamError(f"xquant tables {self.model} are for {tables.layers} layers x {tables.kv_heads} "
+                                  f"kv heads x {tables.head_dim}, the block is {layers} x {heads} x {dim}")
+        return tables
+
+    def _plan(self) -> _Plan:
+        return _plan(self.model, float(self.step), float(self.key_step_scale), float(self.drop_below))
+
+    def encode(self, keys: torch.Tensor, values: torch.Tensor) -> list[bytes | memoryview]:
+        raise CodecParamError("xquant needs the block's start position: encode through kvstore.encoding.encode_block")
+
+    def decode(
+        self, payload: memoryview, shape: tuple[int, int, int, int], dtype: torch.dtype, copy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        raise CodecParamError("xquant needs the block's start position: decode through kvstore.encoding.decode_block")
+
+    # ------------------------------------------------------------------------------------------------ encode
+    def encode_at(self, keys: torch.Tensor, values: torch.Tensor, start_pos: int) -> list[bytes | memoryview]:
+        if keys.shape != values.shape or keys.dim() != 4:
+            raise CodecParamError(f"xquant: keys {tuple(keys.shape)} and values {tuple(values.shape)} must both be "
+                                  "[layers, kv_heads, tokens, head_dim]")
+        shape = tuple(int(s) for s in keys.shape)
+        tables = self._tables(shape)  # type: ignore[arg-type]
+        layers, heads, tokens, dim = shape
+        if tokens > 0xFFFF:
+            raise CodecParamError(f"xquant blocks hold at most 65535 tokens, got {tokens}")
+        plan = self._plan()
+        if tokens == 0:
+            return pack_sections([_HEAD.pack(_FORMAT, 0, 0, 0), *[b""] * (_SECTIONS - 1)])
+        k = keys.detach().to("cpu", torch.float32).clamp(-_HALF_MAX, _HALF_MAX)
+        v = values.detach().to("cpu", torch.float32).clamp(-_HALF_MAX, _HALF_MAX)
+        cos, sin = _cos_sin(self.model, start_pos, tokens)
+        k_pre = _rope(k.transpose(1, 2), cos, sin, inverse=True)  # [L, T, H, D]
+        z = torch.cat([k_pre.reshape(layers, tokens, -1), v.transpose(1, 2).reshape(layers, tokens, -1)], dim=-1)
+        latent = torch.bmm(z, tables.basis)  # [L, T, C]
+        sinks = self._sinks(latent, tables)
+        regular = torch.ones(tokens, dtype=torch.bool)
+        regular[sinks] = False
+        mean = latent[:, regular].mean(dim=1) if regular.any() else torch.zeros(layers, tables.width)
+        mean = mean.clamp(-_HALF_MAX, _HALF_MAX).half()
+        centred = (latent - mean.float()[:, None]) / plan.steps[:, None]
+        centred[:, sinks] = 0.0
+        symbols = torch.round(centred).clamp(-_SYMBOL_LIMIT, _SYMBOL_LIMIT).to(torch.int32)
+        symbols = symbols.transpose(1, 2).reshape(layers * tables.width, tokens)[plan.rows]  # stream order
+        streams, escaped, row = [], [], 0
+        for c, size in enumerate(plan.class_sizes):
+            packed, esc = _pack(symbols[row : row + size].reshape(-1), *_SCHEMES[c])
+            streams.append(_zstd(packed))
+            escaped.append(esc)
+            row += size
+        esc_values = torch.cat(escaped).to(torch.int32)
+        sink_kv = torch.stack([k[:, :, sinks], v[:, :, sinks]]).half()  # [2, L, H, sinks, D]
+        sink_section = sinks.to(torch.int32).numpy().tobytes() + bytes(tensor_bytes(sink_kv))
+        head = _HEAD.pack(_FORMAT, tokens, len(sinks), len(esc_values))
+        return pack_sections([head, tensor_bytes(mean), sink_section, _zstd(bytes(tensor_bytes(esc_values))),
+                              *streams])
+
+    def _sinks(self, latent: torch.Tensor, tables: XQuantTables) -> torch.Tensor:
+        """Token indices (int64, sorted) whose normalised latent energy is ``sink_ratio`` x the median or more."""
+        tokens = latent.shape[1]
+        if self.max_sinks == 0 or tokens < 4:
+            return torch.empty(0, dtype=torch.int64)
+        centre = latent.median(dim=1, keepdim=True).values
+        energy = ((latent - centre) / tables.sigma.clamp_min(1e-6)[:, None]).square().mean(dim=(0, 2))  # [T]
+        score = energy / energy.median().clamp_min(1e-12)
+        top = torch.argsort(score, descending=True)[: self.max_sinks]
+        return torch.sort(top[score[top] >= self.sink_ratio]).values
+
+    # ------------------------------------------------------------------------------------------------ decode
+    def decode_at(
+        self, payload: memoryview, shape: tuple[int, int, int, int], dtype: torch.dtype, copy: bool, start_pos: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        tables = self._tables(shape)
+        layers, heads, tokens, dim = shape
+        plan = self._plan()
+        sections = unpack_sections(payload, _SECTIONS, NAME)
+        if tokens == 0:
+            if any(len(sec) for sec in sections[1:]) or bytes(sections[0]) != _HEAD.pack(_FORMAT, 0, 0, 0):
+                raise CorruptBlockError("xquant payload of an empty block is not empty")
+            return torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
+        fmt, n_tokens, n_sinks, n_escapes = _HEAD.unpack(bytes(expect_len(sections[0], _HEAD.size, "head", NAME)))
+        total = len(plan.rows) * tokens
+        if fmt != _FORMAT or n_tokens != tokens or n_sinks > min(self.max_sinks, tokens) or n_escapes > total:
+            raise CorruptBlockError(f"xquant payload head (format {fmt}, {n_tokens} tokens, {n_sinks} sinks, "
+                                    f"{n_escapes} escapes) does not fit a block of {tokens} tokens")
+        width_c = tables.width
+        mean = tensor_from_bytes(expect_len(sections[1], layers * width_c * 2, "means", NAME), torch.float16,
+                                 (layers, width_c), copy=False).float()
+        sink_bytes = expect_len(sections[2], 4 * n_sinks + 2 * layers * heads * n_sinks * dim * 2, "sinks", NAME)
+        esc_values = np.frombuffer(_unzstd(sections[3], 4 * n_escapes, "escapes"), dtype=np.int32)
+        streams = []
+        for c, size in enumerate(plan.class_sizes):
+            raw = _unzstd(sections[4 + c], -(-size * tokens // _SCHEMES[c][0]), f"class {c} stream")
+            streams.append(_unpack(raw, size * tokens, c))
+        flat = np.concatenate(streams) if streams else np.empty(0, dtype=np.int8)
+        escapes = np.flatnonzero(flat == _ESCAPE)
+        if len(escapes) != n_escapes:
+            raise CorruptBlockError(f"xquant payload: {len(escapes)} escape digits for {n_escapes} escaped symbols")
+        # stream rows -> the [layers, width, tokens] grid (a zero row pads layers with fewer kept components)
+        rows = torch.from_numpy(np.concatenate([flat, np.zeros(tokens, dtype=np.int8)])).view(-1, tokens)
+        fast = self.matmul == "bf16"
+        grid = rows.index_select(0, plan.gather).to(torch.bfloat16 if fast else torch.float32)
+        if n_escapes:
+            stream_row = torch.from_numpy(escapes // max(tokens, 1))
+            where = plan.grid_row[stream_row] * tokens + torch.from_numpy(escapes % max(tokens, 1))
+            grid.view(-1)[where] = torch.from_numpy(esc_values.astype(np.float32)).to(grid.dtype)
+        grid = grid.view(layers, plan.width, tokens)
+        half, mid = heads * dim, dim // 2
+        offset = torch.bmm(mean[:, None], tables.basis.transpose(1, 2))  # [L, 1, C]: the means rematerialized
+        z = torch.bmm(grid.transpose(1, 2), plan.matrix_bf16 if fast else plan.matrix)  # [L, T, C]
+        z = z.float().add_(offset) if fast else z.add_(offset)
+        k_pre = z[..., :half].view(layers, tokens, heads, dim)
+        a, b = k_pre[..., :mid], k_pre[..., mid:]
+        cos, sin = _cos_sin(self.model, start_pos, tokens)  # RoPE: (a, b) -> (a cos - b sin, b cos + a sin)
+        keys = torch.empty(shape, dtype=torch.float32)
+        keys_t = keys.transpose(1, 2)  # [L, T, H, D] view
+        torch.mul(a, cos, out=keys_t[..., :mid]).addcmul_(b, sin, value=-1.0)
+        torch.mul(b, cos, out=keys_t[..., mid:]).addcmul_(a, sin)
+        keys = keys.to(dtype)
+        values = torch.empty(shape, dtype=dtype)
+        values.transpose(1, 2).copy_(z[..., half:].view(layers, tokens, heads, dim))
+        if n_sinks:
+            where = torch.from_numpy(np.frombuffer(sink_bytes[: 4 * n_sinks], dtype=np.int32).astype(np.int64))
+            if where.min() < 0 or where.max() >= tokens:
+                raise CorruptBlockError("xquant payload: sink token index out of range")
+            kv = tensor_from_bytes(sink_bytes[4 * n_sinks :], torch.float16, (2, layers, heads, n_sinks, dim),
+                                   copy=False)
+            keys[:, :, where] = kv[0].to(dtype)
+            values[:, :, where] = kv[1].to(dtype)
+        return keys, values
