@@ -55,7 +55,14 @@ SETTINGS: list[tuple[str, dict[str, Any]]] = [
     ("cachegen", {"bits": 3, "early_extra_bits": 1, "early_fraction": 0.2}),  # +1 bit in the first 6 of 30 layers
     ("cachegen", {"rotate": True}),  # QuaRot-style Hadamard rotation first
     ("sparse", {"inner": "int8", "inner_params": {"group_size": 128}}),
+    # xquant needs the model: its tables are computed on calibration text (corpus end, disjoint from the windows)
+    # and bound before the windows; "basis" picks the latent (klt: activation-aware SVD, svd: weights only)
+    ("xquant", {"step": 0.3, "basis": "klt"}),
+    ("xquant", {"step": 0.35, "basis": "klt"}),
+    ("xquant", {"step": 0.45, "basis": "klt"}),
+    ("xquant", {"step": 0.35, "basis": "svd"}),
 ]
+XQUANT_CALIBRATION_TOKENS = 4096
 SPARSE_SINKS, SPARSE_RECENT = 64, 1088  # the sparse setting keeps StreamingLLM-style sinks + recent tokens
 ANCHORS = [("quanto", 4), ("quanto", 2), ("hqq", 4), ("hqq", 2)]
 ANCHOR_GROUP = 64
@@ -130,11 +137,40 @@ def _sparse_input(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tenso
     return k, v, keep
 
 
-def _warm_up(model: Any, ids: list[int]) -> None:
+def _warm_up(model: Any, ids: list[int], settings: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> None:
     """One untimed round trip of a block per setting (imports, first allocations, entropy-model caches)."""
     keys, values = _prefill(model, ids[:BLOCK])
-    for name, params in SETTINGS:
+    for name, _, params in settings:
         _round_trip(name, params, keys, values, ids[:BLOCK])
+
+
+def _xquant_calibration(tokenizer: Any, corpus: str | None) -> list[int]:
+    """Calibration ids for xquant: corpus texts from the end (the windows take them from the start)."""
+    ids: list[int] = []
+    for text in reversed(list(corpus_texts(corpus))):
+        ids.extend(tokenizer(text + "\n\n", add_special_tokens=False)["input_ids"])
+        if len(ids) >= XQUANT_CALIBRATION_TOKENS:
+            break
+    return ids[:XQUANT_CALIBRATION_TOKENS]
+
+
+def _settings(model: Any, tokenizer: Any, corpus: str | None, only: list[str] | None,
+              ) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """``(codec, params shown, params given to the codec)``; xquant's tables are computed and bound here."""
+    out = []
+    calibration = None
+    for name, params in SETTINGS:
+        if only and name not in only:
+            continue
+        codec_params = params
+        if name == "xquant":
+            from adapters.xquant import xquant_params
+
+            calibration = calibration or _xquant_calibration(tokenizer, corpus)
+            rest = {k: v for k, v in params.items() if k != "basis"}
+            codec_params = xquant_params(model, calibration, basis=params.get("basis", "klt"), **rest)
+        out.append((name, params, codec_params))
+    return out
 
 
 def int4_vs_cachegen(results: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -182,9 +218,11 @@ def run(
     windows: int = 8,
     model_name: str = "smollm2-135m",
     anchors: bool = True,
+    only: list[str] | None = None,
     console: Console | None = None,
 ) -> dict[str, Any]:
-    """Measure every codec setting (and the anchors) on ``windows`` windows; write ``json_path``; print a table."""
+    """Measure every codec setting (those of the codecs in ``only`` when given) and the anchors on ``windows``
+    windows; write ``json_path``; print a table."""
     from adapters.model import load_model
 
     console = console or Console()
@@ -192,7 +230,8 @@ def run(
     if corpus is None:
         corpus = default_corpus()
     wins = _windows(tokenizer, corpus, windows)
-    _warm_up(model, wins[0])
+    settings = _settings(model, tokenizer, corpus, only)
+    _warm_up(model, wins[0], settings)
     rows: dict[tuple[str, str], dict[str, Any]] = {}
     anchor_errors: dict[str, str] = {}
     base_ppl: list[float] = []
@@ -201,13 +240,13 @@ def run(
         fp16_bytes = 2 * 2 * keys.numel()
         base = math.exp(_suffix_nll(model, ids, _cache_of(model, keys, values)))
         base_ppl.append(base)
-        for name, params in SETTINGS:
+        for name, params, codec_params in settings:
             mask = None
             in_k, in_v = keys, values
             if name == "sparse":
                 in_k, in_v, keep = _sparse_input(keys, values)
                 mask = torch.cat([keep, torch.ones(WINDOW - PREFIX, dtype=torch.bool)]).long()[None]
-            out_k, out_v, nbytes, t_enc, t_dec = _round_trip(name, params, in_k, in_v, ids[:PREFIX])
+            out_k, out_v, nbytes, t_enc, t_dec = _round_trip(name, codec_params, in_k, in_v, ids[:PREFIX])
             if name == "sparse":
                 out_k, out_v = torch.nan_to_num(out_k, nan=0.0), torch.nan_to_num(out_v, nan=0.0)
             if mask is None and torch.equal(out_k, keys) and torch.equal(out_v, values):
@@ -261,6 +300,8 @@ def run(
         "model": model_name, "machine": machine_description(), "windows": windows, "window_tokens": WINDOW,
         "prefix_tokens": PREFIX, "block_tokens": BLOCK, "baseline_ppl": round(mean_base, 4),
         "sparse_policy": f"keep the first {SPARSE_SINKS} and last {SPARSE_RECENT} of {PREFIX} prefix tokens",
+        "xquant_calibration": f"{XQUANT_CALIBRATION_TOKENS} tokens of corpus texts taken from its end (chunks of "
+                              "1,024; the windows take texts from its start)",
         "corpus": str(corpus) if corpus else "synthetic (no corpus found)", "results": results,
         "int4_vs_cachegen": int4_vs_cachegen(results),
     }

@@ -169,6 +169,7 @@ def bench_codecs(
     corpus: Annotated[Path | None, typer.Option(help="JSONL of {title, abstract}")] = None,
     windows: Annotated[int, typer.Option(min=1, help="2,048-token perplexity windows")] = 8,
     anchors: Annotated[bool, typer.Option(help="also measure HF QuantizedCache (quanto/HQQ)")] = True,
+    only: Annotated[list[str] | None, typer.Option("--only", help="only this codec's settings (repeatable)")] = None,
     model: ModelOpt = "smollm2-135m",
 ) -> None:
     """Compression ratio, bits per value, encode/decode MB/s and perplexity increase of every codec."""
@@ -176,7 +177,7 @@ def bench_codecs(
 
     chosen = _corpus(corpus)
     run(str(json_path) if json_path else None, str(chosen) if chosen else None, windows=windows,
-        model_name=model, anchors=anchors, console=console)
+        model_name=model, anchors=anchors, only=only, console=console)
 
 
 @bench_app.command("lmdb")
