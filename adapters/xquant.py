@@ -17,9 +17,11 @@ at a worse rate).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
@@ -117,11 +119,14 @@ def xquant_tables(
 
 
 def bind_xquant(model: PreTrainedModel, calibration: Sequence[int] | None = None, *, basis: str = "klt") -> str:
-    """Compute and bind the tables of ``model`` (cached on the model per basis); return their digest."""
-    cache: dict[str, XQuantTables] = model.__dict__.setdefault("_kvshelf_xquant", {})
-    tables = cache.get(basis)
+    """Compute and bind the tables of ``model`` (cached on the model per basis and calibration); return their
+    digest."""
+    ids = np.asarray(list(calibration) if calibration is not None else [], dtype=np.int64)
+    key = (basis, calibration is None, hashlib.blake2b(ids.tobytes(), digest_size=16).hexdigest())
+    cache: dict[tuple[str, bool, str], XQuantTables] = model.__dict__.setdefault("_kvshelf_xquant", {})
+    tables = cache.get(key)
     if tables is None:
-        tables = cache[basis] = xquant_tables(model, calibration, basis=basis)
+        tables = cache[key] = xquant_tables(model, calibration, basis=basis)
     return bind_tables(tables)
 
 

@@ -234,3 +234,33 @@ def test_tables_save_and_load(tiny, tmp_path) -> None:  # noqa: ANN001
         load_tables(str(tmp_path / "missing.safetensors"))
     with pytest.raises(ConfigError, match="do not fit"):
         XQuantTables(tables.basis[:, :4], tables.sigma, tables.inv_freq, 2, 16)
+
+
+def test_calibration_changes_the_tables(tiny) -> None:  # noqa: ANN001
+    model, params = tiny
+    assert bind_xquant(model, list(range(3, 300))) != params["model"]
+
+
+def test_tiered_store_disk_xquant(tiny, tmp_path) -> None:  # noqa: ANN001
+    """Memory raw, LMDB xquant: a block written, the store reopened, read back through the disk tier."""
+    from helpers import key_of
+
+    from kvstore.embedded import open_embedded_store
+
+    model, params = tiny
+    keys, values = _kv(model, 40, 16)
+    block = KVBlock(keys, values, tuple(range(40)), 16, "fp")
+    exact = {**params, **EXACT, "step": 0.05}
+    store = open_embedded_store(tmp_path / "data", disk_codec="xquant", disk_codec_params=exact, durable=False)
+    try:
+        store.put_many([(key_of(block), block)])
+        store.close()
+        store = open_embedded_store(tmp_path / "data", memory_bytes=None, disk_codec="xquant",
+                                    disk_codec_params=exact, durable=False)
+        (back,) = store.get_many([key_of(block)], fingerprint="fp")
+    finally:
+        store.close()
+    assert back is not None and back.start_pos == 16
+    err = torch.cat([(back.keys - keys).permute(0, 2, 1, 3).flatten(2),
+                     (back.values - values).permute(0, 2, 1, 3).flatten(2)], -1)
+    assert float(err.norm(dim=-1).max()) <= _bound(exact)
