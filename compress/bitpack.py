@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from compress.raw import tensor_bytes, tensor_from_bytes
@@ -32,13 +33,23 @@ def unpack_bits(buf: memoryview, count: int, bits: int) -> torch.Tensor:
     """The ``count`` codes packed in ``buf`` as a flat uint8 tensor; ``CorruptBlockError`` on a length mismatch."""
     if len(buf) != packed_len(count, bits):
         raise CorruptBlockError(f"packed codes are {len(buf)} bytes, expected {packed_len(count, bits)}")
-    packed = tensor_from_bytes(buf, torch.uint8, (len(buf),), copy=False)
     if bits == 8:
-        return packed
-    per = 8 // bits
-    shifts = (torch.arange(per, dtype=torch.uint8) * bits).to(torch.uint8)
-    mask = (1 << bits) - 1
-    return ((packed.unsqueeze(1) >> shifts) & mask).reshape(-1)[:count]
+        return tensor_from_bytes(buf, torch.uint8, (len(buf),), copy=False)
+    spread = np.take(_SPREAD[bits], np.frombuffer(buf, dtype=np.uint8))  # one table look-up per byte
+    return torch.from_numpy(spread.view(np.uint8)[:count])
+
+
+def _spread_tables() -> dict[int, np.ndarray]:
+    """For 1-, 2- and 4-bit codes: the ``8 // bits`` codes of every byte value, one per byte, as one word."""
+    tables = {}
+    for bits, dtype in ((1, "<u8"), (2, "<u4"), (4, "<u2")):
+        per = 8 // bits
+        codes = (np.arange(256)[:, None] >> (np.arange(per) * bits)) & ((1 << bits) - 1)
+        tables[bits] = np.ascontiguousarray(codes.astype(np.uint8)).view(dtype).reshape(256)
+    return tables
+
+
+_SPREAD = _spread_tables()
 
 
 def half_bytes(t: torch.Tensor) -> memoryview:

@@ -102,6 +102,29 @@ class KiviCodec(Codec):
             sections += [pack_bits(codes, self.bits), half_bytes(zero), half_bytes(scale)]
         return pack_sections(sections)
 
+    def _in_place(
+        self, n: int, shape: tuple[int, int, int, int]
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]] | None:
+        """For keys (``n = 0``) or values (``n = 1``): a new float32 block ``[layers, kv_heads, tokens, head_dim]``,
+        a view of it with the quantization groups as its last axis, and the shape that broadcasts one zero/scale
+        per group over it; ``None`` when the groups do not tile that layout (a partial group, or value groups
+        that neither divide ``head_dim`` nor cover whole heads)."""
+        layers, heads, tokens, dim = shape
+        g = self.group_size
+        block = torch.empty(shape, dtype=torch.float32)
+        if n == 0:  # keys: each (layer, head, channel) over groups of g tokens
+            if tokens % g:
+                return None
+            grid = block.permute(0, 1, 3, 2).view(layers, heads, dim, tokens // g, g)
+            return block, grid, (layers, heads, dim, tokens // g, 1)
+        per_token = block.permute(0, 2, 1, 3)  # values: each (layer, token) over groups of g channels
+        if dim % g == 0:
+            return block, per_token.view(layers, tokens, heads, dim // g, g), (layers, tokens, heads, dim // g, 1)
+        if g % dim == 0 and heads % (g // dim) == 0:
+            m = g // dim
+            return block, per_token.view(layers, tokens, heads // m, m, dim), (layers, tokens, heads // m, 1, 1)
+        return None
+
     def decode(
         self, payload: memoryview, shape: tuple[int, int, int, int], dtype: torch.dtype, copy: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,9 +143,16 @@ class KiviCodec(Codec):
             codes = unpack_bits(packed, rows * cols, self.bits).view(rows, cols)
             zero = half_from(zero_buf, (rows, groups), "zero points", self.name)
             scale = half_from(scale_buf, (rows, groups), "scales", self.name)
-            out.append(dequantize_groups(codes, zero, scale, self.group_size, dtype))
-        keys = out[0].view(layers, heads, dim, tokens).permute(0, 1, 3, 2).contiguous()
-        values = out[1].view(layers, tokens, heads, dim).permute(0, 2, 1, 3).contiguous()
+            direct = self._in_place(n, shape)
+            if direct is None:  # groups that the block layout cannot hold as a view: dequantize, then transpose
+                rows_out = dequantize_groups(codes, zero, scale, self.group_size, dtype)
+                out.append(rows_out.view(layers, heads, dim, tokens).permute(0, 1, 3, 2).contiguous() if n == 0
+                           else rows_out.view(layers, tokens, heads, dim).permute(0, 2, 1, 3).contiguous())
+                continue
+            block, grid, side = direct  # dequantize straight into the block layout: no transposing copy
+            torch.addcmul(zero.view(side), codes.view(grid.shape), scale.view(side), out=grid)
+            out.append(block if dtype == torch.float32 else block.to(dtype))
+        keys, values = out
         return keys, values
 
 

@@ -102,6 +102,19 @@ def test_kivi_group_sizes(name: str, group: int) -> None:
     _check_round_trip(name, make_block(37, layers=2, heads=3, head_dim=8), {"group_size": group})
 
 
+@pytest.mark.parametrize("name", ["int8", "int4", "int2"])
+@pytest.mark.parametrize(("heads", "dim", "group", "tokens"), [
+    (4, 16, 32, 64),  # value groups of two whole heads, key groups tile the tokens: dequantized in place
+    (2, 64, 32, 64),  # value groups inside a head
+    (3, 64, 128, 64),  # value groups across an odd number of heads: the transposing path
+    (2, 8, 16, 40),  # a partial key group: the transposing path for keys
+])
+def test_kivi_group_layouts(name: str, heads: int, dim: int, group: int, tokens: int) -> None:
+    _check_round_trip(name, make_block(tokens, layers=2, heads=heads, head_dim=dim), {"group_size": group})
+    block = make_block(tokens, layers=2, heads=heads, head_dim=dim, dtype=torch.bfloat16)
+    _check_round_trip(name, block, {"group_size": group})
+
+
 @pytest.mark.parametrize("params", [{"bits": 2, "early_extra_bits": 0}, {"bits": 6, "early_extra_bits": 2},
                                     {"group_size": 2, "early_fraction": 1.0}, {"bits": 1, "early_fraction": 0.0},
                                     {"rotate": True}, {"rotate": True, "bits": 7, "early_extra_bits": 1},
