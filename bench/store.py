@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -121,6 +122,9 @@ def _percentile(values: list[float], q: float) -> float:
 #: Seconds between a case's put and get phases (see ``run_case``).
 SETTLE_S = 2.0
 
+#: Untimed warm-up gets per client before the timed ops.
+WARMUP_OPS = 2
+
 #: A key no case stores: each client's untimed warm-up get misses on it.
 WARMUP_KEY = hashlib.blake2b(b"bench:warm-up", digest_size=16).digest()
 
@@ -150,9 +154,11 @@ def client_work(target: dict[str, Any], op: str, block_mib: int, clients: int, c
     values = client_values(block_mib, clients, client, ops)
     (put, get), close = connect(target)
     try:
-        # Untimed warm-up, every backend alike: connect, and move one full-size value (gRPC's HTTP/2 windows
-        # grow, the client's /dev/shm arena gets its pages); the put case reads back a value of the previous case.
-        get(bench_key(block_mib, clients, client, 0) if op == "get" else WARMUP_KEY)
+        # Untimed warm-up, every backend alike: connect, and move a full-size value twice (gRPC's HTTP/2 windows
+        # grow, the client's /dev/shm arena gets its pages, and the C allocator, which raises its mmap threshold
+        # after the first large free, grows its heap once); the put case reads a key no case stores.
+        for _ in range(WARMUP_OPS):
+            get(bench_key(block_mib, clients, client, 0) if op == "get" else WARMUP_KEY)
         ready()
         latencies, errors = [], 0
         began = time.perf_counter()
@@ -216,8 +222,11 @@ def run_case(target: dict[str, Any], block_mib: int, clients: int, ops: int, set
     """Each client puts ``ops`` distinct blocks, then gets them back and verifies them byte for byte."""
     put = _run_op(target, "put", block_mib, clients, ops)
     # Every backend alike: let the put phase's after-effects settle (the kernel writing back dirty pages, the
-    # allocator returning memory) so the get phase measures reads, not the tail of the writes before them.
-    time.sleep(settle_s)
+    # allocator returning memory) so the get phase measures reads, not the tail of the writes before them:
+    # dirty pages are written back now (os.sync), not by the kernel's flusher in the middle of the gets.
+    if settle_s > 0:
+        os.sync()
+        time.sleep(settle_s)
     return [put, _run_op(target, "get", block_mib, clients, ops)]
 
 
