@@ -53,14 +53,16 @@ SETTINGS: list[tuple[str, dict[str, Any]]] = [
     ("cachegen", {"bits": 3}),
     ("cachegen", {"bits": 3.4}),
     ("cachegen", {"bits": 3, "early_extra_bits": 1, "early_fraction": 0.2}),  # +1 bit in the first 6 of 30 layers
+    ("cachegen", {"bits": 3, "early_extra_bits": 1, "early_fraction": 0.3}),  # +1 bit in the first 9 of 30 layers
     ("cachegen", {"rotate": True}),  # QuaRot-style Hadamard rotation first
     ("sparse", {"inner": "int8", "inner_params": {"group_size": 128}}),
     # xquant needs the model: its tables are computed on calibration text (corpus end, disjoint from the windows)
     # and bound before the windows; "basis" picks the latent (klt: activation-aware SVD, svd: weights only)
-    ("xquant", {"step": 0.3, "basis": "klt"}),
     ("xquant", {"step": 0.35, "basis": "klt"}),
     ("xquant", {"step": 0.45, "basis": "klt"}),
-    ("xquant", {"step": 0.35, "basis": "svd"}),
+    ("xquant", {"step": 0.5, "basis": "klt"}),
+    ("xquant", {"step": 0.6, "basis": "klt"}),
+    ("xquant", {"step": 0.45, "basis": "svd"}),
 ]
 XQUANT_CALIBRATION_TOKENS = 4096
 SPARSE_SINKS, SPARSE_RECENT = 64, 1088  # the sparse setting keeps StreamingLLM-style sinks + recent tokens

@@ -10,6 +10,10 @@ For contexts of 1,024 / 2,048 / 4,096 tokens from the corpus plus a ~32-token qu
   process reading the same blocks stored ``raw`` in an LMDB store of their own; ``vs_raw`` is its TTFT over the
   codec's (above 1: the codec is faster).
 
+Codec parameters go with ``--codec-params JSON``. ``xquant`` needs the model's tables: they are computed on
+calibration text (the corpus's end, as ``bench codecs`` does), saved to a safetensors file, and loaded by the
+warm-disk process before its timed runs, as a server loads them once at start beside the weights.
+
 Each mode's TTFT is the median of ``runs`` calls; ``same_output`` compares 16 greedy tokens with ``full``.
 """
 
@@ -62,6 +66,22 @@ def _timed_runs(generator: Any, prompt: list[int], runs: int, new_tokens: int, *
     return {"ttft_s": median(ttfts), "all_ttft_s": ttfts, "new_ids": outputs, "reused_tokens": min(reused)}
 
 
+def _codec_params(model: Any, tokenizer: Any, corpus: str | None, codec: str, params: dict[str, Any], tmp: str,
+                  ) -> tuple[dict[str, Any] | None, str | None]:
+    """The disk codec's parameters, and for ``xquant`` the file of the model tables they need (else None)."""
+    if codec != "xquant":
+        return (params or None), None
+    from adapters.xquant import xquant_params
+    from bench.codecs import _xquant_calibration
+    from compress.xquant import bound_tables, save_tables
+
+    rest = {k: v for k, v in params.items() if k != "basis"}
+    bound = xquant_params(model, _xquant_calibration(tokenizer, corpus), basis=params.get("basis", "klt"), **rest)
+    tables_path = str(Path(tmp) / "xquant-tables.safetensors")
+    save_tables(bound_tables(bound["model"]), tables_path)
+    return bound, tables_path
+
+
 def disk_worker(spec_path: str) -> None:
     """Run in a fresh process: only the LMDB tier, which holds the blocks written by the parent."""
     from adapters.generate import CachedGenerator
@@ -70,7 +90,12 @@ def disk_worker(spec_path: str) -> None:
 
     spec = json.loads(Path(spec_path).read_text())
     model, tokenizer = load_model(spec["model"])
-    store = open_embedded_store(spec["data_dir"], memory_bytes=None, disk_codec=spec.get("disk_codec", "raw"))
+    if spec.get("xquant_tables"):
+        from compress.xquant import bind_tables, load_tables
+
+        bind_tables(load_tables(spec["xquant_tables"]))
+    store = open_embedded_store(spec["data_dir"], memory_bytes=None, disk_codec=spec.get("disk_codec", "raw"),
+                                disk_codec_params=spec.get("disk_codec_params"))
     generator = CachedGenerator(model, tokenizer, store, block_size=spec["block_size"])
     _warm_up(generator)
     results = [
@@ -93,6 +118,7 @@ def run(
     new_tokens: int = 16,
     console: Console | None = None,
     disk_codec: str = "raw",
+    disk_codec_params: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     from adapters.generate import CachedGenerator
     from adapters.model import load_model
@@ -104,8 +130,10 @@ def run(
     question = tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
     prompts = [build_context(tokenizer, texts, n) + question for n in lengths]
     results: list[dict[str, Any]] = []
+    shown_params = dict(disk_codec_params or {})
     with tempfile.TemporaryDirectory(prefix="kvshelf-bench-") as tmp:
-        store = open_embedded_store(tmp, disk_codec=disk_codec)
+        codec_params, tables_path = _codec_params(model, tokenizer, corpus, disk_codec, shown_params, tmp)
+        store = open_embedded_store(tmp, disk_codec=disk_codec, disk_codec_params=codec_params)
         generator = CachedGenerator(model, tokenizer, store, block_size=block_size)
         _warm_up(generator)
         measured: dict[tuple[int, str], dict] = {}
@@ -136,7 +164,9 @@ def run(
             out = Path(tmp) / f"disk-{mode}.json"
             spec.write_text(json.dumps({"model": model_name, "data_dir": data_dir, "block_size": block_size,
                                         "runs": runs, "new_tokens": new_tokens, "prompts": prompts,
-                                        "out": str(out), "disk_codec": codec}))
+                                        "out": str(out), "disk_codec": codec,
+                                        "disk_codec_params": codec_params if codec == disk_codec else None,
+                                        "xquant_tables": tables_path if codec == "xquant" else None}))
             subprocess.run([sys.executable, "-m", "bench.ttft", "--worker", str(spec)], check=True)
             disk = json.loads(out.read_text())
             for n, result in zip(lengths, disk["results"], strict=True):
@@ -167,6 +197,7 @@ def run(
         "runs": runs,
         "block_size": block_size,
         "disk_codec": disk_codec,
+        "disk_codec_params": shown_params,
         "question_tokens": len(question),
         "corpus": corpus or "synthetic (no corpus found)",
         "results": results,

@@ -86,18 +86,23 @@ def bench_ttft(
     model: ModelOpt = "smollm2-135m",
     block_size: Annotated[int, typer.Option(min=1)] = 256,
     codec: Annotated[str, typer.Option(help="codec of the disk tier (warm-disk reads it)")] = "raw",
+    codec_params: Annotated[str | None, typer.Option(
+        help='the disk codec\'s parameters as JSON, e.g. \'{"step": 0.45}\' (xquant also takes "basis")')] = None,
 ) -> None:
     """TTFT of full prefill vs warm-memory vs warm-disk reuse, with same-output checks."""
     from bench.ttft import run
     from compress.registry import get_codec
 
-    get_codec(codec)  # an unknown codec is a clear error before the model loads
+    params = _json_object(codec_params, "--codec-params")
+    # an unknown codec or parameter is a clear error before the model loads (xquant's "basis" is the adapter's)
+    get_codec(codec, {k: v for k, v in params.items() if not (codec == "xquant" and k == "basis")})
     chosen = _corpus(corpus)
     parsed = _ints(lengths, "--lengths")
     if any(n < block_size for n in parsed):
         raise KVShelfError(f"every length must be >= the block size {block_size}: {parsed}")
     run(json_path=str(json_path) if json_path else None, corpus=str(chosen) if chosen else None,
-        lengths=parsed, runs=runs, model_name=model, block_size=block_size, console=console, disk_codec=codec)
+        lengths=parsed, runs=runs, model_name=model, block_size=block_size, console=console, disk_codec=codec,
+        disk_codec_params=params)
 
 
 @app.command()
@@ -233,6 +238,19 @@ def _corpus(corpus: Path | None) -> Path | None:
     if corpus is not None and not corpus.is_file():
         raise KVShelfError(f"corpus {corpus} does not exist")
     return corpus or default_corpus()
+
+
+def _json_object(text: str | None, option: str) -> dict[str, Any]:
+    """``text`` parsed as a JSON object (``{}`` when None)."""
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise KVShelfError(f"{option} must be a JSON object, got {text!r}: {exc.msg}") from None
+    if not isinstance(value, dict):
+        raise KVShelfError(f"{option} must be a JSON object, got {text!r}")
+    return value
 
 
 def _ints(text: str, option: str) -> tuple[int, ...]:
