@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install demo test test-fast bench lint clean redis
+.PHONY: install demo test test-fast bench bench-codecs lint clean redis
 
 install: $(STAMP)
 
@@ -38,6 +38,12 @@ test-fast: install
 bench: install
 	mkdir -p bench/results
 	$(VENV)/bin/kvshelf bench ttft --json bench/results/ttft.json
+
+# The codecs benchmark with its anchors (HF QuantizedCache on optimum-quanto and HQQ).
+bench-codecs: install
+	$(PIP) install -q -e ".[anchors]"
+	mkdir -p bench/results
+	$(VENV)/bin/kvshelf bench codecs --json bench/results/codecs.json
 
 lint: install
 	$(VENV)/bin/ruff check .

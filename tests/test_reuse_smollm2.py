@@ -74,3 +74,28 @@ def test_chunk_of_another_model_is_never_used(smollm2, tmp_path):
         RAGGenerator(model, tokenizer, store, on_missing="error").generate(chunks, "What?", mode="reuse")
     result = RAGGenerator(model, tokenizer, store).generate(chunks, "What?", mode="reuse", max_new_tokens=2)
     assert (result.reused_chunks, result.computed_chunks) == (0, 2)
+
+
+def test_exact_reuse_paths_equal_full_prefill(smollm2, texts, tmp_path):
+    """The reuse paths that are exact by construction give full prefill's answer on the real model: a single
+    chunk re-encoded from the store (no prefix), reuse-blend recomputing every token (r = 1), and block
+    attention with one block after the prefix."""
+    model, tokenizer = smollm2
+    store = open_embedded_store(tmp_path)
+    chunk = _enc(tokenizer, texts[5])[:120]
+    question = _enc(tokenizer, "\nIn one sentence, what does this abstract study?\nAnswer:")
+    plain = RAGGenerator(model, tokenizer, store)
+    full = plain.generate([chunk], question, mode="full", max_new_tokens=10)
+    first = plain.generate([chunk], question, mode="reuse", max_new_tokens=10)  # computes and stores the chunk
+    again = plain.generate([chunk], question, mode="reuse", max_new_tokens=10)  # reads it back
+    assert again.reused_chunks == 1 and again.computed_chunks == 0
+    assert first.new_ids == again.new_ids == full.new_ids
+    assert (again.first_logits - full.first_logits).abs().max() < 1e-3
+
+    prefix = "<|im_start|>system\nAnswer from the documents.<|im_end|>\n<|im_start|>user\n"
+    chunks = [_enc(tokenizer, t)[:80] for t in texts[6:9]]
+    blend = RAGGenerator(model, tokenizer, store, prefix=prefix, recompute_ratio=1.0)
+    full_p = blend.generate(chunks, question, mode="full", max_new_tokens=10)
+    assert blend.generate(chunks, question, mode="reuse-blend", max_new_tokens=10).new_ids == full_p.new_ids
+    one_block = blend.generate(chunks[:1], question, mode="block-attention", max_new_tokens=10)
+    assert one_block.new_ids == blend.generate(chunks[:1], question, mode="full", max_new_tokens=10).new_ids
