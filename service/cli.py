@@ -156,7 +156,7 @@ def bench_pruning(
     json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
     corpus: Annotated[Path | None, typer.Option(help="JSONL of {title, abstract}")] = None,
     cases: Annotated[int, typer.Option(min=1, help="needle QA cases (~1,300-token contexts)")] = 40,
-    windows: Annotated[int, typer.Option(min=1, help="2,048-token perplexity windows")] = 4,
+    windows: Annotated[int, typer.Option(min=1, help="2,048-token perplexity windows")] = 8,
     kvpress: Annotated[bool, typer.Option(help="run NVIDIA kvpress in its own virtualenv as the anchor")] = True,
     model: ModelOpt = "smollm2-135m",
 ) -> None:
