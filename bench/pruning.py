@@ -98,9 +98,22 @@ def ppl_windows(tokenizer: Any, texts: list[str], count: int, length: int = 2048
     return [ids[i * length:(i + 1) * length] for i in range(len(ids) // length)][:count]
 
 
-def configs(budgets: tuple[float, ...]) -> list[Config]:
-    """kvshelf's configurations: ``full``, every static method and TokenSelect at every budget."""
-    return [("full", 1.0)] + [(n, b) for n in STATIC for b in budgets] + [("tokenselect", b) for b in budgets]
+#: kvshelf methods to run (``None``: all); ``full`` always runs, kvpress runs all of its presses.
+Only = tuple[str, ...] | None
+
+
+def _static(only: Only) -> tuple[tuple[str, ...]]:
+    return (STATIC if only is None else tuple(m for m in STATIC if m in only),)
+
+
+def _selected(only: Only) -> tuple[tuple[str, ...], bool]:
+    return (_static(only)[0], only is None or "tokenselect" in only)
+
+
+def configs(budgets: tuple[float, ...], static: tuple[str, ...] = STATIC, dynamic: bool = True) -> list[Config]:
+    """kvshelf's configurations: ``full``, the ``static`` methods and TokenSelect (``dynamic``) at every budget."""
+    return ([("full", 1.0)] + [(n, b) for n in static for b in budgets]
+            + ([("tokenselect", b) for b in budgets] if dynamic else []))
 
 
 def fresh(cache: Any) -> Any:
@@ -113,12 +126,12 @@ def fresh(cache: Any) -> Any:
     return out
 
 
-def _methods(budgets: tuple[float, ...]) -> dict[str, Any]:
+def _methods(budgets: tuple[float, ...], static: tuple[str, ...] = STATIC) -> dict[str, Any]:
     from adapters.pruning import H2O, Keyformer, KeyNorm, SnapKV, StreamingLLM
 
     makers = {"streamingllm": StreamingLLM, "h2o": H2O, "keyformer": Keyformer, "snapkv": SnapKV,
               "keynorm": lambda budget: KeyNorm(budget, recent=32)}
-    return {key(name, b): makers[name](budget=b) for name in STATIC for b in budgets}
+    return {key(name, b): makers[name](budget=b) for name in static for b in budgets}
 
 
 @torch.inference_mode()
@@ -381,16 +394,16 @@ class Tally:
 
 
 def measure_speed(model: Any, worker: KvpressWorker | None, cases: list[dict], budgets: tuple[float, ...],
-                  tally: Tally, steps: int, rounds: int) -> None:
+                  tally: Tally, steps: int, rounds: int, only: Only = None) -> None:
     """Interleaved decode timing (see the module docstring); fills ``tok_s`` and the SnapKV pair ratios."""
-    methods = _methods(budgets)
+    methods = _methods(budgets, *_static(only))
     theirs = {(n, b) for n in KVPRESS_METHODS for b in budgets} if worker else set()
     for case in tqdm(cases, desc="decode speed", unit="case"):
         pre = Prefilled(model, case["ids"], methods)
         if worker:
             worker.call("prepare", ids=case["ids"])
         for rnd in range(rounds + 1):  # round 0 warms up (untimed)
-            for name, budget in configs(budgets):
+            for name, budget in configs(budgets, *_selected(only)):
                 order = ("kvshelf", "kvpress") if rnd % 2 == 0 else ("kvpress", "kvshelf")
                 secs: dict[str, float] = {}
                 for impl in order:
@@ -415,9 +428,9 @@ def measure_speed(model: Any, worker: KvpressWorker | None, cases: list[dict], b
 
 
 def needle_case(model: Any, worker: KvpressWorker | None, case: dict, budgets: tuple[float, ...], tally: Tally,
-                new_tokens: int) -> None:
-    pre = Prefilled(model, case["ids"], _methods(budgets))
-    for name, budget in configs(budgets):
+                new_tokens: int, only: Only = None) -> None:
+    pre = Prefilled(model, case["ids"], _methods(budgets, *_static(only)))
+    for name, budget in configs(budgets, *_selected(only)):
         cache = pre.cache_for(name, budget)
         with attending(model, name, budget):
             out, _ = _decode(model, cache, pre.first, pre.length, new_tokens - 1)
@@ -433,9 +446,9 @@ def needle_case(model: Any, worker: KvpressWorker | None, case: dict, budgets: t
 
 
 def ppl_window(model: Any, worker: KvpressWorker | None, ids: list[int], prefill: int, budgets: tuple[float, ...],
-               tally: Tally) -> None:
-    pre = Prefilled(model, ids[:prefill], _methods(budgets))
-    for name, budget in configs(budgets):
+               tally: Tally, only: Only = None) -> None:
+    pre = Prefilled(model, ids[:prefill], _methods(budgets, *_static(only)))
+    for name, budget in configs(budgets, *_selected(only)):
         with attending(model, name, budget):
             nll = _chunk_nll(model, pre.cache_for(name, budget), ids, prefill, pre.logits)
         tally.of("kvshelf", name, budget)["nll"].append(nll)
@@ -479,6 +492,7 @@ def run(
     speed_steps: int = 24,
     model_name: str = "smollm2-135m",
     kvpress: bool = True,
+    methods: Only = None,
     console: Console | None = None,
 ) -> dict[str, Any]:
     from adapters.model import convert_bundled, load_model
@@ -515,14 +529,14 @@ def run(
         }
 
     with kvpress_worker(console, kvpress, str(convert_bundled(model_name)), budgets, threads) as (worker, note):
-        measure_speed(model, worker, needle[:speed_cases], budgets, tally, speed_steps, speed_rounds)
+        measure_speed(model, worker, needle[:speed_cases], budgets, tally, speed_steps, speed_rounds, methods)
         save_results(json_path, payload("partial: decode speed done", note), console)
         for i, case in enumerate(tqdm(needle, desc="needle", unit="case"), 1):
-            needle_case(model, worker, case, budgets, tally, new_tokens)
+            needle_case(model, worker, case, budgets, tally, new_tokens, methods)
             if json_path and i % 5 == 0:
                 save_results(json_path, payload(f"partial: needle {i}/{len(needle)}", note), console)
         for i, ids in enumerate(tqdm(wins, desc="perplexity", unit="window"), 1):
-            ppl_window(model, worker, ids, prefill, budgets, tally)
+            ppl_window(model, worker, ids, prefill, budgets, tally, methods)
             save_results(json_path, payload(f"partial: perplexity {i}/{len(wins)}", note), console)
     final = payload("complete", note)
     _print_table(console, final)

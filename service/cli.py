@@ -158,14 +158,23 @@ def bench_pruning(
     cases: Annotated[int, typer.Option(min=1, help="needle QA cases (~1,300-token contexts)")] = 40,
     windows: Annotated[int, typer.Option(min=1, help="2,048-token perplexity windows")] = 8,
     kvpress: Annotated[bool, typer.Option(help="run NVIDIA kvpress in its own virtualenv as the anchor")] = True,
+    methods: Annotated[str | None, typer.Option(
+        help="comma-separated kvshelf methods to run (default: all); full and the kvpress presses always run")] = None,
     model: ModelOpt = "smollm2-135m",
 ) -> None:
     """Needle accuracy, perplexity increase, KV bytes and decode speed of each pruning method vs kvpress."""
-    from bench.pruning import run
+    from bench.pruning import STATIC, run
 
     chosen = _corpus(corpus)
+    only = None
+    if methods is not None:
+        only = tuple(m.strip() for m in methods.split(",") if m.strip())
+        unknown = sorted(set(only) - {*STATIC, "tokenselect"})
+        if unknown or not only:
+            known = ", ".join((*STATIC, "tokenselect"))
+            raise KVShelfError(f"--methods: unknown {unknown or methods!r}; known: {known}")
     run(json_path=str(json_path) if json_path else None, corpus=str(chosen) if chosen else None, cases=cases,
-        windows=windows, model_name=model, kvpress=kvpress, console=console)
+        windows=windows, model_name=model, kvpress=kvpress, methods=only, console=console)
 
 
 @bench_app.command("codecs")

@@ -30,3 +30,11 @@ def test_bench_ttft_bad_options(args, message):
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) <= 2 and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("methods", ["bogus", "snapkv,nope", ","])
+def test_bench_pruning_unknown_methods(methods):
+    result = _kvshelf("bench", "pruning", "--methods", methods)
+    assert result.returncode == 2, result.stderr
+    assert "--methods: unknown" in result.stderr and "snapkv" in result.stderr
+    assert "Traceback" not in result.stderr
