@@ -47,6 +47,12 @@ class UnreachableTier(Tier):
         raise self._down()
 
 
+def kvshelf_cli(*args: str) -> subprocess.CompletedProcess:
+    """``kvshelf ARGS`` in a subprocess (this checkout's code), its output captured."""
+    return subprocess.run([sys.executable, "-c", "from service.cli import main; main()", *args], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
 def write_tokens(path: Path, tokens: dict[str, str] = TOKENS) -> Path:
     path.write_text("[tokens]\n" + "".join(f'"{t}" = "{ns}"\n' for t, ns in tokens.items()))
     return path

@@ -4,22 +4,15 @@ servers sharing one real Redis (standalone and Cluster)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 import urllib.request
 
 import pytest
 from helpers import FINGERPRINT, key_of, make_block
 from redis_servers import free_port, redis_cluster, redis_server  # noqa: F401  (fixtures)
-from service_helpers import REPO_ROOT, ServeProcess
+from service_helpers import ServeProcess, kvshelf_cli
 
 from service.client import RemoteStore
-
-
-def _kvshelf(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", "from service.cli import main; main()", *args], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.parametrize("kind", ["standalone", "cluster"])
@@ -57,19 +50,19 @@ def test_stats_tool_metrics_and_plot(tmp_path):
         assert [g is not None for g in got] == [True, True, True, False]
         time.sleep(1.0)  # a few history samples
 
-        as_json = _kvshelf("stats", "--server", server.address, "--namespace", "tenant-a", "--json")
+        as_json = kvshelf_cli("stats", "--server", server.address, "--namespace", "tenant-a", "--json")
         assert as_json.returncode == 0, as_json.stderr
         data = json.loads(as_json.stdout)
         assert data["lookup_hit_rate"] == pytest.approx(0.75) and data["retrieve_hit_rate"] == pytest.approx(0.75)
         assert data["health"]["status"] == "serving"
         assert len(data["history"]) >= 3 and data["history"][-1]["retrieve_blocks"] == 4
 
-        table = _kvshelf("stats", "--server", server.address)
+        table = kvshelf_cli("stats", "--server", server.address)
         assert table.returncode == 0, table.stderr
         assert "tenant-a" in table.stdout and "75.0%" in table.stdout  # hit rate in blocks and in tokens
 
         png = tmp_path / "stats.png"
-        plotted = _kvshelf("stats", "--server", server.address, "--plot", str(png))
+        plotted = kvshelf_cli("stats", "--server", server.address, "--plot", str(png))
         assert plotted.returncode == 0, plotted.stderr
         assert png.read_bytes()[:4] == b"\x89PNG"
 
@@ -82,10 +75,10 @@ def test_stats_tool_metrics_and_plot(tmp_path):
 
 
 def test_stats_tool_bad_inputs(tmp_path):
-    neither = _kvshelf("stats")
+    neither = kvshelf_cli("stats")
     assert neither.returncode == 2 and "exactly one of --server" in neither.stderr
-    missing = _kvshelf("stats", "--data-dir", str(tmp_path / "nope"))
+    missing = kvshelf_cli("stats", "--data-dir", str(tmp_path / "nope"))
     assert missing.returncode == 2 and "no kvshelf store" in missing.stderr
-    unreachable = _kvshelf("stats", "--server", f"127.0.0.1:{free_port()}")
+    unreachable = kvshelf_cli("stats", "--server", f"127.0.0.1:{free_port()}")
     assert unreachable.returncode == 2 and "error:" in unreachable.stderr
     assert len(unreachable.stderr.strip().splitlines()) == 1  # one readable line, no traceback

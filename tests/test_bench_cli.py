@@ -2,16 +2,8 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
-from service_helpers import REPO_ROOT
-
-
-def _kvshelf(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", "from service.cli import main; main()", *args], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=120)
+from service_helpers import kvshelf_cli
 
 
 @pytest.mark.parametrize(
@@ -26,7 +18,7 @@ def _kvshelf(*args: str) -> subprocess.CompletedProcess:
     ],
 )
 def test_bench_ttft_bad_options(args, message):
-    result = _kvshelf("bench", "ttft", *args)
+    result = kvshelf_cli("bench", "ttft", *args)
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) <= 2 and "Traceback" not in result.stderr
@@ -34,7 +26,7 @@ def test_bench_ttft_bad_options(args, message):
 
 @pytest.mark.parametrize("methods", ["bogus", "snapkv,nope", ","])
 def test_bench_pruning_unknown_methods(methods):
-    result = _kvshelf("bench", "pruning", "--methods", methods)
+    result = kvshelf_cli("bench", "pruning", "--methods", methods)
     assert result.returncode == 2, result.stderr
     assert "--methods: unknown" in result.stderr and "snapkv" in result.stderr
     assert "Traceback" not in result.stderr
