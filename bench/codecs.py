@@ -146,7 +146,7 @@ def _warm_up(model: Any, ids: list[int], settings: list[tuple[str, dict[str, Any
         _round_trip(name, params, keys, values, ids[:BLOCK])
 
 
-def _xquant_calibration(tokenizer: Any, corpus: str | None) -> list[int]:
+def xquant_calibration(tokenizer: Any, corpus: str | None) -> list[int]:
     """Calibration ids for xquant: corpus texts from the end (the windows take them from the start)."""
     ids: list[int] = []
     for text in reversed(list(corpus_texts(corpus))):
@@ -168,7 +168,7 @@ def _settings(model: Any, tokenizer: Any, corpus: str | None, only: list[str] | 
         if name == "xquant":
             from adapters.xquant import xquant_params
 
-            calibration = calibration or _xquant_calibration(tokenizer, corpus)
+            calibration = calibration or xquant_calibration(tokenizer, corpus)
             rest = {k: v for k, v in params.items() if k != "basis"}
             codec_params = xquant_params(model, calibration, basis=params.get("basis", "klt"), **rest)
         out.append((name, params, codec_params))

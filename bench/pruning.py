@@ -102,17 +102,15 @@ def ppl_windows(tokenizer: Any, texts: list[str], count: int, length: int = 2048
 Only = tuple[str, ...] | None
 
 
-def _static(only: Only) -> tuple[tuple[str, ...]]:
-    return (STATIC if only is None else tuple(m for m in STATIC if m in only),)
+def _static(only: Only) -> tuple[str, ...]:
+    """The static methods to run: all of ``STATIC``, or those named in ``only``."""
+    return STATIC if only is None else tuple(m for m in STATIC if m in only)
 
 
-def _selected(only: Only) -> tuple[tuple[str, ...], bool]:
-    return (_static(only)[0], only is None or "tokenselect" in only)
-
-
-def configs(budgets: tuple[float, ...], static: tuple[str, ...] = STATIC, dynamic: bool = True) -> list[Config]:
-    """kvshelf's configurations: ``full``, the ``static`` methods and TokenSelect (``dynamic``) at every budget."""
-    return ([("full", 1.0)] + [(n, b) for n in static for b in budgets]
+def configs(budgets: tuple[float, ...], only: Only = None) -> list[Config]:
+    """kvshelf's configurations: ``full``, the static methods and TokenSelect (those in ``only``) at every budget."""
+    dynamic = only is None or "tokenselect" in only
+    return ([("full", 1.0)] + [(n, b) for n in _static(only) for b in budgets]
             + ([("tokenselect", b) for b in budgets] if dynamic else []))
 
 
@@ -126,12 +124,12 @@ def fresh(cache: Any) -> Any:
     return out
 
 
-def _methods(budgets: tuple[float, ...], static: tuple[str, ...] = STATIC) -> dict[str, Any]:
+def _methods(budgets: tuple[float, ...], only: Only = None) -> dict[str, Any]:
     from adapters.pruning import H2O, Keyformer, KeyNorm, SnapKV, StreamingLLM
 
     makers = {"streamingllm": StreamingLLM, "h2o": H2O, "keyformer": Keyformer, "snapkv": SnapKV,
               "keynorm": lambda budget: KeyNorm(budget, recent=32)}
-    return {key(name, b): makers[name](budget=b) for name in static for b in budgets}
+    return {key(name, b): makers[name](budget=b) for name in _static(only) for b in budgets}
 
 
 @torch.inference_mode()
@@ -396,14 +394,14 @@ class Tally:
 def measure_speed(model: Any, worker: KvpressWorker | None, cases: list[dict], budgets: tuple[float, ...],
                   tally: Tally, steps: int, rounds: int, only: Only = None) -> None:
     """Interleaved decode timing (see the module docstring); fills ``tok_s`` and the SnapKV pair ratios."""
-    methods = _methods(budgets, *_static(only))
+    methods = _methods(budgets, only)
     theirs = {(n, b) for n in KVPRESS_METHODS for b in budgets} if worker else set()
     for case in tqdm(cases, desc="decode speed", unit="case"):
         pre = Prefilled(model, case["ids"], methods)
         if worker:
             worker.call("prepare", ids=case["ids"])
         for rnd in range(rounds + 1):  # round 0 warms up (untimed)
-            for name, budget in configs(budgets, *_selected(only)):
+            for name, budget in configs(budgets, only):
                 order = ("kvshelf", "kvpress") if rnd % 2 == 0 else ("kvpress", "kvshelf")
                 secs: dict[str, float] = {}
                 for impl in order:
@@ -429,8 +427,8 @@ def measure_speed(model: Any, worker: KvpressWorker | None, cases: list[dict], b
 
 def needle_case(model: Any, worker: KvpressWorker | None, case: dict, budgets: tuple[float, ...], tally: Tally,
                 new_tokens: int, only: Only = None) -> None:
-    pre = Prefilled(model, case["ids"], _methods(budgets, *_static(only)))
-    for name, budget in configs(budgets, *_selected(only)):
+    pre = Prefilled(model, case["ids"], _methods(budgets, only))
+    for name, budget in configs(budgets, only):
         cache = pre.cache_for(name, budget)
         with attending(model, name, budget):
             out, _ = _decode(model, cache, pre.first, pre.length, new_tokens - 1)
@@ -447,8 +445,8 @@ def needle_case(model: Any, worker: KvpressWorker | None, case: dict, budgets: t
 
 def ppl_window(model: Any, worker: KvpressWorker | None, ids: list[int], prefill: int, budgets: tuple[float, ...],
                tally: Tally, only: Only = None) -> None:
-    pre = Prefilled(model, ids[:prefill], _methods(budgets, *_static(only)))
-    for name, budget in configs(budgets, *_selected(only)):
+    pre = Prefilled(model, ids[:prefill], _methods(budgets, only))
+    for name, budget in configs(budgets, only):
         with attending(model, name, budget):
             nll = _chunk_nll(model, pre.cache_for(name, budget), ids, prefill, pre.logits)
         tally.of("kvshelf", name, budget)["nll"].append(nll)

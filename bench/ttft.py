@@ -72,11 +72,11 @@ def _codec_params(model: Any, tokenizer: Any, corpus: str | None, codec: str, pa
     if codec != "xquant":
         return (params or None), None
     from adapters.xquant import xquant_params
-    from bench.codecs import _xquant_calibration
+    from bench.codecs import xquant_calibration
     from compress.xquant import bound_tables, save_tables
 
     rest = {k: v for k, v in params.items() if k != "basis"}
-    bound = xquant_params(model, _xquant_calibration(tokenizer, corpus), basis=params.get("basis", "klt"), **rest)
+    bound = xquant_params(model, xquant_calibration(tokenizer, corpus), basis=params.get("basis", "klt"), **rest)
     tables_path = str(Path(tmp) / "xquant-tables.safetensors")
     save_tables(bound_tables(bound["model"]), tables_path)
     return bound, tables_path
