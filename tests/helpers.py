@@ -55,6 +55,11 @@ def make_block(
     )
 
 
+def token_ids(n: int, seed: int = 1) -> list[int]:
+    """``n`` seeded random token ids in [3, 500) (inside the tiny test model's vocabulary)."""
+    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
 def key_of(block: KVBlock) -> bytes:
     """The chunk key of ``block`` (content-addressed by its model, namespace and token ids)."""
     return chunk_key(block.fingerprint, block.namespace, block.token_ids)

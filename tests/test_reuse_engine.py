@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from helpers import token_ids
 from transformers import DynamicCache
 
 from adapters.model import tiny_llama
@@ -29,10 +30,6 @@ def model():
     return tiny_llama(seed=0, layers=4)
 
 
-def _ids(n: int, seed: int = 1) -> list[int]:
-    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def _full_cache(model, ids: list[int]) -> DynamicCache:
     return model(input_ids=torch.tensor([ids]), use_cache=True, past_key_values=DynamicCache(config=model.config),
                  ).past_key_values
@@ -49,7 +46,7 @@ def test_contiguous_span():
 def test_grouped_and_plain_run_layers_equal_full_prefill(model, group_rows):
     """Rows 0..n computed through the layout (plain causal prefill, or explicit-mask groups) give the KV of a
     plain model forward."""
-    ids = _ids(40)
+    ids = token_ids(40)
     cache = _full_cache(model, ids)
     layers = range(model.config.num_hidden_layers)
     rows = torch.arange(len(ids))
@@ -63,7 +60,7 @@ def test_grouped_and_plain_run_layers_equal_full_prefill(model, group_rows):
 
 def test_scattered_groups_equal_one_group(model):
     """Scattered query rows (CacheBlend's chosen tokens) in causal groups equal the same rows in one group."""
-    ids = _ids(50, 2)
+    ids = token_ids(50, 2)
     cache = _full_cache(model, ids)
     chosen = torch.tensor([3, 4, 11, 20, 21, 22, 30, 41, 47, 49])
     results = []
@@ -95,7 +92,7 @@ def test_folded_gqa_attention_equals_sdpa(model):
 
 def test_layer_kv_is_the_layers_own_kv(model):
     """CacheBlend's selection needs only a layer's K/V projections: they equal that layer's cache entries."""
-    ids = _ids(30, 3)
+    ids = token_ids(30, 3)
     cache = _full_cache(model, ids)
     layout = Layout.empty(model, len(ids))
     rows = torch.arange(len(ids))
@@ -108,7 +105,7 @@ def test_layer_kv_is_the_layers_own_kv(model):
 def test_blend_full_ratio_restores_every_layer(model):
     """With r = 100% the blended cache is the full prefill's cache at every layer and row (the last layer's
     chunk rows come from K/V projections only)."""
-    chunks, prefix, question = [_ids(20, 4), _ids(30, 5)], _ids(5, 6), _ids(7, 7)
+    chunks, prefix, question = [token_ids(20, 4), token_ids(30, 5)], token_ids(5, 6), token_ids(7, 7)
     rag = RAGGenerator(model, None, None, prefix=prefix, recompute_ratio=1.0)
     full = rag.generate(chunks, question, mode="full", max_new_tokens=6, eos_token_id=None)
     blend = rag.generate(chunks, question, mode="reuse-blend", max_new_tokens=6, eos_token_id=None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import token_ids
 from transformers import DynamicCache
 
 from adapters.model import tiny_llama
@@ -39,10 +40,6 @@ def model():
     return tiny_llama(seed=0, layers=4)
 
 
-def _ids(n: int, seed: int = 1) -> list[int]:
-    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def _kv_at(model, ids: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
     """KV of ``ids`` computed alone at positions ``start...``: ``[layers, kv_heads, n, head_dim]``."""
     out = model(input_ids=torch.tensor([ids]), position_ids=torch.arange(start, start + len(ids))[None],
@@ -57,7 +54,7 @@ def _kv_at(model, ids: list[int], start: int) -> tuple[torch.Tensor, torch.Tenso
 
 @pytest.mark.parametrize("position", [1, 37, 1000, 3000])
 def test_rerotated_chunk_equals_chunk_computed_at_its_position(model, position):
-    ids = _ids(24)
+    ids = token_ids(24)
     with torch.inference_mode():
         k0, v0 = _kv_at(model, ids, 0)
         kp, vp = _kv_at(model, ids, position)
@@ -251,8 +248,8 @@ def test_modes_run_and_full_equals_plain_generate(model, tmp_path):
     from adapters.generate import CachedGenerator
 
     store = open_embedded_store(tmp_path, memory_bytes="64MiB")
-    chunks = [_ids(20, 2), _ids(30, 3), _ids(25, 4)]
-    prefix, question = _ids(5, 5), _ids(7, 6)
+    chunks = [token_ids(20, 2), token_ids(30, 3), token_ids(25, 4)]
+    prefix, question = token_ids(5, 5), token_ids(7, 6)
     rag = RAGGenerator(model, None, store, prefix=prefix)
     full = rag.generate(chunks, question, mode="full", max_new_tokens=10, eos_token_id=None)
     plain = CachedGenerator(model).generate(prefix + sum(chunks, []) + question, max_new_tokens=10, reuse=False,
@@ -283,12 +280,12 @@ def test_modes_run_and_full_equals_plain_generate(model, tmp_path):
     with pytest.raises(KVShelfError, match="unknown mode"):
         rag.generate(chunks, question, mode="bogus")
     with pytest.raises(ContextTooLongError):
-        rag.generate([_ids(4000, 7)], question, mode="reuse", max_new_tokens=200)
+        rag.generate([token_ids(4000, 7)], question, mode="reuse", max_new_tokens=200)
 
 
 def test_single_chunk_without_prefix_reuse_equals_full(model, tmp_path):
     rag = RAGGenerator(model, None, open_embedded_store(tmp_path, memory_bytes="64MiB"))
-    chunk, question = _ids(40, 8), _ids(6, 9)
+    chunk, question = token_ids(40, 8), token_ids(6, 9)
     full = rag.generate([chunk], question, mode="full", max_new_tokens=6, eos_token_id=None)
     reuse = rag.generate([chunk], question, mode="reuse", max_new_tokens=6, eos_token_id=None)
     assert reuse.new_ids == full.new_ids
@@ -298,14 +295,14 @@ def test_single_chunk_without_prefix_reuse_equals_full(model, tmp_path):
 def test_foreign_model_chunk_is_never_used(model, tmp_path):
     store = open_embedded_store(tmp_path, memory_bytes="64MiB")
     other = tiny_llama(seed=1, layers=4)
-    chunks = [_ids(12, 10), _ids(12, 11)]
+    chunks = [token_ids(12, 10), token_ids(12, 11)]
     tok = _WordTokenizer()
     RAGGenerator(other, tok, store).chunk_blocks(chunks)  # stored for the other model
     strict = RAGGenerator(model, tok, store, on_missing="error")
     with pytest.raises(ChunkMissingError, match="stored by another model"):
-        strict.generate(chunks, _ids(4, 12), mode="reuse")
+        strict.generate(chunks, token_ids(4, 12), mode="reuse")
     lenient = RAGGenerator(model, tok, store)
-    result = lenient.generate(chunks, _ids(4, 12), mode="reuse", max_new_tokens=2)
+    result = lenient.generate(chunks, token_ids(4, 12), mode="reuse", max_new_tokens=2)
     assert (result.reused_chunks, result.computed_chunks) == (0, 2)
     own = compute_chunk(model, chunks[0], lenient.fingerprint, "default")
     (loaded, _), _ = lenient.chunk_blocks(chunks)
