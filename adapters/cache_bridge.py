@@ -13,7 +13,8 @@ import torch
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from kvstore.block import KVBlock
+from compress.registry import PreparedPayload
+from kvstore.block import KVBlock, PreparedBlock
 from kvstore.errors import UnsupportedModelError
 
 
@@ -82,6 +83,55 @@ def cache_from_blocks(
         keys, values = keys[:, :, :max_tokens], values[:, :, :max_tokens]
     keys = keys.to(device=device, dtype=dtype or keys.dtype)
     values = values.to(device=device, dtype=dtype or values.dtype)
+    _fill(cache, keys, values)
+    return cache
+
+
+def cache_from_prepared(
+    blocks: Sequence[PreparedBlock], config: PretrainedConfig, *, max_tokens: int | None = None,
+    device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+) -> DynamicCache:
+    """``cache_from_blocks`` for checked, parsed blocks (``TieredStore.get_prepared_many``): each codec writes
+    straight into the cache's tensors, consecutive blocks of one codec in one call (``PreparedPayload.write_run``:
+    one matrix product per layer for ``xquant``), so the blocks' data is written once, in the cache's dtype."""
+    cache = DynamicCache(config=config)
+    if not blocks:
+        return cache
+    layers, heads, _, dim = blocks[0].shape
+    for block in blocks:
+        if (block.shape[0], block.shape[1], block.shape[3]) != (layers, heads, dim):
+            raise UnsupportedModelError(f"blocks of shapes {blocks[0].shape} and {block.shape} cannot be joined")
+    total = sum(b.num_tokens for b in blocks)
+    staging = torch.device(device).type != "cpu"  # decode on the CPU, then one transfer
+    out_dtype = dtype or blocks[0].dtype
+    keys = torch.empty(layers, heads, total, dim, dtype=out_dtype)
+    values = torch.empty(layers, heads, total, dim, dtype=out_dtype)
+    start = 0
+    for run in _runs([b.payload for b in blocks]):
+        end = start + sum(p.num_tokens for p in run)
+        type(run[0]).write_run(run, keys[:, :, start:end], values[:, :, start:end])
+        start = end
+    if max_tokens is not None:
+        keys, values = keys[:, :, :max_tokens], values[:, :, :max_tokens]
+    if staging:
+        keys, values = keys.to(device), values.to(device)
+    _fill(cache, keys, values)
+    return cache
+
+
+def _runs(payloads: Sequence[PreparedPayload]) -> list[list[PreparedPayload]]:
+    """Consecutive payloads grouped by class (each class writes its runs at once)."""
+    runs: list[list[PreparedPayload]] = []
+    for payload in payloads:
+        if runs and type(runs[-1][-1]) is type(payload):
+            runs[-1].append(payload)
+        else:
+            runs.append([payload])
+    return runs
+
+
+def _fill(cache: DynamicCache, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Make ``keys`` / ``values`` ``[layers, kv_heads, tokens, head_dim]`` the contents of the empty ``cache``."""
     layers = _layers(cache)
     if len(layers) != keys.shape[0]:
         raise UnsupportedModelError(f"blocks have {keys.shape[0]} layers, the model has {len(layers)}")
@@ -89,4 +139,3 @@ def cache_from_blocks(
         k, v = keys[index].unsqueeze(0), values[index].unsqueeze(0)
         layer.lazy_initialization(k, v)
         layer.keys, layer.values = k, v
-    return cache

@@ -7,6 +7,7 @@ uncached run's (same model, same KV up to floating-point summation order of the 
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.generation.streamers import BaseStreamer
 
-from adapters.cache_bridge import blocks_from_cache, cache_from_blocks, check_supported
+from adapters.cache_bridge import blocks_from_cache, cache_from_blocks, cache_from_prepared, check_supported
 from adapters.fingerprint import model_fingerprint
 from kvstore.errors import ConfigError
 from kvstore.keys import block_key
@@ -125,8 +126,9 @@ class CachedGenerator:
         )
         if not found:
             return 0, None
-        blocks = self.store.get_many(keys[:found], fingerprint=self.fingerprint, namespace=self.namespace,
-                                     copy=False, tokens=tokens[:found])
+        prepared = getattr(self.store, "get_prepared_many", None)  # RemoteStore: decoded blocks
+        fetch = prepared if prepared is not None else functools.partial(self.store.get_many, copy=False)
+        blocks = fetch(keys[:found], fingerprint=self.fingerprint, namespace=self.namespace, tokens=tokens[:found])
         usable = []
         for block in blocks:  # a damaged or vanished block ends the usable prefix
             if block is None:
@@ -135,9 +137,8 @@ class CachedGenerator:
         if not usable:
             return 0, None
         reused = min(sum(b.num_tokens for b in usable), len(ids) - 1)
-        cache = cache_from_blocks(
-            usable, self.model.config, max_tokens=reused, device=self.model.device, dtype=self.model.dtype
-        )
+        build = cache_from_prepared if prepared is not None else cache_from_blocks
+        cache = build(usable, self.model.config, max_tokens=reused, device=self.model.device, dtype=self.model.dtype)
         return reused, cache
 
     def _store_prompt_blocks(self, ids: list[int], cache: Any, reused: int, cacheable_prefix: int | None) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -16,6 +16,50 @@ import torch
 from kvstore.errors import CodecParamError, UnknownCodecError
 
 _REGISTRY: dict[str, type[Codec]] = {}
+
+
+class PreparedPayload(ABC):
+    """A block's payload, checked and parsed (``Codec.prepare_at``), that writes its tensors into given memory.
+
+    Parsing (and entropy decoding) happens in ``prepare_at`` and raises ``CorruptBlockError``; ``write_run``
+    only computes, so a caller can check every block of a prefix before it allocates the destination.
+    """
+
+    num_tokens: int
+
+    @abstractmethod
+    def write(self, keys_out: torch.Tensor, values_out: torch.Tensor) -> None:
+        """Write the block's keys and values into ``keys_out`` / ``values_out`` (``[layers, kv_heads, tokens,
+        head_dim]``, possibly strided views of a larger cache, any floating dtype)."""
+
+    @classmethod
+    def write_run(cls, run: Sequence[PreparedPayload], keys_out: torch.Tensor, values_out: torch.Tensor) -> None:
+        """Write consecutive blocks of this class, their tokens one after the other along dim 2 of the outputs.
+
+        Codecs that decode faster over many tokens at once (one matrix product per layer) override this.
+        """
+        write_each(run, keys_out, values_out)
+
+
+def write_each(run: Sequence[PreparedPayload], keys_out: torch.Tensor, values_out: torch.Tensor) -> None:
+    """``write`` every block of ``run`` into its slice of ``keys_out`` / ``values_out`` (tokens along dim 2)."""
+    start = 0
+    for part in run:
+        end = start + part.num_tokens
+        part.write(keys_out[:, :, start:end], values_out[:, :, start:end])
+        start = end
+
+
+class DecodedPayload(PreparedPayload):
+    """A payload already decoded to tensors (the default of ``Codec.prepare_at``): ``write`` copies them."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.keys, self.values = keys, values
+        self.num_tokens = int(keys.shape[2])
+
+    def write(self, keys_out: torch.Tensor, values_out: torch.Tensor) -> None:
+        keys_out.copy_(self.keys)
+        values_out.copy_(self.values)
 
 
 class Codec(ABC):
@@ -53,6 +97,16 @@ class Codec(ABC):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``decode`` of a block whose first token is at position ``start_pos`` (codecs that need it override)."""
         return self.decode(payload, shape, dtype, copy)
+
+    def prepare_at(
+        self, payload: memoryview, shape: tuple[int, int, int, int], dtype: torch.dtype, start_pos: int
+    ) -> PreparedPayload:
+        """Check and parse ``payload`` for a later ``write`` into a cache; ``CorruptBlockError`` when damaged.
+
+        The default decodes now (tensors may be views of ``payload``, which must outlive the result); codecs
+        whose decode is cheaper straight into the destination override it.
+        """
+        return DecodedPayload(*self.decode_at(payload, shape, dtype, False, start_pos))
 
 
 def register_codec(cls: type[Codec]) -> type[Codec]:

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvstore.errors import ConfigError
+
+if TYPE_CHECKING:
+    from compress.registry import PreparedPayload
 
 
 @dataclass(frozen=True)
@@ -65,3 +69,28 @@ class KVBlock:
     def nbytes(self) -> int:
         """Bytes of keys plus values in the block's own dtype."""
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+
+@dataclass(frozen=True)
+class PreparedBlock:
+    """A stored block checked and parsed but not yet materialized (``TieredStore.get_prepared_many``).
+
+    ``payload.write(keys_out, values_out)`` fills ``[layers, kv_heads, tokens, head_dim]`` tensors (for example
+    slices of a cache being built), which lets a codec decode straight into the cache, and many blocks at once.
+    """
+
+    payload: PreparedPayload
+    shape: tuple[int, int, int, int]
+    dtype: torch.dtype
+    token_ids: tuple[int, ...]
+    start_pos: int
+    fingerprint: str
+    namespace: str = "default"
+
+    @property
+    def num_layers(self) -> int:
+        return self.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.shape[2]

@@ -20,7 +20,7 @@ import torch
 import xxhash
 
 from compress.registry import get_codec
-from kvstore.block import KVBlock
+from kvstore.block import KVBlock, PreparedBlock
 from kvstore.errors import CorruptBlockError, ForeignBlockError, KVShelfError
 
 MAGIC = b"KVSH"
@@ -186,3 +186,28 @@ def decode_block(
         namespace=header.namespace,
         extra=header.extra,
     )
+
+
+def prepare_block(
+    data: bytes | memoryview,
+    *,
+    expected_key: bytes | None = None,
+    expected_fingerprint: str | None = None,
+    expected_namespace: str | None = None,
+) -> PreparedBlock:
+    """Validate (see ``verify_block``) and parse an encoded block for a later ``write`` (``Codec.prepare_at``).
+
+    Damaged payloads raise ``CorruptBlockError`` here, before anything is written. The result may hold views
+    of ``data``.
+    """
+    view = memoryview(data)
+    header = verify_block(
+        view, expected_key=expected_key, expected_fingerprint=expected_fingerprint,
+        expected_namespace=expected_namespace,
+    )
+    body_end = len(view) - _CHECKSUM_BYTES
+    codec = get_codec(header.codec, header.params)
+    payload = codec.prepare_at(view[body_end - header.payload_len : body_end], header.shape, header.dtype,
+                               header.start_pos)
+    return PreparedBlock(payload=payload, shape=header.shape, dtype=header.dtype, token_ids=header.token_ids,
+                         start_pos=header.start_pos, fingerprint=header.fingerprint, namespace=header.namespace)

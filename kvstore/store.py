@@ -4,14 +4,16 @@ per-tier counters and stored/removed/evicted events."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 from compress.registry import get_codec
-from kvstore.block import KVBlock
-from kvstore.encoding import decode_block, encode_block, read_header, verify_block
+from kvstore.block import KVBlock, PreparedBlock
+from kvstore.encoding import decode_block, encode_block, prepare_block, read_header, verify_block
 from kvstore.errors import ConfigError, ForeignBlockError, KVShelfError, StoreFullError, TierUnavailableError
 from kvstore.keys import KEY_BYTES
 from kvstore.stats import ALL_TIERS, UNKNOWN, Counters, StoreEvent
@@ -43,6 +45,38 @@ class TierSpec:
 
     def same_codec(self, other: TierSpec) -> bool:
         return self.codec == other.codec and self.codec_params == other.codec_params
+
+
+_DECODE_POOL: ThreadPoolExecutor | None = None
+_DECODE_POOL_LOCK = threading.Lock()
+_PARALLEL_MIN_BYTES = 1 << 20
+
+
+def _decode_all(decode: Callable[[bytes, bytes], T], keys: Sequence[bytes], values: Sequence[bytes | None],
+                ) -> list[T | BaseException | None]:
+    """``decode`` every present value: the result, or the exception it raised (``None`` for a missing value).
+
+    Several large values are decoded by a small shared thread pool (checksums, zstd and numpy release the GIL:
+    entropy decoding of a long prefix then uses every core).
+    """
+
+    def one(key: bytes, value: bytes | None) -> T | BaseException | None:
+        if value is None:
+            return None
+        try:
+            return decode(key, value)
+        except Exception as exc:  # noqa: BLE001 - handed back to the caller, which sorts them out
+            return exc
+
+    present = [v for v in values if v is not None]
+    if len(present) < 2 or sum(len(v) for v in present) < _PARALLEL_MIN_BYTES:
+        return [one(k, v) for k, v in zip(keys, values, strict=True)]
+    global _DECODE_POOL
+    with _DECODE_POOL_LOCK:
+        if _DECODE_POOL is None:
+            _DECODE_POOL = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
+                                              thread_name_prefix="kvshelf-decode")
+    return list(_DECODE_POOL.map(one, keys, values))
 
 
 class TieredStore:
@@ -259,6 +293,19 @@ class TieredStore:
 
         return self._fetch(keys, fingerprint, namespace, decode, tokens)
 
+    def get_prepared_many(
+        self, keys: Sequence[bytes], *, fingerprint: str, namespace: str = "default",
+        tokens: Sequence[int] | None = None,
+    ) -> list[PreparedBlock | None]:
+        """Like ``get_many``, but blocks are checked and parsed, not materialized: ``block.payload.write`` (or
+        ``adapters.cache_bridge.cache_from_prepared``) decodes them straight into a cache."""
+
+        def prepare(key: bytes, value: bytes) -> PreparedBlock:
+            return prepare_block(value, expected_key=header_key(key), expected_fingerprint=fingerprint,
+                                 expected_namespace=namespace)
+
+        return self._fetch(keys, fingerprint, namespace, prepare, tokens)
+
     def get_encoded_many(
         self, keys: Sequence[bytes], *, namespace: str, fingerprint: str | None = None,
         tokens: Sequence[int] | None = None,
@@ -288,12 +335,15 @@ class TieredStore:
                 self._unavailable(spec, exc)
                 continue
             missed, promote = [], []
-            for j, value in zip(remaining, values, strict=True):
+            outcomes = _decode_all(decode, [keys[j] for j in remaining], values)
+            for j, value, outcome in zip(remaining, values, outcomes, strict=True):
                 if value is None:
                     missed.append(j)
                     continue
                 try:
-                    result[j] = decode(keys[j], value)
+                    if isinstance(outcome, BaseException):
+                        raise outcome
+                    result[j] = outcome
                 except ForeignBlockError:
                     self.counters.add(name, namespace, model, "foreign")
                     missed.append(j)

@@ -30,3 +30,9 @@ def test_bench_pruning_unknown_methods(methods):
     assert result.returncode == 2, result.stderr
     assert "--methods: unknown" in result.stderr and "snapkv" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_bench_ttft_rounds_must_be_positive():
+    result = kvshelf_cli("bench", "ttft", "--rounds", "0")
+    assert result.returncode == 2, result.stderr
+    assert "--rounds" in result.stderr and "Traceback" not in result.stderr
