@@ -26,7 +26,7 @@ import torch
 from compress._cast import numel
 from compress.bitpack import half_bytes, half_from, pack_bits, packed_len, unpack_bits
 from compress.container import pack_sections, unpack_sections
-from compress.registry import Codec, register_codec
+from compress.registry import Codec, PreparedPayload, register_codec
 from kvstore.errors import CorruptBlockError
 
 _HALF_MAX = 65504.0
@@ -102,39 +102,24 @@ class KiviCodec(Codec):
             sections += [pack_bits(codes, self.bits), half_bytes(zero), half_bytes(scale)]
         return pack_sections(sections)
 
-    def _in_place(
-        self, n: int, shape: tuple[int, int, int, int]
-    ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]] | None:
-        """For keys (``n = 0``) or values (``n = 1``): a new float32 block ``[layers, kv_heads, tokens, head_dim]``,
-        a view of it with the quantization groups as its last axis, and the shape that broadcasts one zero/scale
-        per group over it; ``None`` when the groups do not tile that layout (a partial group, or value groups
-        that neither divide ``head_dim`` nor cover whole heads)."""
-        layers, heads, tokens, dim = shape
-        g = self.group_size
-        block = torch.empty(shape, dtype=torch.float32)
-        if n == 0:  # keys: each (layer, head, channel) over groups of g tokens
-            if tokens % g:
-                return None
-            grid = block.permute(0, 1, 3, 2).view(layers, heads, dim, tokens // g, g)
-            return block, grid, (layers, heads, dim, tokens // g, 1)
-        per_token = block.permute(0, 2, 1, 3)  # values: each (layer, token) over groups of g channels
-        if dim % g == 0:
-            return block, per_token.view(layers, tokens, heads, dim // g, g), (layers, tokens, heads, dim // g, 1)
-        if g % dim == 0 and heads % (g // dim) == 0:
-            m = g // dim
-            return block, per_token.view(layers, tokens, heads // m, m, dim), (layers, tokens, heads // m, 1, 1)
-        return None
-
     def decode(
         self, payload: memoryview, shape: tuple[int, int, int, int], dtype: torch.dtype, copy: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
+        self.prepare_at(payload, shape, dtype, 0).write(keys, values)
+        return keys, values
+
+    def prepare_at(
+        self, payload: memoryview, shape: tuple[int, int, int, int], dtype: torch.dtype, start_pos: int
+    ) -> KiviPayload:
+        """Check the payload and unpack its codes; ``write`` dequantizes them into the destination."""
         layers, heads, tokens, dim = shape
         parts = unpack_sections(payload, 6, self.name)
         if numel(shape) == 0:
             if any(len(p) for p in parts):
                 raise CorruptBlockError(f"{self.name} payload has data for an empty block")
-            return torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
-        out = []
+            return KiviPayload(self, shape, [])
+        halves = []
         for n, (rows, cols) in enumerate(((layers * heads * dim, tokens), (layers * tokens, heads * dim))):
             groups = (cols + self.group_size - 1) // self.group_size
             packed, zero_buf, scale_buf = parts[3 * n : 3 * n + 3]
@@ -143,17 +128,53 @@ class KiviCodec(Codec):
             codes = unpack_bits(packed, rows * cols, self.bits).view(rows, cols)
             zero = half_from(zero_buf, (rows, groups), "zero points", self.name)
             scale = half_from(scale_buf, (rows, groups), "scales", self.name)
-            direct = self._in_place(n, shape)
-            if direct is None:  # groups that the block layout cannot hold as a view: dequantize, then transpose
-                rows_out = dequantize_groups(codes, zero, scale, self.group_size, dtype)
-                out.append(rows_out.view(layers, heads, dim, tokens).permute(0, 1, 3, 2).contiguous() if n == 0
-                           else rows_out.view(layers, tokens, heads, dim).permute(0, 2, 1, 3).contiguous())
+            halves.append((codes, zero, scale))
+        return KiviPayload(self, shape, halves)
+
+
+class KiviPayload(PreparedPayload):
+    """A KIVI block checked and unpacked: ``codes`` ``[rows, cols]`` uint8 with fp32 ``zero``/``scale`` per group,
+    for the keys (rows: layer, head, channel) then the values (rows: layer, token)."""
+
+    def __init__(self, codec: KiviCodec, shape: tuple[int, int, int, int],
+                 halves: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        self.codec, self.shape, self.halves = codec, shape, halves
+        self.num_tokens = shape[2]
+
+    def write(self, keys_out: torch.Tensor, values_out: torch.Tensor) -> None:
+        if not self.halves:
+            return
+        layers, heads, tokens, dim = self.shape
+        g = self.codec.group_size
+        for n, (codes, zero, scale) in enumerate(self.halves):
+            out = keys_out if n == 0 else values_out
+            direct = _group_view(out, n, g) if out.dtype == torch.float32 else None
+            if direct is None:  # groups the layout cannot hold as a view: dequantize, then one transposing copy
+                rows_out = dequantize_groups(codes, zero, scale, g, out.dtype)
+                out.copy_(rows_out.view(layers, heads, dim, tokens).permute(0, 1, 3, 2) if n == 0
+                          else rows_out.view(layers, tokens, heads, dim).permute(0, 2, 1, 3))
                 continue
-            block, grid, side = direct  # dequantize straight into the block layout: no transposing copy
+            grid, side = direct  # dequantize straight into the destination layout
             torch.addcmul(zero.view(side), codes.view(grid.shape), scale.view(side), out=grid)
-            out.append(block if dtype == torch.float32 else block.to(dtype))
-        keys, values = out
-        return keys, values
+
+
+def _group_view(out: torch.Tensor, n: int, g: int) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+    """For keys (``n = 0``) or values (``n = 1``): a view of ``out`` ``[layers, kv_heads, tokens, head_dim]`` with
+    the quantization groups as its last axis, and the shape that broadcasts one zero/scale per group over it;
+    ``None`` when the groups do not tile that layout (a partial group, or value groups that neither divide
+    ``head_dim`` nor cover whole heads)."""
+    layers, heads, tokens, dim = out.shape
+    if n == 0:  # keys: each (layer, head, channel) over groups of g tokens
+        if tokens % g:
+            return None
+        return out.permute(0, 1, 3, 2).unflatten(3, (tokens // g, g)), (layers, heads, dim, tokens // g, 1)
+    per_token = out.permute(0, 2, 1, 3)  # values: each (layer, token) over groups of g channels
+    if dim % g == 0:
+        return per_token.unflatten(3, (dim // g, g)), (layers, tokens, heads, dim // g, 1)
+    if g % dim == 0 and heads % (g // dim) == 0:
+        m = g // dim
+        return per_token.unflatten(2, (heads // m, m)), (layers, tokens, heads // m, 1, 1)
+    return None
 
 
 @register_codec

@@ -12,6 +12,7 @@ from adapters.cache_bridge import cache_from_blocks, cache_from_prepared
 from adapters.generate import CachedGenerator
 from adapters.model import tiny_llama
 from adapters.xquant import xquant_params
+from compress.kivi import KiviPayload
 from compress.registry import DecodedPayload
 from compress.xquant import XQuantPayload
 from kvstore import KVBlock, open_embedded_store
@@ -91,7 +92,8 @@ def test_cache_from_prepared_matches_cache_from_blocks(tiny, codecs: list[str], 
     blocks = _chained_blocks(model, [16] * len(codecs))
     encoded = [encode_block(b, key_of(b), c) for b, c in zip(blocks, codecs, strict=True)]
     prepared = [prepare_block(e) for e in encoded]
-    assert [type(p.payload) for p in prepared].count(DecodedPayload) == len(codecs)
+    expected = {"raw": DecodedPayload, "zstd": DecodedPayload, "int8": KiviPayload}
+    assert [type(p.payload) for p in prepared] == [expected[c] for c in codecs]
     limit = 16 * len(codecs) - 3
     got = cache_from_prepared(prepared, model.config, max_tokens=limit, dtype=dtype)
     want = cache_from_blocks([decode_block(e) for e in encoded], model.config, max_tokens=limit, dtype=dtype)
@@ -135,3 +137,16 @@ def test_generate_through_a_compressed_disk_tier(codec: str, tmp_path) -> None:
     assert warm.new_ids == cold.new_ids
     diff = max(float((a - b).abs().max()) for a, b in zip(cold.logits, warm.logits, strict=True))
     assert diff < (1e-3 if codec == "zstd" else 5e-2)
+
+
+@pytest.mark.parametrize("params", [{"group_size": 8}, {"group_size": 16}, {"group_size": 32}, {"group_size": 5}])
+def test_kivi_writes_into_slices_of_a_larger_cache(tiny, params: dict) -> None:
+    """KIVI dequantizes straight into each block's slice (groups that tile the layout) or through its fallback
+    (groups that do not), with the same values as a block-by-block decode."""
+    model, _ = tiny
+    blocks = _chained_blocks(model, [16, 16, 16])
+    encoded = [encode_block(b, key_of(b), "int4", params) for b in blocks]
+    keys, values = _write([prepare_block(e) for e in encoded])
+    expected = [decode_block(e) for e in encoded]
+    assert torch.equal(keys, torch.cat([x.keys for x in expected], dim=2))
+    assert torch.equal(values, torch.cat([x.values for x in expected], dim=2))
