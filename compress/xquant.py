@@ -584,6 +584,6 @@ def _write_layers(parts: list[XQuantPayload], keys_out: torch.Tensor, values_out
         if rotated is not keys_t:
             keys_t.copy_(rotated)
         values_out[layer].transpose(0, 1).copy_(z[:, half:].view(tokens, heads, dim))
-        if sink_kv is not None:
-            keys_out[layer][:, sink_where] = sink_kv[0, layer].to(keys_out.dtype)
-            values_out[layer][:, sink_where] = sink_kv[1, layer].to(values_out.dtype)
+    if sink_kv is not None:  # the fp16 sink tokens, over every layer at once
+        keys_out[:, :, sink_where] = sink_kv[0].to(keys_out.dtype)
+        values_out[:, :, sink_where] = sink_kv[1].to(values_out.dtype)
