@@ -10,7 +10,12 @@ For contexts of 1,024 / 2,048 / 4,096 tokens from the corpus plus a ~32-token qu
   process reading the same blocks stored ``raw`` in an LMDB store of their own; ``vs_raw`` is its TTFT over the
   codec's (above 1: the codec is faster).
 
-The warm-disk processes run in ``rounds`` (default 3), the two disk modes alternating (raw first in even rounds,
+With ``cold=True`` (``--cold``) these two modes are ``cold-disk`` and ``cold-disk-raw``: before each timed call the
+process closes its store, drops the LMDB file from the operating system's page cache (``posix_fadvise``
+``DONTNEED``) and reopens the store, so the blocks are read from the disk itself: where a compressed tier saves
+reading time.
+
+The disk-mode processes run in ``rounds`` (default 3), the two disk modes alternating (raw first in even rounds,
 the codec first in odd ones), each a fresh process timing ``runs`` calls; their TTFT is the median of all
 ``rounds * runs`` calls, so a slow spell of a shared machine weighs on both alike.
 
@@ -24,6 +29,7 @@ Each mode's TTFT is the median of ``runs`` calls; ``same_output`` compares 16 gr
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -98,17 +104,42 @@ def disk_worker(spec_path: str) -> None:
         from compress.xquant import bind_tables, load_tables
 
         bind_tables(load_tables(spec["xquant_tables"]))
-    store = open_embedded_store(spec["data_dir"], memory_bytes=None, disk_codec=spec.get("disk_codec", "raw"),
-                                disk_codec_params=spec.get("disk_codec_params"))
+
+    def open_store() -> Any:
+        return open_embedded_store(spec["data_dir"], memory_bytes=None, disk_codec=spec.get("disk_codec", "raw"),
+                                   disk_codec_params=spec.get("disk_codec_params"))
+
+    store = open_store()
     generator = CachedGenerator(model, tokenizer, store, block_size=spec["block_size"])
     _warm_up(generator)
-    results = [
-        _timed_runs(generator, case, spec["runs"], spec["new_tokens"], reuse=True, store=False)
-        for case in spec["prompts"]
-    ]
+    results = []
+    for case in spec["prompts"]:
+        if not spec.get("cold"):
+            results.append(_timed_runs(generator, case, spec["runs"], spec["new_tokens"], reuse=True, store=False))
+            continue
+        calls = []
+        for _ in range(spec["runs"]):  # each call on a store whose file is out of the page cache
+            store.close()
+            _drop_from_page_cache(Path(spec["data_dir"]))
+            store = generator.store = open_store()
+            calls.append(_timed_runs(generator, case, 1, spec["new_tokens"], reuse=True, store=False))
+        results.append({"ttft_s": median([c["ttft_s"] for c in calls]),
+                        "all_ttft_s": [c["ttft_s"] for c in calls], "new_ids": [c["new_ids"][0] for c in calls],
+                        "reused_tokens": min(c["reused_tokens"] for c in calls)})
     results_stats = store.stats()
     store.close()
     Path(spec["out"]).write_text(json.dumps({"results": results, "stats": results_stats}))
+
+
+def _drop_from_page_cache(data_dir: Path) -> None:
+    """Write back and drop the store's files from the page cache (they must not be open, or mapped pages stay)."""
+    for path in sorted(data_dir.rglob("*.mdb")):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def run(
@@ -124,6 +155,7 @@ def run(
     disk_codec: str = "raw",
     disk_codec_params: dict[str, Any] | None = None,
     rounds: int = 3,
+    cold: bool = False,
 ) -> dict[str, Any]:
     from adapters.generate import CachedGenerator
     from adapters.model import load_model
@@ -154,7 +186,8 @@ def run(
             measured[(n, "full")] = full
             measured[(n, "warm-memory")] = _timed_runs(generator, prompt, runs, new_tokens, reuse=True, store=False)
         store.close()
-        disk_runs = [("warm-disk", tmp, disk_codec)]
+        disk_mode = "cold-disk" if cold else "warm-disk"
+        disk_runs = [(disk_mode, tmp, disk_codec)]
         if disk_codec != "raw":  # the anchor: the same contexts' blocks stored raw, in a store of their own
             raw_dir = str(Path(tmp) / "raw")
             raw_store = open_embedded_store(raw_dir, memory_bytes=None, disk_codec="raw")
@@ -162,7 +195,7 @@ def run(
             for prompt in tqdm(prompts, desc="raw anchor blocks", unit="ctx"):
                 raw_generator.generate(prompt, max_new_tokens=1, reuse=False, store=True)
             raw_store.close()
-            disk_runs.insert(0, ("warm-disk-raw", raw_dir, "raw"))
+            disk_runs.insert(0, (f"{disk_mode}-raw", raw_dir, "raw"))
         disk_calls: dict[tuple[int, str], list[dict]] = {}
         for round_index in range(rounds):
             order = disk_runs if round_index % 2 == 0 else disk_runs[::-1]
@@ -173,7 +206,7 @@ def run(
                 out = Path(tmp) / f"disk-{mode}.json"
                 spec.write_text(json.dumps({"model": model_name, "data_dir": data_dir, "block_size": block_size,
                                             "runs": runs, "new_tokens": new_tokens, "prompts": prompts,
-                                            "out": str(out), "disk_codec": codec,
+                                            "out": str(out), "disk_codec": codec, "cold": cold,
                                             "disk_codec_params": codec_params if codec == disk_codec else None,
                                             "xquant_tables": tables_path if codec == "xquant" else None}))
                 subprocess.run([sys.executable, "-m", "bench.ttft", "--worker", str(spec)], check=True)
@@ -199,17 +232,18 @@ def run(
                 "same_output": all(ids == reference["new_ids"][0] for ids in m["new_ids"]),
                 "reused_tokens": m["reused_tokens"],
             }
-            if mode.startswith("warm-disk"):
-                row["disk_codec"] = "raw" if mode == "warm-disk-raw" else disk_codec
+            if mode.startswith(disk_mode):
+                row["disk_codec"] = "raw" if mode == f"{disk_mode}-raw" else disk_codec
                 row["all_ttft_s"] = [round(t, 4) for t in m["all_ttft_s"]]
-            if mode == "warm-disk" and (n, "warm-disk-raw") in measured:
-                row["vs_raw"] = round(measured[(n, "warm-disk-raw")]["ttft_s"] / m["ttft_s"], 3)
+            if mode == disk_mode and (n, f"{disk_mode}-raw") in measured:
+                row["vs_raw"] = round(measured[(n, f"{disk_mode}-raw")]["ttft_s"] / m["ttft_s"], 3)
             results.append(row)
     payload = {
         "model": model_name,
         "machine": machine_description(),
         "runs": runs,
         "disk_rounds": rounds,
+        "cold_disk": cold,
         "block_size": block_size,
         "disk_codec": disk_codec,
         "disk_codec_params": shown_params,
@@ -225,7 +259,8 @@ def run(
 def _print_table(console: Console, payload: dict[str, Any]) -> None:
     disk_calls = payload["runs"] * payload.get("disk_rounds", 1)
     table = Table(title=f"TTFT, {payload['model']}, disk codec {payload.get('disk_codec', 'raw')}, median of "
-                        f"{payload['runs']} (warm-disk: {disk_calls} in {payload.get('disk_rounds', 1)} fresh "
+                        f"{payload['runs']} ({'cold' if payload.get('cold_disk') else 'warm'}-disk: {disk_calls} in "
+                        f"{payload.get('disk_rounds', 1)} fresh "
                         f"processes) ({payload['machine']})")
     for column in ("context tokens", "mode", "disk codec", "TTFT (s)", "speedup vs full", "vs raw disk",
                    "reused tokens", "same output"):

@@ -67,7 +67,7 @@ import torch
 import zstandard
 
 from compress.container import expect_len, pack_sections, unpack_sections
-from compress.raw import tensor_bytes, tensor_from_bytes
+from compress.raw import tensor_bytes
 from compress.registry import Codec, PreparedPayload, register_codec, write_each
 from kvstore.errors import CodecParamError, ConfigError, CorruptBlockError
 
@@ -452,20 +452,20 @@ class XQuantCodec(Codec):
         plan = self._plan()
         sections = unpack_sections(payload, _SECTIONS, NAME)
         empty = np.zeros((len(plan.rows) + 1) * tokens, dtype=np.int8)
-        no_sinks = (torch.empty(0, dtype=torch.int64), torch.empty(2, layers, heads, 0, dim, dtype=torch.float16))
+        no_sinks = (np.empty(0, dtype=np.int64), np.empty((2, layers, heads, 0, dim), dtype=np.float16))
         if tokens == 0:
             if any(len(sec) for sec in sections[1:]) or bytes(sections[0]) != _HEAD.pack(_FORMAT, 0, 0, 0):
                 raise CorruptBlockError("xquant payload of an empty block is not empty")
             return XQuantPayload(self, shape, start_pos, empty, np.empty(0, np.int64), np.empty(0, np.int32),
-                                 torch.zeros(layers, tables.width), *no_sinks)
+                                 np.zeros((layers, tables.width), dtype=np.float32), *no_sinks)
         fmt, n_tokens, n_sinks, n_escapes = _HEAD.unpack(bytes(expect_len(sections[0], _HEAD.size, "head", NAME)))
         total = len(plan.rows) * tokens
         if fmt != _FORMAT or n_tokens != tokens or n_sinks > min(self.max_sinks, tokens) or n_escapes > total:
             raise CorruptBlockError(f"xquant payload head (format {fmt}, {n_tokens} tokens, {n_sinks} sinks, "
                                     f"{n_escapes} escapes) does not fit a block of {tokens} tokens")
         width_c = tables.width
-        mean = tensor_from_bytes(expect_len(sections[1], layers * width_c * 2, "means", NAME), torch.float16,
-                                 (layers, width_c), copy=False).float()
+        mean = np.frombuffer(expect_len(sections[1], layers * width_c * 2, "means", NAME), dtype=np.float16)
+        mean = mean.astype(np.float32).reshape(layers, width_c)
         sink_bytes = expect_len(sections[2], 4 * n_sinks + 2 * layers * heads * n_sinks * dim * 2, "sinks", NAME)
         esc_values = np.frombuffer(_unzstd(sections[3], 4 * n_escapes, "escapes"), dtype=np.int32)
         rows, at = empty, 0  # stream rows [kept + 1, tokens] (the last: zeros for layers with fewer components)
@@ -480,16 +480,19 @@ class XQuantCodec(Codec):
             rows[escapes] = 0  # the escaped values are added at ``write`` (they need more than 8 bits)
         where, sink_kv = no_sinks
         if n_sinks:
-            where = torch.from_numpy(np.frombuffer(sink_bytes[: 4 * n_sinks], dtype=np.int32).astype(np.int64))
+            where = np.frombuffer(sink_bytes[: 4 * n_sinks], dtype=np.int32).astype(np.int64)
             if where.min() < 0 or where.max() >= tokens:
                 raise CorruptBlockError("xquant payload: sink token index out of range")
-            sink_kv = tensor_from_bytes(sink_bytes[4 * n_sinks :], torch.float16, (2, layers, heads, n_sinks, dim),
-                                        copy=True)
+            sink_kv = np.frombuffer(sink_bytes[4 * n_sinks :], dtype=np.float16).reshape(2, layers, heads, n_sinks,
+                                                                                         dim).copy()
         return XQuantPayload(self, shape, start_pos, rows, escapes, esc_values, mean, where, sink_kv)
 
 
 class XQuantPayload(PreparedPayload):
     """An ``xquant`` block checked and entropy-decoded: ``write`` rematerializes it, one matrix product per layer.
+
+    Held as numpy arrays: ``prepare_at`` (often on the store's decode threads) never touches torch; the
+    torch work is all in ``write``, on the caller's thread.
 
     ``rows``: ``[(kept + 1) * tokens]`` int8, the stream rows (escaped symbols zeroed, their values in
     ``escape_values`` at flat ``escapes`` indices); ``mean``: ``[layers, C]`` float32 the latent's block means;
@@ -497,11 +500,11 @@ class XQuantPayload(PreparedPayload):
     """
 
     def __init__(self, codec: XQuantCodec, shape: tuple[int, int, int, int], start_pos: int, rows: np.ndarray,
-                 escapes: np.ndarray, escape_values: np.ndarray, mean: torch.Tensor, sinks: torch.Tensor,
-                 sink_kv: torch.Tensor) -> None:
+                 escapes: np.ndarray, escape_values: np.ndarray, mean: np.ndarray, sinks: np.ndarray,
+                 sink_kv: np.ndarray) -> None:
         self.codec, self.shape, self.start_pos = codec, shape, start_pos
         self.num_tokens = shape[2]
-        self.rows = torch.from_numpy(rows).view(-1, max(shape[2], 1))
+        self.rows = rows.reshape(-1, max(shape[2], 1))
         self.escapes, self.escape_values = escapes, escape_values
         self.mean, self.sinks, self.sink_kv = mean, sinks, sink_kv
 
@@ -542,9 +545,10 @@ def _write_layers(parts: list[XQuantPayload], keys_out: torch.Tensor, values_out
     cos, sin = _cos_sin(codec.model, parts[0].start_pos, tokens)  # [T, 1, D/2]
     starts = np.cumsum([0, *counts[:-1]]).tolist()
     # the symbols in grid order [layers, width, T] (int8; a zero row pads layers with fewer kept components)
-    grids = [p.rows.index_select(0, plan.gather).view(layers, width, -1) for p in parts]
+    grids = [torch.from_numpy(p.rows).index_select(0, plan.gather).view(layers, width, -1) for p in parts]
     grid_all = torch.cat(grids, dim=2) if len(grids) > 1 else grids[0]
-    offsets = torch.bmm(torch.stack([p.mean for p in parts], dim=1), tables.basis.transpose(1, 2))  # [L, P, C]
+    means = torch.from_numpy(np.stack([p.mean for p in parts], axis=1))  # [L, P, C]
+    offsets = torch.bmm(means, tables.basis.transpose(1, 2))  # [L, P, C]: the block means rematerialized
     equal = all(c == counts[0] for c in counts)
     # escaped symbols, as (layer, flat index in the layer's [width, T] grid, value), grouped by layer
     esc_layer, esc_flat, esc_value = [], [], []
@@ -561,8 +565,8 @@ def _write_layers(parts: list[XQuantPayload], keys_out: torch.Tensor, values_out
         order = torch.argsort(by_layer, stable=True)
         flat_all, value_all = torch.cat(esc_flat)[order], torch.cat(esc_value)[order]
         bounds = torch.searchsorted(by_layer[order], torch.arange(layers + 1)).tolist()
-    sink_where = torch.cat([p.sinks + s for p, s in zip(parts, starts, strict=True)])
-    sink_kv = torch.cat([p.sink_kv for p in parts], dim=3) if len(sink_where) else None
+    sink_where = torch.from_numpy(np.concatenate([p.sinks + s for p, s in zip(parts, starts, strict=True)]))
+    sink_kv = torch.from_numpy(np.concatenate([p.sink_kv for p in parts], axis=3)) if len(sink_where) else None
     for layer in range(layers):
         kept = plan.layer_widths[layer]  # the layer's kept components: its first grid rows
         grid = grid_all[layer, :kept].to(matrix.dtype)  # [kept, T]

@@ -90,6 +90,9 @@ def bench_ttft(
         help='the disk codec\'s parameters as JSON, e.g. \'{"step": 0.45}\' (xquant also takes "basis")')] = None,
     rounds: Annotated[int, typer.Option(
         min=1, help="fresh warm-disk processes per disk mode, alternating raw and the codec")] = 3,
+    cold: Annotated[bool, typer.Option(
+        "--cold", help="cold-disk instead of warm-disk: the LMDB file is dropped from the page cache before each "
+                       "timed call")] = False,
 ) -> None:
     """TTFT of full prefill vs warm-memory vs warm-disk reuse, with same-output checks."""
     from bench.ttft import run
@@ -104,7 +107,7 @@ def bench_ttft(
         raise KVShelfError(f"every length must be >= the block size {block_size}: {parsed}")
     run(json_path=str(json_path) if json_path else None, corpus=str(chosen) if chosen else None,
         lengths=parsed, runs=runs, model_name=model, block_size=block_size, console=console, disk_codec=codec,
-        disk_codec_params=params, rounds=rounds)
+        disk_codec_params=params, rounds=rounds, cold=cold)
 
 
 @app.command()
