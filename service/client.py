@@ -10,18 +10,19 @@ another namespace, a quota, a bad input) raises ``RemoteStoreError`` carrying th
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import grpc.experimental
 
-from kvstore.block import KVBlock
-from kvstore.encoding import decode_block, encode_block
+from kvstore.block import KVBlock, PreparedBlock
+from kvstore.encoding import decode_block, encode_block, prepare_block
 from kvstore.errors import ConfigError, KVShelfError, TierUnavailableError
 from kvstore.keys import KEY_BYTES
 from proto import kvshelf_pb2 as pb
@@ -36,6 +37,7 @@ from service.arena import (
 from service.server import CHUNK_BYTES, MAX_MESSAGE_BYTES, iter_chunks
 from service.wire import WireError, decode_response
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 _UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 
@@ -244,21 +246,34 @@ class RemoteStore:
         tokens: Sequence[int] | None = None,
     ) -> list[KVBlock | None]:
         """Blocks for ``keys`` (``None`` for misses), verified here: a damaged or foreign value is a miss."""
+        return self._checked(keys, fingerprint, namespace, tokens,
+                             functools.partial(decode_block, copy=copy))
+
+    def get_prepared_many(
+        self, keys: Sequence[bytes], *, fingerprint: str, namespace: str | None = None,
+        tokens: Sequence[int] | None = None,
+    ) -> list[PreparedBlock | None]:
+        """Like ``get_many``, but checked and parsed only (see ``TieredStore.get_prepared_many``): the caller's
+        ``cache_from_prepared`` decodes them straight into a cache."""
+        return self._checked(keys, fingerprint, namespace, tokens, prepare_block)
+
+    def _checked(self, keys: Sequence[bytes], fingerprint: str, namespace: str | None,
+                 tokens: Sequence[int] | None, read: Callable[..., T]) -> list[T | None]:
         keys = list(keys)
         namespace = namespace or self.namespace
         values = self.get_encoded_many(keys, namespace=namespace, fingerprint=fingerprint, tokens=tokens)
-        blocks: list[KVBlock | None] = []
+        out: list[T | None] = []
         for key, value in zip(keys, values, strict=True):
             if value is None:
-                blocks.append(None)
+                out.append(None)
                 continue
             try:
-                blocks.append(decode_block(value, expected_key=key, expected_fingerprint=fingerprint,
-                                           expected_namespace=namespace, copy=copy))
+                out.append(read(value, expected_key=key, expected_fingerprint=fingerprint,
+                                expected_namespace=namespace))
             except KVShelfError as exc:
                 log.warning("remote block %s rejected: %s", key.hex(), exc)
-                blocks.append(None)
-        return blocks
+                out.append(None)
+        return out
 
     def lookup_prefix(self, keys: Sequence[bytes], *, namespace: str | None = None, model: str = "?",
                       tokens: Sequence[int] | None = None) -> int:

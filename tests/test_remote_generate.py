@@ -69,3 +69,23 @@ def test_two_workers_share_a_served_cache_per_tenant(model, tmp_path):
         assert first.new_ids == second.new_ids == third.new_ids
     finally:
         proc.stop()
+
+
+def test_remote_prepared_blocks_reject_foreign_and_unknown_keys(model, tmp_path):
+    """``RemoteStore.get_prepared_many`` (what ``CachedGenerator`` reads through): the stored block parses for
+    its own model, and is a miss for another model's fingerprint or a key the server does not hold."""
+    store = open_embedded_store(tmp_path / "data", memory_bytes="64MiB")
+    running = start_server(store)
+    try:
+        with RemoteStore(f"127.0.0.1:{running.port}") as remote:
+            gen = CachedGenerator(model, store=remote, block_size=16)
+            prompt = _prompt(40, seed=6)
+            gen.generate(prompt, max_new_tokens=2, eos_token_id=None)
+            keys = [key for _, _, key in gen.block_spans(prompt, 40, partial=False)]
+            got = remote.get_prepared_many(keys, fingerprint=gen.fingerprint)
+            assert [b.token_ids for b in got] == [tuple(prompt[:16]), tuple(prompt[16:32])]
+            assert remote.get_prepared_many(keys, fingerprint="f" * 32) == [None, None]
+            assert remote.get_prepared_many([bytes(16)], fingerprint=gen.fingerprint) == [None]
+    finally:
+        running.stop(0)
+        store.close()
