@@ -126,7 +126,7 @@ class CachedGenerator:
         )
         if not found:
             return 0, None
-        prepared = getattr(self.store, "get_prepared_many", None)  # RemoteStore: decoded blocks
+        prepared = getattr(self.store, "get_prepared_many", None)  # a store without it: decoded blocks
         fetch = prepared if prepared is not None else functools.partial(self.store.get_many, copy=False)
         blocks = fetch(keys[:found], fingerprint=self.fingerprint, namespace=self.namespace, tokens=tokens[:found])
         usable = []

@@ -53,11 +53,12 @@ _PARALLEL_MIN_BYTES = 1 << 20
 
 
 def _decode_all(decode: Callable[[bytes, bytes], T], keys: Sequence[bytes], values: Sequence[bytes | None],
-                ) -> list[T | BaseException | None]:
+                *, parallel: bool) -> list[T | BaseException | None]:
     """``decode`` every present value: the result, or the exception it raised (``None`` for a missing value).
 
-    Several large values are decoded by a small shared thread pool (checksums, zstd and numpy release the GIL:
-    entropy decoding of a long prefix then uses every core).
+    With ``parallel``, several large values are decoded by a small shared thread pool: for decoders that do no
+    torch work (checksums, zstd, numpy release the GIL), so the entropy decoding of a long prefix uses every
+    core without a second OpenMP team competing with the caller's.
     """
 
     def one(key: bytes, value: bytes | None) -> T | BaseException | None:
@@ -69,7 +70,7 @@ def _decode_all(decode: Callable[[bytes, bytes], T], keys: Sequence[bytes], valu
             return exc
 
     present = [v for v in values if v is not None]
-    if len(present) < 2 or sum(len(v) for v in present) < _PARALLEL_MIN_BYTES:
+    if not parallel or len(present) < 2 or sum(len(v) for v in present) < _PARALLEL_MIN_BYTES:
         return [one(k, v) for k, v in zip(keys, values, strict=True)]
     global _DECODE_POOL
     with _DECODE_POOL_LOCK:
@@ -304,7 +305,7 @@ class TieredStore:
             return prepare_block(value, expected_key=header_key(key), expected_fingerprint=fingerprint,
                                  expected_namespace=namespace)
 
-        return self._fetch(keys, fingerprint, namespace, prepare, tokens)
+        return self._fetch(keys, fingerprint, namespace, prepare, tokens, parallel=True)
 
     def get_encoded_many(
         self, keys: Sequence[bytes], *, namespace: str, fingerprint: str | None = None,
@@ -317,11 +318,11 @@ class TieredStore:
                          expected_namespace=namespace)
             return value
 
-        return self._fetch(keys, fingerprint or UNKNOWN, namespace, verify, tokens)
+        return self._fetch(keys, fingerprint or UNKNOWN, namespace, verify, tokens, parallel=True)
 
     def _fetch(
         self, keys: Sequence[bytes], model: str, namespace: str, decode: Callable[[bytes, bytes], T],
-        tokens: Sequence[int] | None = None,
+        tokens: Sequence[int] | None = None, *, parallel: bool = False,
     ) -> list[T | None]:
         result: list[T | None] = [None] * len(keys)
         remaining = list(range(len(keys)))
@@ -335,7 +336,7 @@ class TieredStore:
                 self._unavailable(spec, exc)
                 continue
             missed, promote = [], []
-            outcomes = _decode_all(decode, [keys[j] for j in remaining], values)
+            outcomes = _decode_all(decode, [keys[j] for j in remaining], values, parallel=parallel)
             for j, value, outcome in zip(remaining, values, outcomes, strict=True):
                 if value is None:
                     missed.append(j)
