@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import xxhash
 
-from compress.registry import get_codec
+from compress.registry import Codec, get_codec
 from kvstore.block import KVBlock, PreparedBlock
 from kvstore.errors import CorruptBlockError, ForeignBlockError, KVShelfError
 
@@ -155,6 +155,18 @@ def verify_block(
     return header
 
 
+def _verified_payload(
+    data: bytes | memoryview, expected_key: bytes | None, expected_fingerprint: str | None,
+    expected_namespace: str | None,
+) -> tuple[BlockHeader, Codec, memoryview]:
+    """``verify_block``, then the block's codec and a view of its payload."""
+    view = memoryview(data)
+    header = verify_block(view, expected_key=expected_key, expected_fingerprint=expected_fingerprint,
+                          expected_namespace=expected_namespace)
+    body_end = len(view) - _CHECKSUM_BYTES
+    return header, get_codec(header.codec, header.params), view[body_end - header.payload_len : body_end]
+
+
 def decode_block(
     data: bytes | memoryview,
     *,
@@ -167,16 +179,8 @@ def decode_block(
 
     With ``copy=False`` tensors may be read-only views of ``data``.
     """
-    view = memoryview(data)
-    header = verify_block(
-        view, expected_key=expected_key, expected_fingerprint=expected_fingerprint,
-        expected_namespace=expected_namespace,
-    )
-    body_end = len(view) - _CHECKSUM_BYTES
-    codec = get_codec(header.codec, header.params)
-    keys, values = codec.decode_at(
-        view[body_end - header.payload_len : body_end], header.shape, header.dtype, copy, header.start_pos
-    )
+    header, codec, payload = _verified_payload(data, expected_key, expected_fingerprint, expected_namespace)
+    keys, values = codec.decode_at(payload, header.shape, header.dtype, copy, header.start_pos)
     return KVBlock(
         keys=keys,
         values=values,
@@ -200,14 +204,7 @@ def prepare_block(
     Damaged payloads raise ``CorruptBlockError`` here, before anything is written. The result may hold views
     of ``data``.
     """
-    view = memoryview(data)
-    header = verify_block(
-        view, expected_key=expected_key, expected_fingerprint=expected_fingerprint,
-        expected_namespace=expected_namespace,
-    )
-    body_end = len(view) - _CHECKSUM_BYTES
-    codec = get_codec(header.codec, header.params)
-    payload = codec.prepare_at(view[body_end - header.payload_len : body_end], header.shape, header.dtype,
-                               header.start_pos)
-    return PreparedBlock(payload=payload, shape=header.shape, dtype=header.dtype, token_ids=header.token_ids,
+    header, codec, payload = _verified_payload(data, expected_key, expected_fingerprint, expected_namespace)
+    prepared = codec.prepare_at(payload, header.shape, header.dtype, header.start_pos)
+    return PreparedBlock(payload=prepared, shape=header.shape, dtype=header.dtype, token_ids=header.token_ids,
                          start_pos=header.start_pos, fingerprint=header.fingerprint, namespace=header.namespace)
