@@ -517,14 +517,15 @@ class XQuantPayload(PreparedPayload):
     def write_run(cls, run: Sequence[PreparedPayload], keys_out: torch.Tensor, values_out: torch.Tensor) -> None:
         """One matrix product per layer over all tokens of the run's blocks (same codec, consecutive positions)."""
         parts = [p for p in run if isinstance(p, XQuantPayload)]
-        first = parts[0] if parts else None
-        chained = first is not None and len(parts) == len(run) and all(
-            p.codec == first.codec and p.shape[:2] == first.shape[:2] and p.shape[3] == first.shape[3]
-            and p.start_pos == q.start_pos + q.num_tokens for q, p in zip(parts, parts[1:], strict=False))
-        if not chained or first is None:
+        if parts and len(parts) == len(run) and all(q.continued_by(p) for q, p in zip(parts, parts[1:], strict=False)):
+            _write_layers(parts, keys_out, values_out)
+        else:
             write_each(run, keys_out, values_out)
-            return
-        _write_layers(parts, keys_out, values_out)
+
+    def continued_by(self, other: XQuantPayload) -> bool:
+        """Whether ``other`` is the next block of the same sequence, coded alike (one run for ``write_run``)."""
+        return (other.codec == self.codec and other.shape[:2] == self.shape[:2] and other.shape[3] == self.shape[3]
+                and other.start_pos == self.start_pos + self.num_tokens)
 
 
 def _write_layers(parts: list[XQuantPayload], keys_out: torch.Tensor, values_out: torch.Tensor) -> None:
