@@ -76,6 +76,14 @@ def _timed_runs(generator: Any, prompt: list[int], runs: int, new_tokens: int, *
     return {"ttft_s": median(ttfts), "all_ttft_s": ttfts, "new_ids": outputs, "reused_tokens": min(reused)}
 
 
+def _merged(parts: list[dict]) -> dict:
+    """Several ``_timed_runs`` results of one mode as one: the median over all their calls."""
+    ttfts = [t for part in parts for t in part["all_ttft_s"]]
+    return {"ttft_s": median(ttfts), "all_ttft_s": ttfts,
+            "new_ids": [ids for part in parts for ids in part["new_ids"]],
+            "reused_tokens": min(part["reused_tokens"] for part in parts)}
+
+
 def _codec_params(model: Any, tokenizer: Any, corpus: str | None, codec: str, params: dict[str, Any], tmp: str,
                   ) -> tuple[dict[str, Any] | None, str | None]:
     """The disk codec's parameters, and for ``xquant`` the file of the model tables they need (else None)."""
@@ -123,9 +131,7 @@ def disk_worker(spec_path: str) -> None:
             _drop_from_page_cache(Path(spec["data_dir"]))
             store = generator.store = open_store()
             calls.append(_timed_runs(generator, case, 1, spec["new_tokens"], reuse=True, store=False))
-        results.append({"ttft_s": median([c["ttft_s"] for c in calls]),
-                        "all_ttft_s": [c["ttft_s"] for c in calls], "new_ids": [c["new_ids"][0] for c in calls],
-                        "reused_tokens": min(c["reused_tokens"] for c in calls)})
+        results.append(_merged(calls))
     results_stats = store.stats()
     store.close()
     Path(spec["out"]).write_text(json.dumps({"results": results, "stats": results_stats}))
@@ -214,10 +220,7 @@ def run(
                 for n, result in zip(lengths, disk["results"], strict=True):
                     disk_calls.setdefault((n, mode), []).append(result)
         for key, parts in disk_calls.items():
-            ttfts = [t for part in parts for t in part["all_ttft_s"]]
-            measured[key] = {"ttft_s": median(ttfts), "all_ttft_s": ttfts,
-                             "new_ids": [ids for part in parts for ids in part["new_ids"]],
-                             "reused_tokens": min(part["reused_tokens"] for part in parts)}
+            measured[key] = _merged(parts)
     modes = ["full", "warm-memory", *(mode for mode, _, _ in disk_runs)]
     for n in lengths:
         reference = measured[(n, "full")]
@@ -257,11 +260,11 @@ def run(
 
 
 def _print_table(console: Console, payload: dict[str, Any]) -> None:
-    disk_calls = payload["runs"] * payload.get("disk_rounds", 1)
+    rounds = payload.get("disk_rounds", 1)
+    disk = "cold" if payload.get("cold_disk") else "warm"
     table = Table(title=f"TTFT, {payload['model']}, disk codec {payload.get('disk_codec', 'raw')}, median of "
-                        f"{payload['runs']} ({'cold' if payload.get('cold_disk') else 'warm'}-disk: {disk_calls} in "
-                        f"{payload.get('disk_rounds', 1)} fresh "
-                        f"processes) ({payload['machine']})")
+                        f"{payload['runs']} ({disk}-disk: {payload['runs'] * rounds} in {rounds} fresh processes) "
+                        f"({payload['machine']})")
     for column in ("context tokens", "mode", "disk codec", "TTFT (s)", "speedup vs full", "vs raw disk",
                    "reused tokens", "same output"):
         table.add_column(column, justify="right")
