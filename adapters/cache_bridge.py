@@ -13,6 +13,7 @@ import torch
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from compress import hugepages
 from compress.registry import PreparedPayload
 from kvstore.block import KVBlock, PreparedBlock
 from kvstore.errors import UnsupportedModelError
@@ -104,8 +105,8 @@ def cache_from_prepared(
     total = sum(b.num_tokens for b in blocks)
     staging = torch.device(device).type != "cpu"  # decode on the CPU, then one transfer
     out_dtype = dtype or blocks[0].dtype
-    keys = torch.empty(layers, heads, total, dim, dtype=out_dtype)
-    values = torch.empty(layers, heads, total, dim, dtype=out_dtype)
+    keys = hugepages.empty((layers, heads, total, dim), out_dtype)
+    values = hugepages.empty((layers, heads, total, dim), out_dtype)
     start = 0
     for run in _runs([b.payload for b in blocks]):
         end = start + sum(p.num_tokens for p in run)

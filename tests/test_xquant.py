@@ -10,7 +10,7 @@ import torch
 
 from adapters.model import tiny_llama
 from adapters.xquant import bind_xquant, xquant_params, xquant_tables
-from compress import get_codec
+from compress import get_codec, xquant_kernels
 from compress.container import pack_sections, unpack_sections
 from compress.xquant import (
     XQuantTables,
@@ -181,13 +181,28 @@ def test_bad_params_are_named(params: dict, named: str) -> None:
 
 
 def _encoded_payload(tiny) -> tuple[dict, bytes, tuple[int, int, int, int]]:  # noqa: ANN001
+    """A payload with escaped symbols, some beyond int8 (an outlier token, no sinks to catch it)."""
     model, params = tiny
+    params = {**params, "max_sinks": 0, "step": 0.02}
     keys, values = _kv(model, 40)
+    keys[:, :, 7] *= 60.0
     codec = get_codec("xquant", params)
-    return params, b"".join(bytes(p) for p in codec.encode_at(keys, values, 0)), tuple(keys.shape)
+    payload = b"".join(bytes(p) for p in codec.encode_at(keys, values, 0))
+    prepared = codec.prepare_at(memoryview(payload), tuple(keys.shape), torch.float32, 0)
+    assert len(prepared.escapes) > 0  # wide escapes (|symbol| > 127) are kept aside
+    return params, payload, tuple(keys.shape)
 
 
-def test_corrupt_payloads_raise(tiny) -> None:  # noqa: ANN001
+@pytest.fixture(params=[True, False], ids=["numba", "numpy"])
+def kernels(request, monkeypatch) -> bool:  # noqa: ANN001
+    """Run a test with xquant's numba loops and with their numpy / torch fallback."""
+    if request.param and not xquant_kernels.AVAILABLE:
+        pytest.skip("numba is not available here")
+    monkeypatch.setattr(xquant_kernels, "AVAILABLE", request.param)
+    return request.param
+
+
+def test_corrupt_payloads_raise(tiny, kernels) -> None:  # noqa: ANN001
     params, payload, shape = _encoded_payload(tiny)
     codec = get_codec("xquant", params)
     for cut in (0, 10, len(payload) // 2, len(payload) - 1):
@@ -205,11 +220,13 @@ def test_corrupt_payloads_raise(tiny) -> None:  # noqa: ANN001
 @pytest.mark.parametrize("section,edit", [
     (0, lambda b: struct.pack("<BHHI", 9, *struct.unpack("<BHHI", b)[1:])),  # unknown format
     (0, lambda b: struct.pack("<BHHI", *struct.unpack("<BHHI", b)[:3], 5)),  # escape count
+    (0, lambda b: struct.pack("<BHHI", *struct.unpack("<BHHI", b)[:3], 0)),  # escape digits, no values
+    (0, lambda b: struct.pack("<BHHI", 1, *struct.unpack("<BHHI", b)[1:])),  # format 1 (component-major)
     (1, lambda b: b[:-2]),  # means
     (3, lambda b: b"\x00" * 9),  # escapes: not zstd
     (5, lambda b: b[:-1]),  # a class stream
 ])
-def test_inconsistent_sections_raise(tiny, section: int, edit) -> None:  # noqa: ANN001
+def test_inconsistent_sections_raise(tiny, kernels, section: int, edit) -> None:  # noqa: ANN001
     params, payload, shape = _encoded_payload(tiny)
     sections = [bytes(s) for s in unpack_sections(memoryview(payload), 8, "xquant")]
     sections[section] = edit(sections[section])

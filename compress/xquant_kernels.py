@@ -1,0 +1,213 @@
+"""Fused CPU loops of ``xquant``'s decode, compiled by numba; ``xquant`` falls back to numpy / torch without it.
+
+Two loops where numpy and torch need several passes over memory:
+
+* ``place_block``: a block's entropy-decoded symbols (per class, per layer, token-major) into each layer's
+  ``[T, kept]`` symbol matrix, the left operand of the int8 matrix product;
+* ``epilogue_kernel(heads, head_dim)``: a layer's product ``Z`` (``[T, C]``, int32 or float32) to the cache:
+  column scales, block means, RoPE on the key half (HF ``rotate_half`` convention), keys and values written
+  ``[kv_heads, T, head_dim]``: one pass instead of the five torch needs. Compiled per model geometry (the
+  head sizes are compile-time constants, which lets LLVM vectorize the inner loops).
+
+Both run on the calling thread (no numba thread pool beside torch's OpenMP one) and release the GIL. They are
+compiled on first use and kept in numba's on-disk cache (``cache=True``), so a later process loads them in
+milliseconds; ``warm_up`` does that ahead of the first decode (``compress.xquant.bind_tables`` calls it).
+``KVSHELF_NO_NUMBA=1`` in the environment turns them off (the fallback path), as tests do to compare both.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+try:  # numba is a dependency; numpy and torch stand in where it cannot be imported
+    from numba import njit
+except ImportError:  # pragma: no cover - exercised through AVAILABLE = False in the tests
+    njit = None
+
+AVAILABLE = njit is not None and os.environ.get("KVSHELF_NO_NUMBA", "") in ("", "0")
+_lock = threading.Lock()
+_warm: set[tuple[int, int]] = set()
+_pool: ThreadPoolExecutor | None = None
+
+
+def workers() -> int:
+    """Threads the loops are split over: this process's CPUs (the loops release the GIL)."""
+    return max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 8))
+
+
+def run_split(task: Callable[[int, int], None], total: int) -> None:
+    """``task(first, last)`` over ``0..total`` cut into ``workers()`` ranges, run on a small thread pool."""
+    global _pool
+    parts = min(workers(), max(total, 1))
+    if parts == 1:
+        task(0, total)
+        return
+    if _pool is None:
+        with _lock:
+            if _pool is None:
+                _pool = ThreadPoolExecutor(max_workers=workers(), thread_name_prefix="kvshelf-xquant")
+    bounds = [total * i // parts for i in range(parts + 1)]
+    futures = [_pool.submit(task, bounds[i], bounds[i + 1]) for i in range(1, parts)]
+    task(bounds[0], bounds[1])
+    for future in futures:
+        future.result()
+
+if njit is not None:
+
+    @njit(cache=True, nogil=True, error_model="numpy")
+    def _place(rows, counts, slot_offsets, widths, out_starts, start, tokens, out):  # pragma: no cover - numba
+        pos = 0
+        for c in range(counts.shape[0]):
+            for layer in range(counts.shape[1]):
+                n, width = counts[c, layer], widths[layer]
+                dst = out_starts[layer] + start * width + slot_offsets[c, layer]
+                for _ in range(tokens):
+                    out[dst : dst + n] = rows[pos : pos + n]
+                    pos += n
+                    dst += width
+
+
+def place_block(rows: np.ndarray, counts: np.ndarray, slot_offsets: np.ndarray, widths: np.ndarray,
+                out_starts: np.ndarray, start: int, tokens: int, out: np.ndarray) -> None:
+    """Copy a block's symbols into the layers' token-major matrices held in ``out`` (flat int8).
+
+    ``rows`` (flat int8): for each class ``c``, for each layer ``l``, a ``[tokens, counts[c, l]]`` row-major
+    segment; it lands in layer ``l``'s ``[T, widths[l]]`` matrix (at ``out_starts[l]`` in ``out``), rows
+    ``start..start + tokens - 1``, columns ``slot_offsets[c, l]..`` onwards.
+    """
+    if AVAILABLE:
+        _place(rows, counts, slot_offsets, widths, out_starts, start, tokens, out)
+        return
+    pos = 0
+    for c in range(counts.shape[0]):
+        for layer in range(counts.shape[1]):
+            n, width, off = int(counts[c, layer]), int(widths[layer]), int(slot_offsets[c, layer])
+            first = out_starts[layer] + start * width
+            target = out[first : first + tokens * width].reshape(tokens, width)
+            target[:, off : off + n] = rows[pos : pos + tokens * n].reshape(tokens, n)
+            pos += tokens * n
+
+
+@functools.lru_cache(maxsize=8)
+def unpack_kernel(per: int) -> Callable[..., tuple[int, int]]:
+    """The compiled unpacker of a stream of ``per`` symbols a byte: ``kernel(data, digits, has_escape, words,
+    out, out_words, escape_values, escape, wide, wide_values, n_wide, offset) -> (escape, n_wide)``.
+
+    ``data``: the packed bytes (``ceil(len(out) / per)``); ``digits``: ``[256, per]`` int8, each byte value's
+    symbols, ``-128`` for the escape digit; ``has_escape``: ``[256]`` bool; for ``per`` 2 and 4, ``words``
+    (``[256]`` uint16 / uint32: ``digits`` as one word) and ``out_words``, the whole words of ``out`` viewed as
+    such, let a byte without escapes be one store (other ``per``: any arrays, unused). Escape digits take the next of
+    ``escape_values`` (from index ``escape``): into ``out`` when it fits in int8, else ``out`` gets 0 and its flat
+    position (``offset`` + index in ``out``) and value are appended to ``wide`` / ``wide_values`` at ``n_wide``.
+    Returns the next escape index and wide count; escape ``-1`` when the digits outnumber ``escape_values``.
+    """
+    if njit is None:  # pragma: no cover - callers check AVAILABLE first
+        raise RuntimeError("numba is not installed")
+
+    @njit(cache=True, nogil=True, error_model="numpy")
+    def kernel(data, digits, has_escape, words, out, out_words, escape_values, escape, wide, wide_values, n_wide,
+               offset):  # pragma: no cover - numba
+        count = out.shape[0]
+        n_escapes = escape_values.shape[0]
+        full = out_words.shape[0] if per in (2, 4) else 0  # bytes stored as one 2- or 4-byte word each
+        for b in range((count + per - 1) // per):
+            byte = data[b]
+            base = b * per
+            if not has_escape[byte]:
+                if b < full:
+                    out_words[b] = words[byte]
+                    continue
+                if base + per <= count:
+                    for j in range(per):
+                        out[base + j] = digits[byte, j]
+                    continue
+            for j in range(min(per, count - base)):
+                symbol = digits[byte, j]
+                if symbol == -128:
+                    if escape >= n_escapes or n_wide >= wide.shape[0]:
+                        return -1, n_wide
+                    value = escape_values[escape]
+                    escape += 1
+                    if -127 <= value <= 127:
+                        symbol = value
+                    else:
+                        symbol = 0
+                        wide[n_wide] = offset + base + j
+                        wide_values[n_wide] = value
+                        n_wide += 1
+                out[base + j] = symbol
+        return escape, n_wide
+
+    return kernel
+
+
+@functools.lru_cache(maxsize=8)
+def epilogue_kernel(heads: int, head_dim: int) -> Callable[..., None]:
+    """The compiled epilogue for ``heads`` kv heads of ``head_dim`` (even): ``kernel(z, scale, offsets,
+    block_of, cos, sin, keys, values, first, last)`` writes tokens ``first..last - 1``.
+
+    ``z``: ``[T * C]`` int32 or float32 (row-major ``[T, C]``, ``C = 2 * heads * head_dim``, keys first);
+    ``scale``: ``[C]`` float32; ``offsets``: ``[blocks * C]`` float32 (each block's rematerialized means);
+    ``block_of``: ``[T]`` int64; ``cos`` / ``sin``: ``[T * head_dim / 2]`` float32; ``keys`` / ``values``:
+    ``[heads * T * head_dim]`` float32 (contiguous ``[heads, T, head_dim]``).
+    """
+    if njit is None:  # pragma: no cover - callers check AVAILABLE first
+        raise RuntimeError("numba is not installed")
+    mid, half = head_dim // 2, heads * head_dim
+    width = 2 * half
+
+    @njit(cache=True, nogil=True, fastmath=True, error_model="numpy")
+    def kernel(z, scale, offsets, block_of, cos, sin, keys, values, first, last):  # pragma: no cover - numba
+        tokens = block_of.shape[0]
+        for t in range(first, last):
+            row = z[t * width : (t + 1) * width]
+            mean = offsets[block_of[t] * width : (block_of[t] + 1) * width]
+            c = cos[t * mid : (t + 1) * mid]
+            s = sin[t * mid : (t + 1) * mid]
+            for h in range(heads):
+                base = h * head_dim
+                out = (h * tokens + t) * head_dim
+                k = keys[out : out + head_dim]
+                v = values[out : out + head_dim]
+                for i in range(mid):
+                    a = np.float32(row[base + i]) * scale[base + i] + mean[base + i]
+                    b = np.float32(row[base + mid + i]) * scale[base + mid + i] + mean[base + mid + i]
+                    k[i] = a * c[i] - b * s[i]
+                    k[mid + i] = b * c[i] + a * s[i]
+                for d in range(head_dim):
+                    j = half + base + d
+                    v[d] = np.float32(row[j]) * scale[j] + mean[j]
+
+    return kernel
+
+
+def warm_up(heads: int, head_dim: int) -> None:
+    """Compile (or load from numba's cache) the loops for one model geometry, once per process."""
+    if not AVAILABLE or (heads, head_dim) in _warm:
+        return
+    with _lock:
+        if (heads, head_dim) in _warm:
+            return
+        width, mid = 2 * heads * head_dim, head_dim // 2
+        for per in (1, 2, 3, 4):
+            data = np.zeros(1, np.uint8)
+            word = {1: np.uint8, 2: np.uint16, 3: np.uint32, 4: np.uint32}[per]  # as compress.xquant's tables
+            unpack_kernel(per)(np.frombuffer(data.tobytes(), np.uint8), np.zeros((256, per), np.int8),
+                               np.zeros(256, np.bool_), np.zeros(256, word), np.zeros(per, np.int8),
+                               np.zeros(1 if per in (2, 4) else 0, word),
+                               np.frombuffer(np.zeros(1, np.int32).tobytes(), np.int32), 0,
+                               np.zeros(1, np.int64), np.zeros(1, np.int32), 0, 0)
+        place_block(np.zeros(2, np.int8), np.ones((1, 1), np.int64), np.zeros((1, 1), np.int64),
+                    np.ones(1, np.int64), np.zeros(1, np.int64), 0, 2, np.zeros(2, np.int8))
+        kernel = epilogue_kernel(heads, head_dim)
+        for z in (np.zeros(width, np.int32), np.zeros(width, np.float32)):
+            out = np.zeros(heads * head_dim, np.float32), np.zeros(heads * head_dim, np.float32)
+            kernel(z, np.ones(width, np.float32), np.zeros(width, np.float32), np.zeros(1, np.int64),
+                   np.ones(mid, np.float32), np.zeros(mid, np.float32), *out, 0, 1)
+        _warm.add((heads, head_dim))
