@@ -622,6 +622,9 @@ def _write_layers(parts: list[XQuantPayload], keys_out: torch.Tensor, values_out
     fused = (xquant_kernels.AVAILABLE and keys_out.dtype == torch.float32 and values_out.dtype == torch.float32
              and keys_out[0].is_contiguous() and values_out[0].is_contiguous())
     epilogue = xquant_kernels.epilogue_kernel(heads, dim) if fused else None
+    if fused:  # fault the (fresh) cache pages in with torch's threads: cheaper than faults inside the loops
+        keys_out.zero_()
+        values_out.zero_()
     cos_flat, sin_flat = cos.numpy().reshape(-1), sin.numpy().reshape(-1)
     integer = codec.matmul == "int8"
     product = torch.empty(tokens, tables.width, dtype=torch.int32 if integer else torch.float32)
@@ -675,6 +678,8 @@ def _symbol_matrices(parts: list[XQuantPayload], plan: _Plan, tokens: int, start
     widths = np.asarray(plan.layer_widths, dtype=np.int64)
     out_starts = (np.cumsum(widths * tokens) - widths * tokens).astype(np.int64)
     flat = hugepages.empty((int(widths.sum()) * tokens,), torch.int8)
+    if xquant_kernels.AVAILABLE:
+        flat.zero_()  # faulted in by torch's threads (see _write_layers)
     out = flat.numpy()
 
     def place(first: int, last: int) -> None:
