@@ -17,6 +17,7 @@ milliseconds; ``warm_up`` does that ahead of the first decode (``compress.xquant
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import threading
@@ -58,17 +59,32 @@ def run_split(task: Callable[[int, int], None], total: int) -> None:
     for future in futures:
         future.result()
 
-if njit is not None:
 
-    @njit(cache=True, nogil=True, error_model="numpy")
+def _libc_memmove() -> Callable[..., int] | None:
+    try:
+        fn = ctypes.CDLL(None).memmove
+    except (OSError, AttributeError, TypeError):  # pragma: no cover - not a POSIX libc
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_void_p
+    return fn
+
+
+_memmove = _libc_memmove() if njit is not None else None
+
+if _memmove is not None:
+
+    @njit(nogil=True, error_model="numpy")  # calls libc through ctypes: compiled per process, not cached
     def _place(rows, counts, slot_offsets, widths, out_starts, start, tokens, out):  # pragma: no cover - numba
+        source, target = rows.ctypes.data, out.ctypes.data
         pos = 0
         for c in range(counts.shape[0]):
             for layer in range(counts.shape[1]):
                 n, width = counts[c, layer], widths[layer]
+                if n == 0:
+                    continue
                 dst = out_starts[layer] + start * width + slot_offsets[c, layer]
                 for _ in range(tokens):
-                    out[dst : dst + n] = rows[pos : pos + n]
+                    _memmove(target + dst, source + pos, n)
                     pos += n
                     dst += width
 
@@ -81,7 +97,10 @@ def place_block(rows: np.ndarray, counts: np.ndarray, slot_offsets: np.ndarray, 
     segment; it lands in layer ``l``'s ``[T, widths[l]]`` matrix (at ``out_starts[l]`` in ``out``), rows
     ``start..start + tokens - 1``, columns ``slot_offsets[c, l]..`` onwards.
     """
-    if AVAILABLE:
+    if int(counts.sum()) * tokens != len(rows) or np.any(slot_offsets + counts > widths) or np.any(
+            out_starts + (start + tokens) * widths > len(out)) or start < 0:
+        raise ValueError("place_block: the segments do not fit the rows or the output")  # guards the raw copies
+    if AVAILABLE and _memmove is not None and rows.flags.c_contiguous and out.flags.c_contiguous:
         _place(rows, counts, slot_offsets, widths, out_starts, start, tokens, out)
         return
     pos = 0

@@ -125,3 +125,17 @@ def test_place_block_matches_numpy(monkeypatch) -> None:
     plain = np.zeros_like(fused)
     xquant_kernels.place_block(rows, counts, slots, widths, starts, start, tokens, plain)
     assert np.array_equal(fused, plain) and fused.any()
+
+
+def test_place_block_refuses_segments_that_do_not_fit() -> None:
+    """The numba copy moves raw bytes: a layout that does not fit its buffers is refused before any copy."""
+    counts = np.array([[2, 3]], dtype=np.int64)
+    slots, widths = np.zeros((1, 2), np.int64), counts[0].copy()
+    starts = np.array([0, 2 * 4], dtype=np.int64)  # 4 tokens: layer 0 [4, 2], layer 1 [4, 3]
+    out = np.zeros(2 * 4 + 3 * 4, np.int8)
+    xquant_kernels.place_block(np.ones(5 * 4, np.int8), counts, slots, widths, starts, 0, 4, out)
+    assert out.all()
+    with pytest.raises(ValueError, match="do not fit"):  # rows of the wrong length
+        xquant_kernels.place_block(np.ones(5 * 4 - 1, np.int8), counts, slots, widths, starts, 0, 4, out)
+    with pytest.raises(ValueError, match="do not fit"):  # tokens beyond the output
+        xquant_kernels.place_block(np.ones(5 * 2, np.int8), counts, slots, widths, starts, 3, 2, out)
