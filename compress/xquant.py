@@ -271,10 +271,11 @@ def _plan(digest: str, step: float, key_step_scale: float, drop_below: float) ->
     counts = class_counts.sum(axis=0)
     width = max(int(counts.max()), 1)
     layer_of = rows // width_c
-    slot = torch.from_numpy(np.concatenate([
-        class_slots[c][(k // width_c).numpy()] + np.arange(len(k)) - (np.cumsum(class_counts[c]) -
-                                                                       class_counts[c])[(k // width_c).numpy()]
-        for c, k in enumerate(classes)]).astype(np.int64))
+    slot = []  # a component's slot: its class's first slot in the layer + its rank within (class, layer)
+    for c, k in enumerate(classes):
+        layer = (k // width_c).numpy()  # sorted: classes hold their components layer by layer
+        slot.append(class_slots[c][layer] + np.arange(len(k)) - np.searchsorted(layer, layer))
+    slot = torch.from_numpy(np.concatenate(slot).astype(np.int64))
     matrix = torch.zeros(layers, width, width_c)
     comp = rows % width_c
     matrix[layer_of, slot] = tables.basis[layer_of, :, comp] * steps.reshape(-1)[rows][:, None]
@@ -345,7 +346,7 @@ def _unpack_fused(streams: list[bytes], sizes: Sequence[int], tokens: int, esc_v
         out, lut = rows[at : at + count], _LUTS[c]
         out_words = out[: count - count % per].view(lut.dtype) if per in (2, 4) else lut[:0]
         escape, n_wide = xquant_kernels.unpack_kernel(per)(
-            np.frombuffer(data, np.uint8), _DIGITS[c], _HAS_ESCAPE[c], _LUTS[c], out, out_words, esc_values,
+            np.frombuffer(data, np.uint8), _DIGITS[c], _HAS_ESCAPE[c], lut, out, out_words, esc_values,
             escape, wide, wide_values, n_wide, at)
         if escape < 0:
             break
