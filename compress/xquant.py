@@ -67,6 +67,7 @@ import functools
 import hashlib
 import math
 import struct
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -332,6 +333,8 @@ def _unpack_into(data: bytes, out: np.ndarray, scheme: int) -> None:
 _DIGITS = tuple(np.ascontiguousarray(lut.view(np.int8).reshape(256, -1)[:, :per])
                 for lut, (per, _) in zip(_LUTS, _SCHEMES, strict=True))
 _HAS_ESCAPE = tuple(np.any(d == _ESCAPE, axis=1) for d in _DIGITS)
+_WORDS = tuple((d.view(np.uint8).astype(np.uint64) << (8 * np.arange(d.shape[1], dtype=np.uint64))).sum(axis=1,
+               dtype=np.uint64) for d in _DIGITS)  # [256] uint64: a byte's symbols in the low bytes of a word
 
 
 def _unpack_fused(streams: list[bytes], sizes: Sequence[int], tokens: int, esc_values: np.ndarray,
@@ -343,10 +346,10 @@ def _unpack_fused(streams: list[bytes], sizes: Sequence[int], tokens: int, esc_v
         per, count = _SCHEMES[c][0], size * tokens
         if len(data) != (count + per - 1) // per:
             raise CorruptBlockError(f"xquant payload: class {c} stream has {len(data)} bytes for {count} symbols")
-        out, lut = rows[at : at + count], _LUTS[c]
-        out_words = out[: count - count % per].view(lut.dtype) if per in (2, 4) else lut[:0]
+        out, group = rows[at : at + count], xquant_kernels.GROUPS[per][1]
+        out_words = out[: count - count % group].view(np.uint64)
         escape, n_wide = xquant_kernels.unpack_kernel(per)(
-            np.frombuffer(data, np.uint8), _DIGITS[c], _HAS_ESCAPE[c], lut, out, out_words, esc_values,
+            np.frombuffer(data, np.uint8), _DIGITS[c], _HAS_ESCAPE[c], _WORDS[c], out, out_words, esc_values,
             escape, wide, wide_values, n_wide, at)
         if escape < 0:
             break
@@ -523,7 +526,7 @@ class XQuantCodec(Codec):
         layers, heads, tokens, dim = shape
         plan = self._plan()
         sections = unpack_sections(payload, _SECTIONS, NAME)
-        empty = np.zeros(len(plan.rows) * tokens, dtype=np.int8)
+        empty = np.empty(len(plan.rows) * tokens, dtype=np.int8)  # every symbol is written by the unpack
         no_sinks = (np.empty(0, dtype=np.int64), np.empty((2, layers, heads, 0, dim), dtype=np.float16))
         if tokens == 0:
             if any(len(sec) for sec in sections[1:]) or bytes(sections[0]) != _HEAD.pack(_FORMAT, 0, 0, 0):
@@ -628,7 +631,8 @@ def _write_layers(parts: list[XQuantPayload], keys_out: torch.Tensor, values_out
         values_out.zero_()
     cos_flat, sin_flat = cos.numpy().reshape(-1), sin.numpy().reshape(-1)
     integer = codec.matmul == "int8"
-    product = torch.empty(tokens, tables.width, dtype=torch.int32 if integer else torch.float32)
+    product = _scratch("product", tokens * tables.width, torch.int32 if integer else torch.float32).view(
+        tokens, tables.width)
     ones = torch.ones(tables.width)
     for layer in range(layers):
         kept = plan.layer_widths[layer]
@@ -674,13 +678,30 @@ def _rotate_split(z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: 
     return keys, z[:, half:].view(tokens, heads, -1)
 
 
+_SCRATCH = threading.local()
+SCRATCH_MAX_BYTES = 64 << 20  # a thread keeps its decode buffers up to this size (a 4,096-token SmolLM2 prefix: ~30 MB)
+
+
+def _scratch(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A flat ``[numel]`` buffer of this thread's, kept between decodes (already faulted in: fresh memory costs a
+    page fault per 4 KiB or 2 MiB written); larger ones than ``SCRATCH_MAX_BYTES`` are not kept. The contents are
+    whatever the last decode left: callers write every element they read. Valid until this thread's next call."""
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    kept = getattr(_SCRATCH, name, None)
+    if kept is not None and kept.numel() >= nbytes:
+        return kept[:nbytes].view(dtype)
+    buffer = hugepages.empty((max(nbytes, 1),), torch.uint8)
+    buffer.zero_()  # faulted in here, by torch's threads (cheaper than faults inside the numba loops)
+    if nbytes <= SCRATCH_MAX_BYTES:
+        setattr(_SCRATCH, name, buffer)
+    return buffer[:nbytes].view(dtype)
+
+
 def _symbol_matrices(parts: list[XQuantPayload], plan: _Plan, tokens: int, starts: list[int]) -> list[torch.Tensor]:
     """Each layer's symbols as a token-major int8 matrix ``[T, kept]`` (the blocks' tokens one after another)."""
     widths = np.asarray(plan.layer_widths, dtype=np.int64)
     out_starts = (np.cumsum(widths * tokens) - widths * tokens).astype(np.int64)
-    flat = hugepages.empty((int(widths.sum()) * tokens,), torch.int8)
-    if xquant_kernels.AVAILABLE:
-        flat.zero_()  # faulted in by torch's threads (see _write_layers)
+    flat = _scratch("symbols", int(widths.sum()) * tokens, torch.int8)  # every element is placed below
     out = flat.numpy()
 
     def place(first: int, last: int) -> None:

@@ -113,41 +113,62 @@ def place_block(rows: np.ndarray, counts: np.ndarray, slot_offsets: np.ndarray, 
             pos += tokens * n
 
 
+# group of input bytes whose symbols fill whole 8-byte words: (bytes, symbols) per ``per``
+GROUPS = {1: (8, 8), 2: (4, 8), 3: (8, 24), 4: (2, 8)}
+
+
 @functools.lru_cache(maxsize=8)
 def unpack_kernel(per: int) -> Callable[..., tuple[int, int]]:
     """The compiled unpacker of a stream of ``per`` symbols a byte: ``kernel(data, digits, has_escape, words,
     out, out_words, escape_values, escape, wide, wide_values, n_wide, offset) -> (escape, n_wide)``.
 
     ``data``: the packed bytes (``ceil(len(out) / per)``); ``digits``: ``[256, per]`` int8, each byte value's
-    symbols, ``-128`` for the escape digit; ``has_escape``: ``[256]`` bool; for ``per`` 2 and 4, ``words``
-    (``[256]`` uint16 / uint32: ``digits`` as one word) and ``out_words``, the whole words of ``out`` viewed as
-    such, let a byte without escapes be one store (other ``per``: any arrays, unused). Escape digits take the next of
-    ``escape_values`` (from index ``escape``): into ``out`` when it fits in int8, else ``out`` gets 0 and its flat
-    position (``offset`` + index in ``out``) and value are appended to ``wide`` / ``wide_values`` at ``n_wide``.
+    symbols, ``-128`` for the escape digit; ``has_escape``: ``[256]`` bool; ``words``: ``[256]`` uint64, each
+    byte value's symbols as the low ``per`` bytes of a word; ``out_words``: the first ``len(out) // symbols``
+    groups of ``out`` viewed as uint64 (``GROUPS[per]``: a group of input bytes whose symbols fill whole words),
+    so a group without escapes is one to three word stores. Escape digits take the next of ``escape_values``
+    (from index ``escape``): into ``out`` when it fits in int8, else ``out`` gets 0 and its flat position
+    (``offset`` + index in ``out``) and value are appended to ``wide`` / ``wide_values`` at ``n_wide``.
     Returns the next escape index and wide count; escape ``-1`` when the digits outnumber ``escape_values``.
     """
     if njit is None:  # pragma: no cover - callers check AVAILABLE first
         raise RuntimeError("numba is not installed")
+    group_bytes, group_symbols = GROUPS[per]
+    shifts = tuple(np.uint64(8 * per * i) for i in range(group_bytes))  # typed: uint64 << uint64 stays uint64
+    s8, s16, s24, s32, s40, s48, s56 = (np.uint64(8 * i) for i in range(1, 8))
 
     @njit(cache=True, nogil=True, error_model="numpy")
     def kernel(data, digits, has_escape, words, out, out_words, escape_values, escape, wide, wide_values, n_wide,
                offset):  # pragma: no cover - numba
         count = out.shape[0]
         n_escapes = escape_values.shape[0]
-        full = out_words.shape[0] if per in (2, 4) else 0  # bytes stored as one 2- or 4-byte word each
-        for b in range((count + per - 1) // per):
-            byte = data[b]
+        groups = out_words.shape[0] * 8 // group_symbols
+        n_bytes = (count + per - 1) // per
+        b = 0
+        while b < n_bytes:
+            if b % group_bytes == 0 and b // group_bytes < groups:
+                clean = True
+                for i in range(group_bytes):
+                    if has_escape[data[b + i]]:
+                        clean = False
+                if clean:
+                    g = b // group_bytes
+                    if per == 3:  # eight 24-bit pieces into three words
+                        w0, w1, w2, w3 = words[data[b]], words[data[b + 1]], words[data[b + 2]], words[data[b + 3]]
+                        w4, w5, w6, w7 = words[data[b + 4]], words[data[b + 5]], words[data[b + 6]], words[data[b + 7]]
+                        out_words[3 * g] = w0 | (w1 << s24) | (w2 << s48)
+                        out_words[3 * g + 1] = (w2 >> s16) | (w3 << s8) | (w4 << s32) | (w5 << s56)
+                        out_words[3 * g + 2] = (w5 >> s8) | (w6 << s16) | (w7 << s40)
+                    else:
+                        word = words[data[b]]
+                        for i in range(1, group_bytes):
+                            word |= words[data[b + i]] << shifts[i]
+                        out_words[g] = word
+                    b += group_bytes
+                    continue
             base = b * per
-            if not has_escape[byte]:
-                if b < full:
-                    out_words[b] = words[byte]
-                    continue
-                if base + per <= count:
-                    for j in range(per):
-                        out[base + j] = digits[byte, j]
-                    continue
             for j in range(min(per, count - base)):
-                symbol = digits[byte, j]
+                symbol = digits[data[b], j]
                 if symbol == -128:
                     if escape >= n_escapes or n_wide >= wide.shape[0]:
                         return -1, n_wide
@@ -161,6 +182,7 @@ def unpack_kernel(per: int) -> Callable[..., tuple[int, int]]:
                         wide_values[n_wide] = value
                         n_wide += 1
                 out[base + j] = symbol
+            b += 1
         return escape, n_wide
 
     return kernel
@@ -215,13 +237,15 @@ def warm_up(heads: int, head_dim: int) -> None:
             return
         width, mid = 2 * heads * head_dim, head_dim // 2
         for per in (1, 2, 3, 4):
-            data = np.zeros(1, np.uint8)
-            word = {1: np.uint8, 2: np.uint16, 3: np.uint32, 4: np.uint32}[per]  # as compress.xquant's tables
-            unpack_kernel(per)(np.frombuffer(data.tobytes(), np.uint8), np.zeros((256, per), np.int8),
-                               np.zeros(256, np.bool_), np.zeros(256, word), np.zeros(per, np.int8),
-                               np.zeros(1 if per in (2, 4) else 0, word),
-                               np.frombuffer(np.zeros(1, np.int32).tobytes(), np.int32), 0,
-                               np.zeros(1, np.int64), np.zeros(1, np.int32), 0, 0)
+            group_bytes, group_symbols = GROUPS[per]
+            data = np.frombuffer(np.zeros(group_bytes, np.uint8).tobytes(), np.uint8)  # read-only, as zstd's
+            out = np.zeros(group_symbols + 8, np.int8)
+            for at in (0, 1):  # the word view of a stream aligned and not (an odd token count shifts them)
+                unpack_kernel(per)(data, np.zeros((256, per), np.int8), np.zeros(256, np.bool_),
+                                   np.zeros(256, np.uint64), out[at : at + group_symbols],
+                                   out[at : at + group_symbols].view(np.uint64),
+                                   np.frombuffer(np.zeros(1, np.int32).tobytes(), np.int32), 0,
+                                   np.zeros(1, np.int64), np.zeros(1, np.int32), 0, 0)
         place_block(np.zeros(2, np.int8), np.ones((1, 1), np.int64), np.zeros((1, 1), np.int64),
                     np.ones(1, np.int64), np.zeros(1, np.int64), 0, 2, np.zeros(2, np.int8))
         kernel = epilogue_kernel(heads, head_dim)

@@ -13,6 +13,7 @@ from adapters.xquant import xquant_params
 from compress import hugepages, xquant_kernels
 from kvstore import KVBlock
 from kvstore.encoding import decode_block, encode_block, prepare_block
+from kvstore.errors import CorruptBlockError
 
 needs_numba = pytest.mark.skipif(not xquant_kernels.AVAILABLE, reason="numba is not available here")
 
@@ -139,3 +140,33 @@ def test_place_block_refuses_segments_that_do_not_fit() -> None:
         xquant_kernels.place_block(np.ones(5 * 4 - 1, np.int8), counts, slots, widths, starts, 0, 4, out)
     with pytest.raises(ValueError, match="do not fit"):  # tokens beyond the output
         xquant_kernels.place_block(np.ones(5 * 2, np.int8), counts, slots, widths, starts, 3, 2, out)
+
+
+@needs_numba
+@pytest.mark.parametrize("count", [1, 2, 7, 8, 9, 23, 24, 25, 47, 301])
+def test_unpack_kernel_matches_numpy(count: int) -> None:
+    """The numba unpack (whole 8-byte words per escape-free group of bytes) equals numpy's, at every group
+    boundary, with escapes in and beyond int8 anywhere, streams at odd offsets, and a truncated escape list."""
+    from compress import xquant
+
+    rng = np.random.default_rng(count)
+    streams, escaped, sizes = [], [], []
+    for c, (per, half_range) in enumerate(xquant._SCHEMES):
+        size = count + c  # unequal segments: later streams start at unaligned offsets of the rows
+        symbols = torch.from_numpy(rng.integers(-half_range, half_range + 1, size).astype(np.int32))
+        where = rng.random(size) < 0.1
+        symbols[where] = torch.from_numpy(rng.choice([-300, -128, half_range + 1, 127, 1000], int(where.sum()))
+                                          .astype(np.int32))
+        data, escapes = xquant._pack(symbols, per, half_range)
+        streams.append(data)
+        escaped.append(escapes.numpy())
+        sizes.append(size)
+    esc_values = np.concatenate(escaped).astype(np.int32)
+    total = sum(sizes)
+    fused = xquant._unpack_fused(streams, sizes, 1, esc_values, np.empty(total, np.int8))
+    plain = xquant._unpack_numpy(streams, sizes, 1, esc_values, np.empty(total, np.int8))
+    for a, b in zip(fused, plain, strict=True):
+        assert np.array_equal(a, b)
+    if len(esc_values):
+        with pytest.raises(CorruptBlockError, match="escape"):
+            xquant._unpack_fused(streams, sizes, 1, esc_values[:-1], np.empty(total, np.int8))
