@@ -105,8 +105,9 @@ def cache_from_prepared(
     total = sum(b.num_tokens for b in blocks)
     staging = torch.device(device).type != "cpu"  # decode on the CPU, then one transfer
     out_dtype = dtype or blocks[0].dtype
-    keys = hugepages.empty((layers, heads, total, dim), out_dtype)
-    values = hugepages.empty((layers, heads, total, dim), out_dtype)
+    # faulted in (by torch's threads, or recycled from an earlier cache) before the codecs' loops write them
+    keys = hugepages.empty((layers, heads, total, dim), out_dtype, prefault=True)
+    values = hugepages.empty((layers, heads, total, dim), out_dtype, prefault=True)
     start = 0
     for run in _runs([b.payload for b in blocks]):
         end = start + sum(p.num_tokens for p in run)

@@ -60,6 +60,8 @@ SETTINGS: list[tuple[str, dict[str, Any]]] = [
     # and bound before the windows; "basis" picks the latent (klt: activation-aware SVD, svd: weights only)
     ("xquant", {"step": 0.35, "basis": "klt"}),
     ("xquant", {"step": 0.35, "drop_below": 0.4, "basis": "klt"}),  # the lowest class not stored: faster decode
+    ("xquant", {"step": 0.35, "drop_below": 0.8, "basis": "klt"}),  # and most of the next one
+    ("xquant", {"step": 0.35, "drop_below": 1.2, "basis": "klt"}),
     ("xquant", {"step": 0.45, "basis": "klt"}),
     ("xquant", {"step": 0.5, "basis": "klt"}),
     ("xquant", {"step": 0.6, "basis": "klt"}),

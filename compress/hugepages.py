@@ -1,10 +1,18 @@
-"""Large CPU buffers on transparent huge pages: decoding a cache into fresh memory faults 2 MiB at a time.
+"""Large CPU buffers on transparent huge pages, recycled: decoding a cache into fresh memory is costly.
 
-A 4,096-token SmolLM2 cache is ~190 MB of float32 written into fresh memory on every load; with 4 KiB pages
-that is ~46,000 page faults (tens of milliseconds, more when the writes come from a tight loop). Anonymous
-memory advised ``MADV_HUGEPAGE`` faults in 2 MiB pages instead, where the kernel offers transparent huge
-pages (``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or ``madvise``); elsewhere ``empty`` is
-``torch.empty``.
+A 4,096-token SmolLM2 cache is ~190 MB of float32 written on every load. Fresh memory costs a page fault per
+page written (~46,000 with 4 KiB pages), and on a virtual machine the host may first have to back the guest's
+page as well: measured here, 2 MiB faults of fresh memory took from 0.05 to over 2 ms each, which made one load
+anywhere between 40 and 300 ms. So:
+
+* anonymous memory advised ``MADV_HUGEPAGE`` faults 2 MiB at a time where the kernel offers transparent huge
+  pages (``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or ``madvise``);
+* a buffer is given back to a small pool when the last tensor using it is freed (a ``weakref.finalize`` on the
+  numpy array the tensor is made from), and the next ``empty`` of the same size takes it, already faulted in:
+  a decoded cache lives until its first forward step replaces it, so a process serving a stream of requests
+  reuses the same few buffers. The pool holds at most ``POOL_MAX_BYTES`` (``release_pool`` empties it).
+
+Below ``THRESHOLD_BYTES``, or where huge pages are not offered, ``empty`` is ``torch.empty``.
 """
 
 from __future__ import annotations
@@ -13,11 +21,18 @@ import contextlib
 import functools
 import math
 import mmap
+import threading
+import weakref
 
+import numpy as np
 import torch
 
 THRESHOLD_BYTES = 8 << 20  # smaller buffers come from torch's allocator, which reuses them
+POOL_MAX_BYTES = 1 << 30  # freed buffers kept for reuse, in all
 _THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
+_pool: dict[int, list[mmap.mmap]] = {}
+_pooled_bytes = 0
+_lock = threading.Lock()
 
 
 @functools.cache
@@ -32,12 +47,60 @@ def available() -> bool:
         return False
 
 
-def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor like ``torch.empty(shape, dtype=dtype)``, on huge pages when it is large."""
+def empty(shape: tuple[int, ...], dtype: torch.dtype, *, prefault: bool = False) -> torch.Tensor:
+    """An uninitialised CPU tensor like ``torch.empty(shape, dtype=dtype)``, on huge pages when it is large.
+
+    ``prefault``: a fresh mapping is written once (zeros, by torch's threads) so that no page faults are left
+    for the caller's loops; a recycled one is already faulted in. The contents are undefined either way.
+    """
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
     if nbytes < THRESHOLD_BYTES or not available():
         return torch.empty(shape, dtype=dtype)
-    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(OSError):  # advice refused: ordinary pages, still correct
-        buffer.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(buffer, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
+    buffer = _take(nbytes)
+    fresh = buffer is None
+    if buffer is None:
+        buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        with contextlib.suppress(OSError):  # advice refused: ordinary pages, still correct
+            buffer.madvise(mmap.MADV_HUGEPAGE)
+    array = np.frombuffer(buffer, dtype=np.uint8)
+    weakref.finalize(array, _give_back, buffer)  # runs when the last tensor on this memory is freed
+    tensor = torch.from_numpy(array).view(dtype).view(shape)
+    if fresh and prefault:
+        tensor.view(torch.uint8).zero_()
+    return tensor
+
+
+def pooled_bytes() -> int:
+    """Bytes of freed buffers kept for reuse."""
+    return _pooled_bytes
+
+
+def release_pool() -> None:
+    """Unmap every pooled buffer (their memory goes back to the system)."""
+    global _pooled_bytes
+    with _lock:
+        buffers = [b for kept in _pool.values() for b in kept]
+        _pool.clear()
+        _pooled_bytes = 0
+    for buffer in buffers:
+        with contextlib.suppress(BufferError):  # still exported by an array being freed: unmapped after it
+            buffer.close()
+
+
+def _take(nbytes: int) -> mmap.mmap | None:
+    global _pooled_bytes
+    with _lock:
+        kept = _pool.get(nbytes)
+        if not kept:
+            return None
+        _pooled_bytes -= nbytes
+        return kept.pop()
+
+
+def _give_back(buffer: mmap.mmap) -> None:
+    global _pooled_bytes
+    with _lock:
+        if _pooled_bytes + len(buffer) <= POOL_MAX_BYTES:
+            _pool.setdefault(len(buffer), []).append(buffer)
+            _pooled_bytes += len(buffer)
+    # else: dropped; unmapped when the dying array lets go of it (it still holds it while this runs)

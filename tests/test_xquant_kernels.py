@@ -110,6 +110,31 @@ def test_huge_page_buffers_behave_like_torch_empty() -> None:
     assert isinstance(hugepages.available(), bool)
 
 
+@pytest.mark.skipif(not hugepages.available(), reason="no transparent huge pages on this kernel: torch.empty there")
+def test_huge_page_buffers_are_recycled_only_once_freed() -> None:
+    """A freed buffer goes back to the pool and the next one of its size reuses it (already faulted in); one still
+    referenced by a view is never handed out twice."""
+    hugepages.release_pool()
+    shape = (3, 1024, 1024)
+    first = hugepages.empty(shape, torch.float32, prefault=True)
+    assert float(first.abs().sum()) == 0.0  # a fresh prefaulted mapping: written with zeros
+    first.fill_(7.0)
+    keep = first[0]
+    del first
+    assert hugepages.pooled_bytes() == 0  # the view still uses it
+    second = hugepages.empty(shape, torch.float32)
+    second.fill_(1.0)
+    assert float(keep.sum()) == 7.0 * keep.numel()  # untouched by the second buffer
+    address = second.data_ptr()
+    del second
+    assert hugepages.pooled_bytes() == 12 << 20
+    third = hugepages.empty(shape, torch.float32)
+    assert third.data_ptr() == address and hugepages.pooled_bytes() == 0  # reused
+    del keep, third
+    hugepages.release_pool()
+    assert hugepages.pooled_bytes() == 0
+
+
 @needs_numba
 def test_place_block_matches_numpy(monkeypatch) -> None:
     """The numba copy of a block's (class, layer) segments equals the numpy slicing it replaces."""
