@@ -10,7 +10,8 @@ anywhere between 40 and 300 ms. So:
 * a buffer is given back to a small pool when the last tensor using it is freed (a ``weakref.finalize`` on the
   numpy array the tensor is made from), and the next ``empty`` of the same size takes it, already faulted in:
   a decoded cache lives until its first forward step replaces it, so a process serving a stream of requests
-  reuses the same few buffers. The pool holds at most ``POOL_MAX_BYTES`` (``release_pool`` empties it).
+  reuses the same few buffers. The pool holds at most ``POOL_MAX_BYTES``, the most recently freed buffers
+  (``release_pool`` empties it).
 
 Below ``THRESHOLD_BYTES``, or where huge pages are not offered, ``empty`` is ``torch.empty``.
 """
@@ -30,9 +31,9 @@ import torch
 THRESHOLD_BYTES = 8 << 20  # smaller buffers come from torch's allocator, which reuses them
 POOL_MAX_BYTES = 1 << 30  # freed buffers kept for reuse, in all
 _THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
-_pool: dict[int, list[mmap.mmap]] = {}
+_pool: list[mmap.mmap] = []  # oldest first
 _pooled_bytes = 0
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entrant: a finalizer may run (garbage collection) while this thread holds it
 
 
 @functools.cache
@@ -79,7 +80,7 @@ def release_pool() -> None:
     """Unmap every pooled buffer (their memory goes back to the system)."""
     global _pooled_bytes
     with _lock:
-        buffers = [b for kept in _pool.values() for b in kept]
+        buffers = list(_pool)
         _pool.clear()
         _pooled_bytes = 0
     for buffer in buffers:
@@ -88,19 +89,21 @@ def release_pool() -> None:
 
 
 def _take(nbytes: int) -> mmap.mmap | None:
+    """The most recently pooled buffer of exactly ``nbytes``, taken out of the pool; None when there is none."""
     global _pooled_bytes
     with _lock:
-        kept = _pool.get(nbytes)
-        if not kept:
-            return None
-        _pooled_bytes -= nbytes
-        return kept.pop()
+        for index in range(len(_pool) - 1, -1, -1):
+            if len(_pool[index]) == nbytes:
+                _pooled_bytes -= nbytes
+                return _pool.pop(index)
+    return None
 
 
 def _give_back(buffer: mmap.mmap) -> None:
+    """Pool a freed buffer; the oldest ones are dropped (unmapped once unreferenced) beyond ``POOL_MAX_BYTES``."""
     global _pooled_bytes
     with _lock:
-        if _pooled_bytes + len(buffer) <= POOL_MAX_BYTES:
-            _pool.setdefault(len(buffer), []).append(buffer)
-            _pooled_bytes += len(buffer)
-    # else: dropped; unmapped when the dying array lets go of it (it still holds it while this runs)
+        _pool.append(buffer)
+        _pooled_bytes += len(buffer)
+        while _pooled_bytes > POOL_MAX_BYTES and _pool:
+            _pooled_bytes -= len(_pool.pop(0))

@@ -22,7 +22,7 @@ linear in ``X`` (no bias on Llama-style models), that latent is an orthonormal c
   calibration spread is below ``drop_below * step_i`` are not stored at all (their block mean stands in).
   ``drop_below=0.4`` drops the whole lowest class, ``0.8`` most of the next one too: on text like the
   calibration's that costs little perplexity, saves bits and shrinks the decode's work (SmolLM2, step 0.35:
-  5,539 / 3,680 of 11,520 components kept instead of 9,120; 7.1x / 8.2x at +0.31% / +0.35% on the bench corpus
+  5,539 / 3,680 of 11,520 components kept instead of 9,120; 7.1x / 8.2x at +0.31% / +0.34% on the bench corpus
   vs 6.7x at +0.34%), but it trusts the calibration: with calibration text unlike the cached text (measured:
   SmolLM2 on the synthetic test documents) components it drops carry real signal (next-token KL 0.095 at 0.4 vs
   0.007 at the default 0.1). So the default stays 0.1; larger values are for calibration matched to the data.

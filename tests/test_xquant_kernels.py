@@ -135,6 +135,18 @@ def test_huge_page_buffers_are_recycled_only_once_freed() -> None:
     assert hugepages.pooled_bytes() == 0
 
 
+@pytest.mark.skipif(not hugepages.available(), reason="no transparent huge pages on this kernel: torch.empty there")
+def test_huge_page_pool_keeps_the_most_recent_buffers_within_its_cap(monkeypatch) -> None:
+    hugepages.release_pool()
+    monkeypatch.setattr(hugepages, "POOL_MAX_BYTES", 20 << 20)
+    older, newer = hugepages.empty((3 << 20,), torch.float32), hugepages.empty((4 << 20,), torch.float32)
+    del older  # 12 MiB pooled
+    del newer  # 16 MiB more: over the cap, the older one is dropped
+    assert hugepages.pooled_bytes() == 16 << 20
+    assert hugepages._take(12 << 20) is None and hugepages._take(16 << 20) is not None
+    hugepages.release_pool()
+
+
 @needs_numba
 def test_place_block_matches_numpy(monkeypatch) -> None:
     """The numba copy of a block's (class, layer) segments equals the numpy slicing it replaces."""
