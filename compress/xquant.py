@@ -70,6 +70,7 @@ import math
 import struct
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -611,7 +612,6 @@ def _write_layers(parts: list[XQuantPayload], keys_out: torch.Tensor, values_out
     """
     codec = parts[0].codec
     tables = bound_tables(codec.model)
-    layers, heads, _, dim = parts[0].shape
     plan = codec._plan()
     counts = [p.num_tokens for p in parts]
     tokens = sum(counts)
@@ -622,7 +622,17 @@ def _write_layers(parts: list[XQuantPayload], keys_out: torch.Tensor, values_out
     means = torch.from_numpy(np.stack([p.mean for p in parts], axis=1))  # [L, P, C]
     offsets = torch.bmm(means, tables.basis.transpose(1, 2))  # [L, P, C]: the block means rematerialized
     block_of = np.repeat(np.arange(len(parts), dtype=np.int64), counts)
-    symbols = _symbol_matrices(parts, plan, tokens, starts)
+    with xquant_kernels.worker_pool() as pool:
+        _rematerialize(parts, plan, tables, tokens, starts, block_of, offsets, cos, sin, keys_out, values_out, pool)
+
+
+def _rematerialize(parts: list[XQuantPayload], plan: _Plan, tables: XQuantTables, tokens: int, starts: list[int],
+                   block_of: np.ndarray, offsets: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   keys_out: torch.Tensor, values_out: torch.Tensor, pool: ThreadPoolExecutor) -> None:
+    """``_write_layers``'s products and epilogues, the loops split over ``pool``; then the fp16 sinks."""
+    codec = parts[0].codec
+    layers, heads, _, dim = parts[0].shape
+    symbols = _symbol_matrices(parts, plan, tokens, starts, pool)
     wide = _wide_escapes(parts, plan, starts)
     fused = (xquant_kernels.AVAILABLE and keys_out.dtype == torch.float32 and values_out.dtype == torch.float32
              and keys_out[0].is_contiguous() and values_out[0].is_contiguous())
@@ -644,7 +654,7 @@ def _write_layers(parts: list[XQuantPayload], keys_out: torch.Tensor, values_out
         if epilogue is not None:
             args = (product.numpy().reshape(-1), scale.numpy(), offsets[layer].numpy().reshape(-1), block_of,
                     cos_flat, sin_flat, keys_out[layer].numpy().reshape(-1), values_out[layer].numpy().reshape(-1))
-            xquant_kernels.run_split(functools.partial(epilogue, *args), tokens)
+            xquant_kernels.run_split(functools.partial(epilogue, *args), tokens, pool)
         else:
             z = torch.addcmul(offsets[layer][torch.from_numpy(block_of)], product, scale)  # [T, C] float32
             keys, values = _rotate_split(z, cos, sin, heads)
@@ -694,7 +704,8 @@ def _scratch(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
     return buffer[:nbytes].view(dtype)
 
 
-def _symbol_matrices(parts: list[XQuantPayload], plan: _Plan, tokens: int, starts: list[int]) -> list[torch.Tensor]:
+def _symbol_matrices(parts: list[XQuantPayload], plan: _Plan, tokens: int, starts: list[int],
+                     pool: ThreadPoolExecutor | None = None) -> list[torch.Tensor]:
     """Each layer's symbols as a token-major int8 matrix ``[T, kept]`` (the blocks' tokens one after another)."""
     widths = np.asarray(plan.layer_widths, dtype=np.int64)
     out_starts = (np.cumsum(widths * tokens) - widths * tokens).astype(np.int64)
@@ -706,7 +717,7 @@ def _symbol_matrices(parts: list[XQuantPayload], plan: _Plan, tokens: int, start
             xquant_kernels.place_block(part.rows, plan.class_counts, plan.class_slots, widths, out_starts, start,
                                        part.num_tokens, out)
 
-    xquant_kernels.run_split(place, len(parts))
+    xquant_kernels.run_split(place, len(parts), pool)
     return [flat[o : o + w * tokens].view(tokens, w) for o, w in zip(out_starts.tolist(), plan.layer_widths,
                                                                       strict=True)]
 

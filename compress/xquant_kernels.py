@@ -37,7 +37,6 @@ except ImportError:  # pragma: no cover - exercised through AVAILABLE = False in
 AVAILABLE = njit is not None and os.environ.get("KVSHELF_NO_NUMBA", "") in ("", "0")
 _lock = threading.Lock()
 _warm: set[tuple[int, int]] = set()
-_pool: ThreadPoolExecutor | None = None
 
 
 def workers() -> int:
@@ -45,22 +44,28 @@ def workers() -> int:
     return max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 8))
 
 
-def run_split(task: Callable[[int, int], None], total: int) -> None:
-    """``task(first, last)`` over ``0..total`` cut into ``workers()`` ranges, run on a small thread pool."""
-    global _pool
-    parts = min(workers(), max(total, 1))
+def run_split(task: Callable[[int, int], None], total: int, pool: ThreadPoolExecutor | None = None) -> None:
+    """``task(first, last)`` over ``0..total`` cut into ``workers()`` ranges: the first on the calling thread, the
+    others on ``pool`` (a ``worker_pool()`` the caller holds for a whole decode)."""
+    parts = min(workers(), max(total, 1)) if pool is not None else 1
     if parts == 1:
         task(0, total)
         return
-    if _pool is None:
-        with _lock:
-            if _pool is None:
-                _pool = ThreadPoolExecutor(max_workers=workers(), thread_name_prefix="kvshelf-xquant")
     bounds = [total * i // parts for i in range(parts + 1)]
-    futures = [_pool.submit(task, bounds[i], bounds[i + 1]) for i in range(1, parts)]
+    futures = [pool.submit(task, bounds[i], bounds[i + 1]) for i in range(1, parts)]
     task(bounds[0], bounds[1])
     for future in futures:
         future.result()
+
+
+def worker_pool() -> ThreadPoolExecutor:
+    """Threads for one decode's ``run_split`` calls (use as a context manager: they exit with it).
+
+    Not a pool kept for the process's life: measured here, idle threads that had run a decode's loops left every
+    later forward pass of the model ~20-40 ms slower (torch's OpenMP worker did less of each step), which threads
+    that exit do not; starting two threads costs ~0.1 ms per decode.
+    """
+    return ThreadPoolExecutor(max_workers=max(workers() - 1, 1), thread_name_prefix="kvshelf-xquant")
 
 
 def _libc_memmove() -> Callable[..., int] | None:

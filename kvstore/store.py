@@ -72,12 +72,8 @@ def _decode_all(decode: Callable[[bytes, bytes], T], keys: Sequence[bytes], valu
     present = [v for v in values if v is not None]
     if not parallel or len(present) < 2 or sum(len(v) for v in present) < _PARALLEL_MIN_BYTES:
         return [one(k, v) for k, v in zip(keys, values, strict=True)]
-    global _DECODE_POOL
-    with _DECODE_POOL_LOCK:
-        if _DECODE_POOL is None:
-            _DECODE_POOL = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
-                                              thread_name_prefix="kvshelf-decode")
-    return list(_DECODE_POOL.map(one, keys, values))
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="kvshelf-decode") as pool:
+        return list(pool.map(one, keys, values))
 
 
 class TieredStore:
