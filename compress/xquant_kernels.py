@@ -12,7 +12,8 @@ Three loops where numpy and torch need several passes over memory:
   ``[kv_heads, T, head_dim]``: one pass instead of the five torch needs. Compiled per model geometry (the
   head sizes are compile-time constants, which lets LLVM vectorize the inner loops).
 
-All run on the calling thread (no numba thread pool beside torch's OpenMP one) and release the GIL. They are
+All run serially on the threads that call them (no numba thread pool beside torch's OpenMP one) and release the
+GIL; a decode splits them over the caller and the threads of a ``worker_pool()`` that exit with it. They are
 compiled on first use and kept in numba's on-disk cache (``cache=True``), so a later process loads them in
 milliseconds; ``warm_up`` does that ahead of the first decode (``compress.xquant.bind_tables`` calls it).
 ``KVSHELF_NO_NUMBA=1`` in the environment turns them off (the fallback path), as tests do to compare both.

@@ -47,8 +47,6 @@ class TierSpec:
         return self.codec == other.codec and self.codec_params == other.codec_params
 
 
-_DECODE_POOL: ThreadPoolExecutor | None = None
-_DECODE_POOL_LOCK = threading.Lock()
 _PARALLEL_MIN_BYTES = 1 << 20
 
 
@@ -56,9 +54,11 @@ def _decode_all(decode: Callable[[bytes, bytes], T], keys: Sequence[bytes], valu
                 *, parallel: bool) -> list[T | BaseException | None]:
     """``decode`` every present value: the result, or the exception it raised (``None`` for a missing value).
 
-    With ``parallel``, several large values are decoded by a small shared thread pool: for decoders that do no
-    torch work (checksums, zstd, numpy release the GIL), so the entropy decoding of a long prefix uses every
-    core without a second OpenMP team competing with the caller's.
+    With ``parallel``, several large values are decoded by a few threads: for decoders that do no torch work
+    (checksums, zstd, numpy and numba release the GIL), so the entropy decoding of a long prefix uses every core
+    without a second OpenMP team competing with the caller's. The threads exit when the call ends: idle threads
+    kept in a pool after decoding xquant blocks left every later forward pass of the model 20-40 ms slower
+    (measured A/B in one process; starting them costs ~0.1 ms).
     """
 
     def one(key: bytes, value: bytes | None) -> T | BaseException | None:
