@@ -608,10 +608,18 @@ def _write_layers(parts: list[XQuantPayload], keys_out: torch.Tensor, values_out
     Per layer: the kept components' symbols ``S`` ``[T, kept]``, ``Z = S @ matrix`` (``[T, C]``; ``matrix``
     folds the basis and the steps: int8 with per-column scales by default, an exact int32 product), plus the
     block means rematerialized, RoPE on the key half at the tokens' positions; then the fp16 sinks. Symbols too
-    wide for int8 (rare escapes) have their tokens recomputed in float32.
+    wide for int8 (rare escapes) have their tokens recomputed in float32. The loops are split over threads that
+    live for this call (``xquant_kernels.worker_pool``).
     """
+    with xquant_kernels.worker_pool() as pool:
+        _write_layers_on(parts, keys_out, values_out, pool)
+
+
+def _write_layers_on(parts: list[XQuantPayload], keys_out: torch.Tensor, values_out: torch.Tensor,
+                     pool: ThreadPoolExecutor) -> None:
     codec = parts[0].codec
     tables = bound_tables(codec.model)
+    layers, heads, _, dim = parts[0].shape
     plan = codec._plan()
     counts = [p.num_tokens for p in parts]
     tokens = sum(counts)
@@ -622,16 +630,6 @@ def _write_layers(parts: list[XQuantPayload], keys_out: torch.Tensor, values_out
     means = torch.from_numpy(np.stack([p.mean for p in parts], axis=1))  # [L, P, C]
     offsets = torch.bmm(means, tables.basis.transpose(1, 2))  # [L, P, C]: the block means rematerialized
     block_of = np.repeat(np.arange(len(parts), dtype=np.int64), counts)
-    with xquant_kernels.worker_pool() as pool:
-        _rematerialize(parts, plan, tables, tokens, starts, block_of, offsets, cos, sin, keys_out, values_out, pool)
-
-
-def _rematerialize(parts: list[XQuantPayload], plan: _Plan, tables: XQuantTables, tokens: int, starts: list[int],
-                   block_of: np.ndarray, offsets: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   keys_out: torch.Tensor, values_out: torch.Tensor, pool: ThreadPoolExecutor) -> None:
-    """``_write_layers``'s products and epilogues, the loops split over ``pool``; then the fp16 sinks."""
-    codec = parts[0].codec
-    layers, heads, _, dim = parts[0].shape
     symbols = _symbol_matrices(parts, plan, tokens, starts, pool)
     wide = _wide_escapes(parts, plan, starts)
     fused = (xquant_kernels.AVAILABLE and keys_out.dtype == torch.float32 and values_out.dtype == torch.float32
@@ -705,7 +703,7 @@ def _scratch(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _symbol_matrices(parts: list[XQuantPayload], plan: _Plan, tokens: int, starts: list[int],
-                     pool: ThreadPoolExecutor | None = None) -> list[torch.Tensor]:
+                     pool: ThreadPoolExecutor) -> list[torch.Tensor]:
     """Each layer's symbols as a token-major int8 matrix ``[T, kept]`` (the blocks' tokens one after another)."""
     widths = np.asarray(plan.layer_widths, dtype=np.int64)
     out_starts = (np.cumsum(widths * tokens) - widths * tokens).astype(np.int64)

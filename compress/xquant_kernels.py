@@ -45,10 +45,10 @@ def workers() -> int:
     return max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 8))
 
 
-def run_split(task: Callable[[int, int], None], total: int, pool: ThreadPoolExecutor | None = None) -> None:
+def run_split(task: Callable[[int, int], None], total: int, pool: ThreadPoolExecutor) -> None:
     """``task(first, last)`` over ``0..total`` cut into ``workers()`` ranges: the first on the calling thread, the
     others on ``pool`` (a ``worker_pool()`` the caller holds for a whole decode)."""
-    parts = min(workers(), max(total, 1)) if pool is not None else 1
+    parts = min(workers(), max(total, 1))
     if parts == 1:
         task(0, total)
         return
