@@ -23,6 +23,12 @@ Codec parameters go with ``--codec-params JSON``. ``xquant`` needs the model's t
 calibration text (the corpus's end, as ``bench codecs`` does), saved to a safetensors file, and loaded by the
 warm-disk process before its timed runs, as a server loads them once at start beside the weights.
 
+The disk-mode processes run with glibc's malloc thresholds fixed (``WORKER_MALLOC``): large freed blocks are
+kept and reused instead of returned to the system. Without it, glibc's dynamic mmap threshold decides per process
+whether the ~190 MB a raw 4,096-token read copies out of LMDB land in recycled memory or in freshly faulted pages
+(measured: raw loads of ~30 ms in some processes, 60-100 ms in others), and the comparison measured the
+allocator's mood rather than the codecs.
+
 Each mode's TTFT is the median of ``runs`` calls; ``same_output`` compares 16 greedy tokens with ``full``.
 """
 
@@ -47,6 +53,9 @@ QUESTION = (
     "propose? Answer in one short sentence.\nAnswer:"
 )
 DEFAULT_LENGTHS = (1024, 2048, 4096)
+#: glibc tunables of the disk-mode processes (see the module docstring): mmap only above 32 MiB (the most glibc
+#: allows), never trim the heap
+WORKER_MALLOC = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=68719476736"
 
 
 def build_context(tokenizer: Any, texts: list[str], tokens: int) -> list[int]:
@@ -215,7 +224,8 @@ def run(
                                             "out": str(out), "disk_codec": codec, "cold": cold,
                                             "disk_codec_params": codec_params if codec == disk_codec else None,
                                             "xquant_tables": tables_path if codec == "xquant" else None}))
-                subprocess.run([sys.executable, "-m", "bench.ttft", "--worker", str(spec)], check=True)
+                subprocess.run([sys.executable, "-m", "bench.ttft", "--worker", str(spec)], check=True,
+                               env={**os.environ, "GLIBC_TUNABLES": WORKER_MALLOC})
                 disk = json.loads(out.read_text())
                 for n, result in zip(lengths, disk["results"], strict=True):
                     disk_calls.setdefault((n, mode), []).append(result)
@@ -251,6 +261,7 @@ def run(
         "disk_codec": disk_codec,
         "disk_codec_params": shown_params,
         "question_tokens": len(question),
+        "disk_worker_env": {"GLIBC_TUNABLES": WORKER_MALLOC},
         "corpus": corpus or "synthetic (no corpus found)",
         "results": results,
     }
