@@ -46,7 +46,7 @@ def run(*, json_path: str | None, reps: int = 50, console: Console | None = None
     key = chunk_key(block.fingerprint, block.namespace, block.token_ids)
     value = encode_block(block, key)
     with tempfile.TemporaryDirectory(prefix="kvshelf-bench-lmdb-") as tmp:
-        raw_env = lmdb.open(str(Path(tmp) / "raw"), map_size=1 << 30, readahead=False)
+        raw_env = lmdb.open(str(Path(tmp) / "raw"), map_size=1 << 30, readahead=True)
         with raw_env.begin(write=True) as txn:
             txn.put(key, value)
 

@@ -82,7 +82,7 @@ def grpc_wire_backend() -> Iterator[dict[str, Any]]:
 def connect(target: dict[str, Any]) -> tuple[ClientPair, Callable[[], None]]:
     """A client of ``target`` and its ``close``."""
     if target["kind"] == "lmdb":
-        env = lmdb.open(target["path"], map_size=64 << 30, readahead=False, sync=False, max_readers=256)
+        env = lmdb.open(target["path"], map_size=64 << 30, readahead=True, sync=False, max_readers=256)
 
         def put(key: bytes, value: bytes) -> None:
             with env.begin(write=True) as txn:

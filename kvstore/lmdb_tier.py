@@ -52,7 +52,7 @@ class LMDBTier(Tier):
                 str(self.path),
                 map_size=initial_map_bytes,
                 max_dbs=4,
-                readahead=False,
+                readahead=True,  # values are large runs of overflow pages: a cold read wants the kernel's readahead
                 sync=durable,
                 metasync=durable,
                 max_readers=512,
