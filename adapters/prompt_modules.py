@@ -19,15 +19,15 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from adapters.cache_bridge import check_supported
-from adapters.fingerprint import model_fingerprint
-from adapters.reuse_engine import Layout, eos_ids, greedy_decode, prefill_rows
-from kvstore.block import KVBlock
-from kvstore.errors import ConfigError
-from kvstore.store import TieredStore
-from reuse.errors import SchemaError
-from reuse.keys import module_key
-from reuse.schema import Assembly, CompiledModule, PromptItem, PromptSchema, assemble, parse_prompt
+from kvshelf.adapters.cache_bridge import check_supported
+from kvshelf.adapters.fingerprint import model_fingerprint
+from kvshelf.adapters.reuse_engine import Layout, eos_ids, greedy_decode, prefill_rows
+from kvshelf.kvstore.block import KVBlock
+from kvshelf.kvstore.errors import ConfigError
+from kvshelf.kvstore.store import TieredStore
+from kvshelf.reuse.errors import SchemaError
+from kvshelf.reuse.keys import module_key
+from kvshelf.reuse.schema import Assembly, CompiledModule, PromptItem, PromptSchema, assemble, parse_prompt
 
 
 @dataclass(frozen=True)

@@ -36,9 +36,9 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from adapters.cache_bridge import blocks_from_cache, check_supported
-from adapters.fingerprint import model_fingerprint
-from adapters.reuse_engine import (
+from kvshelf.adapters.cache_bridge import blocks_from_cache, check_supported
+from kvshelf.adapters.fingerprint import model_fingerprint
+from kvshelf.adapters.reuse_engine import (
     Layout,
     embed,
     eos_ids,
@@ -50,15 +50,15 @@ from adapters.reuse_engine import (
     run_layers,
     write_kv,
 )
-from kvstore.block import KVBlock
-from kvstore.errors import ConfigError
-from kvstore.store import TieredStore
-from reuse.blend import DEFAULT_RATIO, check_ratio, kv_deviation, select_recompute
-from reuse.chunking import chunk_tokens
-from reuse.errors import ChunkMissingError, ContextTooLongError, ForeignChunkError
-from reuse.keys import prefixed_block_key, rag_chunk_key
-from reuse.masks import PREFIX, block_mask
-from reuse.rope import rerotate_keys
+from kvshelf.kvstore.block import KVBlock
+from kvshelf.kvstore.errors import ConfigError
+from kvshelf.kvstore.store import TieredStore
+from kvshelf.reuse.blend import DEFAULT_RATIO, check_ratio, kv_deviation, select_recompute
+from kvshelf.reuse.chunking import chunk_tokens
+from kvshelf.reuse.errors import ChunkMissingError, ContextTooLongError, ForeignChunkError
+from kvshelf.reuse.keys import prefixed_block_key, rag_chunk_key
+from kvshelf.reuse.masks import PREFIX, block_mask
+from kvshelf.reuse.rope import rerotate_keys
 
 MODES = ("full", "reuse", "reuse-blend", "block-attention")
 BLEND_BASES = ("block", "chunk")

@@ -21,10 +21,10 @@ import torch
 from transformers import AttentionInterface, DynamicCache, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from adapters.cache_bridge import check_supported
-from adapters.fingerprint import kv_geometry
-from kvstore.errors import UnsupportedModelError
-from reuse.masks import causal_mask
+from kvshelf.adapters.cache_bridge import check_supported
+from kvshelf.adapters.fingerprint import kv_geometry
+from kvshelf.kvstore.errors import UnsupportedModelError
+from kvshelf.reuse.masks import causal_mask
 
 
 @dataclass

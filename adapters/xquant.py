@@ -25,9 +25,9 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from adapters.fingerprint import kv_geometry
-from compress.xquant import XQuantTables, bind_tables
-from kvstore.errors import ConfigError, UnsupportedModelError
+from kvshelf.adapters.fingerprint import kv_geometry
+from kvshelf.compress.xquant import XQuantTables, bind_tables
+from kvshelf.kvstore.errors import ConfigError, UnsupportedModelError
 
 CALIBRATION_CHUNK = 1024
 _SKIP = 4  # first tokens of every calibration chunk left out of the statistics (attention sinks)

@@ -23,10 +23,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from bench.common import machine_description, save_results
-from bench.servers import KVShelfProcess, RedisProcess, free_port
-from kvstore import KVBlock, encode_block
-from kvstore.errors import KVShelfError
+from kvshelf.bench.common import machine_description, save_results
+from kvshelf.bench.servers import KVShelfProcess, RedisProcess, free_port
+from kvshelf.kvstore import KVBlock, encode_block
+from kvshelf.kvstore.errors import KVShelfError
 
 NAMESPACE = "chaos"
 
@@ -54,7 +54,7 @@ class Ledger:
 
 
 def _client(index: int, address: str, ledger: Ledger, stop: threading.Event) -> None:
-    from service.client import RemoteStore
+    from kvshelf.service.client import RemoteStore
 
     rng = random.Random(index)
     store: RemoteStore | None = None
@@ -94,7 +94,7 @@ def _client(index: int, address: str, ledger: Ledger, stop: threading.Event) -> 
 
 def run(*, json_path: str | None, seconds: float = 60, clients: int = 8, redis_down_s: float = 10,
         console: Console | None = None) -> dict[str, Any]:
-    from service.client import RemoteStore
+    from kvshelf.service.client import RemoteStore
 
     console = console or Console()
     ledger = Ledger()

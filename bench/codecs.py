@@ -32,7 +32,7 @@ from rich.markup import escape
 from rich.table import Table
 from tqdm import tqdm
 
-from bench.common import corpus_texts, default_corpus, machine_description, save_results
+from kvshelf.bench.common import corpus_texts, default_corpus, machine_description, save_results
 
 WINDOW = 2048
 PREFIX = 1536
@@ -102,8 +102,8 @@ def _suffix_nll(model: Any, ids: list[int], cache: Any, attention_mask: torch.Te
 
 
 def _cache_of(model: Any, keys: torch.Tensor, values: torch.Tensor) -> Any:
-    from adapters.cache_bridge import cache_from_blocks
-    from kvstore.block import KVBlock
+    from kvshelf.adapters.cache_bridge import cache_from_blocks
+    from kvshelf.kvstore.block import KVBlock
 
     block = KVBlock(keys, values, tuple(range(keys.shape[2])), 0, "bench")
     return cache_from_blocks([block], model.config)
@@ -112,8 +112,8 @@ def _cache_of(model: Any, keys: torch.Tensor, values: torch.Tensor) -> Any:
 def _round_trip(name: str, params: dict[str, Any], keys: torch.Tensor, values: torch.Tensor,
                 token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, int, float, float]:
     """Encode and decode ``keys``/``values`` in 256-token blocks; return them, the encoded bytes and timings."""
-    from kvstore.block import KVBlock
-    from kvstore.encoding import decode_block, encode_block
+    from kvshelf.kvstore.block import KVBlock
+    from kvshelf.kvstore.encoding import decode_block, encode_block
 
     encoded_bytes, t_enc, t_dec, out_k, out_v = 0, 0.0, 0.0, [], []
     for s in range(0, keys.shape[2], BLOCK):
@@ -169,7 +169,7 @@ def _settings(model: Any, tokenizer: Any, corpus: str | None, only: list[str] | 
             continue
         codec_params = params
         if name == "xquant":
-            from adapters.xquant import xquant_params
+            from kvshelf.adapters.xquant import xquant_params
 
             calibration = calibration or xquant_calibration(tokenizer, corpus)
             rest = {k: v for k, v in params.items() if k != "basis"}
@@ -228,7 +228,7 @@ def run(
 ) -> dict[str, Any]:
     """Measure every codec setting (those of the codecs in ``only`` when given) and the anchors on ``windows``
     windows; write ``json_path``; print a table."""
-    from adapters.model import load_model
+    from kvshelf.adapters.model import load_model
 
     console = console or Console()
     model, tokenizer = load_model(model_name)

@@ -45,7 +45,7 @@ def corpus_texts(path: str | os.PathLike[str] | None) -> Iterator[str]:
         for record in load_corpus(path):
             yield f"{record.get('title', '')}. {record['abstract']}"
         return
-    from service.demo import make_documents  # no corpus: the demo's synthetic documents
+    from kvshelf.service.demo import make_documents  # no corpus: the demo's synthetic documents
 
     for doc in make_documents(count=12, target_tokens=None):
         yield doc.text

@@ -20,7 +20,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from bench.common import machine_description, median, save_results
+from kvshelf.bench.common import machine_description, median, save_results
 
 SHAPE = (32, 8, 64, 64)  # float32 keys + values: exactly 8 MiB of payload
 
@@ -36,8 +36,8 @@ def _median_seconds(fn: Any, reps: int) -> float:
 
 
 def run(*, json_path: str | None, reps: int = 50, console: Console | None = None) -> dict[str, Any]:
-    from kvstore import KVBlock, LMDBTier, TieredStore, encode_block
-    from kvstore.keys import chunk_key
+    from kvshelf.kvstore import KVBlock, LMDBTier, TieredStore, encode_block
+    from kvshelf.kvstore.keys import chunk_key
 
     console = console or Console()
     generator = torch.Generator().manual_seed(0)

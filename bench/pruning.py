@@ -50,8 +50,8 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-from adapters.pruning.layout import cache_bytes
-from bench.common import REPO_ROOT, corpus_texts, machine_description, save_results
+from kvshelf.adapters.pruning.layout import cache_bytes
+from kvshelf.bench.common import REPO_ROOT, corpus_texts, machine_description, save_results
 
 BUDGETS = (0.5, 0.25, 0.125)
 STATIC = ("streamingllm", "h2o", "keyformer", "snapkv", "keynorm")
@@ -125,7 +125,7 @@ def fresh(cache: Any) -> Any:
 
 
 def _methods(budgets: tuple[float, ...], only: Only = None) -> dict[str, Any]:
-    from adapters.pruning import H2O, Keyformer, KeyNorm, SnapKV, StreamingLLM
+    from kvshelf.adapters.pruning import H2O, Keyformer, KeyNorm, SnapKV, StreamingLLM
 
     makers = {"streamingllm": StreamingLLM, "h2o": H2O, "keyformer": Keyformer, "snapkv": SnapKV,
               "keynorm": lambda budget: KeyNorm(budget, recent=32)}
@@ -161,7 +161,7 @@ class Prefilled:
     def __init__(self, model: Any, ids: list[int], methods: dict[str, Any]) -> None:
         from transformers import DynamicCache
 
-        from adapters.pruning import scoring
+        from kvshelf.adapters.pruning import scoring
 
         previous = model.config._attn_implementation
         model.set_attn_implementation("eager")  # H2O and Keyformer read the prefill's attention weights
@@ -176,7 +176,7 @@ class Prefilled:
 
     def cache_for(self, name: str, budget: float) -> Any:
         """A fresh cache for a configuration: the full one, or a pruned one (``GrowingLayer`` s, as in use)."""
-        from adapters.pruning import prune_cache
+        from kvshelf.adapters.pruning import prune_cache
 
         if name in ("full", "tokenselect"):
             return fresh(self.cache)
@@ -190,7 +190,7 @@ class Prefilled:
 
 def attending(model: Any, name: str, budget: float) -> Any:
     """The context a configuration decodes in: TokenSelect's attention, or nothing for a (pruned) static cache."""
-    from adapters.pruning import TokenSelect
+    from kvshelf.adapters.pruning import TokenSelect
 
     return TokenSelect(budget)(model) if name == "tokenselect" else nullcontext()
 
@@ -493,7 +493,7 @@ def run(
     methods: Only = None,
     console: Console | None = None,
 ) -> dict[str, Any]:
-    from adapters.model import convert_bundled, load_model
+    from kvshelf.adapters.model import convert_bundled, load_model
 
     console = console or Console()
     started = time.perf_counter()

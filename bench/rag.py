@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-from bench.common import corpus_texts, machine_description, median, save_results
+from kvshelf.bench.common import corpus_texts, machine_description, median, save_results
 
 SYSTEM = "You find the secret code in the documents the user gives. Answer with the code only."
 INTRO = "Find the secret code in these documents.\n\nDocuments:\n\n"
@@ -106,7 +106,7 @@ def make_cases(tokenizer: Any, texts: list[str], cases: int, seed: int = 0) -> t
 
 
 def _generator(model: Any, tokenizer: Any, store: Any, prefix: list[int], mode: str) -> Any:
-    from adapters.rag import RAGGenerator
+    from kvshelf.adapters.rag import RAGGenerator
 
     return RAGGenerator(model, tokenizer, store, prefix=prefix, **VARIANTS.get(mode, (mode, {}))[1])
 
@@ -117,7 +117,7 @@ def _mode_arg(mode: str) -> str:
 
 def needle_qa(model: Any, tokenizer: Any, texts: list[str], cases: int, store: Any, console: Console,
               modes: tuple[str, ...] = MODES) -> list[dict[str, Any]]:
-    from adapters.rag import precompute
+    from kvshelf.adapters.rag import precompute
 
     before, after = _template(tokenizer)
     prefix, question = _enc(tokenizer, before), _enc(tokenizer, after)
@@ -163,7 +163,7 @@ def needle_qa(model: Any, tokenizer: Any, texts: list[str], cases: int, store: A
 
 
 def ttft_8x512(model: Any, tokenizer: Any, texts: list[str], store: Any, runs: int) -> list[dict[str, Any]]:
-    from bench.ttft import build_context
+    from kvshelf.bench.ttft import build_context
 
     before, after = _template(tokenizer)
     prefix, question = _enc(tokenizer, before), _enc(tokenizer, after)
@@ -186,10 +186,10 @@ def ttft_8x512(model: Any, tokenizer: Any, texts: list[str], store: Any, runs: i
 
 def prompt_module_ttft(model: Any, tokenizer: Any, texts: list[str], store: Any, runs: int,
                        module_tokens: int = 2048, free_tokens: int = 64, new_tokens: int = 16) -> dict[str, Any]:
-    from adapters.generate import CachedGenerator
-    from adapters.prompt_modules import PromptModuleGenerator
-    from bench.ttft import build_context
-    from reuse.schema import Module, ModuleUse, PromptSchema
+    from kvshelf.adapters.generate import CachedGenerator
+    from kvshelf.adapters.prompt_modules import PromptModuleGenerator
+    from kvshelf.bench.ttft import build_context
+    from kvshelf.reuse.schema import Module, ModuleUse, PromptSchema
 
     module_text = tokenizer.decode(build_context(tokenizer, texts, module_tokens + 40))
     module_ids = _enc(tokenizer, module_text)[:module_tokens]
@@ -217,8 +217,8 @@ def prompt_module_ttft(model: Any, tokenizer: Any, texts: list[str], store: Any,
 def run(*, json_path: str | None, corpus: str | None, cases: int = 40, runs: int = 3,
         model_name: str = "smollm2-135m", console: Console | None = None,
         modes: tuple[str, ...] = MODES) -> dict[str, Any]:
-    from adapters.model import load_model
-    from kvstore.embedded import open_embedded_store
+    from kvshelf.adapters.model import load_model
+    from kvshelf.kvstore.embedded import open_embedded_store
 
     console = console or Console()
     model, tokenizer = load_model(model_name)

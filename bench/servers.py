@@ -19,7 +19,7 @@ from pathlib import Path
 
 import redis
 
-from kvstore.errors import ConfigError
+from kvshelf.kvstore.errors import ConfigError
 
 HOST = "127.0.0.1"
 START_TIMEOUT_S = 20.0

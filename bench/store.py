@@ -28,8 +28,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from bench.common import machine_description, save_results
-from bench.servers import binary
+from kvshelf.bench.common import machine_description, save_results
+from kvshelf.bench.servers import binary
 
 MiB = 1 << 20
 DEFAULT_SIZES = (1, 8, 32)
@@ -53,7 +53,7 @@ def lmdb_backend() -> Iterator[dict[str, Any]]:
 
 @contextmanager
 def redis_backend() -> Iterator[dict[str, Any]]:
-    from bench.servers import redis_server
+    from kvshelf.bench.servers import redis_server
 
     with redis_server() as server:
         yield {"kind": "redis", "url": server.url}
@@ -66,7 +66,7 @@ def grpc_backend(shared_memory: bool | None = None) -> Iterator[dict[str, Any]]:
     ``shared_memory=None`` is what a same-host client gets by default: gets through a /dev/shm arena
     (service/arena.py); ``False`` forces every byte over gRPC's HTTP/2 wire.
     """
-    from bench.servers import kvshelf_server
+    from kvshelf.bench.servers import kvshelf_server
 
     with tempfile.TemporaryDirectory(prefix="kvshelf-bench-grpc-") as tmp, kvshelf_server(tmp) as address:
         yield {"kind": "grpc", "address": address, "shared_memory": shared_memory}
@@ -99,7 +99,7 @@ def connect(target: dict[str, Any]) -> tuple[ClientPair, Callable[[], None]]:
         client = redis.Redis.from_url(target["url"])
         return ((lambda k, v: client.set(k, v)), client.get), client.close
     if target["kind"] == "grpc":
-        from service.client import RemoteStore
+        from kvshelf.service.client import RemoteStore
 
         remote = RemoteStore(target["address"], namespace="bench", shared_memory=target["shared_memory"])
 
@@ -137,7 +137,7 @@ def bench_key(block_mib: int, clients: int, client: int, op_index: int) -> bytes
 def client_values(block_mib: int, clients: int, client: int, ops: int) -> dict[bytes, bytes]:
     """A valid encoded block of about ``block_mib`` MiB for each of one client's keys (deterministic, so the put
     and the get process of a client build the same values; the service verifies what it stores)."""
-    from kvstore import KVBlock, encode_block
+    from kvshelf.kvstore import KVBlock, encode_block
 
     tokens = max(1, block_mib * MiB // (2 * 8 * 8 * 128 * 2))  # fp16 [8 layers, 8 heads, tokens, 128]
     rng = torch.Generator().manual_seed(block_mib)
@@ -186,7 +186,7 @@ def _run_op(target: dict[str, Any], op: str, block_mib: int, clients: int, ops: 
     """One phase of a case with ``clients`` worker processes (``python -m bench.store_worker``) that start
     together once all are connected and warm; JSON lines over their pipes."""
     spec = {"target": target, "op": op, "block_mib": block_mib, "clients": clients, "ops": ops}
-    workers = [subprocess.Popen([sys.executable, "-m", "bench.store_worker", json.dumps({**spec, "client": c})],
+    workers = [subprocess.Popen([sys.executable, "-m", "kvshelf.bench.store_worker", json.dumps({**spec, "client": c})],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
                for c in range(clients)]
     try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 
-from bench.store import client_work
+from kvshelf.bench.store import client_work
 
 
 def main(argv: list[str]) -> int:

@@ -47,7 +47,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-from bench.common import corpus_texts, machine_description, median, save_results
+from kvshelf.bench.common import corpus_texts, machine_description, median, save_results
 
 QUESTION = (
     "\n\nQuestion: Which problem does the first abstract above address, and which method do its authors "
@@ -99,9 +99,9 @@ def _codec_params(model: Any, tokenizer: Any, corpus: str | None, codec: str, pa
     """The disk codec's parameters, and for ``xquant`` the file of the model tables they need (else None)."""
     if codec != "xquant":
         return (params or None), None
-    from adapters.xquant import xquant_params
-    from bench.codecs import xquant_calibration
-    from compress.xquant import bound_tables, save_tables
+    from kvshelf.adapters.xquant import xquant_params
+    from kvshelf.bench.codecs import xquant_calibration
+    from kvshelf.compress.xquant import bound_tables, save_tables
 
     rest = {k: v for k, v in params.items() if k != "basis"}
     bound = xquant_params(model, xquant_calibration(tokenizer, corpus), basis=params.get("basis", "klt"), **rest)
@@ -112,14 +112,14 @@ def _codec_params(model: Any, tokenizer: Any, corpus: str | None, codec: str, pa
 
 def disk_worker(spec_path: str) -> None:
     """Run in a fresh process: only the LMDB tier, which holds the blocks written by the parent."""
-    from adapters.generate import CachedGenerator
-    from adapters.model import load_model
-    from kvstore.embedded import open_embedded_store
+    from kvshelf.adapters.generate import CachedGenerator
+    from kvshelf.adapters.model import load_model
+    from kvshelf.kvstore.embedded import open_embedded_store
 
     spec = json.loads(Path(spec_path).read_text())
     model, tokenizer = load_model(spec["model"])
     if spec.get("xquant_tables"):
-        from compress.xquant import bind_tables, load_tables
+        from kvshelf.compress.xquant import bind_tables, load_tables
 
         bind_tables(load_tables(spec["xquant_tables"]))
 
@@ -176,9 +176,9 @@ def run(
     rounds: int = 3,
     cold: bool = False,
 ) -> dict[str, Any]:
-    from adapters.generate import CachedGenerator
-    from adapters.model import load_model
-    from kvstore.embedded import open_embedded_store
+    from kvshelf.adapters.generate import CachedGenerator
+    from kvshelf.adapters.model import load_model
+    from kvshelf.kvstore.embedded import open_embedded_store
 
     console = console or Console()
     model, tokenizer = load_model(model_name)
@@ -228,7 +228,7 @@ def run(
                                             "out": str(out), "disk_codec": codec, "cold": cold,
                                             "disk_codec_params": codec_params if codec == disk_codec else None,
                                             "xquant_tables": tables_path if codec == "xquant" else None}))
-                subprocess.run([sys.executable, "-m", "bench.ttft", "--worker", str(spec)], check=True,
+                subprocess.run([sys.executable, "-m", "kvshelf.bench.ttft", "--worker", str(spec)], check=True,
                                env={**os.environ, "GLIBC_TUNABLES": WORKER_MALLOC})
                 disk = json.loads(out.read_text())
                 for n, result in zip(lengths, disk["results"], strict=True):

@@ -5,14 +5,14 @@
 ``xquant`` (XQuant latent, needs the model: ``adapters.xquant``).
 """
 
-from compress import bf16 as _bf16  # noqa: F401  (each import registers its codec)
-from compress import cachegen as _cachegen  # noqa: F401
-from compress import fp16 as _fp16  # noqa: F401
-from compress import kivi as _kivi  # noqa: F401
-from compress import raw as _raw  # noqa: F401
-from compress import sparse as _sparse  # noqa: F401
-from compress import xquant as _xquant  # noqa: F401
-from compress import zstd as _zstd  # noqa: F401
-from compress.registry import Codec, available_codecs, get_codec, register_codec
+from kvshelf.compress import bf16 as _bf16  # noqa: F401  (each import registers its codec)
+from kvshelf.compress import cachegen as _cachegen  # noqa: F401
+from kvshelf.compress import fp16 as _fp16  # noqa: F401
+from kvshelf.compress import kivi as _kivi  # noqa: F401
+from kvshelf.compress import raw as _raw  # noqa: F401
+from kvshelf.compress import sparse as _sparse  # noqa: F401
+from kvshelf.compress import xquant as _xquant  # noqa: F401
+from kvshelf.compress import zstd as _zstd  # noqa: F401
+from kvshelf.compress.registry import Codec, available_codecs, get_codec, register_codec
 
 __all__ = ["Codec", "available_codecs", "get_codec", "register_codec"]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from compress.container import expect_len, pack_sections, unpack_sections
-from compress.raw import tensor_bytes, tensor_from_bytes
+from kvshelf.compress.container import expect_len, pack_sections, unpack_sections
+from kvshelf.compress.raw import tensor_bytes, tensor_from_bytes
 
 
 def numel(shape: tuple[int, ...]) -> int:

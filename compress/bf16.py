@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from compress._cast import cast_decode, cast_encode
-from compress.registry import Codec, register_codec
+from kvshelf.compress._cast import cast_decode, cast_encode
+from kvshelf.compress.registry import Codec, register_codec
 
 
 @register_codec

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from compress.raw import tensor_bytes, tensor_from_bytes
-from kvstore.errors import CorruptBlockError
+from kvshelf.compress.raw import tensor_bytes, tensor_from_bytes
+from kvshelf.kvstore.errors import CorruptBlockError
 
 
 def packed_len(count: int, bits: int) -> int:

@@ -55,13 +55,13 @@ import constriction
 import numpy as np
 import torch
 
-from compress._cast import numel
-from compress.bitpack import half_bytes, half_from, pack_bits, packed_len
-from compress.container import pack_sections, unpack_sections
-from compress.hadamard import hadamard, is_power_of_two, rotate
-from compress.raw import tensor_bytes
-from compress.registry import Codec, register_codec
-from kvstore.errors import CorruptBlockError
+from kvshelf.compress._cast import numel
+from kvshelf.compress.bitpack import half_bytes, half_from, pack_bits, packed_len
+from kvshelf.compress.container import pack_sections, unpack_sections
+from kvshelf.compress.hadamard import hadamard, is_power_of_two, rotate
+from kvshelf.compress.raw import tensor_bytes
+from kvshelf.compress.registry import Codec, register_codec
+from kvshelf.kvstore.errors import CorruptBlockError
 
 _HALF_MAX = 65504.0
 _MIN_STEP = 2.0**-24

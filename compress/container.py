@@ -15,7 +15,7 @@ import struct
 import zlib
 from collections.abc import Sequence
 
-from kvstore.errors import CorruptBlockError
+from kvshelf.kvstore.errors import CorruptBlockError
 
 _MAGIC = b"KC"
 _VERSION = 1

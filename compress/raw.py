@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from compress.registry import Codec, register_codec
-from kvstore.errors import CorruptBlockError
+from kvshelf.compress.registry import Codec, register_codec
+from kvshelf.kvstore.errors import CorruptBlockError
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

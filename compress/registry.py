@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvstore.errors import CodecParamError, UnknownCodecError
+from kvshelf.kvstore.errors import CodecParamError, UnknownCodecError
 
 _REGISTRY: dict[str, type[Codec]] = {}
 

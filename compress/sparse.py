@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
-from compress.bitpack import pack_bits, unpack_bits
-from compress.container import pack_sections, unpack_sections
-from compress.registry import Codec, get_codec, register_codec
-from kvstore.block import KVBlock
-from kvstore.errors import CorruptBlockError
+from kvshelf.compress.bitpack import pack_bits, unpack_bits
+from kvshelf.compress.container import pack_sections, unpack_sections
+from kvshelf.compress.registry import Codec, get_codec, register_codec
+from kvshelf.kvstore.block import KVBlock
+from kvshelf.kvstore.errors import CorruptBlockError
 
 _FILLS = {"nan": float("nan"), "zero": 0.0}
 

@@ -78,11 +78,11 @@ import numpy as np
 import torch
 import zstandard
 
-from compress import hugepages, xquant_kernels
-from compress.container import expect_len, pack_sections, unpack_sections
-from compress.raw import tensor_bytes
-from compress.registry import Codec, PreparedPayload, register_codec, write_each
-from kvstore.errors import CodecParamError, ConfigError, CorruptBlockError
+from kvshelf.compress import hugepages, xquant_kernels
+from kvshelf.compress.container import expect_len, pack_sections, unpack_sections
+from kvshelf.compress.raw import tensor_bytes
+from kvshelf.compress.registry import Codec, PreparedPayload, register_codec, write_each
+from kvshelf.kvstore.errors import CodecParamError, ConfigError, CorruptBlockError
 
 NAME = "xquant"
 _FORMAT = 2  # 2: streams token-major within each (class, layer); 1 was component-major

@@ -1,9 +1,9 @@
 """Blocks, keys, tiers, the tiered store, eviction and stats. Knows neither transformers nor gRPC."""
 
-from kvstore.block import KVBlock
-from kvstore.embedded import open_embedded_store, parse_size
-from kvstore.encoding import decode_block, encode_block, read_header
-from kvstore.errors import (
+from kvshelf.kvstore.block import KVBlock
+from kvshelf.kvstore.embedded import open_embedded_store, parse_size
+from kvshelf.kvstore.encoding import decode_block, encode_block, read_header
+from kvshelf.kvstore.errors import (
     CodecParamError,
     ConfigError,
     CorruptBlockError,
@@ -13,14 +13,14 @@ from kvstore.errors import (
     TierUnavailableError,
     UnknownCodecError,
 )
-from kvstore.fingerprint import fingerprint_from_properties
-from kvstore.keys import KEY_BYTES, chunk_key, prefix_block_keys
-from kvstore.lmdb_tier import LMDBTier
-from kvstore.memory_tier import MemoryTier
-from kvstore.redis_tier import RedisTier
-from kvstore.stats import StoreEvent
-from kvstore.store import TieredStore, TierSpec
-from kvstore.tier import Tier, TierUsage
+from kvshelf.kvstore.fingerprint import fingerprint_from_properties
+from kvshelf.kvstore.keys import KEY_BYTES, chunk_key, prefix_block_keys
+from kvshelf.kvstore.lmdb_tier import LMDBTier
+from kvshelf.kvstore.memory_tier import MemoryTier
+from kvshelf.kvstore.redis_tier import RedisTier
+from kvshelf.kvstore.stats import StoreEvent
+from kvshelf.kvstore.store import TieredStore, TierSpec
+from kvshelf.kvstore.tier import Tier, TierUsage
 
 __all__ = [
     "KEY_BYTES",

@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvstore.errors import ConfigError
+from kvshelf.kvstore.errors import ConfigError
 
 if TYPE_CHECKING:
-    from compress.registry import PreparedPayload
+    from kvshelf.compress.registry import PreparedPayload
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,11 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from compress.registry import get_codec
-from kvstore.errors import ConfigError
-from kvstore.lmdb_tier import LMDBTier
-from kvstore.memory_tier import MemoryTier
-from kvstore.store import TieredStore, TierSpec
+from kvshelf.compress.registry import get_codec
+from kvshelf.kvstore.errors import ConfigError
+from kvshelf.kvstore.lmdb_tier import LMDBTier
+from kvshelf.kvstore.memory_tier import MemoryTier
+from kvshelf.kvstore.store import TieredStore, TierSpec
 
 DEFAULT_MEMORY_BYTES = 2 << 30
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 import xxhash
 
-from compress.registry import Codec, get_codec
-from kvstore.block import KVBlock, PreparedBlock
-from kvstore.errors import CorruptBlockError, ForeignBlockError, KVShelfError
+from kvshelf.compress.registry import Codec, get_codec
+from kvshelf.kvstore.block import KVBlock, PreparedBlock
+from kvshelf.kvstore.errors import CorruptBlockError, ForeignBlockError, KVShelfError
 
 MAGIC = b"KVSH"
 FORMAT_VERSION = 1

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvstore.errors import ConfigError
+from kvshelf.kvstore.errors import ConfigError
 
 KEY_BYTES = 16
 _ROOT = b"\x00" * KEY_BYTES

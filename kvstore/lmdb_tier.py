@@ -14,9 +14,9 @@ from typing import TypeVar
 
 import lmdb
 
-from kvstore.errors import ConfigError, StoreFullError
-from kvstore.rwlock import RWLock
-from kvstore.tier import Tier, TierUsage
+from kvshelf.kvstore.errors import ConfigError, StoreFullError
+from kvshelf.kvstore.rwlock import RWLock
+from kvshelf.kvstore.tier import Tier, TierUsage
 
 T = TypeVar("T")
 _TOTAL = b"total_bytes"

@@ -6,8 +6,8 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from kvstore.errors import ConfigError
-from kvstore.tier import EvictionCallback, Tier, TierUsage
+from kvshelf.kvstore.errors import ConfigError
+from kvshelf.kvstore.tier import EvictionCallback, Tier, TierUsage
 
 
 class MemoryTier(Tier):

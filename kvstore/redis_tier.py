@@ -53,8 +53,8 @@ import redis.exceptions as rex
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
 
-from kvstore.errors import ConfigError, TierUnavailableError
-from kvstore.tier import Tier, TierUsage
+from kvshelf.kvstore.errors import ConfigError, TierUnavailableError
+from kvshelf.kvstore.tier import Tier, TierUsage
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

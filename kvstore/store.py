@@ -11,13 +11,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-from compress.registry import get_codec
-from kvstore.block import KVBlock, PreparedBlock
-from kvstore.encoding import decode_block, encode_block, prepare_block, read_header, verify_block
-from kvstore.errors import ConfigError, ForeignBlockError, KVShelfError, StoreFullError, TierUnavailableError
-from kvstore.keys import KEY_BYTES
-from kvstore.stats import ALL_TIERS, UNKNOWN, Counters, StoreEvent
-from kvstore.tier import Tier, TierUsage
+from kvshelf.compress.registry import get_codec
+from kvshelf.kvstore.block import KVBlock, PreparedBlock
+from kvshelf.kvstore.encoding import decode_block, encode_block, prepare_block, read_header, verify_block
+from kvshelf.kvstore.errors import ConfigError, ForeignBlockError, KVShelfError, StoreFullError, TierUnavailableError
+from kvshelf.kvstore.keys import KEY_BYTES
+from kvshelf.kvstore.stats import ALL_TIERS, UNKNOWN, Counters, StoreEvent
+from kvshelf.kvstore.tier import Tier, TierUsage
 
 log = logging.getLogger(__name__)
 Listener = Callable[[StoreEvent], None]

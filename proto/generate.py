@@ -1,8 +1,9 @@
 """Regenerate the Python stubs of ``proto/kvshelf.proto`` (``make proto``; needs ``grpcio-tools``).
 
-``python -m proto.generate [OUT_DIR]`` writes ``kvshelf_pb2.py``, ``kvshelf_pb2.pyi`` and ``kvshelf_pb2_grpc.py``
-into ``OUT_DIR`` (default: this directory), with the generated ``import kvshelf_pb2`` made a package import
-(``from proto import kvshelf_pb2``) so the stubs work as ``proto.kvshelf_pb2_grpc``.
+``python -m kvshelf.proto.generate [OUT_DIR]`` writes ``kvshelf_pb2.py``, ``kvshelf_pb2.pyi`` and
+``kvshelf_pb2_grpc.py`` into ``OUT_DIR`` (default: this directory), with the generated ``import kvshelf_pb2``
+made a package import (``from kvshelf.proto import kvshelf_pb2``) so the stubs work as
+``kvshelf.proto.kvshelf_pb2_grpc``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def generate(out_dir: Path = PROTO_DIR) -> list[Path]:
         raise RuntimeError(f"protoc failed with exit code {rc} on {PROTO_FILE}")
     grpc_stub = out_dir / "kvshelf_pb2_grpc.py"
     text = grpc_stub.read_text()
-    grpc_stub.write_text(text.replace("\nimport kvshelf_pb2 as ", "\nfrom proto import kvshelf_pb2 as "))
+    grpc_stub.write_text(text.replace("\nimport kvshelf_pb2 as ", "\nfrom kvshelf.proto import kvshelf_pb2 as "))
     return [out_dir / name for name in STUBS]
 
 

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto import kvshelf_pb2 as kvshelf__pb2
+from kvshelf.proto import kvshelf_pb2 as kvshelf__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -1,9 +1,9 @@
 """Context reuse beyond prefixes: prompt modules, RAG chunks, block attention, RoPE re-encoding, selective
 recompute. Model-independent; the HF front doors are ``adapters.rag`` and ``adapters.prompt_modules``."""
 
-from reuse.blend import DEFAULT_RATIO, kv_deviation, select_recompute
-from reuse.chunking import chunk_tokens
-from reuse.errors import (
+from kvshelf.reuse.blend import DEFAULT_RATIO, kv_deviation, select_recompute
+from kvshelf.reuse.chunking import chunk_tokens
+from kvshelf.reuse.errors import (
     ChunkMissingError,
     ContextTooLongError,
     ForeignChunkError,
@@ -15,8 +15,8 @@ from reuse.errors import (
     UnknownModuleError,
     UnknownParameterError,
 )
-from reuse.rope import rerotate_keys
-from reuse.schema import Module, ModuleUse, Param, PromptSchema, assemble, parse_prompt
+from kvshelf.reuse.rope import rerotate_keys
+from kvshelf.reuse.schema import Module, ModuleUse, Param, PromptSchema, assemble, parse_prompt
 
 __all__ = [
     "DEFAULT_RATIO",

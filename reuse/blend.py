@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from kvstore.errors import ConfigError
+from kvshelf.kvstore.errors import ConfigError
 
 DEFAULT_RATIO = 0.15
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvstore.errors import ConfigError
+from kvshelf.kvstore.errors import ConfigError
 
 
 def chunk_tokens(ids: Sequence[int], chunk_size: int, overlap: int = 0) -> list[list[int]]:

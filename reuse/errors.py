@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvstore.errors import ConfigError, KVShelfError
+from kvshelf.kvstore.errors import ConfigError, KVShelfError
 
 
 class ReuseError(KVShelfError):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvstore.keys import chunk_key
+from kvshelf.kvstore.keys import chunk_key
 
 BLOCK, MODULE, SEP = -1, -2, -3
 

@@ -25,7 +25,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from reuse.errors import (
+from kvshelf.reuse.errors import (
     ContextTooLongError,
     MissingParameterError,
     ParameterTooLongError,

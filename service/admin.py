@@ -13,8 +13,8 @@ from typing import Any
 from rich.console import Group
 from rich.table import Table
 
-from kvstore.errors import KVShelfError
-from kvstore.stats import ALL_TIERS
+from kvshelf.kvstore.errors import KVShelfError
+from kvshelf.kvstore.stats import ALL_TIERS
 
 
 def _pct(hit: float, total: float) -> str:

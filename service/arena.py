@@ -29,6 +29,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvshelf.service.errors import ArenaUnavailable
+
 log = logging.getLogger(__name__)
 
 ARENA_DIR = Path("/dev/shm")
@@ -37,10 +39,6 @@ TOKEN_BYTES = 16
 HEADER_BYTES = 64  # magic, token, padding: values start here
 DEFAULT_ARENA_BYTES = 256 << 20  # sparse: tmpfs pages are only taken as values are written
 _NAME = re.compile(r"kvshelf-arena-(\d+)-[0-9a-f]{32}")
-
-
-class ArenaUnavailable(OSError):
-    """The arena cannot be used (missing, not ours, wrong token, no space): fall back to the wire."""
 
 
 def shared_memory_supported() -> bool:

@@ -18,7 +18,7 @@ import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 
-from kvstore.errors import ConfigError
+from kvshelf.kvstore.errors import ConfigError
 
 SCOPE_BYTES = 8
 MAX_NAMESPACE_CHARS = 256

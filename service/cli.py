@@ -12,7 +12,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from kvstore.errors import KVShelfError
+from kvshelf.kvstore.errors import KVShelfError
 
 app = typer.Typer(help="kvshelf: KV-cache management and context reuse for transformer LLMs.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
@@ -32,7 +32,7 @@ def demo(
     remote: Annotated[str | None, typer.Option(help="use a `kvshelf serve` server at HOST:PORT instead")] = None,
 ) -> None:
     """Long-document QA with the embedded store: cold vs warm (memory, and disk in a new process) TTFT."""
-    from service.demo import run_demo
+    from kvshelf.service.demo import run_demo
 
     run_demo(model_name=model, documents=documents, tokens=tokens,
              data_dir=str(data_dir) if data_dir else None, console=console, remote=remote)
@@ -67,8 +67,8 @@ def serve(
     config: Annotated[Path | None, _opt("TOML config file (or $KVSHELF_CONFIG)")] = None,
 ) -> None:
     """Run the gRPC KV service. Settings: flags > KVSHELF_* environment variables > --config TOML > defaults."""
-    from service.serve import load_config
-    from service.serve import serve as run_server
+    from kvshelf.service.serve import load_config
+    from kvshelf.service.serve import serve as run_server
 
     flags = dict(listen=listen, data_dir=data_dir, memory=memory, max_disk=max_disk, disk_codec=disk_codec,
                  redis=redis, tokens_file=tokens_file, tls_cert=tls_cert, tls_key=tls_key, max_block=max_block,
@@ -95,8 +95,8 @@ def bench_ttft(
                        "timed call")] = False,
 ) -> None:
     """TTFT of full prefill vs warm-memory vs warm-disk reuse, with same-output checks."""
-    from bench.ttft import run
-    from compress.registry import get_codec
+    from kvshelf.bench.ttft import run
+    from kvshelf.compress.registry import get_codec
 
     params = _json_object(codec_params, "--codec-params")
     # an unknown codec or parameter is a clear error before the model loads (xquant's "basis" is the adapter's)
@@ -121,9 +121,9 @@ def precompute(
     pin: Annotated[bool, typer.Option(help="pin the chunks in the store")] = False,
 ) -> None:
     """RAG (TurboRAG): chunk documents and store each chunk's KV position-independently; resumable."""
-    from adapters.model import load_model
-    from adapters.rag import precompute as run_precompute
-    from kvstore.embedded import open_embedded_store
+    from kvshelf.adapters.model import load_model
+    from kvshelf.adapters.rag import precompute as run_precompute
+    from kvshelf.kvstore.embedded import open_embedded_store
 
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
@@ -149,7 +149,7 @@ def bench_rag(
     model: ModelOpt = "smollm2-135m",
 ) -> None:
     """Needle QA over 8 retrieved chunks: full vs reuse vs reuse-blend vs block attention; TTFT at 8x512."""
-    from bench.rag import run
+    from kvshelf.bench.rag import run
 
     chosen = _corpus(corpus)
     run(json_path=str(json_path) if json_path else None, corpus=str(chosen) if chosen else None, cases=cases,
@@ -168,7 +168,7 @@ def bench_pruning(
     model: ModelOpt = "smollm2-135m",
 ) -> None:
     """Needle accuracy, perplexity increase, KV bytes and decode speed of each pruning method vs kvpress."""
-    from bench.pruning import STATIC, run
+    from kvshelf.bench.pruning import STATIC, run
 
     chosen = _corpus(corpus)
     only = None
@@ -192,7 +192,7 @@ def bench_codecs(
     model: ModelOpt = "smollm2-135m",
 ) -> None:
     """Compression ratio, bits per value, encode/decode MB/s and perplexity increase of every codec."""
-    from bench.codecs import run
+    from kvshelf.bench.codecs import run
 
     chosen = _corpus(corpus)
     run(str(json_path) if json_path else None, str(chosen) if chosen else None, windows=windows,
@@ -205,7 +205,7 @@ def bench_lmdb(
     reps: Annotated[int, typer.Option(min=3, help="reads per path (median reported)")] = 50,
 ) -> None:
     """Read throughput of an 8 MiB block: LMDB tier and store vs raw LMDB."""
-    from bench.lmdb_read import run
+    from kvshelf.bench.lmdb_read import run
 
     run(json_path=str(json_path) if json_path else None, reps=reps, console=console)
 
@@ -219,7 +219,7 @@ def bench_store(
     clients: Annotated[str, typer.Option(help="concurrent clients")] = "1,8",
 ) -> None:
     """Put/get throughput and p50/p99 latency: the gRPC service vs raw redis-py vs raw LMDB."""
-    from bench.store import BACKENDS, run
+    from kvshelf.bench.store import BACKENDS, run
 
     chosen = [b.strip() for b in backends.split(",") if b.strip()]
     unknown = sorted(set(chosen) - set(BACKENDS))
@@ -237,7 +237,7 @@ def bench_chaos(
     redis_down: Annotated[float, typer.Option(min=0, help="seconds Redis stays down")] = 10,
 ) -> None:
     """Reliability: mixed traffic while the server is SIGKILLed and restarted and Redis goes away."""
-    from bench.chaos import run
+    from kvshelf.bench.chaos import run
 
     result = run(json_path=str(json_path) if json_path else None, seconds=seconds, clients=clients,
                  redis_down_s=redis_down, console=console)
@@ -247,7 +247,7 @@ def bench_chaos(
 
 def _corpus(corpus: Path | None) -> Path | None:
     """The corpus to use: the given file (which must exist), else ../shared/data/abstracts.jsonl when present."""
-    from bench.common import default_corpus
+    from kvshelf.bench.common import default_corpus
 
     if corpus is not None and not corpus.is_file():
         raise KVShelfError(f"corpus {corpus} does not exist")
@@ -280,7 +280,7 @@ def _ints(text: str, option: str) -> tuple[int, ...]:
 @app.command("prepare-model")
 def prepare_model(name: Annotated[str, typer.Argument(help="bundled model name")] = "smollm2-135m") -> None:
     """Convert a bundled model to the safetensors cache once (``make install`` runs this)."""
-    from adapters.model import BUNDLED_MODELS, convert_bundled
+    from kvshelf.adapters.model import BUNDLED_MODELS, convert_bundled
 
     if name not in BUNDLED_MODELS:
         raise KVShelfError(f"unknown bundled model {name!r}; bundled: {', '.join(sorted(BUNDLED_MODELS))}")
@@ -301,8 +301,8 @@ def stats(
     plot: Annotated[Path | None, typer.Option(help="draw hit rate and usage over time (server history) to PNG")] = None,
 ) -> None:
     """The admin view: hit rates (blocks and tokens), usage per tier, top namespaces and models, evictions."""
-    from service.admin import plot as draw_plot
-    from service.admin import render
+    from kvshelf.service.admin import plot as draw_plot
+    from kvshelf.service.admin import render
 
     if (server is None) == (data_dir is None):
         raise KVShelfError("give exactly one of --server HOST:PORT or --data-dir DIR")
@@ -338,15 +338,15 @@ def stats(
 
 
 def _remote_stats(server: str, token: str | None, namespace: str, tls_ca: Path | None) -> Callable[[], dict]:
-    from service.client import RemoteStore
+    from kvshelf.service.client import RemoteStore
 
     remote = RemoteStore(server, token=token, namespace=namespace, tls_ca=tls_ca)
     return remote.stats
 
 
 def _local_stats(data_dir: Path) -> Callable[[], dict]:
-    from kvstore.lmdb_tier import LMDBTier
-    from kvstore.store import TieredStore
+    from kvshelf.kvstore.lmdb_tier import LMDBTier
+    from kvshelf.kvstore.store import TieredStore
 
     lmdb_dir = data_dir / "lmdb"
     if not lmdb_dir.is_dir():

@@ -21,21 +21,16 @@ from typing import Any, TypeVar
 import grpc
 import grpc.experimental
 
-from kvstore.block import KVBlock, PreparedBlock
-from kvstore.encoding import decode_block, encode_block, prepare_block
-from kvstore.errors import ConfigError, KVShelfError, TierUnavailableError
-from kvstore.keys import KEY_BYTES
-from proto import kvshelf_pb2 as pb
-from proto import kvshelf_pb2_grpc as pb_grpc
-from service.arena import (
-    DEFAULT_ARENA_BYTES,
-    ArenaPool,
-    ArenaUnavailable,
-    ClientArena,
-    shared_memory_supported,
-)
-from service.server import CHUNK_BYTES, MAX_MESSAGE_BYTES, iter_chunks
-from service.wire import WireError, decode_response
+from kvshelf.kvstore.block import KVBlock, PreparedBlock
+from kvshelf.kvstore.encoding import decode_block, encode_block, prepare_block
+from kvshelf.kvstore.errors import ConfigError, KVShelfError, TierUnavailableError
+from kvshelf.kvstore.keys import KEY_BYTES
+from kvshelf.proto import kvshelf_pb2 as pb
+from kvshelf.proto import kvshelf_pb2_grpc as pb_grpc
+from kvshelf.service.arena import DEFAULT_ARENA_BYTES, ArenaPool, ClientArena, shared_memory_supported
+from kvshelf.service.errors import ArenaUnavailable, RemoteStoreError, WireError
+from kvshelf.service.server import CHUNK_BYTES, MAX_MESSAGE_BYTES, iter_chunks
+from kvshelf.service.wire import decode_response
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -48,14 +43,6 @@ def is_local_address(address: str) -> bool:
         return True
     host = address.removeprefix("dns:///").removeprefix("ipv4:").removeprefix("ipv6:").rsplit(":", 1)[0].strip("[]")
     return host in ("localhost", "::1") or host.startswith("127.")
-
-
-class RemoteStoreError(KVShelfError):
-    """The server refused a call (``code`` is the ``grpc.StatusCode``)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(f"{code.name}: {message}")
-        self.code = code
 
 
 class RemoteStore:

@@ -114,18 +114,18 @@ def _open_store(data_dir: str, remote: str | None) -> Any:
     """The embedded store in ``data_dir``, or a ``RemoteStore`` on ``remote`` (then ``data_dir`` holds only
     the demo's scratch files)."""
     if remote:
-        from service.client import RemoteStore
+        from kvshelf.service.client import RemoteStore
 
         return RemoteStore(remote)
-    from kvstore.embedded import open_embedded_store
+    from kvshelf.kvstore.embedded import open_embedded_store
 
     return open_embedded_store(data_dir)
 
 
 def disk_phase(spec_path: str) -> None:
     """The new process: reopen the store (memory empty, LMDB holding the blocks) and ask again."""
-    from adapters.generate import CachedGenerator
-    from adapters.model import load_model
+    from kvshelf.adapters.generate import CachedGenerator
+    from kvshelf.adapters.model import load_model
 
     spec = json.loads(Path(spec_path).read_text())
     model, tokenizer = load_model(spec["model"])
@@ -144,8 +144,8 @@ def run_demo(
     console: Console | None = None, remote: str | None = None,
 ) -> dict[str, Any]:
     """Run the demo; with ``remote`` (HOST:PORT of `kvshelf serve`) both phases use that server's store."""
-    from adapters.generate import CachedGenerator
-    from adapters.model import load_model
+    from kvshelf.adapters.generate import CachedGenerator
+    from kvshelf.adapters.model import load_model
 
     console = console or Console()
     console.rule("[bold]kvshelf demo[/bold]: long-document QA with prefix reuse")
@@ -174,7 +174,7 @@ def run_demo(
         out = Path(data_dir) / "demo-disk.json"
         spec.write_text(json.dumps({"model": model_name, "data_dir": data_dir, "documents": documents,
                                     "tokens": tokens, "out": str(out), "remote": remote}))
-        subprocess.run([sys.executable, "-m", "service.demo", "--disk-phase", str(spec)], check=True)
+        subprocess.run([sys.executable, "-m", "kvshelf.service.demo", "--disk-phase", str(spec)], check=True)
         disk = json.loads(out.read_text())
     for row, answer in zip(rows, disk["answers"], strict=True):
         row["disk"] = answer

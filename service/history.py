@@ -11,7 +11,7 @@ import time
 from collections import deque
 from typing import Any
 
-from kvstore.stats import ALL_TIERS
+from kvshelf.kvstore.stats import ALL_TIERS
 
 
 def sample(store: Any) -> dict[str, Any]:

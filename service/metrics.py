@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvstore.stats import ALL_TIERS, STORE_METRICS, TIER_METRICS
+from kvshelf.kvstore.stats import ALL_TIERS, STORE_METRICS, TIER_METRICS
 
 _HELP = {
     "hits": "blocks served by this tier",

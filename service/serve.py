@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvstore.embedded import default_data_dir, open_embedded_store, parse_size
-from kvstore.errors import ConfigError
-from kvstore.store import TieredStore, TierSpec
+from kvshelf.kvstore.embedded import default_data_dir, open_embedded_store, parse_size
+from kvshelf.kvstore.errors import ConfigError
+from kvshelf.kvstore.store import TieredStore, TierSpec
 
 log = logging.getLogger(__name__)
 ENV_PREFIX = "KVSHELF_"
@@ -141,7 +141,7 @@ def open_store(config: ServeConfig) -> TieredStore:
         store.close()
         raise ConfigError(f"--redis must be a redis:// or redis+cluster:// URL, got {config.redis!r}")
     try:
-        from kvstore.redis_tier import RedisTier
+        from kvshelf.kvstore.redis_tier import RedisTier
     except ImportError as exc:
         store.close()
         raise ConfigError(f"--redis needs the Redis tier (kvstore.redis_tier): {exc}") from exc
@@ -154,10 +154,10 @@ def serve(config: ServeConfig, *, ready: threading.Event | None = None, stop: th
 
     Prints ``kvshelf serving on HOST:PORT`` once it accepts calls (the real port when ``listen`` ends in :0).
     """
-    from service.auth import TokenTable
-    from service.history import StatsHistory
-    from service.metrics import serve_metrics
-    from service.server import ServerLimits, start_server
+    from kvshelf.service.auth import TokenTable
+    from kvshelf.service.history import StatsHistory
+    from kvshelf.service.metrics import serve_metrics
+    from kvshelf.service.server import ServerLimits, start_server
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tokens = TokenTable.from_file(config.tokens_file) if config.tokens_file else None

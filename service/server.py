@@ -22,8 +22,8 @@ from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvstore.encoding import get_codec, verify_block  # (via kvstore: importing compress first is circular)
-from kvstore.errors import (
+from kvshelf.kvstore.encoding import get_codec, verify_block  # (via kvstore: importing compress first is circular)
+from kvshelf.kvstore.errors import (
     ConfigError,
     CorruptBlockError,
     ForeignBlockError,
@@ -31,14 +31,15 @@ from kvstore.errors import (
     StoreFullError,
     TierUnavailableError,
 )
-from kvstore.keys import KEY_BYTES
-from kvstore.stats import ALL_TIERS, TIER_METRICS, StoreEvent
-from kvstore.store import TieredStore
-from proto import kvshelf_pb2 as pb
-from service.arena import ArenaUnavailable, ArenaWriter
-from service.auth import MAX_NAMESPACE_CHARS, SCOPE_BYTES, TokenTable, scope_tag
-from service.history import StatsHistory
-from service.wire import encode_arena_response, encode_chunk_response, encode_miss_response
+from kvshelf.kvstore.keys import KEY_BYTES
+from kvshelf.kvstore.stats import ALL_TIERS, TIER_METRICS, StoreEvent
+from kvshelf.kvstore.store import TieredStore
+from kvshelf.proto import kvshelf_pb2 as pb
+from kvshelf.service.arena import ArenaWriter
+from kvshelf.service.auth import MAX_NAMESPACE_CHARS, SCOPE_BYTES, TokenTable, scope_tag
+from kvshelf.service.errors import ArenaUnavailable
+from kvshelf.service.history import StatsHistory
+from kvshelf.service.wire import encode_arena_response, encode_chunk_response, encode_miss_response
 
 log = logging.getLogger(__name__)
 

@@ -10,13 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvstore.errors import KVShelfError
+from kvshelf.service.errors import WireError
 
 _VARINT, _LEN = 0, 2
-
-
-class WireError(KVShelfError):
-    """Bytes that are not a well-formed ``GetBlocksResponse``."""
 
 
 def _varint(n: int) -> bytes:

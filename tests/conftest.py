@@ -25,7 +25,7 @@ def data_dir(tmp_path: Path) -> Path:
 @pytest.fixture(scope="module")
 def smollm2():
     """``(model, tokenizer)`` of the real SmolLM2-135M-Instruct (fp32, CPU), loaded once per test module."""
-    from adapters.model import load_model
+    from kvshelf.adapters.model import load_model
 
     return load_model("smollm2-135m")
 
@@ -33,7 +33,15 @@ def smollm2():
 @pytest.fixture(scope="module")
 def texts() -> list[str]:
     """Texts of ../shared/data/abstracts.jsonl (or made-up documents when the corpus is absent)."""
-    from bench.common import corpus_texts, default_corpus
+    from kvshelf.bench.common import corpus_texts, default_corpus
 
     corpus = default_corpus()
     return list(corpus_texts(str(corpus) if corpus else None))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Everything under tests/integration/ (the real model, chaos, whole benchmarks) is ``slow``."""
+    integration = Path(__file__).parent / "integration"
+    for item in items:
+        if integration in item.path.parents:
+            item.add_marker(pytest.mark.slow)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from kvstore import KVBlock, chunk_key
+from kvshelf.kvstore import KVBlock, chunk_key
 
 FINGERPRINT = "fp-test-0123456789abcdef"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -89,9 +89,8 @@ def run_python(code: str, *args: str, hash_seed: str = "random") -> object:
     """Run ``code`` in a fresh interpreter (``sys.executable``); return the JSON of its last line."""
     env = dict(os.environ)
     env["PYTHONHASHSEED"] = hash_seed
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     proc = subprocess.run(
-        [sys.executable, "-c", code, *args],
+        [sys.executable, "-P", "-c", code, *args],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
@@ -100,3 +99,17 @@ def run_python(code: str, *args: str, hash_seed: str = "random") -> object:
     )
     assert proc.returncode == 0, f"subprocess failed ({proc.returncode}):\n{proc.stderr}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def word_ids(text: str) -> list[int]:
+    """A toy tokenizer: one token per word."""
+    return [3 + (sum(map(ord, w)) % 400) for w in text.split()]
+
+
+SCHEMA_MARKUP = """
+<schema name="support">
+  <module name="system">you are a helpful assistant</module>
+  <module name="manual" start="10">manual of <param name="product" len="3"/> read it well</module>
+  <module name="faq" scope="prefix">frequent questions here</module>
+</schema>
+"""

@@ -16,8 +16,8 @@ import pytest
 import redis
 import redis.cluster
 
-from bench.servers import HOST, MISSING, START_TIMEOUT_S, RedisProcess, binary, free_port
-from kvstore.errors import ConfigError
+from kvshelf.bench.servers import HOST, MISSING, START_TIMEOUT_S, RedisProcess, binary, free_port
+from kvshelf.kvstore.errors import ConfigError
 
 __all__ = ["HOST", "MISSING", "RedisProcess", "free_port"]
 

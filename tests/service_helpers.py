@@ -11,8 +11,8 @@ from pathlib import Path
 
 from helpers import REPO_ROOT
 
-from kvstore.errors import TierUnavailableError
-from kvstore.tier import Tier, TierUsage
+from kvshelf.kvstore.errors import TierUnavailableError
+from kvshelf.kvstore.tier import Tier, TierUsage
 
 TOKENS = {"token-of-tenant-a": "tenant-a", "token-of-tenant-b": "tenant-b"}
 
@@ -49,8 +49,8 @@ class UnreachableTier(Tier):
 
 def kvshelf_cli(*args: str) -> subprocess.CompletedProcess:
     """``kvshelf ARGS`` in a subprocess (this checkout's code), its output captured."""
-    return subprocess.run([sys.executable, "-c", "from service.cli import main; main()", *args], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-P", "-c", "from kvshelf.service.cli import main; main()", *args],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
 
 
 def write_tokens(path: Path, tokens: dict[str, str] = TOKENS) -> Path:
@@ -76,10 +76,9 @@ class ServeProcess:
 
     def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
         full_env = dict(os.environ)
-        full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), full_env.get("PYTHONPATH", "")) if p)
         full_env.update(env or {})
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", "from service.cli import main; main()", "serve", *args],
+            [sys.executable, "-P", "-c", "from kvshelf.service.cli import main; main()", "serve", *args],
             cwd=REPO_ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         assert self.proc.stdout is not None

@@ -2,7 +2,7 @@
 
 Use any method as a context manager around ``model.generate`` (transformers 5.x)::
 
-    from adapters.pruning import SnapKV, TokenSelect
+    from kvshelf.adapters.pruning import SnapKV, TokenSelect
     with SnapKV(budget=0.25)(model):          # the prompt's cache is pruned to 25% after the prefill
         out = model.generate(input_ids, max_new_tokens=16)
     with TokenSelect(budget=0.125)(model):    # full cache, each decode step attends to 12.5% of it
@@ -11,21 +11,21 @@ Use any method as a context manager around ``model.generate`` (transformers 5.x)
 A budget is a ratio of the prefill's tokens in ``(0, 1]`` or an int token count.
 """
 
-from adapters.pruning.base import LayerInputs, PruningMethod, PruningSession, prune_cache, scoring, select
-from adapters.pruning.budget import resolve_budget
-from adapters.pruning.compose import Compose
-from adapters.pruning.errors import (
+from kvshelf.adapters.pruning.base import LayerInputs, PruningMethod, PruningSession, prune_cache, scoring, select
+from kvshelf.adapters.pruning.budget import resolve_budget
+from kvshelf.adapters.pruning.compose import Compose
+from kvshelf.adapters.pruning.errors import (
     AttentionImplementationError,
     BudgetError,
     PruningError,
     UnsupportedArchitectureError,
 )
-from adapters.pruning.h2o import H2O
-from adapters.pruning.keyformer import Keyformer
-from adapters.pruning.keynorm import KeyNorm
-from adapters.pruning.snapkv import SnapKV
-from adapters.pruning.streaming import StreamingLLM
-from adapters.pruning.tokenselect import TokenSelect
+from kvshelf.adapters.pruning.h2o import H2O
+from kvshelf.adapters.pruning.keyformer import Keyformer
+from kvshelf.adapters.pruning.keynorm import KeyNorm
+from kvshelf.adapters.pruning.snapkv import SnapKV
+from kvshelf.adapters.pruning.streaming import StreamingLLM
+from kvshelf.adapters.pruning.tokenselect import TokenSelect
 
 METHODS: dict[str, type] = {
     "streamingllm": StreamingLLM,

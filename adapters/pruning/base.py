@@ -32,10 +32,10 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from adapters.pruning.budget import check_budget, resolve_budget
-from adapters.pruning.errors import AttentionImplementationError, UnsupportedArchitectureError
-from adapters.pruning.layout import GrowingLayer, cache_bytes, growing_cache
-from kvstore.errors import UnsupportedModelError
+from kvshelf.adapters.pruning.budget import check_budget, resolve_budget
+from kvshelf.adapters.pruning.errors import AttentionImplementationError, UnsupportedArchitectureError
+from kvshelf.adapters.pruning.layout import GrowingLayer, cache_bytes, growing_cache
+from kvshelf.kvstore.errors import UnsupportedModelError
 
 _ATTN_WEIGHT_IMPLEMENTATIONS = ("eager",)
 
@@ -119,7 +119,7 @@ def gather_tokens(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
     """The decoder's attention modules, in layer order; ``UnsupportedArchitectureError`` if it has none we can hook."""
-    from adapters.cache_bridge import check_supported
+    from kvshelf.adapters.cache_bridge import check_supported
 
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "get_text_config"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from adapters.pruning.errors import BudgetError
+from kvshelf.adapters.pruning.errors import BudgetError
 
 
 def check_budget(budget: float | int) -> None:

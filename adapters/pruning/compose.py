@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from adapters.pruning.base import LayerInputs, PruningMethod
-from kvstore.errors import ConfigError
+from kvshelf.adapters.pruning.base import LayerInputs, PruningMethod
+from kvshelf.kvstore.errors import ConfigError
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvstore.errors import ConfigError, KVShelfError, UnsupportedModelError
+from kvshelf.kvstore.errors import ConfigError, KVShelfError, UnsupportedModelError
 
 
 class PruningError(KVShelfError):

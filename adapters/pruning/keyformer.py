@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import torch
 
-from adapters.pruning.base import LayerInputs, PruningMethod, recent_bonus
+from kvshelf.adapters.pruning.base import LayerInputs, PruningMethod, recent_bonus
 
 
 @dataclass

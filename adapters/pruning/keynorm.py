@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from adapters.pruning.base import LayerInputs, PruningMethod, recent_bonus
+from kvshelf.adapters.pruning.base import LayerInputs, PruningMethod, recent_bonus
 
 
 @dataclass

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from adapters.pruning.base import LayerInputs, PruningMethod
-from kvstore.errors import ConfigError
+from kvshelf.adapters.pruning.base import LayerInputs, PruningMethod
+from kvshelf.kvstore.errors import ConfigError
 
 
 @dataclass

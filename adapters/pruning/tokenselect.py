@@ -26,9 +26,9 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from adapters.pruning.base import attention_modules, gather_tokens
-from adapters.pruning.budget import check_budget, resolve_budget
-from adapters.pruning.errors import PruningError
+from kvshelf.adapters.pruning.base import attention_modules, gather_tokens
+from kvshelf.adapters.pruning.budget import check_budget, resolve_budget
+from kvshelf.adapters.pruning.errors import PruningError
 
 IMPLEMENTATION = "kvshelf_tokenselect"
 _STATE = "_kvshelf_tokenselect"

@@ -6,7 +6,7 @@ import json
 
 from rich.console import Console
 
-from bench.store import BACKENDS, run
+from kvshelf.bench.store import BACKENDS, run
 
 
 def test_bench_store_small_run_writes_its_schema(tmp_path):

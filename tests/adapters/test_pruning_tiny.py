@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import DynamicCache, MistralConfig, MistralForCausalLM
 
-from adapters.model import tiny_llama
-from adapters.pruning import (
+from kvshelf.adapters.model import tiny_llama
+from kvshelf.adapters.pruning import (
     H2O,
     AttentionImplementationError,
     BudgetError,
@@ -24,7 +24,7 @@ from adapters.pruning import (
     scoring,
     select,
 )
-from kvstore.errors import KVShelfError
+from kvshelf.kvstore.errors import KVShelfError
 
 STATIC = [StreamingLLM, H2O, Keyformer, SnapKV, KeyNorm]
 
@@ -255,9 +255,9 @@ def test_pruned_cache_round_trips_through_the_sparse_codec(model):
     """A StreamingLLM cache (same kept tokens in every layer and head) stored as kept tokens + their indices."""
     from helpers import key_of
 
-    from adapters.cache_bridge import blocks_from_cache
-    from compress.sparse import compact_block, mark_dropped
-    from kvstore.encoding import decode_block, encode_block
+    from kvshelf.adapters.cache_bridge import blocks_from_cache
+    from kvshelf.compress.sparse import compact_block, mark_dropped
+    from kvshelf.kvstore.encoding import decode_block, encode_block
 
     ids = _ids(40, seed=11)
     cache = DynamicCache()
@@ -289,7 +289,7 @@ def test_growing_layer_behaves_like_a_dynamic_layer():
     """In-place appends past the headroom, crop and reset give the same tensors as ``DynamicLayer``'s cat."""
     from transformers.cache_utils import DynamicLayer
 
-    from adapters.pruning.layout import GrowingLayer
+    from kvshelf.adapters.pruning.layout import GrowingLayer
 
     g = torch.Generator().manual_seed(5)
     start = torch.randn(1, 2, 10, 4, generator=g), torch.randn(1, 2, 10, 4, generator=g)
@@ -314,7 +314,7 @@ def test_growing_layer_behaves_like_a_dynamic_layer():
 
 def test_pruned_cache_decodes_in_place_and_matches_a_dynamic_cache(model):
     """``prune_cache`` / ``with method(model)`` leave ``GrowingLayer`` s; decoding them gives DynamicLayer's logits."""
-    from adapters.pruning.layout import GrowingLayer, cache_bytes
+    from kvshelf.adapters.pruning.layout import GrowingLayer, cache_bytes
 
     ids = _ids(48, seed=14)
     cache = DynamicCache()

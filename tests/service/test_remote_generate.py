@@ -6,11 +6,11 @@ import pytest
 import torch
 from service_helpers import TOKENS, ServeProcess, write_tokens
 
-from adapters.generate import CachedGenerator
-from adapters.model import tiny_llama
-from kvstore import open_embedded_store
-from service.client import RemoteStore
-from service.server import start_server
+from kvshelf.adapters.generate import CachedGenerator
+from kvshelf.adapters.model import tiny_llama
+from kvshelf.kvstore import open_embedded_store
+from kvshelf.service.client import RemoteStore
+from kvshelf.service.server import start_server
 
 
 @pytest.fixture(scope="module")

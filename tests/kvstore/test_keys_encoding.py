@@ -14,8 +14,8 @@ from helpers import assert_same_block, key_of, make_block, run_python
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from compress import available_codecs, get_codec
-from kvstore import (
+from kvshelf.compress import available_codecs, get_codec
+from kvshelf.kvstore import (
     KEY_BYTES,
     CodecParamError,
     ConfigError,
@@ -31,8 +31,8 @@ from kvstore import (
     prefix_block_keys,
     read_header,
 )
-from kvstore.encoding import MAGIC
-from kvstore.keys import block_key
+from kvshelf.kvstore.encoding import MAGIC
+from kvshelf.kvstore.keys import block_key
 
 FP = "model-a"
 NS = "tenant-1"
@@ -45,7 +45,7 @@ CHECKSUM = 8
 
 _KEYS_SNIPPET = """
 import json
-from kvstore import chunk_key, prefix_block_keys
+from kvshelf.kvstore import chunk_key, prefix_block_keys
 print(json.dumps({
     "chunk": chunk_key("model-a", "tenant-1", [1, 2, 3, 4]).hex(),
     "chunk_empty_ns_other": chunk_key("model-a", "tenant-2", [1, 2, 3, 4]).hex(),

@@ -13,7 +13,7 @@ import redis_servers
 from helpers import assert_same_block, key_of, make_block
 from redis_servers import free_port
 
-from kvstore import (
+from kvshelf.kvstore import (
     ConfigError,
     MemoryTier,
     RedisTier,
@@ -22,7 +22,7 @@ from kvstore import (
     TierUsage,
     encode_block,
 )
-from kvstore.block import KVBlock
+from kvshelf.kvstore.block import KVBlock
 
 # the real servers (session-scoped standalone and cluster; a per-test standalone that may be stopped)
 redis_server = redis_servers.redis_server

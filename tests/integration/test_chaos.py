@@ -3,7 +3,7 @@ while clients put, get and look up. No wrong block, nothing acknowledged before 
 
 from __future__ import annotations
 
-from bench.chaos import run
+from kvshelf.bench.chaos import run
 
 
 def test_chaos_run_never_returns_a_wrong_block():

@@ -8,12 +8,12 @@ import pytest
 import torch
 from helpers import FINGERPRINT, key_of, token_ids
 
-from adapters.model import tiny_llama
-from adapters.xquant import xquant_params
-from compress import hugepages, xquant_kernels
-from kvstore import KVBlock
-from kvstore.encoding import decode_block, encode_block, prepare_block
-from kvstore.errors import CorruptBlockError
+from kvshelf.adapters.model import tiny_llama
+from kvshelf.adapters.xquant import xquant_params
+from kvshelf.compress import hugepages, xquant_kernels
+from kvshelf.kvstore import KVBlock
+from kvshelf.kvstore.encoding import decode_block, encode_block, prepare_block
+from kvshelf.kvstore.errors import CorruptBlockError
 
 needs_numba = pytest.mark.skipif(not xquant_kernels.AVAILABLE, reason="numba is not available here")
 
@@ -184,7 +184,7 @@ def test_place_block_refuses_segments_that_do_not_fit() -> None:
 def test_unpack_kernel_matches_numpy(count: int) -> None:
     """The numba unpack (whole 8-byte words per escape-free group of bytes) equals numpy's, at every group
     boundary, with escapes in and beyond int8 anywhere, streams at odd offsets, and a truncated escape list."""
-    from compress import xquant
+    from kvshelf.compress import xquant
 
     rng = np.random.default_rng(count)
     streams, escaped, sizes = [], [], []

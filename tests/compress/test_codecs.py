@@ -6,100 +6,39 @@ import math
 
 import pytest
 import torch
+from codec_bounds import ALL, DTYPES, LOSSLESS, LOSSY, check_round_trip, error_bound
 from helpers import FINGERPRINT, key_of, make_block
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compress import available_codecs, get_codec
-from compress.sparse import compact_block, kept_mask, mark_dropped
-from kvstore import KVBlock
-from kvstore.encoding import decode_block, encode_block
-from kvstore.errors import CodecParamError, CorruptBlockError
-
-LOSSLESS = ["raw", "zstd"]
-LOSSY = ["fp16", "bf16", "int8", "int4", "int2", "cachegen"]
-ALL = LOSSLESS + LOSSY + ["sparse"]
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-OUT_EPS = {torch.float32: 2**-23, torch.float16: 2**-10, torch.bfloat16: 2**-7}
+from kvshelf.compress import available_codecs, get_codec
+from kvshelf.compress.sparse import compact_block, kept_mask, mark_dropped
+from kvshelf.kvstore import KVBlock
+from kvshelf.kvstore.encoding import decode_block, encode_block
+from kvshelf.kvstore.errors import CodecParamError, CorruptBlockError
 
 
 def test_every_codec_is_registered() -> None:
     assert set(ALL) <= set(available_codecs())
 
 
-def _groups_bound(x: torch.Tensor, group: int, bits: int) -> torch.Tensor:
-    """The documented per-element bound s/2 + 2^-11 |min| of a group quantizer over rows of ``x`` ``[rows, n]``."""
-    rows, n = x.shape
-    groups = (n + group - 1) // group
-    pad = groups * group - n
-    padded = torch.cat([x, x[:, -1:].expand(rows, pad)], dim=1) if pad else x
-    g = padded.view(rows, groups, group)
-    lo, hi = g.amin(2), g.amax(2)
-    step = (hi - lo.half().float()).clamp_min(0) / ((1 << bits) - 1)
-    bound = step * (1 + 2**-9) / 2 + 2**-11 * lo.abs() + 1e-6
-    return bound.repeat_interleave(group, dim=1)[:, :n]
-
-
-def _bound(name: str, codec, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
-    k, v = keys.float(), values.float()
-    layers, heads, tokens, dim = k.shape
-    if name in LOSSLESS:
-        return torch.zeros_like(k), torch.zeros_like(v)
-    if name == "fp16":
-        return k.abs() * 2**-11 + 2**-24, v.abs() * 2**-11 + 2**-24
-    if name == "bf16":
-        return k.abs() * 2**-8, v.abs() * 2**-8
-    if name in ("int8", "int4", "int2"):
-        kb = _groups_bound(k.permute(0, 1, 3, 2).reshape(-1, tokens), codec.group_size, codec.bits)
-        vb = _groups_bound(v.permute(0, 2, 1, 3).reshape(layers * tokens, -1), codec.group_size, codec.bits)
-        return (kb.view(layers, heads, dim, tokens).permute(0, 1, 3, 2),
-                vb.view(layers, tokens, heads, dim).permute(0, 2, 1, 3))
-    assert name == "cachegen"
-    bound = codec.error_bound(keys, values)  # [2, layers]: per element, in the block's units
-    b = bound[:, :, None, None, None].expand(2, layers, heads, tokens, dim) * (1 + 2**-9) + 1e-6
-    fp32 = 2**-21 * torch.stack([k, v]).abs().amax(dim=(2, 3, 4), keepdim=True)  # float32 reconstruction
-    b = b + fp32
-    sinks = codec.sink_tokens(values)  # stored in fp16
-    b[:, :, :, sinks] = torch.stack([k, v])[:, :, :, sinks].abs() * 2**-11 + 2**-24
-    return b[0], b[1]
-
-
-def _check_round_trip(name: str, block: KVBlock, params: dict | None = None) -> None:
-    codec = get_codec(name, params)
-    data = encode_block(block, key_of(block), name, params)
-    back = decode_block(data, expected_key=key_of(block))
-    assert back.keys.shape == block.keys.shape and back.values.shape == block.values.shape
-    assert back.keys.dtype == block.dtype and back.values.dtype == block.dtype
-    if name in LOSSLESS:
-        assert torch.equal(back.keys, block.keys)
-        assert torch.equal(back.values, block.values)
-        return
-    kb, vb = _bound(name, codec, block.keys, block.values)
-    eps = OUT_EPS[block.dtype]
-    for got, want, bound in ((back.keys, block.keys, kb), (back.values, block.values, vb)):
-        err = (got.float() - want.float()).abs()
-        assert bool((err <= bound + eps * want.float().abs() * 2 + eps * bound).all()), (
-            f"{name}: max excess {(err - bound).max().item()}"
-        )
-
-
 @pytest.mark.parametrize("name", LOSSLESS + LOSSY)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("tokens", [1, 7, 33, 256])
 def test_round_trip(name: str, dtype: torch.dtype, tokens: int) -> None:
-    _check_round_trip(name, make_block(tokens, layers=3, heads=2, head_dim=16, dtype=dtype))
+    check_round_trip(name, make_block(tokens, layers=3, heads=2, head_dim=16, dtype=dtype))
 
 
 @pytest.mark.parametrize("name", LOSSLESS + LOSSY)
 def test_round_trip_gqa_layouts(name: str) -> None:
     for heads, dim in ((1, 8), (3, 64), (8, 4)):
-        _check_round_trip(name, make_block(19, layers=2, heads=heads, head_dim=dim))
+        check_round_trip(name, make_block(19, layers=2, heads=heads, head_dim=dim))
 
 
 @pytest.mark.parametrize("name", ["int8", "int4", "int2"])
 @pytest.mark.parametrize("group", [1, 5, 32, 1000])
 def test_kivi_group_sizes(name: str, group: int) -> None:
-    _check_round_trip(name, make_block(37, layers=2, heads=3, head_dim=8), {"group_size": group})
+    check_round_trip(name, make_block(37, layers=2, heads=3, head_dim=8), {"group_size": group})
 
 
 @pytest.mark.parametrize("name", ["int8", "int4", "int2"])
@@ -110,9 +49,9 @@ def test_kivi_group_sizes(name: str, group: int) -> None:
     (2, 8, 16, 40),  # a partial key group: the transposing path for keys
 ])
 def test_kivi_group_layouts(name: str, heads: int, dim: int, group: int, tokens: int) -> None:
-    _check_round_trip(name, make_block(tokens, layers=2, heads=heads, head_dim=dim), {"group_size": group})
+    check_round_trip(name, make_block(tokens, layers=2, heads=heads, head_dim=dim), {"group_size": group})
     block = make_block(tokens, layers=2, heads=heads, head_dim=dim, dtype=torch.bfloat16)
-    _check_round_trip(name, block, {"group_size": group})
+    check_round_trip(name, block, {"group_size": group})
 
 
 @pytest.mark.parametrize("params", [{"bits": 2, "early_extra_bits": 0}, {"bits": 6, "early_extra_bits": 2},
@@ -121,18 +60,18 @@ def test_kivi_group_layouts(name: str, heads: int, dim: int, group: int, tokens:
                                     {"bits": 3.25, "key_extra_bits": 1}, {"sink_ratio": 0},
                                     {"group_size": 1000}])
 def test_cachegen_settings(params: dict) -> None:
-    _check_round_trip("cachegen", make_block(41, layers=4, heads=2, head_dim=8), params)
+    check_round_trip("cachegen", make_block(41, layers=4, heads=2, head_dim=8), params)
 
 
 @pytest.mark.parametrize("tokens", [256, 251, 40])  # whole groups of 16, then a partial last group
 def test_cachegen_uses_deltas_on_smooth_channels(tokens: int) -> None:
     """Slowly drifting channels code as anchors + deltas, and are smaller than the same quantization packed."""
-    from compress.container import unpack_sections
+    from kvshelf.compress.container import unpack_sections
 
     t = torch.arange(tokens, dtype=torch.float32)
     keys = (torch.sin(t / 300)[None, None, :, None] * torch.linspace(1, 3, 16)).expand(2, 2, tokens, 16).contiguous()
     block = KVBlock(keys, keys.clone() * 0.5, tuple(range(tokens)), 0, FINGERPRINT)
-    _check_round_trip("cachegen", block)
+    check_round_trip("cachegen", block)
     codec = get_codec("cachegen", {"early_extra_bits": 0, "rotate": False, "sink_ratio": 0})
     payload = memoryview(b"".join(bytes(p) for p in codec.encode(block.keys, block.values)))
     if tokens >= 64:  # beyond the fixed per-channel overhead: smaller than 4-bit packing
@@ -158,7 +97,7 @@ def test_cachegen_beats_packed_int4_on_gaussian_outliers() -> None:
 
 
 def _cachegen_sections(block: KVBlock, params: dict) -> list:
-    from compress.container import unpack_sections
+    from kvshelf.compress.container import unpack_sections
 
     codec = get_codec("cachegen", params)
     payload = memoryview(b"".join(bytes(p) for p in codec.encode(block.keys, block.values)))
@@ -174,7 +113,7 @@ def test_cachegen_wide_escapes() -> None:
     values[1, 0, -1, -1] = -3e4
     block = KVBlock(keys, values, tuple(range(1100)), 0, FINGERPRINT)
     params = {"bits": 3.5, "sink_ratio": 0}
-    _check_round_trip("cachegen", block, params)
+    check_round_trip("cachegen", block, params)
     parts = _cachegen_sections(block, params)
     assert len(parts[14]) == 4 and len(parts[15]) == 8  # one uint32 gap, two int32 coarse parts
     back = decode_block(encode_block(block, key_of(block), "cachegen", params))
@@ -193,7 +132,7 @@ def test_cachegen_wide_escapes() -> None:
 ])
 def test_cachegen_inconsistent_sections_raise(section: int, edit) -> None:  # noqa: ANN001
     """Well-framed payloads (valid CRC) whose sections disagree raise CorruptBlockError, never garbage."""
-    from compress.container import pack_sections
+    from kvshelf.compress.container import pack_sections
 
     gen = torch.Generator().manual_seed(11)
     keys = torch.rand((2, 1, 1100, 64), generator=gen) * 2 - 1
@@ -211,7 +150,7 @@ def test_cachegen_mixed_fine_widths() -> None:
     """Streams with different fine widths, some beyond 6 bits (int16 symbols), decode within the bound."""
     block = make_block(300, layers=4, heads=2, head_dim=16, seed=9)
     params = {"bits": 7, "early_extra_bits": 1, "early_fraction": 0.25, "sink_ratio": 0}
-    _check_round_trip("cachegen", block, params)
+    check_round_trip("cachegen", block, params)
     widths = set(bytes(_cachegen_sections(block, params)[1]))
     assert len(widths) >= 2 and max(widths) >= 7
 
@@ -238,7 +177,7 @@ def test_cachegen_rotation_error_is_bounded_in_l2() -> None:
     seed=st.integers(0, 2**16),
 )
 def test_round_trip_property(name, layers, heads, tokens, dim, dtype, seed) -> None:  # noqa: ANN001
-    _check_round_trip(name, make_block(tokens, layers=layers, heads=heads, head_dim=dim, dtype=dtype, seed=seed))
+    check_round_trip(name, make_block(tokens, layers=layers, heads=heads, head_dim=dim, dtype=dtype, seed=seed))
 
 
 def test_constant_and_zero_blocks() -> None:
@@ -246,7 +185,7 @@ def test_constant_and_zero_blocks() -> None:
         keys = torch.full((2, 2, 9, 4), fill)
         block = KVBlock(keys, keys.clone(), tuple(range(9)), 0, FINGERPRINT)
         for name in LOSSLESS + LOSSY:
-            _check_round_trip(name, block)
+            check_round_trip(name, block)
 
 
 def test_empty_block_round_trips() -> None:
@@ -386,7 +325,7 @@ def test_invalid_params_raise(name: str, params: dict) -> None:
 
 @pytest.mark.parametrize("disk_codec", ["int8", "cachegen", "zstd"])
 def test_tiered_store_memory_raw_disk_compressed(tmp_path, disk_codec: str) -> None:  # noqa: ANN001
-    from kvstore.embedded import open_embedded_store
+    from kvshelf.kvstore.embedded import open_embedded_store
 
     blocks = [make_block(n + 5, layers=2, heads=2, head_dim=16, start_pos=n) for n in range(3)]
     store = open_embedded_store(tmp_path / "data", disk_codec=disk_codec, durable=False)
@@ -398,7 +337,7 @@ def test_tiered_store_memory_raw_disk_compressed(tmp_path, disk_codec: str) -> N
         for block, back in zip(blocks, got, strict=True):
             assert back is not None and back.token_ids == block.token_ids
             if disk_codec == "cachegen":  # within its documented bound
-                kb, vb = _bound("cachegen", get_codec("cachegen"), block.keys, block.values)
+                kb, vb = error_bound("cachegen", get_codec("cachegen"), block.keys, block.values)
                 assert bool(((back.keys - block.keys).abs() <= kb + 1e-5).all())
                 assert bool(((back.values - block.values).abs() <= vb + 1e-5).all())
                 continue

@@ -9,11 +9,11 @@ import pytest
 from helpers import FINGERPRINT, key_of, make_block
 from rich.console import Console
 
-from kvstore import open_embedded_store
-from kvstore.errors import KVShelfError
-from service.admin import plot, render
-from service.history import StatsHistory
-from service.metrics import serve_metrics
+from kvshelf.kvstore import open_embedded_store
+from kvshelf.kvstore.errors import KVShelfError
+from kvshelf.service.admin import plot, render
+from kvshelf.service.history import StatsHistory
+from kvshelf.service.metrics import serve_metrics
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import lmdb
 import pytest
 from helpers import assert_same_block, key_of, make_block, run_python
 
-from kvstore import (
+from kvshelf.kvstore import (
     ConfigError,
     LMDBTier,
     MemoryTier,
@@ -22,7 +22,7 @@ from kvstore import (
     TierUsage,
     encode_block,
 )
-from kvstore.stats import StoreEvent
+from kvshelf.kvstore.stats import StoreEvent
 
 MiB = 1 << 20
 
@@ -267,7 +267,7 @@ def test_lmdb_value_larger_than_max_map(lmdb_path):
 
 _REOPEN_SNIPPET = """
 import hashlib, json, sys
-from kvstore import LMDBTier
+from kvshelf.kvstore import LMDBTier
 tier = LMDBTier(sys.argv[1], initial_map_bytes=1 << 20, durable=False)
 usage = tier.usage()
 values = {key.hex(): hashlib.sha256(value).hexdigest() for key, value in zip(

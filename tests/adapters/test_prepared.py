@@ -8,15 +8,15 @@ import pytest
 import torch
 from helpers import FINGERPRINT, key_of, make_block, token_ids
 
-from adapters.cache_bridge import cache_from_blocks, cache_from_prepared
-from adapters.generate import CachedGenerator
-from adapters.model import tiny_llama
-from adapters.xquant import xquant_params
-from compress.kivi import KiviPayload
-from compress.registry import DecodedPayload
-from compress.xquant import XQuantPayload
-from kvstore import KVBlock, open_embedded_store
-from kvstore.encoding import decode_block, encode_block, prepare_block
+from kvshelf.adapters.cache_bridge import cache_from_blocks, cache_from_prepared
+from kvshelf.adapters.generate import CachedGenerator
+from kvshelf.adapters.model import tiny_llama
+from kvshelf.adapters.xquant import xquant_params
+from kvshelf.compress.kivi import KiviPayload
+from kvshelf.compress.registry import DecodedPayload
+from kvshelf.compress.xquant import XQuantPayload
+from kvshelf.kvstore import KVBlock, open_embedded_store
+from kvshelf.kvstore.encoding import decode_block, encode_block, prepare_block
 
 
 @pytest.fixture(scope="module")

@@ -6,12 +6,12 @@ import math
 
 import pytest
 
-from adapters.generate import CachedGenerator
-from adapters.model import tiny_llama
-from adapters.prompt_modules import PromptModuleGenerator
-from adapters.rag import RAGGenerator, precompute
-from kvstore import open_embedded_store
-from reuse import ChunkMissingError, Module, ModuleUse, PromptSchema
+from kvshelf.adapters.generate import CachedGenerator
+from kvshelf.adapters.model import tiny_llama
+from kvshelf.adapters.prompt_modules import PromptModuleGenerator
+from kvshelf.adapters.rag import RAGGenerator, precompute
+from kvshelf.kvstore import open_embedded_store
+from kvshelf.reuse import ChunkMissingError, Module, ModuleUse, PromptSchema
 
 pytestmark = pytest.mark.slow
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from codec_bounds import LOSSLESS, LOSSY, check_round_trip
 from helpers import FINGERPRINT
-from test_codecs import LOSSLESS, LOSSY, _check_round_trip
 
-from kvstore import KVBlock
-from kvstore.encoding import decode_block, encode_block
+from kvshelf.kvstore import KVBlock
+from kvshelf.kvstore.encoding import decode_block, encode_block
 
 pytestmark = pytest.mark.slow
 TOKENS = 300
@@ -16,8 +16,8 @@ TOKENS = 300
 
 @pytest.fixture(scope="module")
 def real_kv():
-    from adapters.model import load_model
-    from bench.common import corpus_texts, default_corpus
+    from kvshelf.adapters.model import load_model
+    from kvshelf.bench.common import corpus_texts, default_corpus
 
     model, tokenizer = load_model("smollm2-135m")
     text = " ".join(t for t, _ in zip(corpus_texts(default_corpus()), range(6), strict=False))
@@ -34,8 +34,8 @@ def real_kv():
 def test_real_kv_round_trip(real_kv, name: str) -> None:  # noqa: ANN001
     _, _, block = real_kv
     assert block.keys.shape == (30, 3, TOKENS, 64)
-    _check_round_trip(name, block)
-    _check_round_trip(name, KVBlock(block.keys[:, :, :37].half(), block.values[:, :, :37].half(),
+    check_round_trip(name, block)
+    check_round_trip(name, KVBlock(block.keys[:, :, :37].half(), block.values[:, :, :37].half(),
                                     block.token_ids[:37], 0, FINGERPRINT))
 
 
@@ -43,7 +43,7 @@ def test_real_kv_round_trip(real_kv, name: str) -> None:  # noqa: ANN001
 def test_next_token_distribution_is_kept(real_kv, name: str, max_kl: float) -> None:  # noqa: ANN001
     """KL(reference || decoded) of the next-token distribution. cachegen's bound is looser: its per-channel value
     quantization costs more than KIVI's per-token one (see the codecs benchmark)."""
-    from adapters.cache_bridge import cache_from_blocks
+    from kvshelf.adapters.cache_bridge import cache_from_blocks
 
     model, ids, block = real_kv
     decoded = decode_block(encode_block(block, b"k" * 16, name))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstore.encoding import decode_block, encode_block
+from kvshelf.kvstore.encoding import decode_block, encode_block
 
 pytestmark = pytest.mark.slow
 CONTEXT, CONTINUATION, BLOCK = 768, 48, 256
@@ -13,8 +13,8 @@ CONTEXT, CONTINUATION, BLOCK = 768, 48, 256
 
 @pytest.fixture(scope="module")
 def setting(smollm2, texts):  # noqa: ANN001, ANN201
-    from adapters.cache_bridge import blocks_from_cache
-    from adapters.xquant import xquant_params
+    from kvshelf.adapters.cache_bridge import blocks_from_cache
+    from kvshelf.adapters.xquant import xquant_params
 
     model, tokenizer = smollm2
     calibration: list[int] = []
@@ -32,7 +32,7 @@ def setting(smollm2, texts):  # noqa: ANN001, ANN201
 
 
 def _continuation_logprobs(model, ids, blocks) -> torch.Tensor:  # noqa: ANN001
-    from adapters.cache_bridge import cache_from_blocks
+    from kvshelf.adapters.cache_bridge import cache_from_blocks
 
     with torch.no_grad():
         logits = model(torch.tensor([ids[CONTEXT:]]), past_key_values=cache_from_blocks(blocks, model.config)).logits

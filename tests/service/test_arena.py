@@ -11,13 +11,20 @@ import grpc
 import pytest
 from helpers import FINGERPRINT, assert_same_block, key_of, make_block
 
-from kvstore import encode_block, open_embedded_store
-from proto import kvshelf_pb2 as pb
-from proto import kvshelf_pb2_grpc as pb_grpc
-from service.arena import ARENA_DIR, HEADER_BYTES, ArenaPool, ArenaUnavailable, ClientArena, shared_memory_supported
-from service.client import RemoteStore, is_local_address
-from service.server import ServerLimits, is_local_peer, start_server
-from service.wire import decode_response
+from kvshelf.kvstore import encode_block, open_embedded_store
+from kvshelf.proto import kvshelf_pb2 as pb
+from kvshelf.proto import kvshelf_pb2_grpc as pb_grpc
+from kvshelf.service.arena import (
+    ARENA_DIR,
+    HEADER_BYTES,
+    ArenaPool,
+    ArenaUnavailable,
+    ClientArena,
+    shared_memory_supported,
+)
+from kvshelf.service.client import RemoteStore, is_local_address
+from kvshelf.service.server import ServerLimits, is_local_peer, start_server
+from kvshelf.service.wire import decode_response
 
 pytestmark = pytest.mark.skipif(not shared_memory_supported(), reason="needs a writable /dev/shm (Linux)")
 

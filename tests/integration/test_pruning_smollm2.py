@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adapters.pruning import H2O, Keyformer, KeyNorm, SnapKV, StreamingLLM, TokenSelect
-from bench.pruning import QUESTION
+from kvshelf.adapters.pruning import H2O, Keyformer, KeyNorm, SnapKV, StreamingLLM, TokenSelect
+from kvshelf.bench.pruning import QUESTION
 
 pytestmark = pytest.mark.slow
 
@@ -61,8 +61,8 @@ def test_in_place_pruned_cache_decodes_like_a_dynamic_cache(smollm2, case):
     """``with SnapKV(...)`` decodes in ``GrowingLayer`` s: same tokens and logits as its tokens in DynamicLayers."""
     from transformers import DynamicCache
 
-    from adapters.pruning import scoring
-    from adapters.pruning.layout import GrowingLayer
+    from kvshelf.adapters.pruning import scoring
+    from kvshelf.adapters.pruning.layout import GrowingLayer
 
     model, _ = smollm2
     ids = case["ids"]

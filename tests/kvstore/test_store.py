@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import FINGERPRINT, assert_same_block, key_of, make_block
 
-from kvstore import (
+from kvshelf.kvstore import (
     CodecParamError,
     ConfigError,
     LMDBTier,
@@ -653,7 +653,7 @@ def test_encoded_round_trip_without_decoding(store):
 
 
 def test_put_encoded_refuses_damaged_or_misfiled_values_and_stores_nothing(store):
-    from kvstore import CorruptBlockError, ForeignBlockError
+    from kvshelf.kvstore import CorruptBlockError, ForeignBlockError
 
     (k0, b0), (k1, b1) = blocks(2)
     good = encode_block(b0, k0)
@@ -671,7 +671,7 @@ class _DownTier(MemoryTier):
     the Redis tests stop a real redis-server)."""
 
     def _down(self, *args, **kwargs):
-        from kvstore import TierUnavailableError
+        from kvshelf.kvstore import TierUnavailableError
 
         raise TierUnavailableError("connection refused")
 

@@ -10,9 +10,9 @@ import textwrap
 import lmdb
 import pytest
 
-from adapters.generate import CachedGenerator
-from bench.ttft import build_context
-from kvstore import open_embedded_store
+from kvshelf.adapters.generate import CachedGenerator
+from kvshelf.bench.ttft import build_context
+from kvshelf.kvstore import open_embedded_store
 
 pytestmark = pytest.mark.slow
 
@@ -56,9 +56,9 @@ def test_context_reused_whole_for_another_question(smollm2, texts, tmp_path):
 _CHILD = textwrap.dedent(
     """
     import json, sys
-    from adapters.generate import CachedGenerator
-    from adapters.model import load_model
-    from kvstore import open_embedded_store
+    from kvshelf.adapters.generate import CachedGenerator
+    from kvshelf.adapters.model import load_model
+    from kvshelf.kvstore import open_embedded_store
 
     data_dir, prompt = sys.argv[1], json.loads(sys.argv[2])
     model, tokenizer = load_model("smollm2-135m")
@@ -77,7 +77,7 @@ def test_new_process_reuses_blocks_from_disk(smollm2, texts, tmp_path):
     prompt = build_context(tokenizer, texts, 512) + _question(tokenizer, "Summarise the first abstract.")
     cold = CachedGenerator(model, tokenizer, store).generate(prompt, max_new_tokens=16)
     store.close()
-    out = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path), json.dumps(prompt)],
+    out = subprocess.run([sys.executable, "-P", "-c", _CHILD, str(tmp_path), json.dumps(prompt)],
                          capture_output=True, text=True, check=True)
     child = json.loads(out.stdout.strip().splitlines()[-1])
     assert child["reused"] == 512

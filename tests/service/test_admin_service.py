@@ -12,7 +12,7 @@ from helpers import FINGERPRINT, key_of, make_block
 from redis_servers import free_port, redis_cluster, redis_server  # noqa: F401  (fixtures)
 from service_helpers import ServeProcess, kvshelf_cli
 
-from service.client import RemoteStore
+from kvshelf.service.client import RemoteStore
 
 
 @pytest.mark.parametrize("kind", ["standalone", "cluster"])

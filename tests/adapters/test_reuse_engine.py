@@ -10,9 +10,9 @@ import torch
 from helpers import token_ids
 from transformers import DynamicCache
 
-from adapters.model import tiny_llama
-from adapters.rag import RAGGenerator
-from adapters.reuse_engine import (
+from kvshelf.adapters.model import tiny_llama
+from kvshelf.adapters.rag import RAGGenerator
+from kvshelf.adapters.reuse_engine import (
     Layout,
     contiguous_span,
     embed,
@@ -21,8 +21,8 @@ from adapters.reuse_engine import (
     layer_kv,
     run_layers,
 )
-from bench.rag import NEEDLE, answer_code, plant
-from reuse.masks import causal_mask
+from kvshelf.bench.rag import NEEDLE, answer_code, plant
+from kvshelf.reuse.masks import causal_mask
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,11 @@ import struct
 import pytest
 import torch
 
-from adapters.model import tiny_llama
-from adapters.xquant import bind_xquant, xquant_params, xquant_tables
-from compress import get_codec, xquant_kernels
-from compress.container import pack_sections, unpack_sections
-from compress.xquant import (
+from kvshelf.adapters.model import tiny_llama
+from kvshelf.adapters.xquant import bind_xquant, xquant_params, xquant_tables
+from kvshelf.compress import get_codec, xquant_kernels
+from kvshelf.compress.container import pack_sections, unpack_sections
+from kvshelf.compress.xquant import (
     XQuantTables,
     XQuantUnboundError,
     bind_tables,
@@ -21,9 +21,9 @@ from compress.xquant import (
     save_tables,
     unbind_tables,
 )
-from kvstore import KVBlock
-from kvstore.encoding import decode_block, encode_block
-from kvstore.errors import CodecParamError, ConfigError, CorruptBlockError, KVShelfError
+from kvshelf.kvstore import KVBlock
+from kvshelf.kvstore.encoding import decode_block, encode_block
+from kvshelf.kvstore.errors import CodecParamError, ConfigError, CorruptBlockError, KVShelfError
 
 EXACT = {"drop_below": 0.0, "max_sinks": 0, "matmul": "fp32"}
 
@@ -261,7 +261,7 @@ def test_tiered_store_disk_xquant(tiny, tmp_path) -> None:  # noqa: ANN001
     """Memory raw, LMDB xquant: a block written, the store reopened, read back through the disk tier."""
     from helpers import key_of
 
-    from kvstore.embedded import open_embedded_store
+    from kvshelf.kvstore.embedded import open_embedded_store
 
     model, params = tiny
     keys, values = _kv(model, 40, 16)

@@ -8,12 +8,12 @@ import pytest
 import torch
 from transformers import MistralConfig, MistralForCausalLM
 
-from adapters.cache_bridge import blocks_from_cache, cache_from_blocks
-from adapters.fingerprint import model_fingerprint
-from adapters.generate import CachedGenerator
-from adapters.model import tiny_llama
-from kvstore import KVBlock, MemoryTier, TieredStore, open_embedded_store
-from kvstore.errors import ConfigError, UnsupportedModelError
+from kvshelf.adapters.cache_bridge import blocks_from_cache, cache_from_blocks
+from kvshelf.adapters.fingerprint import model_fingerprint
+from kvshelf.adapters.generate import CachedGenerator
+from kvshelf.adapters.model import tiny_llama
+from kvshelf.kvstore import KVBlock, MemoryTier, TieredStore, open_embedded_store
+from kvshelf.kvstore.errors import ConfigError, UnsupportedModelError
 
 
 @pytest.fixture(scope="module")

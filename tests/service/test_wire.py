@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from proto import kvshelf_pb2 as pb
-from service.wire import (
+from kvshelf.proto import kvshelf_pb2 as pb
+from kvshelf.service.wire import (
     WireError,
     decode_response,
     encode_arena_response,

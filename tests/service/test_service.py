@@ -15,15 +15,15 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from helpers import FINGERPRINT, assert_same_block, key_of, make_block
 from service_helpers import TOKENS, ServeProcess, UnreachableTier, self_signed_cert, write_tokens
 
-from kvstore import LMDBTier, MemoryTier, TieredStore, encode_block, open_embedded_store
-from kvstore.errors import ConfigError, TierUnavailableError
-from proto import kvshelf_pb2 as pb
-from proto import kvshelf_pb2_grpc as pb_grpc
-from proto.generate import PROTO_DIR, STUBS, generate
-from service.auth import scope_tag
-from service.client import RemoteStore, RemoteStoreError
-from service.serve import ServeConfig, load_config
-from service.server import CHUNK_BYTES, TIERS_HEALTH_NAME, ServerLimits, start_server
+from kvshelf.kvstore import LMDBTier, MemoryTier, TieredStore, encode_block, open_embedded_store
+from kvshelf.kvstore.errors import ConfigError, TierUnavailableError
+from kvshelf.proto import kvshelf_pb2 as pb
+from kvshelf.proto import kvshelf_pb2_grpc as pb_grpc
+from kvshelf.proto.generate import PROTO_DIR, STUBS, generate
+from kvshelf.service.auth import scope_tag
+from kvshelf.service.client import RemoteStore, RemoteStoreError
+from kvshelf.service.serve import ServeConfig, load_config
+from kvshelf.service.server import CHUNK_BYTES, TIERS_HEALTH_NAME, ServerLimits, start_server
 
 TOKEN_A, TOKEN_B = list(TOKENS)
 MISSING = b"\x00" * 16
@@ -46,7 +46,7 @@ def remote(server):
 
 @pytest.fixture
 def tenant_server(tmp_path):
-    from service.auth import TokenTable
+    from kvshelf.service.auth import TokenTable
 
     store = open_embedded_store(tmp_path / "data")
     tokens = TokenTable.from_file(write_tokens(tmp_path / "tokens.toml"))

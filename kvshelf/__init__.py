@@ -1,0 +1,167 @@
+"""kvshelf: KV-cache management and context-reuse middleware for transformer LLMs.
+
+The public API, importable from here::
+
+    import kvshelf
+
+    model, tokenizer = kvshelf.load_model("smollm2-135m")
+    store = kvshelf.open_embedded_store("/tmp/kvshelf-data")
+    gen = kvshelf.CachedGenerator(model, tokenizer, store)
+
+The parts are subpackages: ``kvshelf.kvstore`` (blocks, keys, tiers, the store), ``kvshelf.compress`` (codecs),
+``kvshelf.reuse`` (prompt modules, RAG chunks, RoPE), ``kvshelf.adapters`` (HuggingFace transformers),
+``kvshelf.service`` (gRPC service, client, CLI), ``kvshelf.proto`` and ``kvshelf.bench``. Their folders sit at the
+top of the repository; ``pyproject.toml`` maps them under this package (see the README, "Packaging").
+
+Names are loaded on first use, so ``import kvshelf`` (and the ``kvshelf`` command) starts without torch,
+transformers or grpc.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+#: public name -> the module that defines it
+_EXPORTS: dict[str, str] = {
+    # models and generation
+    "load_model": "kvshelf.adapters.model",
+    "tiny_llama": "kvshelf.adapters.model",
+    "model_fingerprint": "kvshelf.adapters.fingerprint",
+    "CachedGenerator": "kvshelf.adapters.generate",
+    "GenerationResult": "kvshelf.adapters.generate",
+    "RAGGenerator": "kvshelf.adapters.rag",
+    "RAGResult": "kvshelf.adapters.rag",
+    "precompute": "kvshelf.adapters.rag",
+    "PromptModuleGenerator": "kvshelf.adapters.prompt_modules",
+    "ModuleResult": "kvshelf.adapters.prompt_modules",
+    "PromptSchema": "kvshelf.reuse.schema",
+    # stores
+    "BlockStore": "kvshelf.kvstore.protocol",
+    "open_embedded_store": "kvshelf.kvstore.embedded",
+    "TieredStore": "kvshelf.kvstore.store",
+    "TierSpec": "kvshelf.kvstore.store",
+    "KVBlock": "kvshelf.kvstore.block",
+    "RemoteStore": "kvshelf.service.client",
+    # codecs
+    "available_codecs": "kvshelf.compress.registry",
+    "get_codec": "kvshelf.compress.registry",
+    # token pruning and selection
+    "StreamingLLM": "kvshelf.adapters.pruning",
+    "H2O": "kvshelf.adapters.pruning",
+    "Keyformer": "kvshelf.adapters.pruning",
+    "SnapKV": "kvshelf.adapters.pruning",
+    "KeyNorm": "kvshelf.adapters.pruning",
+    "TokenSelect": "kvshelf.adapters.pruning",
+    "Compose": "kvshelf.adapters.pruning",
+    "PRUNING_METHODS": "kvshelf.adapters.pruning",
+    # errors: one tree under KVShelfError
+    "KVShelfError": "kvshelf.kvstore.errors",
+    "ConfigError": "kvshelf.kvstore.errors",
+    "UnknownCodecError": "kvshelf.kvstore.errors",
+    "CodecParamError": "kvshelf.kvstore.errors",
+    "CorruptBlockError": "kvshelf.kvstore.errors",
+    "ForeignBlockError": "kvshelf.kvstore.errors",
+    "StoreFullError": "kvshelf.kvstore.errors",
+    "TierUnavailableError": "kvshelf.kvstore.errors",
+    "UnsupportedModelError": "kvshelf.kvstore.errors",
+    "ModelLoadError": "kvshelf.kvstore.errors",
+    "ReuseError": "kvshelf.reuse.errors",
+    "SchemaError": "kvshelf.reuse.errors",
+    "UnknownModuleError": "kvshelf.reuse.errors",
+    "UnknownParameterError": "kvshelf.reuse.errors",
+    "MissingParameterError": "kvshelf.reuse.errors",
+    "ParameterTooLongError": "kvshelf.reuse.errors",
+    "PromptLayoutError": "kvshelf.reuse.errors",
+    "ContextTooLongError": "kvshelf.reuse.errors",
+    "ChunkMissingError": "kvshelf.reuse.errors",
+    "ForeignChunkError": "kvshelf.reuse.errors",
+    "XQuantUnboundError": "kvshelf.compress.xquant",
+    "PruningError": "kvshelf.adapters.pruning.errors",
+    "BudgetError": "kvshelf.adapters.pruning.errors",
+    "AttentionImplementationError": "kvshelf.adapters.pruning.errors",
+    "UnsupportedArchitectureError": "kvshelf.adapters.pruning.errors",
+    "ServiceError": "kvshelf.service.errors",
+    "RemoteStoreError": "kvshelf.service.errors",
+    "WireError": "kvshelf.service.errors",
+    "ArenaUnavailable": "kvshelf.service.errors",
+}
+#: names whose attribute in their module differs from the public one
+_RENAMED = {"PRUNING_METHODS": "METHODS"}
+
+__all__ = [  # the literal list static tools read; a test checks it against _EXPORTS
+    "__version__", "load_model", "tiny_llama", "model_fingerprint", "CachedGenerator", "GenerationResult",
+    "RAGGenerator", "RAGResult", "precompute", "PromptModuleGenerator", "ModuleResult", "PromptSchema", "BlockStore",
+    "open_embedded_store", "TieredStore", "TierSpec", "KVBlock", "RemoteStore", "available_codecs", "get_codec",
+    "StreamingLLM", "H2O", "Keyformer", "SnapKV", "KeyNorm", "TokenSelect", "Compose", "PRUNING_METHODS",
+    "KVShelfError", "ConfigError", "UnknownCodecError", "CodecParamError", "CorruptBlockError", "ForeignBlockError",
+    "StoreFullError", "TierUnavailableError", "UnsupportedModelError", "ModelLoadError", "ReuseError", "SchemaError",
+    "UnknownModuleError", "UnknownParameterError", "MissingParameterError", "ParameterTooLongError",
+    "PromptLayoutError", "ContextTooLongError", "ChunkMissingError", "ForeignChunkError", "XQuantUnboundError",
+    "PruningError", "BudgetError", "AttentionImplementationError", "UnsupportedArchitectureError", "ServiceError",
+    "RemoteStoreError", "WireError", "ArenaUnavailable",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvshelf' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), _RENAMED.get(name, name))
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+if TYPE_CHECKING:  # what static type checkers and IDEs see
+    from kvshelf.adapters.fingerprint import model_fingerprint
+    from kvshelf.adapters.generate import CachedGenerator, GenerationResult
+    from kvshelf.adapters.model import load_model, tiny_llama
+    from kvshelf.adapters.prompt_modules import ModuleResult, PromptModuleGenerator
+    from kvshelf.adapters.pruning import H2O, Compose, Keyformer, KeyNorm, SnapKV, StreamingLLM, TokenSelect
+    from kvshelf.adapters.pruning import METHODS as PRUNING_METHODS
+    from kvshelf.adapters.pruning.errors import (
+        AttentionImplementationError,
+        BudgetError,
+        PruningError,
+        UnsupportedArchitectureError,
+    )
+    from kvshelf.adapters.rag import RAGGenerator, RAGResult, precompute
+    from kvshelf.compress.registry import available_codecs, get_codec
+    from kvshelf.compress.xquant import XQuantUnboundError
+    from kvshelf.kvstore.block import KVBlock
+    from kvshelf.kvstore.embedded import open_embedded_store
+    from kvshelf.kvstore.errors import (
+        CodecParamError,
+        ConfigError,
+        CorruptBlockError,
+        ForeignBlockError,
+        KVShelfError,
+        ModelLoadError,
+        StoreFullError,
+        TierUnavailableError,
+        UnknownCodecError,
+        UnsupportedModelError,
+    )
+    from kvshelf.kvstore.protocol import BlockStore
+    from kvshelf.kvstore.store import TieredStore, TierSpec
+    from kvshelf.reuse.errors import (
+        ChunkMissingError,
+        ContextTooLongError,
+        ForeignChunkError,
+        MissingParameterError,
+        ParameterTooLongError,
+        PromptLayoutError,
+        ReuseError,
+        SchemaError,
+        UnknownModuleError,
+        UnknownParameterError,
+    )
+    from kvshelf.reuse.schema import PromptSchema
+    from kvshelf.service.client import RemoteStore
+    from kvshelf.service.errors import ArenaUnavailable, RemoteStoreError, ServiceError, WireError

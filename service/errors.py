@@ -1,0 +1,27 @@
+"""Errors of the service layer (all ``KVShelfError``; re-exported by ``kvshelf``)."""
+
+from __future__ import annotations
+
+import grpc
+
+from kvshelf.kvstore.errors import KVShelfError
+
+
+class ServiceError(KVShelfError):
+    """Base class of the service layer's errors."""
+
+
+class RemoteStoreError(ServiceError):
+    """The server refused a call (``code`` is the ``grpc.StatusCode``)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+
+
+class WireError(ServiceError):
+    """Bytes that are not a well-formed ``GetBlocksResponse``."""
+
+
+class ArenaUnavailable(ServiceError, OSError):  # noqa: N818 - a condition the caller falls back from
+    """The shared-memory arena cannot be used (missing, not ours, wrong token, no space): fall back to the wire."""
