@@ -14,8 +14,8 @@ from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from kvshelf.compress import hugepages
-from kvshelf.compress.registry import PreparedPayload
 from kvshelf.kvstore.block import KVBlock, PreparedBlock
+from kvshelf.kvstore.codec import PreparedPayload
 from kvshelf.kvstore.errors import UnsupportedModelError
 
 

@@ -1,4 +1,4 @@
-"""KV codecs behind one registry (see ``compress.registry``); importing this package registers them all.
+"""KV codecs behind one registry (``kvshelf.kvstore.codec``); importing this package registers them all.
 
 ``raw`` (model dtype), ``fp16``, ``bf16``, ``zstd`` (lossless), ``int8``/``int4``/``int2`` (KIVI-style),
 ``cachegen`` (CacheGen-style entropy coding), ``sparse`` (kept tokens only, any inner codec),
@@ -13,6 +13,6 @@ from kvshelf.compress import raw as _raw  # noqa: F401
 from kvshelf.compress import sparse as _sparse  # noqa: F401
 from kvshelf.compress import xquant as _xquant  # noqa: F401
 from kvshelf.compress import zstd as _zstd  # noqa: F401
-from kvshelf.compress.registry import Codec, available_codecs, get_codec, register_codec
+from kvshelf.kvstore.codec import Codec, available_codecs, get_codec, register_codec
 
 __all__ = ["Codec", "available_codecs", "get_codec", "register_codec"]

@@ -60,7 +60,7 @@ from kvshelf.compress.bitpack import half_bytes, half_from, pack_bits, packed_le
 from kvshelf.compress.container import pack_sections, unpack_sections
 from kvshelf.compress.hadamard import hadamard, is_power_of_two, rotate
 from kvshelf.compress.raw import tensor_bytes
-from kvshelf.compress.registry import Codec, register_codec
+from kvshelf.kvstore.codec import Codec, register_codec
 from kvshelf.kvstore.errors import CorruptBlockError
 
 _HALF_MAX = 65504.0

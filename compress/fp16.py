@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kvshelf.compress._cast import cast_decode, cast_encode
-from kvshelf.compress.registry import Codec, register_codec
+from kvshelf.kvstore.codec import Codec, register_codec
 
 
 @register_codec

@@ -26,7 +26,7 @@ import torch
 from kvshelf.compress._cast import numel
 from kvshelf.compress.bitpack import half_bytes, half_from, pack_bits, packed_len, unpack_bits
 from kvshelf.compress.container import pack_sections, unpack_sections
-from kvshelf.compress.registry import Codec, PreparedPayload, register_codec
+from kvshelf.kvstore.codec import Codec, PreparedPayload, register_codec
 from kvshelf.kvstore.errors import CorruptBlockError
 
 _HALF_MAX = 65504.0

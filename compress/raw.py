@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvshelf.compress.registry import Codec, register_codec
+from kvshelf.kvstore.codec import Codec, register_codec
 from kvshelf.kvstore.errors import CorruptBlockError
 
 

@@ -26,8 +26,8 @@ import torch
 
 from kvshelf.compress.bitpack import pack_bits, unpack_bits
 from kvshelf.compress.container import pack_sections, unpack_sections
-from kvshelf.compress.registry import Codec, get_codec, register_codec
 from kvshelf.kvstore.block import KVBlock
+from kvshelf.kvstore.codec import Codec, get_codec, register_codec
 from kvshelf.kvstore.errors import CorruptBlockError
 
 _FILLS = {"nan": float("nan"), "zero": 0.0}

@@ -81,7 +81,7 @@ import zstandard
 from kvshelf.compress import hugepages, xquant_kernels
 from kvshelf.compress.container import expect_len, pack_sections, unpack_sections
 from kvshelf.compress.raw import tensor_bytes
-from kvshelf.compress.registry import Codec, PreparedPayload, register_codec, write_each
+from kvshelf.kvstore.codec import Codec, PreparedPayload, register_codec, write_each
 from kvshelf.kvstore.errors import CodecParamError, ConfigError, CorruptBlockError
 
 NAME = "xquant"

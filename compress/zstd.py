@@ -22,7 +22,7 @@ import zstandard
 from kvshelf.compress._cast import numel
 from kvshelf.compress.container import pack_sections, unpack_sections
 from kvshelf.compress.raw import tensor_bytes
-from kvshelf.compress.registry import Codec, register_codec
+from kvshelf.kvstore.codec import Codec, register_codec
 from kvshelf.kvstore.errors import CorruptBlockError
 
 _KEEP_RAW = 0.97  # store a plane as is unless zstd makes it at least 3% smaller

@@ -46,8 +46,8 @@ _EXPORTS: dict[str, str] = {
     "KVBlock": "kvshelf.kvstore.block",
     "RemoteStore": "kvshelf.service.client",
     # codecs
-    "available_codecs": "kvshelf.compress.registry",
-    "get_codec": "kvshelf.compress.registry",
+    "available_codecs": "kvshelf.kvstore.codec",
+    "get_codec": "kvshelf.kvstore.codec",
     # token pruning and selection
     "StreamingLLM": "kvshelf.adapters.pruning",
     "H2O": "kvshelf.adapters.pruning",
@@ -132,9 +132,9 @@ if TYPE_CHECKING:  # what static type checkers and IDEs see
         UnsupportedArchitectureError,
     )
     from kvshelf.adapters.rag import RAGGenerator, RAGResult, precompute
-    from kvshelf.compress.registry import available_codecs, get_codec
     from kvshelf.compress.xquant import XQuantUnboundError
     from kvshelf.kvstore.block import KVBlock
+    from kvshelf.kvstore.codec import available_codecs, get_codec
     from kvshelf.kvstore.embedded import open_embedded_store
     from kvshelf.kvstore.errors import (
         CodecParamError,

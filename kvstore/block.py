@@ -10,7 +10,7 @@ import torch
 from kvshelf.kvstore.errors import ConfigError
 
 if TYPE_CHECKING:
-    from kvshelf.compress.registry import PreparedPayload
+    from kvshelf.kvstore.codec import PreparedPayload
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from kvshelf.compress.registry import get_codec
+from kvshelf.kvstore.codec import get_codec
 from kvshelf.kvstore.errors import ConfigError
 from kvshelf.kvstore.lmdb_tier import LMDBTier
 from kvshelf.kvstore.memory_tier import MemoryTier

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import xxhash
 
-from kvshelf.compress.registry import Codec, get_codec
 from kvshelf.kvstore.block import KVBlock, PreparedBlock
+from kvshelf.kvstore.codec import Codec, get_codec
 from kvshelf.kvstore.errors import CorruptBlockError, ForeignBlockError, KVShelfError
 
 MAGIC = b"KVSH"

@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-from kvshelf.compress.registry import get_codec
 from kvshelf.kvstore.block import KVBlock, PreparedBlock
+from kvshelf.kvstore.codec import get_codec
 from kvshelf.kvstore.encoding import decode_block, encode_block, prepare_block, read_header, verify_block
 from kvshelf.kvstore.errors import ConfigError, ForeignBlockError, KVShelfError, StoreFullError, TierUnavailableError
 from kvshelf.kvstore.keys import KEY_BYTES

@@ -96,7 +96,7 @@ def bench_ttft(
 ) -> None:
     """TTFT of full prefill vs warm-memory vs warm-disk reuse, with same-output checks."""
     from kvshelf.bench.ttft import run
-    from kvshelf.compress.registry import get_codec
+    from kvshelf.kvstore.codec import get_codec
 
     params = _json_object(codec_params, "--codec-params")
     # an unknown codec or parameter is a clear error before the model loads (xquant's "basis" is the adapter's)

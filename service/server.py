@@ -22,7 +22,8 @@ from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvshelf.kvstore.encoding import get_codec, verify_block  # (via kvstore: importing compress first is circular)
+from kvshelf.kvstore.codec import get_codec
+from kvshelf.kvstore.encoding import verify_block
 from kvshelf.kvstore.errors import (
     ConfigError,
     CorruptBlockError,

@@ -13,9 +13,9 @@ from kvshelf.adapters.generate import CachedGenerator
 from kvshelf.adapters.model import tiny_llama
 from kvshelf.adapters.xquant import xquant_params
 from kvshelf.compress.kivi import KiviPayload
-from kvshelf.compress.registry import DecodedPayload
 from kvshelf.compress.xquant import XQuantPayload
 from kvshelf.kvstore import KVBlock, open_embedded_store
+from kvshelf.kvstore.codec import DecodedPayload
 from kvshelf.kvstore.encoding import decode_block, encode_block, prepare_block
 
 

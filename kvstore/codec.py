@@ -1,12 +1,17 @@
-"""The codec registry: a codec turns the keys and values of a block into bytes and back.
+"""The codec base and registry: a codec turns the keys and values of a block into bytes and back.
 
 A tier's configuration names a codec and its parameters; ``get_codec`` builds it. Codecs are dataclasses
 whose fields are their parameters, so unknown or invalid parameters are caught with a clear error.
+
+The base lives in ``kvstore`` (the store encodes and decodes through it) and the codecs in ``kvshelf.compress``,
+which imports this module: dependencies point one way. The built-in codecs are registered on the first lookup
+(``get_codec``, ``available_codecs``, ``register_codec``), which imports ``kvshelf.compress``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
@@ -16,6 +21,21 @@ import torch
 from kvshelf.kvstore.errors import CodecParamError, UnknownCodecError
 
 _REGISTRY: dict[str, type[Codec]] = {}
+_BUILTINS = "kvshelf.compress"  # importing it registers the built-in codecs
+_builtins_loaded = False
+
+
+def _registry() -> dict[str, type[Codec]]:
+    """The registry, with the built-in codecs in it: ``kvshelf.compress`` is imported on the first call.
+
+    While it imports, its own ``register_codec`` calls come back here and get the partly filled registry; another
+    thread's call waits on the import lock until the import is done.
+    """
+    global _builtins_loaded
+    if not _builtins_loaded:
+        module = importlib.import_module(_BUILTINS)
+        _builtins_loaded = not getattr(getattr(module, "__spec__", None), "_initializing", False)
+    return _REGISTRY
 
 
 class PreparedPayload(ABC):
@@ -110,18 +130,18 @@ class Codec(ABC):
 
 
 def register_codec(cls: type[Codec]) -> type[Codec]:
-    """Class decorator: make ``cls`` available under ``cls.name``."""
-    _REGISTRY[cls.name] = cls
+    """Class decorator: make ``cls`` available under ``cls.name`` (a later registration of a name wins)."""
+    _registry()[cls.name] = cls
     return cls
 
 
 def available_codecs() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted(_registry())
 
 
 def get_codec(name: str, params: Mapping[str, Any] | None = None) -> Codec:
     """Build the codec ``name`` with ``params``; raise ``UnknownCodecError`` / ``CodecParamError``."""
-    cls = _REGISTRY.get(name)
+    cls = _registry().get(name)
     if cls is None:
         raise UnknownCodecError(f"unknown codec {name!r}; available codecs: {', '.join(available_codecs())}")
     params = dict(params or {})
