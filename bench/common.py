@@ -12,16 +12,34 @@ from typing import Any
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from kvshelf.kvstore.paths import cache_dir
+
+CORPUS_ENV = "KVSHELF_CORPUS"
 
 
 def default_corpus() -> Path | None:
-    """``../shared/data/abstracts.jsonl`` next to the checkout (or the current directory), when present."""
-    for base in (REPO_ROOT, Path.cwd()):
+    """The corpus when none is given: ``$KVSHELF_CORPUS``, else ``../shared/data/abstracts.jsonl`` relative to the
+    current directory or its parent (a checkout's root or a folder in it), when present.
+
+    Never derived from where the package is installed: an installed kvshelf has no checkout around it.
+    """
+    env = os.environ.get(CORPUS_ENV, "")
+    if env:
+        path = Path(env).expanduser()
+        if not path.is_file():
+            raise SystemExit(f"${CORPUS_ENV}={env}: no such file")
+        return path
+    cwd = Path.cwd()
+    for base in (cwd, cwd.parent):
         candidate = base.parent / "shared" / "data" / "abstracts.jsonl"
         if candidate.is_file():
             return candidate
     return None
+
+
+def results_path(name: str) -> Path:
+    """Default place of a benchmark's JSON results: ``bench-results/NAME`` under the kvshelf cache."""
+    return cache_dir() / "bench-results" / name
 
 
 def load_corpus(path: str | os.PathLike[str]) -> list[dict[str, str]]:

@@ -22,10 +22,11 @@ method's pruned cache decodes greedily (sdpa) in ``GrowingLayer`` s, the layout 
 (in-place appends: no per-step ``torch.cat`` of the whole cache); the speed section also times SnapKV's pruned
 cache in plain ``DynamicLayer`` s, to show what that layout buys. ``full`` and TokenSelect (which keeps the full
 cache and attends to its selection) decode in plain ``DynamicLayer`` s.
-kvpress side: its ``SnapKVPress`` and ``StreamingLLMPress`` in a virtualenv of its own (``.venv-kvpress``,
-created on first use: kvpress pins an older transformers, 5.2, than kvshelf's), one long-lived worker process on
-the same model weights, token ids and decode loop; one prefill per prompt too, each press's own ``compress``
-(what its forward hook calls) run on every layer. Needle cases and windows alternate between the two sides, and
+kvpress side: its ``SnapKVPress`` and ``StreamingLLMPress`` in a virtualenv of its own (``venv-kvpress`` under
+``$KVSHELF_CACHE``, or ``$KVSHELF_KVPRESS_VENV``, or ``kvshelf bench pruning --kvpress-venv DIR``; created on first
+use: kvpress pins an older transformers, 5.2, than kvshelf's), one long-lived worker process on the same model
+weights, token ids and decode loop; one prefill per prompt too, each press's own ``compress`` (what its forward
+hook calls) run on every layer. Needle cases and windows alternate between the two sides, and
 the JSON is rewritten after every phase step (``status`` says how far a run got). ``kv_bytes``: the largest cache
 (keys + values, fp32, a ``GrowingLayer``'s headroom included) after decoding.
 """
@@ -51,13 +52,13 @@ from rich.table import Table
 from tqdm import tqdm
 
 from kvshelf.adapters.pruning.layout import cache_bytes
-from kvshelf.bench.common import REPO_ROOT, corpus_texts, machine_description, save_results
+from kvshelf.bench.common import corpus_texts, machine_description, save_results
+from kvshelf.kvstore.paths import cache_dir
 
 BUDGETS = (0.5, 0.25, 0.125)
 STATIC = ("streamingllm", "h2o", "keyformer", "snapkv", "keynorm")
 KVPRESS_METHODS = ("snapkv", "streamingllm")
 QUESTION = "\n\nQuestion: What is the secret code mentioned in the text above?\nAnswer: The secret code is"
-KVPRESS_VENV = REPO_ROOT / ".venv-kvpress"
 KVPRESS_REQUIREMENTS = ("torch==2.13.0", "kvpress")
 
 Config = tuple[str, float]
@@ -295,7 +296,7 @@ with torch.inference_mode():
 
 
 class KvpressWorker:
-    """The kvpress anchor: one long-lived process in ``.venv-kvpress``, driven by JSON lines (``@@ `` replies)."""
+    """The kvpress anchor: one long-lived process in the kvpress virtualenv, driven by JSON lines (``@@ `` replies)."""
 
     def __init__(self, python: Path, model_dir: str, budgets: tuple[float, ...], threads: int, tmp: Path) -> None:
         self.script, self.log = tmp / "kvpress_worker.py", tmp / "kvpress_worker.log"
@@ -334,14 +335,22 @@ class KvpressWorker:
         self._err.close()
 
 
-def ensure_kvpress_venv(console: Console) -> tuple[Path | None, str | None]:
-    """The kvpress virtualenv's python (created on first use), or ``(None, reason)``."""
-    python = KVPRESS_VENV / "bin" / "python"
+def kvpress_venv() -> Path:
+    """Where the kvpress virtualenv lives: ``$KVSHELF_KVPRESS_VENV``, else ``venv-kvpress`` under the kvshelf cache."""
+    override = os.environ.get("KVSHELF_KVPRESS_VENV", "")
+    return Path(override).expanduser() if override else cache_dir() / "venv-kvpress"
+
+
+def ensure_kvpress_venv(console: Console, venv: Path | None = None) -> tuple[Path | None, str | None]:
+    """The python of the kvpress virtualenv ``venv`` (default ``kvpress_venv()``), created on first use, or
+    ``(None, reason)``."""
+    venv = venv or kvpress_venv()
+    python = venv / "bin" / "python"
     check = [str(python), "-c", "import kvpress, transformers; print(transformers.__version__)"]
     if python.exists() and subprocess.run(check, capture_output=True).returncode == 0:
         return python, None
-    console.print(f"[dim]creating {KVPRESS_VENV} (kvpress pins an older transformers)...[/dim]")
-    steps = [[sys.executable, "-m", "venv", str(KVPRESS_VENV)],
+    console.print(f"[dim]creating {venv} (kvpress pins an older transformers)...[/dim]")
+    steps = [[sys.executable, "-m", "venv", str(venv)],
              [str(python), "-m", "pip", "install", "-q", KVPRESS_REQUIREMENTS[0]],
              [str(python), "-m", "pip", "install", "-q", KVPRESS_REQUIREMENTS[1]]]
     for cmd in steps:
@@ -353,12 +362,12 @@ def ensure_kvpress_venv(console: Console) -> tuple[Path | None, str | None]:
 
 @contextmanager
 def kvpress_worker(console: Console, enabled: bool, model_dir: str, budgets: tuple[float, ...],
-                   threads: int) -> Iterator[tuple[KvpressWorker | None, str]]:
+                   threads: int, venv: Path | None = None) -> Iterator[tuple[KvpressWorker | None, str]]:
     """The running kvpress worker (or ``None``) and a note: its versions, or why it is not there."""
     if not enabled:
         yield None, "kvpress anchor disabled"
         return
-    python, reason = ensure_kvpress_venv(console)
+    python, reason = ensure_kvpress_venv(console, venv)
     if python is None:
         yield None, f"kvpress not run: {reason}"
         return
@@ -490,6 +499,7 @@ def run(
     speed_steps: int = 24,
     model_name: str = "smollm2-135m",
     kvpress: bool = True,
+    kvpress_venv: str | None = None,
     methods: Only = None,
     console: Console | None = None,
 ) -> dict[str, Any]:
@@ -526,7 +536,8 @@ def run(
             "results": [_row(impl, m, b, r, needle, tokenizer, full_ppl) for (impl, m, b), r in ordered],
         }
 
-    with kvpress_worker(console, kvpress, str(convert_bundled(model_name)), budgets, threads) as (worker, note):
+    venv = Path(kvpress_venv) if kvpress_venv else None
+    with kvpress_worker(console, kvpress, str(convert_bundled(model_name)), budgets, threads, venv) as (worker, note):
         measure_speed(model, worker, needle[:speed_cases], budgets, tally, speed_steps, speed_rounds, methods)
         save_results(json_path, payload("partial: decode speed done", note), console)
         for i, case in enumerate(tqdm(needle, desc="needle", unit="case"), 1):

@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-from kvshelf.bench.common import corpus_texts, machine_description, median, save_results
+from kvshelf.bench.common import corpus_texts, machine_description, median, results_path, save_results
 
 SYSTEM = "You find the secret code in the documents the user gives. Answer with the code only."
 INTRO = "Find the secret code in these documents.\n\nDocuments:\n\n"
@@ -265,4 +265,4 @@ def _print(console: Console, payload: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    run(json_path="bench/results/rag.json", corpus=None)
+    run(json_path=str(results_path("rag.json")), corpus=None)  # $KVSHELF_CACHE/bench-results/rag.json

@@ -11,6 +11,7 @@ from kvshelf.kvstore.codec import get_codec
 from kvshelf.kvstore.errors import ConfigError
 from kvshelf.kvstore.lmdb_tier import LMDBTier
 from kvshelf.kvstore.memory_tier import MemoryTier
+from kvshelf.kvstore.paths import cache_dir
 from kvshelf.kvstore.store import TieredStore, TierSpec
 
 DEFAULT_MEMORY_BYTES = 2 << 30
@@ -30,7 +31,9 @@ def parse_size(value: int | str) -> int:
 
 
 def default_data_dir() -> Path:
-    return Path(os.environ.get("KVSHELF_DATA_DIR", Path.home() / ".cache" / "kvshelf" / "store"))
+    """``$KVSHELF_DATA_DIR``, else ``store`` under the kvshelf cache (``kvstore.paths.cache_dir``)."""
+    override = os.environ.get("KVSHELF_DATA_DIR", "")
+    return Path(override).expanduser() if override else cache_dir() / "store"
 
 
 def open_embedded_store(

@@ -113,7 +113,8 @@ def bench_ttft(
 @app.command()
 def precompute(
     paths: Annotated[list[Path], typer.Argument(help=".txt files or .jsonl files ({title, abstract} or {text})")],
-    data_dir: Annotated[Path, typer.Option(help="embedded store directory")] = Path("kv-data"),
+    data_dir: Annotated[Path | None, typer.Option(
+        help="embedded store directory (default: $KVSHELF_DATA_DIR, else store under $KVSHELF_CACHE)")] = None,
     model: ModelOpt = "smollm2-135m",
     namespace: Annotated[str, typer.Option(help="tenant namespace of the chunks")] = "default",
     chunk_size: Annotated[int, typer.Option(min=1, help="tokens per chunk")] = 256,
@@ -163,6 +164,9 @@ def bench_pruning(
     cases: Annotated[int, typer.Option(min=1, help="needle QA cases (~1,300-token contexts)")] = 40,
     windows: Annotated[int, typer.Option(min=1, help="2,048-token perplexity windows")] = 8,
     kvpress: Annotated[bool, typer.Option(help="run NVIDIA kvpress in its own virtualenv as the anchor")] = True,
+    kvpress_venv: Annotated[Path | None, typer.Option(
+        help="kvpress's virtualenv, created on first use (default: $KVSHELF_KVPRESS_VENV, else venv-kvpress under "
+             "$KVSHELF_CACHE)")] = None,
     methods: Annotated[str | None, typer.Option(
         help="comma-separated kvshelf methods to run (default: all); full and the kvpress presses always run")] = None,
     model: ModelOpt = "smollm2-135m",
@@ -179,7 +183,8 @@ def bench_pruning(
             known = ", ".join((*STATIC, "tokenselect"))
             raise KVShelfError(f"--methods: unknown {unknown or methods!r}; known: {known}")
     run(json_path=str(json_path) if json_path else None, corpus=str(chosen) if chosen else None, cases=cases,
-        windows=windows, model_name=model, kvpress=kvpress, methods=only, console=console)
+        windows=windows, model_name=model, kvpress=kvpress, kvpress_venv=str(kvpress_venv) if kvpress_venv else None,
+        methods=only, console=console)
 
 
 @bench_app.command("codecs")

@@ -39,7 +39,7 @@ class ServeConfig:
     """Every setting of ``kvshelf serve`` (sizes accept ``"512MiB"``-style strings)."""
 
     listen: str = "127.0.0.1:50051"
-    data_dir: str = ""  # "" -> $KVSHELF_DATA_DIR or ~/.cache/kvshelf/store
+    data_dir: str = ""  # "" -> $KVSHELF_DATA_DIR, else $KVSHELF_CACHE/store (~/.cache/kvshelf/store)
     memory: str = "2GiB"  # memory tier capacity; "0" disables it
     max_disk: str = "1TiB"
     disk_codec: str = "raw"
