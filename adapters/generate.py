@@ -7,7 +7,6 @@ uncached run's (same model, same KV up to floating-point summation order of the 
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,11 +16,11 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.generation.streamers import BaseStreamer
 
-from kvshelf.adapters.cache_bridge import blocks_from_cache, cache_from_blocks, cache_from_prepared, check_supported
+from kvshelf.adapters.cache_bridge import blocks_from_cache, cache_from_prepared, check_supported
 from kvshelf.adapters.fingerprint import model_fingerprint
 from kvshelf.kvstore.errors import ConfigError
 from kvshelf.kvstore.keys import block_key
-from kvshelf.kvstore.store import TieredStore
+from kvshelf.kvstore.protocol import BlockStore
 
 DEFAULT_BLOCK_SIZE = 256
 
@@ -64,7 +63,7 @@ class CachedGenerator:
     Args:
         model: a HF causal LM with a full-attention RoPE decoder (Llama family, GQA included).
         tokenizer: used when prompts are strings and to decode the output; optional with token-id prompts.
-        store: any object with the ``TieredStore`` interface (embedded, or ``RemoteStore``); ``None`` disables reuse.
+        store: a ``BlockStore`` (embedded ``TieredStore``, or ``RemoteStore``); ``None`` disables reuse.
         namespace: tenant namespace of the blocks.
         block_size: tokens per prefix block (default 256).
     """
@@ -73,7 +72,7 @@ class CachedGenerator:
         self,
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase | None = None,
-        store: TieredStore | None = None,
+        store: BlockStore | None = None,
         *,
         namespace: str = "default",
         block_size: int = DEFAULT_BLOCK_SIZE,
@@ -126,9 +125,8 @@ class CachedGenerator:
         )
         if not found:
             return 0, None
-        prepared = getattr(self.store, "get_prepared_many", None)  # a store without it: decoded blocks
-        fetch = prepared if prepared is not None else functools.partial(self.store.get_many, copy=False)
-        blocks = fetch(keys[:found], fingerprint=self.fingerprint, namespace=self.namespace, tokens=tokens[:found])
+        blocks = self.store.get_prepared_many(keys[:found], fingerprint=self.fingerprint, namespace=self.namespace,
+                                              tokens=tokens[:found])
         usable = []
         for block in blocks:  # a damaged or vanished block ends the usable prefix
             if block is None:
@@ -137,8 +135,8 @@ class CachedGenerator:
         if not usable:
             return 0, None
         reused = min(sum(b.num_tokens for b in usable), len(ids) - 1)
-        build = cache_from_prepared if prepared is not None else cache_from_blocks
-        cache = build(usable, self.model.config, max_tokens=reused, device=self.model.device, dtype=self.model.dtype)
+        cache = cache_from_prepared(usable, self.model.config, max_tokens=reused, device=self.model.device,
+                                    dtype=self.model.dtype)
         return reused, cache
 
     def _store_prompt_blocks(self, ids: list[int], cache: Any, reused: int, cacheable_prefix: int | None) -> int:

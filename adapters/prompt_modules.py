@@ -24,7 +24,7 @@ from kvshelf.adapters.fingerprint import model_fingerprint
 from kvshelf.adapters.reuse_engine import Layout, eos_ids, greedy_decode, prefill_rows
 from kvshelf.kvstore.block import KVBlock
 from kvshelf.kvstore.errors import ConfigError
-from kvshelf.kvstore.store import TieredStore
+from kvshelf.kvstore.protocol import BlockStore
 from kvshelf.reuse.errors import SchemaError
 from kvshelf.reuse.keys import module_key
 from kvshelf.reuse.schema import Assembly, CompiledModule, PromptItem, PromptSchema, assemble, parse_prompt
@@ -46,7 +46,7 @@ class ModuleResult:
 class PromptModuleGenerator:
     """Generate from prompts assembled from a schema's cached modules plus parameters and free text."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, store: TieredStore | None,
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, store: BlockStore | None,
                  schema: PromptSchema | str, *, namespace: str = "default") -> None:
         check_supported(model.config)
         self.model, self.tokenizer, self.store, self.namespace = model, tokenizer, store, namespace

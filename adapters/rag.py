@@ -52,7 +52,7 @@ from kvshelf.adapters.reuse_engine import (
 )
 from kvshelf.kvstore.block import KVBlock
 from kvshelf.kvstore.errors import ConfigError
-from kvshelf.kvstore.store import TieredStore
+from kvshelf.kvstore.protocol import BlockStore
 from kvshelf.reuse.blend import DEFAULT_RATIO, check_ratio, kv_deviation, select_recompute
 from kvshelf.reuse.chunking import chunk_tokens
 from kvshelf.reuse.errors import ChunkMissingError, ContextTooLongError, ForeignChunkError
@@ -112,7 +112,7 @@ def precompute(
     documents: Iterable[str] | None,
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    store: TieredStore,
+    store: BlockStore,
     *,
     paths: Sequence[str | os.PathLike[str]] = (),
     namespace: str = "default",
@@ -183,7 +183,7 @@ class RAGGenerator:
 
     def __init__(
         self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None,
-        store: TieredStore | None = None, *, namespace: str = "default", prefix: Text | None = None,
+        store: BlockStore | None = None, *, namespace: str = "default", prefix: Text | None = None,
         recompute_ratio: float = DEFAULT_RATIO, select_layer: int = 1, blend_base: str = "block",
         ape: tuple[float, float] | None = None, on_missing: str = "recompute",
     ) -> None:

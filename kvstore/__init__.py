@@ -17,6 +17,7 @@ from kvshelf.kvstore.fingerprint import fingerprint_from_properties
 from kvshelf.kvstore.keys import KEY_BYTES, chunk_key, prefix_block_keys
 from kvshelf.kvstore.lmdb_tier import LMDBTier
 from kvshelf.kvstore.memory_tier import MemoryTier
+from kvshelf.kvstore.protocol import BlockStore
 from kvshelf.kvstore.redis_tier import RedisTier
 from kvshelf.kvstore.stats import StoreEvent
 from kvshelf.kvstore.store import TieredStore, TierSpec
@@ -24,6 +25,7 @@ from kvshelf.kvstore.tier import Tier, TierUsage
 
 __all__ = [
     "KEY_BYTES",
+    "BlockStore",
     "CodecParamError",
     "ConfigError",
     "CorruptBlockError",

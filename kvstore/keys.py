@@ -9,7 +9,7 @@ fields; Python's ``hash`` is never used.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -62,3 +62,19 @@ def chunk_key(fingerprint: str, namespace: str, tokens: Sequence[int]) -> bytes:
     """Key of a position-independent chunk (a RAG chunk or prompt module), stored at position 0."""
     _check(fingerprint, namespace)
     return _digest(b"chunk", fingerprint.encode(), namespace.encode(), _tokens_bytes(tokens))
+
+
+#: bytes of the tag the service puts before a block key to scope it to a namespace (``service.auth.scope_tag``)
+SCOPE_BYTES = 8
+
+
+def check_keys(keys: Iterable[bytes], *, scoped: bool = False) -> list[bytes]:
+    """``keys`` as a list; ``ConfigError`` unless each is a block key (``KEY_BYTES``), or with ``scoped`` also a
+    tier key scoped by the service (``SCOPE_BYTES + KEY_BYTES``)."""
+    keys = list(keys)
+    lengths = (KEY_BYTES, SCOPE_BYTES + KEY_BYTES) if scoped else (KEY_BYTES,)
+    for key in keys:
+        if not isinstance(key, bytes) or len(key) not in lengths:
+            got = f"one of {len(key)}" if isinstance(key, bytes) else f"a {type(key).__name__}"
+            raise ConfigError(f"block keys are {KEY_BYTES} bytes, got {got}")
+    return keys

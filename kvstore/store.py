@@ -9,13 +9,14 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Self, TypeVar
 
 from kvshelf.kvstore.block import KVBlock, PreparedBlock
 from kvshelf.kvstore.codec import get_codec
 from kvshelf.kvstore.encoding import decode_block, encode_block, prepare_block, read_header, verify_block
 from kvshelf.kvstore.errors import ConfigError, ForeignBlockError, KVShelfError, StoreFullError, TierUnavailableError
-from kvshelf.kvstore.keys import KEY_BYTES
+from kvshelf.kvstore.keys import KEY_BYTES, check_keys
+from kvshelf.kvstore.protocol import DEFAULT_NAMESPACE, UNKNOWN_MODEL
 from kvshelf.kvstore.stats import ALL_TIERS, UNKNOWN, Counters, StoreEvent
 from kvshelf.kvstore.tier import Tier, TierUsage
 
@@ -77,18 +78,24 @@ def _decode_all(decode: Callable[[bytes, bytes], T], keys: Sequence[bytes], valu
 
 
 class TieredStore:
-    """Blocks by key across ordered tiers (fastest first).
+    """Blocks by key across ordered tiers (fastest first); a ``kvstore.protocol.BlockStore``.
 
     * ``get_many`` falls through the tiers and promotes hits into the tiers above.
     * ``put_many`` writes through to every tier (``write_policy="through"``) or to the first tier only,
       evicted values moving down one tier (``"back"``).
     * A damaged value is a counted ``corrupt`` miss and is removed from its tier; a value of another key,
       namespace or model is a counted ``foreign`` miss; neither is ever returned.
+    * ``namespace``: what reads default to (``namespace=None``). The store holds blocks of every namespace;
+      each is written under the namespace its header carries.
+    * Keys are 16-byte block keys, or the service's scoped tier keys (an 8-byte namespace tag before the key).
     """
 
     def __init__(
-        self, tiers: Sequence[Tier | TierSpec], write_policy: Literal["through", "back"] = "through"
+        self, tiers: Sequence[Tier | TierSpec], write_policy: Literal["through", "back"] = "through", *,
+        namespace: str = DEFAULT_NAMESPACE,
     ) -> None:
+        if not namespace:
+            raise ConfigError("namespace must be a non-empty string")
         if not tiers:
             raise ConfigError("a TieredStore needs at least one tier")
         if write_policy not in ("through", "back"):
@@ -98,6 +105,7 @@ class TieredStore:
         if len(set(names)) != len(names):
             raise ConfigError(f"tier names must be unique, got {names}")
         self.write_policy = write_policy
+        self.namespace = namespace
         self.counters = Counters()
         self._listeners: list[Listener] = []
         self._pinned: set[bytes] = set()
@@ -138,6 +146,7 @@ class TieredStore:
         written and nothing already stored is lost.
         """
         entries = list(entries)
+        check_keys((k for k, _ in entries), scoped=True)
         cache: dict[tuple, list[tuple[bytes, bytes]]] = {}
 
         def encode_for(spec: TierSpec) -> list[tuple[bytes, bytes]]:
@@ -156,6 +165,7 @@ class TieredStore:
         encoded under another key. Values are re-encoded only for tiers configured with another codec.
         """
         items = list(items)
+        check_keys((k for k, _ in items), scoped=True)
         headers = [verify_block(value, expected_key=header_key(key)) for key, value in items]
 
         def encode_for(spec: TierSpec) -> list[tuple[bytes, bytes]]:
@@ -173,8 +183,8 @@ class TieredStore:
                owners: list[tuple[str, str]], keys: list[bytes], pin: bool) -> int:
         if not keys:
             return 0
-        if pin:
-            self.pin(keys)
+        if pin:  # before the write, so that making room for these never evicts them
+            self._pin_all(keys)
         targets = self.specs if self.write_policy == "through" else self.specs[:1]
         accepted, full_error = 0, None
         for n, spec in enumerate(targets):
@@ -244,13 +254,16 @@ class TieredStore:
     # -- reads ----------------------------------------------------------------------------------------
 
     def lookup_prefix(
-        self, keys: Sequence[bytes], *, namespace: str = UNKNOWN, model: str = UNKNOWN,
+        self, keys: Sequence[bytes], *, namespace: str | None = None, model: str = UNKNOWN_MODEL,
         tokens: Sequence[int] | None = None,
     ) -> int:
         """How many of ``keys``, in order, are cached in some tier (blocks may be split across tiers).
 
-        ``tokens``: tokens per key, to count the lookup hit rate in tokens as well as in blocks.
+        ``namespace`` (default: the store's) and ``model`` name the counters; ``tokens``: tokens per key, to count
+        the lookup hit rate in tokens as well as in blocks.
         """
+        keys = check_keys(keys, scoped=True)
+        namespace = namespace or self.namespace
         n, progress = 0, True
         while progress and n < len(keys):
             progress = False
@@ -275,14 +288,16 @@ class TieredStore:
     contains_many = lookup_prefix
 
     def get_many(
-        self, keys: Sequence[bytes], *, fingerprint: str, namespace: str = "default", copy: bool = True,
+        self, keys: Sequence[bytes], *, fingerprint: str, namespace: str | None = None, copy: bool = True,
         tokens: Sequence[int] | None = None,
     ) -> list[KVBlock | None]:
-        """Blocks for ``keys`` (``None`` for misses). Only blocks of ``fingerprint`` and ``namespace`` are served.
+        """Blocks for ``keys`` (``None`` for misses). Only blocks of ``fingerprint`` and ``namespace`` (default: the
+        store's) are served.
 
         With ``copy=False`` tensors may be read-only views of stored bytes (faster; never write to them).
         ``tokens``: tokens per key, to count the retrieve hit rate in tokens as well as in blocks.
         """
+        namespace = namespace or self.namespace
 
         def decode(key: bytes, value: bytes) -> KVBlock:
             return decode_block(value, expected_key=header_key(key), expected_fingerprint=fingerprint,
@@ -291,11 +306,12 @@ class TieredStore:
         return self._fetch(keys, fingerprint, namespace, decode, tokens)
 
     def get_prepared_many(
-        self, keys: Sequence[bytes], *, fingerprint: str, namespace: str = "default",
+        self, keys: Sequence[bytes], *, fingerprint: str, namespace: str | None = None,
         tokens: Sequence[int] | None = None,
     ) -> list[PreparedBlock | None]:
         """Like ``get_many``, but blocks are checked and parsed, not materialized: ``block.payload.write`` (or
         ``adapters.cache_bridge.cache_from_prepared``) decodes them straight into a cache."""
+        namespace = namespace or self.namespace
 
         def prepare(key: bytes, value: bytes) -> PreparedBlock:
             return prepare_block(value, expected_key=header_key(key), expected_fingerprint=fingerprint,
@@ -304,10 +320,12 @@ class TieredStore:
         return self._fetch(keys, fingerprint, namespace, prepare, tokens, parallel=True)
 
     def get_encoded_many(
-        self, keys: Sequence[bytes], *, namespace: str, fingerprint: str | None = None,
+        self, keys: Sequence[bytes], *, fingerprint: str | None = None, namespace: str | None = None,
         tokens: Sequence[int] | None = None,
     ) -> list[bytes | None]:
-        """Verified encoded values for ``keys`` (checksum, key and namespace checked; tensors not decoded)."""
+        """Verified encoded values for ``keys`` (checksum, key, namespace and the fingerprint when given checked;
+        tensors not decoded)."""
+        namespace = namespace or self.namespace
 
         def verify(key: bytes, value: bytes) -> bytes:
             verify_block(value, expected_key=header_key(key), expected_fingerprint=fingerprint,
@@ -320,6 +338,7 @@ class TieredStore:
         self, keys: Sequence[bytes], model: str, namespace: str, decode: Callable[[bytes, bytes], T],
         tokens: Sequence[int] | None = None, *, parallel: bool = False,
     ) -> list[T | None]:
+        keys = check_keys(keys, scoped=True)
         result: list[T | None] = [None] * len(keys)
         remaining = list(range(len(keys)))
         for index, spec in enumerate(self.specs):
@@ -393,43 +412,75 @@ class TieredStore:
 
     # -- management -----------------------------------------------------------------------------------
 
-    def _delete_from(self, spec: TierSpec, keys: list[bytes]) -> int:
+    def _delete_from(self, spec: TierSpec, keys: list[bytes]) -> list[bytes]:
+        """Remove ``keys`` from one tier; return those it held."""
         present = [key for key in keys if spec.tier.contains_many([key])]  # a "removed" event per held value
         removed = spec.tier.delete(present)
         if removed:
             for key in present:
                 self._emit(StoreEvent("removed", spec.tier.name, key, 0))
-        return removed
+        return present
+
+    def held(self, keys: Iterable[bytes]) -> list[bool]:
+        """Per key: does some reachable tier hold it."""
+        keys = check_keys(keys, scoped=True)
+        present = [False] * len(keys)
+        for spec in self.specs:
+            for i, key in enumerate(keys):
+                if present[i]:
+                    continue
+                try:
+                    present[i] = spec.tier.contains_many([key]) == 1
+                except TierUnavailableError:
+                    break
+        return present
 
     def delete(self, keys: Iterable[bytes]) -> int:
-        """Remove ``keys`` from every reachable tier; return how many (key, tier) values were removed."""
-        keys = list(keys)
+        """Remove ``keys`` (and their pins) from every reachable tier; return how many distinct keys were held."""
+        keys = check_keys(keys, scoped=True)
         self.unpin(keys)
-        removed = 0
+        removed: set[bytes] = set()
         for spec in self.specs:
             try:
-                removed += self._delete_from(spec, keys)
+                removed.update(self._delete_from(spec, keys))
             except TierUnavailableError as exc:
                 self._unavailable(spec, exc)
-        return removed
+        return len(removed)
 
-    def pin(self, keys: Iterable[bytes]) -> None:
-        keys = list(keys)
+    def pin(self, keys: Iterable[bytes]) -> int:
+        """Pin the held ones of ``keys`` (never evicted from any tier); return how many distinct keys were pinned.
+
+        Absent keys are not pinned: ``put_many(..., pin=True)`` pins blocks as it writes them.
+        """
+        keys = check_keys(keys, scoped=True)
+        held = list(dict.fromkeys(k for k, h in zip(keys, self.held(keys), strict=True) if h))
+        self._pin_all(held)
+        return len(held)
+
+    def _pin_all(self, keys: list[bytes]) -> None:
         with self._lock:
             self._pinned.update(keys)
         for spec in self.specs:
             spec.tier.pin(keys)
 
-    def unpin(self, keys: Iterable[bytes]) -> None:
-        keys = list(keys)
+    def unpin(self, keys: Iterable[bytes]) -> int:
+        """Unpin ``keys``; return how many distinct keys were pinned."""
+        keys = check_keys(keys, scoped=True)
         with self._lock:
-            self._pinned.difference_update(keys)
+            was = self._pinned.intersection(keys)
+            self._pinned.difference_update(was)
         for spec in self.specs:
             spec.tier.unpin(keys)
+        return len(was)
 
     def is_pinned(self, key: bytes) -> bool:
         with self._lock:
             return key in self._pinned
+
+    def pinned_keys(self) -> list[bytes]:
+        """Every pinned key (a snapshot)."""
+        with self._lock:
+            return list(self._pinned)
 
     def stats(self) -> dict[str, Any]:
         """A JSON-ready snapshot: usage and counters per tier, and counter rows per namespace and model."""
@@ -462,14 +513,14 @@ class TieredStore:
                 self.counters.total("retrieve_hit_blocks", tier=ALL_TIERS) / retrieves if retrieves else None
             ),
             "rows": self.counters.rows(),
-            "pinned": len(self._pinned),
+            "pinned": len(self.pinned_keys()),
         }
 
     def close(self) -> None:
         for spec in self.specs:
             spec.tier.close()
 
-    def __enter__(self) -> TieredStore:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

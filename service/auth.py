@@ -19,8 +19,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from kvshelf.kvstore.errors import ConfigError
+from kvshelf.kvstore.keys import SCOPE_BYTES
 
-SCOPE_BYTES = 8
 MAX_NAMESPACE_CHARS = 256
 
 

@@ -16,7 +16,7 @@ import logging
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import grpc
 import grpc.experimental
@@ -24,7 +24,8 @@ import grpc.experimental
 from kvshelf.kvstore.block import KVBlock, PreparedBlock
 from kvshelf.kvstore.encoding import decode_block, encode_block, prepare_block
 from kvshelf.kvstore.errors import ConfigError, KVShelfError, TierUnavailableError
-from kvshelf.kvstore.keys import KEY_BYTES
+from kvshelf.kvstore.keys import check_keys
+from kvshelf.kvstore.protocol import DEFAULT_NAMESPACE, UNKNOWN_MODEL
 from kvshelf.proto import kvshelf_pb2 as pb
 from kvshelf.proto import kvshelf_pb2_grpc as pb_grpc
 from kvshelf.service.arena import DEFAULT_ARENA_BYTES, ArenaPool, ClientArena, shared_memory_supported
@@ -46,12 +47,13 @@ def is_local_address(address: str) -> bool:
 
 
 class RemoteStore:
-    """A kvshelf server as a store: ``put_many``, ``get_many``, ``lookup_prefix``... like ``TieredStore``.
+    """A kvshelf server as a store: a ``kvstore.protocol.BlockStore``, like ``TieredStore``.
 
     Args:
         address: ``host:port`` of the server.
         token: bearer token (required when the server has a tokens file; it then fixes the namespace).
-        namespace: the namespace sent in requests (dev mode servers use it; token servers check it).
+        namespace: the namespace sent in requests (dev mode servers use it; token servers check it), and what
+            reads default to (``namespace=None``). Blocks are written, deleted and pinned in it only.
         codec: the codec blocks are encoded with before they are sent.
         tls_ca: PEM file (or bytes) of the CA that signed the server's certificate; enables TLS.
         timeout_s: deadline of every call.
@@ -69,7 +71,7 @@ class RemoteStore:
         address: str,
         *,
         token: str | None = None,
-        namespace: str = "default",
+        namespace: str = DEFAULT_NAMESPACE,
         codec: str = "raw",
         codec_params: dict[str, Any] | None = None,
         tls_ca: str | Path | bytes | None = None,
@@ -78,6 +80,8 @@ class RemoteStore:
         shared_memory: bool | None = None,
         arena_bytes: int = DEFAULT_ARENA_BYTES,
     ) -> None:
+        if not namespace:
+            raise ConfigError("namespace must be a non-empty string")
         self.address = address
         self.namespace = namespace
         self.codec = codec
@@ -128,20 +132,12 @@ class RemoteStore:
         except grpc.RpcError as exc:
             raise self._error(exc) from None
 
-    @staticmethod
-    def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
-        keys = list(keys)
-        for key in keys:
-            if len(key) != KEY_BYTES:
-                raise ConfigError(f"block keys are {KEY_BYTES} bytes, got one of {len(key)}")
-        return keys
-
     # -- writes ---------------------------------------------------------------------------------------
 
     def put_encoded_many(self, items: Sequence[tuple[bytes, bytes]], *, pin: bool = False) -> int:
         """Send already-encoded ``(key, value)`` pairs; return how many the server's first tier accepted."""
         items = list(items)
-        self._check_keys([k for k, _ in items])
+        check_keys(k for k, _ in items)
         if not items:
             return 0
 
@@ -167,13 +163,16 @@ class RemoteStore:
 
     # -- reads ----------------------------------------------------------------------------------------
 
-    def get_encoded_many(self, keys: Sequence[bytes], *, namespace: str | None = None,
-                         fingerprint: str | None = None, tokens: Sequence[int] | None = None) -> list[bytes | None]:
-        """Encoded values of ``keys`` as the server sent them (``None`` for misses); not verified here.
+    def get_encoded_many(
+        self, keys: Sequence[bytes], *, fingerprint: str | None = None, namespace: str | None = None,
+        tokens: Sequence[int] | None = None,
+    ) -> list[bytes | None]:
+        """Encoded values of ``keys`` as the server sent them (``None`` for misses): the server checked them
+        (checksum, key, namespace, ``fingerprint`` when given); not checked again here.
 
         ``tokens``: tokens per key, so the server counts the retrieve hit rate in tokens too.
         """
-        keys = self._check_keys(keys)
+        keys = check_keys(keys)
         out: list[bytes | None] = [None] * len(keys)
         if not keys:
             return out
@@ -262,10 +261,12 @@ class RemoteStore:
                 out.append(None)
         return out
 
-    def lookup_prefix(self, keys: Sequence[bytes], *, namespace: str | None = None, model: str = "?",
-                      tokens: Sequence[int] | None = None) -> int:
+    def lookup_prefix(
+        self, keys: Sequence[bytes], *, namespace: str | None = None, model: str = UNKNOWN_MODEL,
+        tokens: Sequence[int] | None = None,
+    ) -> int:
         """How many of ``keys``, in order, the server holds (``tokens`` per key: hit rate in tokens too)."""
-        keys = self._check_keys(keys)
+        keys = check_keys(keys)
         if not keys:
             return 0
         request = pb.LookupPrefixRequest(namespace=namespace or self.namespace, keys=keys, model=model,
@@ -276,24 +277,25 @@ class RemoteStore:
 
     def contains(self, keys: Sequence[bytes], *, namespace: str | None = None) -> list[bool]:
         """Per key: does the server hold it."""
-        keys = self._check_keys(keys)
+        keys = check_keys(keys)
         return list(self._call("Contains", pb.KeysRequest(namespace=namespace or self.namespace, keys=keys)).present)
 
     # -- management -----------------------------------------------------------------------------------
 
     def _keys_call(self, method: str, keys: Iterable[bytes]) -> int:
-        keys = self._check_keys(list(keys))
+        keys = check_keys(keys)
         return int(self._call(method, pb.KeysRequest(namespace=self.namespace, keys=keys)).count)
 
     def delete(self, keys: Iterable[bytes]) -> int:
-        """Remove ``keys``; return how many were held."""
+        """Remove ``keys`` (and their pins); return how many distinct keys were held."""
         return self._keys_call("Delete", keys)
 
     def pin(self, keys: Iterable[bytes]) -> int:
-        """Pin the held ones of ``keys`` (never evicted); return how many were pinned."""
+        """Pin the held ones of ``keys`` (never evicted); return how many distinct keys were pinned."""
         return self._keys_call("Pin", keys)
 
     def unpin(self, keys: Iterable[bytes]) -> int:
+        """Unpin ``keys``; return how many distinct keys were pinned."""
         return self._keys_call("Unpin", keys)
 
     def clear(self, namespace: str | None = None) -> int:
@@ -309,7 +311,7 @@ class RemoteStore:
         if self._finalizer is not None:
             self._finalizer()  # removes this client's arenas from /dev/shm
 
-    def __enter__(self) -> RemoteStore:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

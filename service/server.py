@@ -466,21 +466,9 @@ class KVShelfServicer:
                     else:
                         yield encode_chunk_response(index, data, last=last)
 
-    def _present(self, keys: Sequence[bytes]) -> list[bool]:
-        present = [False] * len(keys)
-        for spec in self.store.specs:
-            for i, key in enumerate(keys):
-                if present[i]:
-                    continue
-                try:
-                    present[i] = spec.tier.contains_many([key]) == 1
-                except TierUnavailableError:
-                    break
-        return present
-
     def Contains(self, req: pb.KeysRequest, context: grpc.ServicerContext) -> Message:
         _, keys = self.scoped(context, req.namespace, list(req.keys))
-        present = self._present(keys)
+        present = self.store.held(keys)
         prefix = next((i for i, p in enumerate(present) if not p), len(present))
         return pb.ContainsResponse(present=present, prefix=prefix)
 
@@ -492,21 +480,16 @@ class KVShelfServicer:
 
     def Delete(self, req: pb.KeysRequest, context: grpc.ServicerContext) -> Message:
         _, keys = self.scoped(context, req.namespace, list(req.keys))
-        present = sum(self._present(keys))
-        self.store.delete(keys)
-        return pb.CountResponse(count=present)
+        return pb.CountResponse(count=self.store.delete(keys))
 
     def Pin(self, req: pb.KeysRequest, context: grpc.ServicerContext) -> Message:
         _, keys = self.scoped(context, req.namespace, list(req.keys))
-        present = [k for k, p in zip(keys, self._present(keys), strict=True) if p]
-        self.store.pin(present)  # only held blocks: pins never name absent (or other tenants') keys
-        return pb.CountResponse(count=len(present))
+        # the store pins held blocks only: pins never name absent (or other tenants') keys
+        return pb.CountResponse(count=self.store.pin(keys))
 
     def Unpin(self, req: pb.KeysRequest, context: grpc.ServicerContext) -> Message:
         _, keys = self.scoped(context, req.namespace, list(req.keys))
-        pinned = [k for k in keys if self.store.is_pinned(k)]
-        self.store.unpin(pinned)
-        return pb.CountResponse(count=len(pinned))
+        return pb.CountResponse(count=self.store.unpin(keys))
 
     def Clear(self, req: pb.ClearRequest, context: grpc.ServicerContext) -> Message:
         namespace = self.namespace(context, req.namespace)
@@ -520,7 +503,8 @@ class KVShelfServicer:
         down = self.refresh_health()
         full = self.store.stats()
         rows = [r for r in full["rows"] if r["namespace"] == namespace]
-        held = self.usage.usage(scope_tag(namespace))
+        tag = scope_tag(namespace)
+        held = self.usage.usage(tag)
         tiers = []
         for t in full["tiers"]:
             blocks, nbytes = held.get(t["name"], (0, 0))
@@ -540,6 +524,7 @@ class KVShelfServicer:
             "lookup_hit_rate": rate("lookup_hit_blocks", "lookup_blocks"),
             "retrieve_hit_rate": rate("retrieve_hit_blocks", "retrieve_blocks"),
             "rows": rows,
+            "pinned": sum(1 for key in self.store.pinned_keys() if key.startswith(tag)),
             "usage": {"bytes": max((b for _, b in held.values()), default=0), "quota_bytes": self.limits.quota_bytes},
             "health": {"status": "degraded" if down else "serving", "unavailable_tiers": down},
         }

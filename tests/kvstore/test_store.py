@@ -242,7 +242,8 @@ def test_pinned_block_is_never_evicted(make_store):
     assert mem(store).contains_many([pk]) == 1
     assert tier_stats(store, "memory")["evictions"] == len(others) - 2
 
-    store.unpin([pk])
+    assert store.unpin([pk, pk]) == 1
+    assert store.unpin([pk]) == 0
     assert not store.is_pinned(pk) and store.stats()["pinned"] == 0
     for key, block in others[:3]:
         store.put_many([(key, block)])
@@ -250,20 +251,26 @@ def test_pinned_block_is_never_evicted(make_store):
     assert_same_block(store.get_many([pk], fingerprint=FP)[0], pinned)  # still on disk
 
 
-def test_pin_before_put(make_store):
+def test_pin_pins_held_blocks_only(make_store):
     store = make_store(memory_bytes=int(2.5 * BLOCK_BYTES))
     entries = blocks(6)
-    store.pin([entries[0][0]])
-    for key, block in entries:
+    k0, k1 = entries[0][0], entries[1][0]
+    assert store.pin([k0]) == 0  # absent: not pinned (put_many(..., pin=True) pins as it writes)
+    assert not store.is_pinned(k0)
+    store.put_many(entries[:1])
+    assert store.pin([k0, k0, k1]) == 1  # distinct held keys
+    assert store.is_pinned(k0) and not store.is_pinned(k1)
+    for key, block in entries[1:]:
         store.put_many([(key, block)])
-    assert mem(store).contains_many([entries[0][0]]) == 1
+    assert mem(store).contains_many([k0]) == 1
+    assert tier_stats(store, "memory")["evictions"] == 4  # six blocks, two held, k0 never evicted
 
 
 def test_delete_removes_from_every_tier_and_unpins(store):
     entries = blocks(3)
     (k0, _), (k1, b1), (k2, _) = entries
     store.put_many(entries, pin=True)
-    assert store.delete([k0, k2]) == 4  # two keys x two tiers
+    assert store.delete([k0, k2, k2]) == 2  # two distinct keys, each removed from both tiers
     assert not store.is_pinned(k0) and store.is_pinned(k1)
     assert store.get_many([k0, k1, k2], fingerprint=FP)[0] is None
     assert_same_block(store.get_many([k1], fingerprint=FP)[0], b1)
@@ -300,7 +307,7 @@ def test_removed_events_only_for_values_that_were_there(store):
     store.put_many([(k0, b0), (k1, b1)])
     mem(store).delete([k1])  # k1 now only on disk; k2 nowhere
     events.clear()
-    assert store.delete([k0, k1, k2]) == 3
+    assert store.delete([k0, k1, k2]) == 2  # k0 and k1 were held (k1 in one tier only)
     assert sorted((e.tier, e.key) for e in events if e.kind == "removed") == sorted(
         [("memory", k0), ("disk", k0), ("disk", k1)]
     )
@@ -330,7 +337,7 @@ def test_listener_that_raises_does_not_break_the_store(store, caplog):
     (key, block), = blocks(1)
     assert store.put_many([(key, block)]) == 1
     assert_same_block(store.get_many([key], fingerprint=FP)[0], block)
-    assert store.delete([key]) == 2
+    assert store.delete([key]) == 1
     assert [e.kind for e in seen] == ["stored", "stored", "removed", "removed"]
     assert "listener" in caplog.text
 
