@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache, PretrainedConfig
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from kvshelf.adapters import hf
 from kvshelf.compress import hugepages
 from kvshelf.kvstore.block import KVBlock, PreparedBlock
 from kvshelf.kvstore.codec import PreparedPayload
@@ -32,14 +32,6 @@ def check_supported(config: PretrainedConfig) -> None:
         raise UnsupportedModelError(f"model type {text.model_type!r} is not a decoder kvshelf can bridge")
 
 
-def _layers(cache: DynamicCache) -> list[DynamicLayer]:
-    layers = list(cache.layers)
-    for layer in layers:
-        if not isinstance(layer, DynamicLayer) or isinstance(layer, DynamicSlidingWindowLayer):
-            raise UnsupportedModelError(f"cannot bridge cache layer type {type(layer).__name__}")
-    return layers
-
-
 def blocks_from_cache(
     cache: DynamicCache,
     token_ids: Sequence[int],
@@ -56,14 +48,15 @@ def blocks_from_cache(
     ``token_ids`` are the tokens of the whole cache; ``position_offset`` is the position of cache index 0.
     Blocks own their memory (copies), so the cache may keep growing.
     """
-    layers = _layers(cache)
-    if layers and layers[0].keys.shape[0] != 1:
-        raise UnsupportedModelError(f"only batch size 1 is bridged, got {layers[0].keys.shape[0]}")
+    hf.full_attention_layers(cache)
+    layers = hf.cache_tensors(cache)  # per layer (keys, values) [1, kv_heads, tokens, head_dim]
+    if layers and layers[0][0].shape[0] != 1:
+        raise UnsupportedModelError(f"only batch size 1 is bridged, got {layers[0][0].shape[0]}")
     blocks = []
     for s in range(start, end, block_size):
         e = min(s + block_size, end)
-        keys = torch.stack([layer.keys[0, :, s:e] for layer in layers]).to("cpu")
-        values = torch.stack([layer.values[0, :, s:e] for layer in layers]).to("cpu")
+        keys = torch.stack([k[0, :, s:e] for k, _ in layers]).to("cpu")
+        values = torch.stack([v[0, :, s:e] for _, v in layers]).to("cpu")
         blocks.append(
             KVBlock(keys, values, tuple(int(t) for t in token_ids[s:e]), position_offset + s, fingerprint, namespace)
         )
@@ -134,10 +127,8 @@ def _runs(payloads: Sequence[PreparedPayload]) -> list[list[PreparedPayload]]:
 
 def _fill(cache: DynamicCache, keys: torch.Tensor, values: torch.Tensor) -> None:
     """Make ``keys`` / ``values`` ``[layers, kv_heads, tokens, head_dim]`` the contents of the empty ``cache``."""
-    layers = _layers(cache)
+    layers = hf.full_attention_layers(cache)
     if len(layers) != keys.shape[0]:
         raise UnsupportedModelError(f"blocks have {keys.shape[0]} layers, the model has {len(layers)}")
     for index, layer in enumerate(layers):
-        k, v = keys[index].unsqueeze(0), values[index].unsqueeze(0)
-        layer.lazy_initialization(k, v)
-        layer.keys, layer.values = k, v
+        hf.fill_layer(layer, keys[index].unsqueeze(0), values[index].unsqueeze(0))

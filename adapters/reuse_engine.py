@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import AttentionInterface, DynamicCache, PreTrainedModel
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers import DynamicCache, PreTrainedModel
 
+from kvshelf.adapters import hf
 from kvshelf.adapters.cache_bridge import check_supported
 from kvshelf.adapters.fingerprint import kv_geometry
 from kvshelf.kvstore.errors import UnsupportedModelError
@@ -72,11 +72,8 @@ class Layout:
         return k, v
 
     def to_cache(self, model: PreTrainedModel) -> DynamicCache:
-        cache = DynamicCache(config=model.config)
-        for layer, k, v in zip(cache.layers, self.keys, self.values, strict=True):
-            layer.lazy_initialization(k, v)
-            layer.keys, layer.values = k, v
-        return cache
+        """A ``DynamicCache`` of the model's layer types holding the layout's tensors (not copied)."""
+        return hf.cache_from_tensors(list(zip(self.keys, self.values, strict=True)), model.config)
 
 
 def contiguous_span(rows: torch.Tensor) -> slice | None:
@@ -160,8 +157,8 @@ def folded_gqa_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
         return out.transpose(1, 2).contiguous(), None
     if (attention_mask is None or groups == 1 or q == 1 or kwargs.get("position_bias") is not None
             or kwargs.get("softcap") is not None):  # no mask: HF's sdpa (causal kernel, native GQA)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return hf.sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                         scaling=scaling, **kwargs)
     mask = attention_mask
     if mask is not None and mask.shape[-2] != groups * q:
         mask = mask.expand(-1, -1, q, -1).repeat(1, 1, groups, 1)
@@ -176,35 +173,21 @@ def folded_attention(model: PreTrainedModel) -> Iterator[int | None]:
     (1 without grouped heads), or ``None`` when the model stays as it is (another attention implementation)."""
     config = model.config.get_text_config(decoder=True)
     groups = config.num_attention_heads // getattr(config, "num_key_value_heads", config.num_attention_heads)
-    previous = model.config._attn_implementation
-    if previous not in ("sdpa", FOLDED):
+    if hf.attn_implementation(model) not in ("sdpa", FOLDED):
         yield None
         return
-    if previous == FOLDED:  # nested
+    hf.register_attention(FOLDED, folded_gqa_attention)
+    with hf.attention_implementation(model, FOLDED):  # nested: already FOLDED, left as it is
         yield groups
-        return
-    AttentionInterface.register(FOLDED, folded_gqa_attention)
-    model.set_attn_implementation(FOLDED)
-    try:
-        yield groups
-    finally:
-        model.set_attn_implementation(previous)
-
-
-def decoder(model: PreTrainedModel) -> Any:
-    inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    if not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
-        raise UnsupportedModelError(f"{type(model).__name__}: no decoder layers with rotary embeddings found")
-    return inner
 
 
 def inv_freq(model: PreTrainedModel) -> torch.Tensor:
     """The model's RoPE inverse frequencies ``[head_dim / 2]``; refuses position-dependent (dynamic) RoPE."""
     check_supported(model.config)
-    rotary = decoder(model).rotary_emb
-    if getattr(rotary, "rope_type", "default") in ("dynamic", "longrope"):
+    rotary = hf.rotary(model)
+    if rotary.rope_type in ("dynamic", "longrope"):
         raise UnsupportedModelError(f"RoPE type {rotary.rope_type!r} depends on the length; keys cannot be moved")
-    return rotary.inv_freq.detach().to("cpu", torch.float32)
+    return rotary.inv_freq
 
 
 def embed(model: PreTrainedModel, ids: Sequence[int]) -> torch.Tensor:
@@ -243,9 +226,8 @@ def run_layers(
     rows up to its last query: causal attention at about half the cost of attending to the whole layout (what
     CacheBlend's scattered recomputed tokens need). Results are the same up to float rounding.
     """
-    inner = decoder(model)
     position_ids = positions.to(model.device)[None]
-    cos, sin = inner.rotary_emb(hidden, position_ids=position_ids)
+    cos, sin = hf.position_embeddings(model, hidden, position_ids)
     everything = slice(0, int(rows.numel()))
     plain_prefill = mask is None and contiguous_span(rows) == slice(0, layout.rows)
     groups = _groups(rows, group_rows) if group_rows and not plain_prefill else [(everything, layout.rows)]
@@ -257,17 +239,17 @@ def run_layers(
                 kwargs[PARTS] = [(part, kv_end, _group_mask(mask, rows, part, kv_end, heads_per_kv, model.dtype).to(
                     model.device)) for part, kv_end in groups]
             for index in layers:
-                hidden = inner.layers[index](hidden, position_ids=position_ids, past_key_values=cache, use_cache=True,
-                                             position_embeddings=(cos, sin), **kwargs)
+                hidden = hf.run_decoder_layer(model, index, hidden, position_ids=position_ids, embeddings=(cos, sin),
+                                              cache=cache, **kwargs)
             return hidden
         # another attention implementation: each run of queries through the layer on its own
         parts = [(part, _ScatterKV(layout, rows[part], kv_end),
                   None if plain_prefill else _group_mask(mask, rows, part, kv_end, 1, model.dtype).to(model.device))
                  for part, kv_end in groups]
         for index in layers:
-            outs = [inner.layers[index](hidden[:, part], attention_mask=part_mask, position_ids=position_ids[:, part],
-                                        past_key_values=cache, use_cache=True,
-                                        position_embeddings=(cos[:, part], sin[:, part]))
+            outs = [hf.run_decoder_layer(model, index, hidden[:, part], position_ids=position_ids[:, part],
+                                         embeddings=(cos[:, part], sin[:, part]), cache=cache,
+                                         attention_mask=part_mask)
                     for part, cache, part_mask in parts]
             hidden = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return hidden
@@ -281,12 +263,11 @@ def layer_kv(model: PreTrainedModel, layer: int, hidden: torch.Tensor,
     CacheBlend (Yao et al., EuroSys 2025) measures KV deviation at an early layer; only the K/V projections of
     that layer are needed for every token, not its attention.
     """
-    inner = decoder(model)
     position_ids = positions.to(model.device)[None]
-    embeddings = inner.rotary_emb(hidden, position_ids=position_ids)
+    embeddings = hf.position_embeddings(model, hidden, position_ids)
     try:
-        inner.layers[layer](hidden, attention_mask=None, position_ids=position_ids, past_key_values=_CaptureKV(),
-                            use_cache=True, position_embeddings=embeddings)
+        hf.run_decoder_layer(model, layer, hidden, position_ids=position_ids, embeddings=embeddings,
+                             cache=_CaptureKV(), attention_mask=None)
     except _Captured as captured:
         return captured.keys, captured.values
     raise UnsupportedModelError(f"decoder layer {layer} of {type(model).__name__} did not update its cache")
@@ -301,7 +282,7 @@ def write_kv(layout: Layout, layer: int, rows: torch.Tensor, keys: torch.Tensor,
 
 def last_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
     """Next-token logits ``[vocab]`` (float32) from the last row of ``hidden`` ``[1, q, hidden]``."""
-    normed = decoder(model).norm(hidden[:, -1:])
+    normed = hf.final_norm(model, hidden[:, -1:])
     return model.get_output_embeddings()(normed)[0, -1].float()
 
 
@@ -316,7 +297,7 @@ def prefill_rows(
     rows_t, positions_t = torch.tensor(list(rows), dtype=torch.long), torch.tensor(list(positions))
     if mask is None:
         mask = causal_mask(rows_t, layout.rows, model.dtype, column_bias)
-    last = len(decoder(model).layers) - 1
+    last = len(hf.decoder_layers(model)) - 1
     hidden = run_layers(model, layout, embed(model, ids), positions_t, rows_t, mask, range(last))
     if len(rows_t) > 1:
         k, v = layer_kv(model, last, hidden[:, :-1], positions_t[:-1])

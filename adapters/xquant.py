@@ -25,9 +25,11 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from kvshelf.adapters import hf
 from kvshelf.adapters.fingerprint import kv_geometry
 from kvshelf.compress.xquant import XQuantTables, bind_tables
 from kvshelf.kvstore.errors import ConfigError, UnsupportedModelError
+from kvshelf.reuse.rope import rope_cos_sin, unrope
 
 CALIBRATION_CHUNK = 1024
 _SKIP = 4  # first tokens of every calibration chunk left out of the statistics (attention sinks)
@@ -35,21 +37,18 @@ _SEED = 20250815
 
 
 def _rotary(model: PreTrainedModel) -> tuple[torch.Tensor, float]:
-    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
-    inv_freq = getattr(rotary, "inv_freq", None)
-    if inv_freq is None:
-        raise UnsupportedModelError(f"xquant: {type(model).__name__} has no model.rotary_emb.inv_freq (not a RoPE "
-                                    "decoder in the Llama layout)")
-    return inv_freq.detach().to("cpu", torch.float32), float(getattr(rotary, "attention_scaling", 1.0))
+    """The model's RoPE ``inv_freq`` ``[head_dim / 2]`` and attention scaling."""
+    try:
+        rotary = hf.rotary(model)
+    except UnsupportedModelError as exc:
+        raise UnsupportedModelError(f"xquant: {exc}") from None
+    return rotary.inv_freq, rotary.attention_scaling
 
 
 def _unrope(keys: torch.Tensor, inv_freq: torch.Tensor, scaling: float) -> torch.Tensor:
     """Pre-RoPE keys ``[layers, heads, tokens, dim]`` of keys rotated at positions ``0..tokens-1``."""
-    freqs = torch.arange(keys.shape[2], dtype=torch.float32)[:, None] * inv_freq[None]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    cos, sin = emb.cos() * scaling, emb.sin() * scaling
-    a, b = keys.chunk(2, dim=-1)
-    return (keys * cos - torch.cat([-b, a], dim=-1) * sin) / scaling**2
+    cos, sin = rope_cos_sin(torch.arange(keys.shape[2]), inv_freq, scaling=scaling)  # [tokens, dim / 2]
+    return unrope(keys, cos, sin, scaling)
 
 
 def _latents(model: PreTrainedModel, ids: Sequence[int], inv_freq: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -62,8 +61,9 @@ def _latents(model: PreTrainedModel, ids: Sequence[int], inv_freq: torch.Tensor,
             continue
         with torch.no_grad():
             cache = model(torch.tensor([chunk], device=device), use_cache=True).past_key_values
-        keys = torch.stack([layer.keys[0] for layer in cache.layers]).to("cpu", torch.float32)
-        values = torch.stack([layer.values[0] for layer in cache.layers]).to("cpu", torch.float32)
+        layers_kv = hf.cache_tensors(cache)  # per layer (keys, values) [1, kv_heads, tokens, head_dim]
+        keys = torch.stack([k[0] for k, _ in layers_kv]).to("cpu", torch.float32)
+        values = torch.stack([v[0] for _, v in layers_kv]).to("cpu", torch.float32)
         k_pre = _unrope(keys, inv_freq, scaling)
         layers, _, tokens, _ = keys.shape
         z = torch.cat([k_pre.permute(0, 2, 1, 3).reshape(layers, tokens, -1),
@@ -106,9 +106,8 @@ def xquant_tables(
         _, vectors = torch.linalg.eigh(cov)
         vectors = vectors.flip(-1)
     else:
-        attn = [layer.self_attn for layer in model.model.layers]
-        w = torch.stack([torch.cat([a.k_proj.weight, a.v_proj.weight]).detach().to("cpu", torch.float64)
-                         for a in attn])  # [L, C, hidden]
+        w = torch.stack([torch.cat([w_k, w_v]).to("cpu", torch.float64)
+                         for w_k, w_v in hf.kv_projection_weights(model)])  # [L, C, hidden]
         if w.shape[1] != 2 * kv_heads * head_dim:
             raise UnsupportedModelError(f"xquant: k/v projections of width {w.shape[1]}, expected "
                                         f"{2 * kv_heads * head_dim}")

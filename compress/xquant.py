@@ -201,19 +201,27 @@ def load_tables(path: str) -> XQuantTables:
     return tables
 
 
+# RoPE. kvshelf's RoPE is ``reuse.rope``, which ``compress`` may not import (``reuse`` sits above it), and the
+# fused decode kernel (``xquant_kernels.epilogue_kernel``) applies RoPE itself from ``_cos_sin``'s tables, so the
+# codec keeps a private twin of ``reuse.rope``: ``_cos_sin`` (``rope_cos_sin``) and ``_rope`` (``apply_rope``; its
+# inverse divides by the rounded ``cos ** 2 + sin ** 2``, ``reuse.rope.unrope`` by ``scaling ** 2``: the encoded
+# bytes stay what they were). Every torch RoPE of this module goes through them; ``tests/reuse/test_rope.py``
+# checks they agree with ``reuse.rope`` bit for bit (the inverse to float rounding).
+
+
 @functools.lru_cache(maxsize=64)
-def _cos_sin(digest: str, start: int, tokens: int, full: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[tokens, 1, head_dim // 2]`` (``head_dim`` when ``full``) cos and sin (times HF's attention scaling) of
-    positions ``start..start + tokens - 1``."""
+def _cos_sin(digest: str, start: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[tokens, 1, head_dim // 2]`` cos and sin (times HF's attention scaling) of positions
+    ``start..start + tokens - 1``, float32 (``reuse.rope.rope_cos_sin``)."""
     tables = bound_tables(digest)
     freqs = torch.arange(start, start + tokens, dtype=torch.float32)[:, None] * tables.inv_freq[None]
-    if full:
-        freqs = torch.cat([freqs, freqs], dim=-1)
     return (freqs.cos() * tables.attention_scaling)[:, None], (freqs.sin() * tables.attention_scaling)[:, None]
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
-    """RoPE (HF ``rotate_half`` convention) of ``x`` ``[..., tokens, heads, head_dim]``, or its inverse."""
+    """RoPE (HF ``rotate_half`` convention) of ``x`` ``[..., tokens, heads, head_dim]`` with ``cos`` / ``sin``
+    ``[tokens, 1, head_dim // 2]`` (``reuse.rope.apply_rope``), or its inverse (the rotation by the opposite
+    angle over ``cos ** 2 + sin ** 2``)."""
     a, b = x.chunk(2, dim=-1)
     if inverse:
         scale = 1.0 / (cos.square() + sin.square())
@@ -678,9 +686,7 @@ def _rotate_split(z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: 
     """``z`` ``[T, C]`` (pre-RoPE keys, values) as keys rotated at the tokens' positions and values, each
     ``[T, heads, head_dim]``; ``cos`` / ``sin`` ``[T, 1, head_dim / 2]``."""
     tokens, half = z.shape[0], z.shape[1] // 2
-    k_pre = z[:, :half].view(tokens, heads, -1)
-    a, b = k_pre.chunk(2, dim=-1)
-    keys = torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+    keys = _rope(z[:, :half].view(tokens, heads, -1), cos, sin, inverse=False)
     return keys, z[:, half:].view(tokens, heads, -1)
 
 

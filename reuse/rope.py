@@ -6,6 +6,13 @@ values carry no position. This is exact up to floating-point rounding: a chunk c
 re-rotated to ``p`` equals the chunk computed alone at ``p`` (attention inside it depends only on relative
 positions). It is *not* the KV the chunk would have in the middle of a longer context: that is what
 selective recompute (``reuse.blend``) approximates.
+
+This module is kvshelf's one RoPE implementation (HF's ``rotate_half`` convention: dimension ``i`` pairs with
+``i + head_dim / 2``): ``rope_cos_sin`` (the angles' cos and sin), ``apply_rope`` (the rotation), ``unrope`` and
+``rerotate_keys``, used by chunk re-rotation (``adapters.rag``), token pruning (recomputed queries) and the
+``xquant`` calibration (pre-RoPE keys). The ``xquant`` codec in ``compress`` (below ``reuse``, so it cannot import
+this) keeps a private twin of ``rope_cos_sin`` / ``apply_rope`` next to its fused decode kernel;
+``tests/reuse/test_rope.py`` checks the two agree bit for bit (the codec's inverse to float rounding).
 """
 
 from __future__ import annotations
@@ -19,15 +26,45 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def rotation(delta: torch.Tensor | int, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cos, sin)`` of the rotation by ``delta`` positions, each ``[*delta.shape, head_dim]`` in float64.
+def rope_cos_sin(positions: torch.Tensor | int, inv_freq: torch.Tensor, *, scaling: float = 1.0,
+                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` of the RoPE angles ``position * inv_freq``, times ``scaling``: each
+    ``[*positions.shape, head_dim / 2]`` in ``dtype``.
 
-    ``inv_freq``: ``[head_dim / 2]``, the model's RoPE inverse frequencies (after any static scaling).
+    ``positions``: an int (a shift) or a tensor of positions; ``inv_freq``: ``[head_dim / 2]``, the model's
+    inverse frequencies (after any static scaling); ``scaling``: HF's ``attention_scaling`` (1 for plain RoPE).
+    With the float32 default the angles are HF's own (``position_ids.float() * inv_freq.float()``).
     """
-    delta_t = torch.as_tensor(delta, dtype=torch.float64)
-    angles = delta_t[..., None] * inv_freq.to(torch.float64)  # [..., head_dim/2]
-    emb = torch.cat((angles, angles), dim=-1)
-    return emb.cos(), emb.sin()
+    angles = torch.as_tensor(positions).to(dtype)[..., None] * inv_freq.to(dtype)
+    if scaling == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * scaling, angles.sin() * scaling
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[..., head_dim]``: each pair ``(x_i, x_{i + head_dim/2})`` by the angle of ``cos`` / ``sin``.
+
+    ``cos`` / ``sin``: ``[..., head_dim / 2]`` (``rope_cos_sin``), or HF's ``[..., head_dim]`` (both halves equal),
+    broadcast against ``x``. Bit for bit HF's ``x * cos + rotate_half(x) * sin``, in ``x``'s dtype unless
+    ``cos`` / ``sin`` are wider.
+    """
+    half = x.shape[-1] // 2
+    if cos.shape[-1] != half:
+        cos, sin = cos[..., :half], sin[..., :half]
+    a, b = x[..., :half], x[..., half:]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+
+def unrope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scaling: float = 1.0) -> torch.Tensor:
+    """The inverse of ``apply_rope(., cos, sin)`` when ``cos`` / ``sin`` include ``scaling`` (HF's attention
+    scaling): the rotation by the opposite angle, divided by ``scaling ** 2``. Shapes as ``apply_rope``."""
+    out = apply_rope(x, cos, -sin)
+    return out if scaling == 1.0 else out / scaling**2
+
+
+def rotation(delta: torch.Tensor | int, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` of the rotation by ``delta`` positions, each ``[*delta.shape, head_dim / 2]`` in float64."""
+    return rope_cos_sin(delta, inv_freq, dtype=torch.float64)
 
 
 def rerotate_keys(keys: torch.Tensor, delta: torch.Tensor | int, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -43,8 +80,6 @@ def rerotate_keys(keys: torch.Tensor, delta: torch.Tensor | int, inv_freq: torch
     """
     if isinstance(delta, int) and delta == 0:
         return keys.clone()
-    cos, sin = rotation(delta, inv_freq)  # [head_dim] or [tokens, head_dim]
+    cos, sin = rotation(delta, inv_freq)  # [head_dim / 2] or [tokens, head_dim / 2]
     work = torch.float64 if keys.dtype == torch.float64 else torch.float32
-    k = keys.to(work)
-    out = k * cos.to(work) + rotate_half(k) * sin.to(work)
-    return out.to(keys.dtype)
+    return apply_rope(keys.to(work), cos.to(work), sin.to(work)).to(keys.dtype)

@@ -32,17 +32,14 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from kvshelf.adapters import hf
 from kvshelf.adapters.pruning.budget import check_budget, resolve_budget
 from kvshelf.adapters.pruning.errors import AttentionImplementationError, UnsupportedArchitectureError
 from kvshelf.adapters.pruning.layout import GrowingLayer, cache_bytes, growing_cache
 from kvshelf.kvstore.errors import UnsupportedModelError
+from kvshelf.reuse.rope import apply_rope
 
 _ATTN_WEIGHT_IMPLEMENTATIONS = ("eager",)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 @dataclass
@@ -74,15 +71,9 @@ class LayerInputs:
 
     def queries(self, last: int) -> torch.Tensor:
         """The last ``last`` tokens' queries, recomputed with RoPE: ``[b, h_q, last, d]``."""
-        m = self.module
-        hidden = self.hidden_states[:, -last:]
-        b, w, _ = hidden.shape
-        q = m.q_proj(hidden).view(b, w, -1, m.head_dim)
-        if hasattr(m, "q_norm"):  # Qwen3-style per-head query norm
-            q = m.q_norm(q)
-        q = q.transpose(1, 2)
-        cos, sin = (t[:, -last:].unsqueeze(1).to(q.dtype) for t in self.position_embeddings)
-        return q * cos + rotate_half(q) * sin
+        q = hf.project_queries(self.module, self.hidden_states[:, -last:])  # [b, h_q, last, d], before RoPE
+        cos, sin = (t[:, -last:].unsqueeze(1).to(q.dtype) for t in self.position_embeddings)  # [b, 1, last, d]
+        return apply_rope(q, cos, sin)
 
     def to_kv_heads(self, per_query_head: torch.Tensor, reduce: str = "mean") -> torch.Tensor:
         """``[b, h_q, ...]`` -> ``[b, h_kv, ...]``: mean (or sum) over each GQA group."""
@@ -130,19 +121,17 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
         check_supported(config)
     except UnsupportedModelError as exc:
         raise UnsupportedArchitectureError(f"token pruning does not support this model: {exc}") from exc
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    modules = [getattr(layer, "self_attn", None) for layer in layers] if layers is not None else []
-    needed = ("q_proj", "k_proj", "head_dim", "num_key_value_groups", "layer_idx")
-    if not modules or any(m is None or not all(hasattr(m, a) for a in needed) for m in modules):
+    try:
+        return hf.attention_modules(model)
+    except UnsupportedModelError as exc:
         raise UnsupportedArchitectureError(
             f"token pruning supports Llama-style decoders (model.model.layers[i].self_attn with q_proj/k_proj, "
             f"GQA and RoPE); {type(model).__name__} ({model.config.model_type!r}) is not one"
-        )
-    return modules
+        ) from exc
 
 
 def check_attn_implementation(model: nn.Module, method: str) -> None:
-    impl = model.config._attn_implementation
+    impl = hf.attn_implementation(model)
     if impl not in _ATTN_WEIGHT_IMPLEMENTATIONS:
         raise AttentionImplementationError(
             f"{method} needs the prefill's attention weights, which attn_implementation={impl!r} does not return; "
@@ -228,15 +217,14 @@ class PruningSession:
 
 def _layer_inputs(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> tuple[Any, LayerInputs] | None:
     """The cache and the layer's ``LayerInputs`` when this call is a prefill of an empty cache, else ``None``."""
-    hidden = kwargs.get("hidden_states", args[0] if args else None)
-    cache = kwargs.get("past_key_values")
+    hidden, cache, embeddings = hf.attention_hook_inputs(args, kwargs)
     if cache is None or hidden is None:
         return None
-    layer = cache.layers[module.layer_idx]
-    if not layer.is_initialized or layer.keys.shape[2] != hidden.shape[1]:
+    tensors = hf.layer_tensors(hf.cache_layers(cache)[module.layer_idx])
+    if tensors is None or tensors[0].shape[2] != hidden.shape[1]:
         return None  # a decode step, or a continuation of an already filled cache
     attentions = output[1] if isinstance(output, tuple) and len(output) > 1 else None
-    return cache, LayerInputs(module, hidden, layer.keys, layer.values, kwargs["position_embeddings"], attentions)
+    return cache, LayerInputs(module, hidden, *tensors, embeddings, attentions)
 
 
 @contextmanager
@@ -247,7 +235,7 @@ def eager_prefill(model: nn.Module) -> Iterator[None]:
     only (any other implementation, e.g. TokenSelect's, is left alone), and puts ``"eager"`` back on exit if it
     switched. A model without sdpa support keeps eager throughout.
     """
-    if not getattr(model, "_supports_sdpa", False):
+    if not hf.supports_sdpa(model):
         yield
         return
     switched = False
@@ -256,12 +244,12 @@ def eager_prefill(model: nn.Module) -> Iterator[None]:
         nonlocal switched
         cache = kwargs.get("past_key_values")
         prefill = cache is None or cache.get_seq_length() == 0
-        impl = model.config._attn_implementation
+        impl = hf.attn_implementation(model)
         if prefill and switched and impl == "sdpa":
-            model.set_attn_implementation("eager")
+            hf.set_attn_implementation(model, "eager")
             switched = False
         elif not prefill and impl == "eager":
-            model.set_attn_implementation("sdpa")
+            hf.set_attn_implementation(model, "sdpa")
             switched = True
 
     handle = model.register_forward_pre_hook(switch, with_kwargs=True)
@@ -269,8 +257,8 @@ def eager_prefill(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         handle.remove()
-        if switched and model.config._attn_implementation == "sdpa":
-            model.set_attn_implementation("eager")
+        if switched and hf.attn_implementation(model) == "sdpa":
+            hf.set_attn_implementation(model, "eager")
 
 
 @contextmanager
@@ -290,8 +278,8 @@ def hooked(model: nn.Module, method: PruningMethod) -> Iterator[PruningSession]:
         idx = method.keep_indices(inputs)
         session.tokens_before = inputs.tokens
         session.kept[module.layer_idx] = idx
-        cache.layers[module.layer_idx] = GrowingLayer.of(gather_tokens(inputs.keys, idx),
-                                                         gather_tokens(inputs.values, idx))
+        hf.set_cache_layer(cache, module.layer_idx, GrowingLayer.of(gather_tokens(inputs.keys, idx),
+                                                                    gather_tokens(inputs.values, idx)))
 
     handles = [m.register_forward_hook(hook, with_kwargs=True) for m in modules]
     try:
@@ -339,5 +327,5 @@ def prune_cache(cache: Any, kept: dict[int, torch.Tensor]) -> Any:
 
     Its layers are ``GrowingLayer`` s (in-place decode appends), as in a cache pruned by ``with method(model):``.
     """
-    return growing_cache([(gather_tokens(layer.keys, kept[i]), gather_tokens(layer.values, kept[i]))
-                          for i, layer in enumerate(cache.layers)])
+    return growing_cache([(gather_tokens(keys, kept[i]), gather_tokens(values, kept[i]))
+                          for i, (keys, values) in enumerate(hf.cache_tensors(cache))])

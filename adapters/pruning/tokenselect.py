@@ -22,10 +22,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from kvshelf.adapters import hf
 from kvshelf.adapters.pruning.base import attention_modules, gather_tokens
 from kvshelf.adapters.pruning.budget import check_budget, resolve_budget
 from kvshelf.adapters.pruning.errors import PruningError
@@ -127,18 +125,16 @@ class TokenSelect:
     def __call__(self, model: nn.Module) -> Iterator[TokenSelect]:
         modules = attention_modules(model)
         register()
-        previous = model.config._attn_implementation
-        model.set_attn_implementation(IMPLEMENTATION)
-        for m in modules:
-            setattr(m, _STATE, self)
-        self.layers.clear()
-        try:
-            yield self
-        finally:
+        with hf.attention_implementation(model, IMPLEMENTATION):
             for m in modules:
-                if getattr(m, _STATE, None) is self:
-                    delattr(m, _STATE)
-            model.set_attn_implementation(previous)
+                setattr(m, _STATE, self)
+            self.layers.clear()
+            try:
+                yield self
+            finally:
+                for m in modules:
+                    if getattr(m, _STATE, None) is self:
+                        delattr(m, _STATE)
 
 
 def tokenselect_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -153,15 +149,14 @@ def tokenselect_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
     if method is None or q >= n:
         if method is not None:  # a new prefill: selections of an earlier prompt are stale
             method.layers.pop(int(module.layer_idx), None)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        return hf.sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     if q == 1:
         if method.keep(n) >= n:
-            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+            return hf.sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
         return method.decode(module, query, key, value, scale), None
     return method.chunk(module, query, key, value, scale), None
 
 
 def register() -> None:
     """Register ``kvshelf_tokenselect`` with transformers (idempotent)."""
-    AttentionInterface.register(IMPLEMENTATION, tokenselect_attention)
-    AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
+    hf.register_attention(IMPLEMENTATION, tokenselect_attention, sdpa_masks=True)

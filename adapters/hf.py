@@ -1,0 +1,391 @@
+"""Every touch of transformers internals, in one module.
+
+Tested with transformers 5.23.0 (``pyproject.toml`` allows ``>=5.0,<5.24``: the whole adapters suite also
+passes on 5.0.0, the first release with the config ``rope_parameters`` and ``dtype`` loading kvshelf uses; the
+upper bound stops at the newest release tested). Elsewhere in ``kvshelf.adapters``, modules import only public
+transformers names (``PreTrainedModel``, ``PreTrainedTokenizerBase``, ``DynamicCache``, ``AutoModelForCausalLM``,
+config classes); nothing outside ``adapters`` imports transformers at all (``tests/adapters/test_hf_boundary.py``
+checks both). When a transformers release changes one of the contracts below, this module is what to fix:
+
+* attention implementations: reading and switching ``config._attn_implementation``, registering attention and
+  mask functions (``AttentionInterface``, ``AttentionMaskInterface``), HF's ``sdpa_attention_forward`` and
+  ``sdpa_mask``;
+* cache layers: the ``layers`` list of a ``DynamicCache``, ``DynamicLayer`` (``lazy_initialization``,
+  ``is_initialized``, ``keys`` / ``values``), ``DynamicSlidingWindowLayer``, and ``GrowingLayer``, kvshelf's
+  ``DynamicLayer`` subclass for pruned caches; ``QuantizedCache``'s layers (for the codec benchmark's anchors);
+* the decoder: where it is (``get_decoder()`` / ``model.model``), its layers, final norm and rotary embedding
+  (``inv_freq``, ``attention_scaling``, ``rope_type``), the attention modules' fields and projections, and the
+  calling conventions of a decoder layer and of an attention module's forward hook.
+
+Shapes: ``b`` batch, ``h`` KV heads (``h_q`` query heads), ``n`` tokens, ``d`` head dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AttentionInterface, DynamicCache, PretrainedConfig, PreTrainedModel, QuantizedCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from kvshelf.kvstore.errors import UnsupportedModelError
+
+TESTED_VERSION = "5.23.0"
+
+__all__ = [
+    "TESTED_VERSION", "DynamicLayer", "DynamicSlidingWindowLayer", "GrowingLayer", "Rotary", "attention_hook_inputs",
+    "attention_implementation", "attention_modules", "attn_implementation", "cache_bytes", "cache_from_tensors",
+    "cache_layers", "cache_of_layers", "cache_tensors", "decoder", "decoder_layers", "dequantize_cache",
+    "final_norm", "full_attention_layers", "kv_projection_weights", "layer_tensors", "position_embeddings",
+    "project_queries", "quantized_cache", "register_attention", "rotary", "run_decoder_layer",
+    "sdpa_attention_forward", "set_attn_implementation", "set_cache_layer", "supports_sdpa",
+]
+
+
+# -- attention implementations ------------------------------------------------------------------------------
+
+
+def attn_implementation(model: PreTrainedModel) -> str:
+    """The attention implementation the model runs with now (``"sdpa"``, ``"eager"``, a registered name...)."""
+    return model.config._attn_implementation
+
+
+def set_attn_implementation(model: PreTrainedModel, name: str) -> None:
+    """Switch the model (and its sub-models) to the attention implementation ``name``."""
+    model.set_attn_implementation(name)
+
+
+@contextmanager
+def attention_implementation(model: PreTrainedModel, name: str) -> Iterator[str]:
+    """Run the block with attention implementation ``name``; the previous one (yielded) is back afterwards."""
+    previous = attn_implementation(model)
+    if previous == name:
+        yield previous
+        return
+    set_attn_implementation(model, name)
+    try:
+        yield previous
+    finally:
+        set_attn_implementation(model, previous)
+
+
+def supports_sdpa(model: nn.Module) -> bool:
+    """Whether the model class can run with ``sdpa`` attention."""
+    return bool(getattr(model, "_supports_sdpa", False))
+
+
+def register_attention(name: str, function: Callable[..., Any], *, sdpa_masks: bool = False) -> None:
+    """Register ``function`` as the attention implementation ``name`` (idempotent).
+
+    ``function(module, query [b, h_q, q, d], key [b, h, n, d], value [b, h, n, d], attention_mask, **kwargs)``
+    returns ``(output [b, q, h_q, d], weights or None)``. ``sdpa_masks``: the model builds its masks for ``name``
+    as for ``sdpa`` (else the model's default for unknown implementations applies).
+    """
+    AttentionInterface.register(name, function)
+    if sdpa_masks:
+        AttentionMaskInterface.register(name, sdpa_mask)
+
+
+# -- cache layers ---------------------------------------------------------------------------------------------
+
+
+def cache_layers(cache: Any) -> list[Any]:
+    """The per-layer objects of a ``DynamicCache`` (``DynamicLayer`` s or subclasses), in layer order."""
+    return list(cache.layers)
+
+
+def full_attention_layers(cache: Any) -> list[DynamicLayer]:
+    """``cache_layers``, refused (``UnsupportedModelError``) unless each is a full-attention ``DynamicLayer``."""
+    layers = cache_layers(cache)
+    for layer in layers:
+        if not isinstance(layer, DynamicLayer) or isinstance(layer, DynamicSlidingWindowLayer):
+            raise UnsupportedModelError(f"cannot bridge cache layer type {type(layer).__name__}")
+    return layers
+
+
+def layer_tensors(layer: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A cache layer's ``(keys, values)`` ``[b, h, n, d]`` (RoPE applied to keys); ``None`` before its first
+    update."""
+    if not layer.is_initialized or layer.keys is None or layer.keys.dim() != 4:
+        return None
+    return layer.keys, layer.values
+
+
+def cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every layer's ``(keys, values)`` ``[b, h, n, d]``; ``UnsupportedModelError`` if a layer is still empty."""
+    out = []
+    for index, layer in enumerate(cache_layers(cache)):
+        tensors = layer_tensors(layer)
+        if tensors is None:
+            raise UnsupportedModelError(f"cache layer {index} holds no keys and values yet")
+        out.append(tensors)
+    return out
+
+
+def fill_layer(layer: Any, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Make ``keys`` / ``values`` ``[b, h, n, d]`` (not copied) the contents of an empty ``DynamicLayer``."""
+    layer.lazy_initialization(keys, values)
+    layer.keys, layer.values = keys, values
+
+
+def cache_from_tensors(tensors: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                       config: PretrainedConfig | None = None) -> DynamicCache:
+    """A ``DynamicCache`` whose layer ``i`` holds ``tensors[i]`` = ``(keys, values)`` ``[b, h, n, d]`` (not copied).
+
+    With ``config`` the cache has the model's layer types (and must have ``len(tensors)`` layers); without, it
+    has one ``DynamicLayer`` per entry.
+    """
+    if config is None:
+        cache = DynamicCache()
+        cache.layers = [DynamicLayer() for _ in tensors]
+    else:
+        cache = DynamicCache(config=config)
+    layers = cache_layers(cache)
+    if len(layers) != len(tensors):
+        raise UnsupportedModelError(f"{len(tensors)} layers of keys and values for a cache of {len(layers)} layers")
+    for layer, (keys, values) in zip(layers, tensors, strict=True):
+        fill_layer(layer, keys, values)
+    return cache
+
+
+def set_cache_layer(cache: Any, index: int, layer: DynamicLayer) -> None:
+    """Replace layer ``index`` of a ``DynamicCache`` (e.g. by a pruned ``GrowingLayer``)."""
+    cache.layers[index] = layer
+
+
+def cache_of_layers(layers: Sequence[DynamicLayer]) -> DynamicCache:
+    """A ``DynamicCache`` made of the given layer objects."""
+    cache = DynamicCache()
+    cache.layers = list(layers)
+    return cache
+
+
+DEFAULT_HEADROOM = 16
+
+
+class _Buffer:
+    """A ``[b, h, capacity, d]`` tensor whose first ``n`` positions (dim 2) are filled."""
+
+    __slots__ = ("data", "n")
+
+    def __init__(self, tensor: torch.Tensor, headroom: int) -> None:
+        b, h, n, d = tensor.shape
+        self.data = tensor.new_empty(b, h, n + headroom, d)
+        self.data[:, :, :n].copy_(tensor)
+        self.n = n
+
+    def append(self, tensor: torch.Tensor, headroom: int) -> None:
+        q = tensor.shape[2]
+        if self.n + q > self.data.shape[2]:
+            old = self.data[:, :, : self.n]
+            b, h, _, d = old.shape
+            self.data = old.new_empty(b, h, self.n + q + max(headroom, self.n // 8), d)
+            self.data[:, :, : self.n].copy_(old)
+        self.data[:, :, self.n:self.n + q].copy_(tensor)
+        self.n += q
+
+    def view(self) -> torch.Tensor:
+        return self.data[:, :, : self.n]
+
+
+class GrowingLayer(DynamicLayer):
+    """``DynamicLayer`` with in-place appends into preallocated buffers (see ``adapters.pruning.layout``).
+
+    Keys and values live in buffers ``[b, h, capacity, d]`` with ``headroom`` free token slots; ``keys`` /
+    ``values`` are views ``[b, h, n, d]`` of the filled part. Assigning ``layer.keys = tensor`` (pruning, ``crop``,
+    beam reordering) copies the tensor into a new buffer.
+
+    Args:
+        headroom: free token slots allocated past the current length, and the least a full buffer grows by.
+    """
+
+    def __init__(self, headroom: int = DEFAULT_HEADROOM) -> None:
+        self.headroom = headroom
+        self._k: _Buffer | None = None
+        self._v: _Buffer | None = None
+        super().__init__()
+
+    @classmethod
+    def of(cls, keys: torch.Tensor, values: torch.Tensor, headroom: int = DEFAULT_HEADROOM) -> GrowingLayer:
+        """A layer holding ``keys`` / ``values`` ``[b, h, n, d]`` (copied)."""
+        layer = cls(headroom)
+        layer.dtype, layer.device = keys.dtype, keys.device
+        layer.keys, layer.values = keys, values
+        layer.is_initialized = True
+        return layer
+
+    def _store(self, tensor: torch.Tensor | None) -> _Buffer | None:
+        if tensor is None or tensor.dim() != 4:  # DynamicLayer's lazy init assigns an empty 1-D tensor
+            return None
+        return _Buffer(tensor, self.headroom)
+
+    @property
+    def keys(self) -> torch.Tensor | None:  # type: ignore[override]
+        return None if self._k is None else self._k.view()
+
+    @keys.setter
+    def keys(self, tensor: torch.Tensor | None) -> None:
+        self._k = self._store(tensor)
+
+    @property
+    def values(self) -> torch.Tensor | None:  # type: ignore[override]
+        return None if self._v is None else self._v.view()
+
+    @values.setter
+    def values(self, tensor: torch.Tensor | None) -> None:
+        self._v = self._store(tensor)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``[b, h, q, d]`` new keys / values in place; returns the whole cache ``[b, h, n, d]``."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self._k is None or self._v is None:
+            self._k, self._v = _Buffer(key_states, self.headroom), _Buffer(value_states, self.headroom)
+        else:
+            self._k.append(key_states, self.headroom)
+            self._v.append(value_states, self.headroom)
+        return self._k.view(), self._v.view()
+
+    def get_seq_length(self) -> int:
+        return 0 if self._k is None else self._k.n
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes the buffers take, headroom included (``keys.nbytes + values.nbytes`` counts only the filled part)."""
+        return sum(b.data.nbytes for b in (self._k, self._v) if b is not None)
+
+
+def cache_bytes(cache: Any) -> int:
+    """Bytes a cache's keys and values take in memory (a ``GrowingLayer``'s headroom included)."""
+    total = 0
+    for layer in cache_layers(cache):
+        if isinstance(layer, GrowingLayer):
+            total += layer.allocated_bytes
+        elif (tensors := layer_tensors(layer)) is not None:
+            total += tensors[0].nbytes + tensors[1].nbytes
+    return total
+
+
+def quantized_cache(backend: str, config: PretrainedConfig, *, nbits: int, group_size: int,
+                    residual_length: int) -> Any:
+    """HF's ``QuantizedCache`` (quanto or HQQ backend; keys and values quantized along axis 0)."""
+    return QuantizedCache(backend=backend, config=config, nbits=nbits, axis_key=0, axis_value=0,
+                          q_group_size=group_size, residual_length=residual_length)
+
+
+def dequantize_cache(cache: Any) -> None:
+    """Dequantize every layer's quantized keys and values of a ``QuantizedCache`` (the results are dropped: this
+    is for timing the backend's dequantization)."""
+    for layer in cache_layers(cache):
+        layer._dequantize(layer._quantized_keys)
+        layer._dequantize(layer._quantized_values)
+
+
+# -- the decoder ----------------------------------------------------------------------------------------------
+
+
+def decoder(model: PreTrainedModel) -> Any:
+    """The decoder module (``layers``, ``norm``, ``rotary_emb``); ``UnsupportedModelError`` when there is none."""
+    inner = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    if not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
+        raise UnsupportedModelError(f"{type(model).__name__}: no decoder layers with rotary embeddings found")
+    return inner
+
+
+def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
+    """The decoder layers, in order."""
+    return decoder(model).layers
+
+
+def final_norm(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
+    """The decoder's final norm of ``hidden`` ``[b, n, hidden]`` (what the LM head reads)."""
+    return decoder(model).norm(hidden)
+
+
+@dataclass(frozen=True, eq=False)
+class Rotary:
+    """A model's rotary embedding: ``inv_freq`` ``[head_dim / 2]`` float32 on the CPU (after any static
+    scaling), ``attention_scaling`` (the factor HF multiplies cos and sin by) and ``rope_type``."""
+
+    inv_freq: torch.Tensor
+    attention_scaling: float
+    rope_type: str
+
+
+def rotary(model: PreTrainedModel) -> Rotary:
+    """The decoder's rotary embedding parameters; ``UnsupportedModelError`` without one."""
+    rotary_emb = getattr(decoder(model), "rotary_emb", None)
+    inv_freq = getattr(rotary_emb, "inv_freq", None)
+    if inv_freq is None:
+        raise UnsupportedModelError(f"{type(model).__name__} has no rotary embedding with inv_freq (not a RoPE "
+                                    "decoder in the Llama layout)")
+    return Rotary(inv_freq.detach().to("cpu", torch.float32), float(getattr(rotary_emb, "attention_scaling", 1.0)),
+                  str(getattr(rotary_emb, "rope_type", "default")))
+
+
+def position_embeddings(model: PreTrainedModel, hidden: torch.Tensor,
+                        position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's ``(cos, sin)`` for ``position_ids`` ``[1, q]``: each ``[1, q, d]`` (both halves equal, times the
+    attention scaling) in ``hidden``'s dtype, as the decoder layers take them."""
+    return decoder(model).rotary_emb(hidden, position_ids=position_ids)
+
+
+def run_decoder_layer(model: PreTrainedModel, index: int, hidden: torch.Tensor, *, position_ids: torch.Tensor,
+                      embeddings: tuple[torch.Tensor, torch.Tensor], cache: Any,
+                      **attention_kwargs: Any) -> torch.Tensor:
+    """Decoder layer ``index`` on ``hidden`` ``[1, q, hidden]`` at ``position_ids`` ``[1, q]`` with
+    ``embeddings`` (``position_embeddings``); returns the layer's output ``[1, q, hidden]``.
+
+    The layer's attention calls only ``cache.update(key_states [1, h, q, d], value_states, layer_idx)`` (keys
+    RoPE'd) and attends over the ``(keys, values)`` it returns, so ``cache`` may be any object with that method.
+    ``attention_kwargs`` (``attention_mask`` ``[1, 1, q, n]`` or ``None``, extra kwargs of a registered attention
+    function) go to the attention.
+    """
+    return decoder_layers(model)[index](hidden, position_ids=position_ids, past_key_values=cache, use_cache=True,
+                                        position_embeddings=embeddings, **attention_kwargs)
+
+
+#: what kvshelf reads of an attention module: its projections, head dim, GQA group size and layer index
+ATTENTION_MODULE_FIELDS = ("q_proj", "k_proj", "v_proj", "head_dim", "num_key_value_groups", "layer_idx")
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """Each decoder layer's attention module, in layer order; ``UnsupportedModelError`` unless every layer has one
+    with ``ATTENTION_MODULE_FIELDS`` (a Llama-style ``self_attn``)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    modules = [getattr(layer, "self_attn", None) for layer in layers] if layers is not None else []
+    if not modules or any(m is None or not all(hasattr(m, a) for a in ATTENTION_MODULE_FIELDS) for m in modules):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has no Llama-style attention modules (model.model.layers[i].self_attn with "
+            f"{', '.join(ATTENTION_MODULE_FIELDS)})"
+        )
+    return modules
+
+
+def kv_projection_weights(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the key and value projection weights ``([h * d, hidden], [h * d, hidden])`` (detached)."""
+    return [(m.k_proj.weight.detach(), m.v_proj.weight.detach()) for m in attention_modules(model)]
+
+
+def project_queries(module: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """An attention module's queries of ``hidden`` ``[b, n, hidden]`` (its normed input), before RoPE:
+    ``[b, h_q, n, d]`` (with the per-head query norm of Qwen3-style models)."""
+    b, n, _ = hidden.shape
+    q = module.q_proj(hidden).view(b, n, -1, module.head_dim)
+    if hasattr(module, "q_norm"):
+        q = module.q_norm(q)
+    return q.transpose(1, 2)
+
+
+def attention_hook_inputs(args: tuple, kwargs: dict) -> tuple[torch.Tensor | None, Any, Any]:
+    """From an attention module's forward hook (``with_kwargs=True``): ``(hidden_states [b, n, hidden], the
+    cache or None, position_embeddings (cos, sin) each [b, n, d])``."""
+    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    return hidden, kwargs.get("past_key_values"), kwargs.get("position_embeddings")
