@@ -12,6 +12,7 @@ from kvshelf.kvstore.errors import ConfigError
 from kvshelf.kvstore.lmdb_tier import LMDBTier
 from kvshelf.kvstore.memory_tier import MemoryTier
 from kvshelf.kvstore.paths import cache_dir
+from kvshelf.kvstore.protocol import DEFAULT_NAMESPACE
 from kvshelf.kvstore.store import TieredStore, TierSpec
 
 DEFAULT_MEMORY_BYTES = 2 << 30
@@ -46,8 +47,10 @@ def open_embedded_store(
     max_disk_bytes: int | str = 1 << 40,
     durable: bool = True,
     write_policy: Literal["through", "back"] = "through",
+    namespace: str = DEFAULT_NAMESPACE,
 ) -> TieredStore:
-    """A ``TieredStore`` of a memory tier (omitted when ``memory_bytes`` is None) over LMDB in ``data_dir``."""
+    """A ``TieredStore`` of a memory tier (omitted when ``memory_bytes`` is None) over LMDB in ``data_dir``;
+    reads default to ``namespace``."""
     path = Path(data_dir) if data_dir is not None else default_data_dir()
     get_codec(memory_codec)  # check the codecs before anything is opened
     get_codec(disk_codec, disk_codec_params)
@@ -63,4 +66,4 @@ def open_embedded_store(
             dict(disk_codec_params or {}),
         )
     )
-    return TieredStore(specs, write_policy=write_policy)
+    return TieredStore(specs, write_policy=write_policy, namespace=namespace)

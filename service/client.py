@@ -157,6 +157,8 @@ class RemoteStore:
 
     def put_many(self, entries: Sequence[tuple[bytes, KVBlock]], *, pin: bool = False) -> int:
         """Encode ``(key, block)`` pairs with this store's codec and send them."""
+        entries = list(entries)
+        check_keys(k for k, _ in entries)
         return self.put_encoded_many(
             [(key, encode_block(block, key, self.codec, self.codec_params)) for key, block in entries], pin=pin
         )
