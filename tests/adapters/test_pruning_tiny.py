@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 from transformers import DynamicCache, MistralConfig, MistralForCausalLM
@@ -9,12 +11,14 @@ from transformers import DynamicCache, MistralConfig, MistralForCausalLM
 from kvshelf.adapters.model import tiny_llama
 from kvshelf.adapters.pruning import (
     H2O,
+    METHODS,
     AttentionImplementationError,
     BudgetError,
     Compose,
     Keyformer,
     KeyNorm,
     LayerInputs,
+    PruningMethod,
     SnapKV,
     StreamingLLM,
     TokenSelect,
@@ -26,7 +30,28 @@ from kvshelf.adapters.pruning import (
 )
 from kvshelf.kvstore.errors import KVShelfError
 
-STATIC = [StreamingLLM, H2O, Keyformer, SnapKV, KeyNorm]
+#: the registry itself: the generic tests (budgets, shapes, budget 1 = no pruning) cover every registered method
+NAMES = sorted(METHODS)
+STATIC = [n for n in NAMES if issubclass(METHODS[n], PruningMethod)]  # prune the cache after the prefill
+DYNAMIC = [n for n in NAMES if n not in STATIC]  # keep the full cache, attend to a selection
+
+
+@contextmanager
+def _attention_for(model, method):
+    """The attention implementation ``method`` runs with: eager when it reads attention weights, else sdpa."""
+    model.set_attn_implementation("eager" if getattr(method, "needs_attentions", False) else "sdpa")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
+def test_methods_registry() -> None:
+    assert {"streamingllm", "h2o", "keyformer", "snapkv", "keynorm", "tokenselect"} <= set(NAMES)
+    assert STATIC and DYNAMIC
+    for name in NAMES:
+        method = METHODS[name](budget=0.5)
+        assert callable(method), f"{name}: a method is used as `with method(model):`"
 
 
 @pytest.fixture(scope="module")
@@ -120,30 +145,43 @@ def test_compose_keeps_forced_tokens_and_honours_the_budget(model):
     assert all({0, 1} <= set(head) for head in idx[0].tolist())
 
 
-@pytest.mark.parametrize("cls", STATIC)
+@pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("budget", [0.5, 0.25, 17])
-def test_generate_prunes_to_the_budget_exactly(model, cls, budget):
+def test_generate_keeps_the_budget_exactly(model, name, budget):
+    """Static methods prune each layer's cache to the budget (``[b, kv_heads, kept]`` per layer); dynamic ones
+    keep the whole cache (they attend to a selection of it)."""
     ids = _ids(60)
-    model.set_attn_implementation("eager" if cls.needs_attentions else "sdpa")
-    try:
-        with cls(budget=budget)(model) as session:
-            out = model.generate(ids, max_new_tokens=5, do_sample=False, eos_token_id=None,
-                                 return_dict_in_generate=True)
-    finally:
-        model.set_attn_implementation("sdpa")
+    method = METHODS[name](budget=budget)
+    with _attention_for(model, method), method(model) as session:
+        out = model.generate(ids, max_new_tokens=5, do_sample=False, eos_token_id=None,
+                             return_dict_in_generate=True)
     keep = resolve_budget(budget, 60)
     assert out.sequences.shape == (1, 65)
+    # the cache holds the (kept) prompt tokens plus the 4 decoded ones (the 5th token is never fed back)
+    if name in DYNAMIC:
+        assert out.past_key_values.get_seq_length() == 60 + 4
+        return
     assert set(session.kept) == {0, 1}
     for idx in session.kept.values():
         assert idx.shape == (1, 2, keep)  # [b, kv_heads, kept]: GQA, 2 KV heads
-    # the cache holds the kept prompt tokens plus the 4 decoded ones (the 5th token is never fed back)
     assert out.past_key_values.get_seq_length() == keep + 4
 
 
-def test_full_budget_equals_plain_generate(model):
+@pytest.mark.parametrize(("name", "budget"), [(n, b) for n in NAMES for b in ((1.0, 50) if n in STATIC else (1.0,))])
+def test_full_budget_equals_plain_generate(model, name, budget):
+    """Budget 1 keeps everything: the same tokens as plain ``generate``; so does a static method's budget of every
+    prompt token (a dynamic method's token count is of a cache that grows while decoding)."""
     ids = _ids(50, seed=4)
     plain = model.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None)
-    for method in (StreamingLLM(1.0), SnapKV(1.0, window=8), KeyNorm(50), TokenSelect(1.0)):
+    method = METHODS[name](budget=budget)
+    with _attention_for(model, method), method(model):
+        assert torch.equal(model.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None), plain)
+
+
+def test_full_budget_with_method_options_equals_plain_generate(model):
+    ids = _ids(50, seed=4)
+    plain = model.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None)
+    for method in (StreamingLLM(1.0, sinks=2), SnapKV(1.0, window=8), KeyNorm(50, recent=8)):
         with method(model):
             assert torch.equal(model.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None), plain)
 
@@ -230,13 +268,14 @@ def test_attention_weight_methods_need_eager(model):
         pass
 
 
-def test_bad_budgets_raise_clear_errors(model):
-    for bad in (0, -1, 0.0, 2.0):
+@pytest.mark.parametrize("name", NAMES)
+def test_bad_budgets_raise_clear_errors(model, name):
+    cls = METHODS[name]
+    for bad in (0, -1, 0.0, 2.0, 1.5, True, "half"):
         with pytest.raises(BudgetError):
-            SnapKV(budget=bad)
-        with pytest.raises(BudgetError):
-            TokenSelect(budget=bad)
-    with pytest.raises(BudgetError, match="larger than the context"), StreamingLLM(budget=500)(model):
+            cls(budget=bad)
+    method = cls(budget=500)
+    with pytest.raises(BudgetError, match="larger than the context"), _attention_for(model, method), method(model):
         model.generate(_ids(60), max_new_tokens=2, do_sample=False)
 
 
