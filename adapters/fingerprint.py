@@ -1,8 +1,19 @@
-"""The fingerprint of a HF model: what makes its KV interchangeable (see ``kvstore.fingerprint``)."""
+"""The fingerprint of a HF model: what makes its KV interchangeable (see ``kvstore.fingerprint``).
+
+It follows the model: ``model.to(torch.bfloat16)``, ``load_state_dict`` of other weights or an in-place edit of a
+sampled weight give another fingerprint at the next call, so a block is never served to the changed model. The
+weight digest (the first rows of the first and last dozen parameters) costs a few milliseconds, so it is memoized
+on the model, valid while the model's dtype, its config properties and, for each sampled parameter, the tensor
+object, its storage, dtype, device and autograd version counter (bumped by every in-place write: ``copy_``,
+``load_state_dict``, optimizer steps) stay the same; checking that costs microseconds.
+"""
 
 from __future__ import annotations
 
+import copy
 import hashlib
+import weakref
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -10,6 +21,7 @@ from transformers import PreTrainedModel
 from kvshelf.kvstore.fingerprint import fingerprint_from_properties
 
 _SAMPLE_ROWS = 64
+_MEMO = "_kvshelf_fingerprint"
 
 
 def kv_geometry(model: PreTrainedModel) -> tuple[int, int, int]:
@@ -21,23 +33,35 @@ def kv_geometry(model: PreTrainedModel) -> tuple[int, int, int]:
     return config.num_hidden_layers, kv_heads, head_dim
 
 
-def _weight_sample_digest(model: PreTrainedModel) -> bytes:
-    """BLAKE2b of a few weight tensors: the first rows of every 2-D parameter of the first and last layers."""
-    h = hashlib.blake2b(digest_size=16)
+def _sampled(model: PreTrainedModel) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters the weight digest reads: the first one (the embedding), the next 11 and the last 12."""
     params = list(model.named_parameters())
-    chosen = [params[0], *params[1:12], *params[-12:]]
-    for name, tensor in chosen:
+    return [params[0], *params[1:12], *params[-12:]]
+
+
+def _weight_sample_digest(sampled: list[tuple[str, torch.nn.Parameter]]) -> bytes:
+    """BLAKE2b of the first ``_SAMPLE_ROWS`` rows of each sampled parameter (as float32), with its name."""
+    h = hashlib.blake2b(digest_size=16)
+    for name, tensor in sampled:
         sample = tensor.detach()[:_SAMPLE_ROWS].to("cpu", torch.float32).contiguous()
         h.update(name.encode())
         h.update(sample.numpy().tobytes())
     return h.digest()
 
 
+def _state(sampled: list[tuple[str, torch.nn.Parameter]]) -> tuple[Any, ...] | None:
+    """What the weight digest depends on, cheaply: per sampled parameter its name, storage address, dtype, device,
+    shape and version counter; ``None`` when it cannot be told (inference tensors have no version counter)."""
+    state = []
+    for name, tensor in sampled:
+        if tensor.is_inference():
+            return None
+        state.append((name, tensor.data_ptr(), tensor.dtype, tensor.device, tuple(tensor.shape), tensor._version))
+    return tuple(state)
+
+
 def model_fingerprint(model: PreTrainedModel) -> str:
-    """A stable 32-hex-digit digest; cached on the model object."""
-    cached = getattr(model, "_kvshelf_fingerprint", None)
-    if cached is not None:
-        return cached
+    """A stable 32-hex-digit digest of the model as it is now (memoized on the model while it does not change)."""
     config = model.config.get_text_config(decoder=True)
     layers, kv_heads, head_dim = kv_geometry(model)
     properties = {
@@ -50,6 +74,14 @@ def model_fingerprint(model: PreTrainedModel) -> str:
         "dtype": str(model.dtype),
         "vocab": config.vocab_size,
     }
-    fingerprint = fingerprint_from_properties(properties, _weight_sample_digest(model))
-    model._kvshelf_fingerprint = fingerprint
+    sampled = _sampled(model)
+    state = _state(sampled)
+    memo = model.__dict__.get(_MEMO)
+    if (state is not None and memo is not None and memo[2] == state and memo[1] == properties
+            and all(ref() is tensor for ref, (_, tensor) in zip(memo[0], sampled, strict=True))):
+        return memo[3]
+    fingerprint = fingerprint_from_properties(properties, _weight_sample_digest(sampled))
+    if state is not None:  # the parameters by weak reference: a replaced one is never kept alive for this
+        model.__dict__[_MEMO] = (tuple(weakref.ref(t) for _, t in sampled), copy.deepcopy(properties), state,
+                                 fingerprint)
     return fingerprint

@@ -8,18 +8,18 @@ uncached run's (same model, same KV up to floating-point summation order of the 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
-from transformers.generation.streamers import BaseStreamer
 
 from kvshelf.adapters.cache_bridge import blocks_from_cache, cache_from_prepared, check_supported
 from kvshelf.adapters.fingerprint import model_fingerprint
+from kvshelf.adapters.hf import BaseStreamer
+from kvshelf.adapters.prompts import Prompt, prompt_ids
 from kvshelf.kvstore.errors import ConfigError
-from kvshelf.kvstore.keys import block_key
+from kvshelf.kvstore.keys import prefix_block_spans
 from kvshelf.kvstore.protocol import BlockStore
 
 DEFAULT_BLOCK_SIZE = 256
@@ -85,47 +85,31 @@ class CachedGenerator:
         self.store = store
         self.namespace = namespace
         self.block_size = block_size
-        self.fingerprint = model_fingerprint(model)
 
-    def encode(self, prompt: str | Sequence[int] | torch.Tensor) -> list[int]:
-        """Prompt -> token ids (a string is tokenized with special tokens, as the tokenizer does by default)."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ConfigError("a string prompt needs a tokenizer; pass token ids or a tokenizer")
-            return list(self.tokenizer(prompt)["input_ids"])
-        if isinstance(prompt, torch.Tensor):
-            if prompt.dim() == 2 and prompt.shape[0] != 1:
-                raise ConfigError(f"only batch size 1 is supported, got input of shape {tuple(prompt.shape)}")
-            return [int(t) for t in prompt.reshape(-1).tolist()]
-        return [int(t) for t in prompt]
+    @property
+    def fingerprint(self) -> str:
+        """The model's fingerprint now: it follows the model's dtype and weights (``model_fingerprint``)."""
+        return model_fingerprint(self.model)
 
-    def block_spans(self, ids: Sequence[int], limit: int, *, partial: bool) -> list[tuple[int, int, bytes]]:
-        """``(start, end, key)`` of the chained blocks of ``ids[:limit]``: full blocks, plus the trailing
-        partial block when ``partial`` (a context whose end the caller marked with ``cacheable_prefix``)."""
-        spans: list[tuple[int, int, bytes]] = []
-        parent: bytes | None = None
-        for start in range(0, limit, self.block_size):
-            end = min(start + self.block_size, limit)
-            if end - start < self.block_size and not partial:
-                break
-            parent = block_key(self.fingerprint, self.namespace, parent, ids[start:end])
-            spans.append((start, end, parent))
-        return spans
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Prompt -> token ids (``prompts.prompt_ids``; a string gets the tokenizer's special tokens)."""
+        return prompt_ids(prompt, self.tokenizer, add_special_tokens=True)
 
-    def _load_prefix(self, ids: list[int], cacheable_prefix: int | None) -> tuple[int, Any]:
+    def _load_prefix(self, ids: list[int], cacheable_prefix: int | None, fingerprint: str) -> tuple[int, Any]:
         """Longest cached prefix as a cache of at most ``len(ids) - 1`` tokens (one token must be prefilled)."""
         if self.store is None or len(ids) < 2:
             return 0, None
-        spans = self.block_spans(ids, cacheable_prefix or len(ids), partial=cacheable_prefix is not None)
-        keys = [key for _, _, key in spans]
-        tokens = [end - start for start, end, _ in spans]
+        spans = prefix_block_spans(fingerprint, self.namespace, ids[: cacheable_prefix or len(ids)], self.block_size,
+                                   partial=cacheable_prefix is not None)
+        keys = [span.key for span in spans]
+        tokens = [span.end - span.start for span in spans]
         found = (
-            self.store.lookup_prefix(keys, namespace=self.namespace, model=self.fingerprint, tokens=tokens)
+            self.store.lookup_prefix(keys, namespace=self.namespace, model=fingerprint, tokens=tokens)
             if keys else 0
         )
         if not found:
             return 0, None
-        blocks = self.store.get_prepared_many(keys[:found], fingerprint=self.fingerprint, namespace=self.namespace,
+        blocks = self.store.get_prepared_many(keys[:found], fingerprint=fingerprint, namespace=self.namespace,
                                               tokens=tokens[:found])
         usable = []
         for block in blocks:  # a damaged or vanished block ends the usable prefix
@@ -139,18 +123,20 @@ class CachedGenerator:
                                     dtype=self.model.dtype)
         return reused, cache
 
-    def _store_prompt_blocks(self, ids: list[int], cache: Any, reused: int, cacheable_prefix: int | None) -> int:
+    def _store_prompt_blocks(self, ids: list[int], cache: Any, reused: int, cacheable_prefix: int | None,
+                             fingerprint: str) -> int:
         if self.store is None or cache is None:
             return 0
         limit = min(cacheable_prefix or len(ids), cache.get_seq_length())
-        spans = [s for s in self.block_spans(ids, limit, partial=cacheable_prefix is not None) if s[1] > reused]
+        spans = [s for s in prefix_block_spans(fingerprint, self.namespace, ids[:limit], self.block_size,
+                                               partial=cacheable_prefix is not None) if s.end > reused]
         if not spans:
             return 0
         entries = []
         for start, end, key in spans:
             (block,) = blocks_from_cache(
                 cache, ids, start=start, end=end, block_size=end - start,
-                fingerprint=self.fingerprint, namespace=self.namespace,
+                fingerprint=fingerprint, namespace=self.namespace,
             )
             entries.append((key, block))
         return self.store.put_many(entries)
@@ -158,7 +144,7 @@ class CachedGenerator:
     @torch.inference_mode()
     def generate(
         self,
-        prompt: str | Sequence[int] | torch.Tensor,
+        prompt: Prompt,
         *,
         max_new_tokens: int = 32,
         reuse: bool = True,
@@ -189,7 +175,8 @@ class CachedGenerator:
         if "streamer" in generate_kwargs:
             raise ConfigError("CachedGenerator measures TTFT with its own streamer; 'streamer' is not accepted")
         started = time.perf_counter()
-        reused, cache = self._load_prefix(ids, cacheable_prefix) if reuse else (0, None)
+        fingerprint = self.fingerprint  # this call's: blocks are looked up and stored for the model as it is now
+        reused, cache = self._load_prefix(ids, cacheable_prefix, fingerprint) if reuse else (0, None)
         timer = _FirstTokenTimer()
         input_ids = torch.tensor([ids], device=self.model.device)
         generate_kwargs.setdefault("do_sample", False)
@@ -206,7 +193,8 @@ class CachedGenerator:
         )
         finished = time.perf_counter()
         new_ids = [int(t) for t in out.sequences[0, len(ids) :].tolist()]
-        stored = self._store_prompt_blocks(ids, out.past_key_values, reused, cacheable_prefix) if store else 0
+        stored = (self._store_prompt_blocks(ids, out.past_key_values, reused, cacheable_prefix, fingerprint)
+                  if store else 0)
         text = self.tokenizer.decode(new_ids, skip_special_tokens=True) if self.tokenizer is not None else None
         return GenerationResult(
             prompt_ids=ids,

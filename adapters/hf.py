@@ -13,6 +13,7 @@ checks both). When a transformers release changes one of the contracts below, th
 * cache layers: the ``layers`` list of a ``DynamicCache``, ``DynamicLayer`` (``lazy_initialization``,
   ``is_initialized``, ``keys`` / ``values``), ``DynamicSlidingWindowLayer``, and ``GrowingLayer``, kvshelf's
   ``DynamicLayer`` subclass for pruned caches; ``QuantizedCache``'s layers (for the codec benchmark's anchors);
+* ``BaseStreamer``, the base class of ``generate``'s streamers (not exported at the top level);
 * the decoder: where it is (``get_decoder()`` / ``model.model``), its layers, final norm and rotary embedding
   (``inv_freq``, ``attention_scaling``, ``rope_type``), the attention modules' fields and projections, and the
   calling conventions of a decoder layer and of an attention module's forward hook.
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 from transformers import AttentionInterface, DynamicCache, PretrainedConfig, PreTrainedModel, QuantizedCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.generation import BaseStreamer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -39,12 +41,13 @@ from kvshelf.kvstore.errors import UnsupportedModelError
 TESTED_VERSION = "5.23.0"
 
 __all__ = [
-    "TESTED_VERSION", "DynamicLayer", "DynamicSlidingWindowLayer", "GrowingLayer", "Rotary", "attention_hook_inputs",
-    "attention_implementation", "attention_modules", "attn_implementation", "cache_bytes", "cache_from_tensors",
-    "cache_layers", "cache_of_layers", "cache_tensors", "decoder", "decoder_layers", "dequantize_cache",
-    "final_norm", "full_attention_layers", "kv_projection_weights", "layer_tensors", "position_embeddings",
-    "project_queries", "quantized_cache", "register_attention", "rotary", "run_decoder_layer",
-    "sdpa_attention_forward", "set_attn_implementation", "set_cache_layer", "supports_sdpa",
+    "ATTENTION_MODULE_FIELDS", "DEFAULT_HEADROOM", "TESTED_VERSION", "BaseStreamer", "DynamicLayer",
+    "DynamicSlidingWindowLayer", "GrowingLayer", "Rotary", "attention_hook_inputs", "attention_implementation",
+    "attention_modules", "attn_implementation", "cache_bytes", "cache_from_tensors", "cache_layers",
+    "cache_of_layers", "cache_tensors", "decoder", "decoder_layers", "dequantize_cache", "fill_layer", "final_norm",
+    "full_attention_layers", "kv_projection_weights", "layer_tensors", "position_embeddings", "project_queries",
+    "quantized_cache", "register_attention", "rotary", "run_decoder_layer", "sdpa_attention_forward",
+    "set_attn_implementation", "set_cache_layer", "supports_sdpa",
 ]
 
 

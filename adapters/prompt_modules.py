@@ -21,9 +21,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvshelf.adapters.cache_bridge import check_supported
 from kvshelf.adapters.fingerprint import model_fingerprint
+from kvshelf.adapters.prompts import prompt_ids
 from kvshelf.adapters.reuse_engine import Layout, eos_ids, greedy_decode, prefill_rows
 from kvshelf.kvstore.block import KVBlock
-from kvshelf.kvstore.errors import ConfigError
 from kvshelf.kvstore.protocol import BlockStore
 from kvshelf.reuse.errors import SchemaError
 from kvshelf.reuse.keys import module_key
@@ -50,7 +50,6 @@ class PromptModuleGenerator:
                  schema: PromptSchema | str, *, namespace: str = "default") -> None:
         check_supported(model.config)
         self.model, self.tokenizer, self.store, self.namespace = model, tokenizer, store, namespace
-        self.fingerprint = model_fingerprint(model)
         self.schema = PromptSchema.from_markup(schema) if isinstance(schema, str) else schema
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.compiled = self.schema.compile(self.tokenize, self.max_positions)
@@ -59,16 +58,20 @@ class PromptModuleGenerator:
         # prompt; the store keeps the durable, shareable copy
         self._resident: dict[bytes, KVBlock] = {}
 
+    @property
+    def fingerprint(self) -> str:
+        """The model's fingerprint now: it follows the model's dtype and weights (``model_fingerprint``)."""
+        return model_fingerprint(self.model)
+
     def tokenize(self, text: str) -> list[int]:
-        if self.tokenizer is None:
-            raise ConfigError("prompt modules need a tokenizer")
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        """Token ids of a piece of the prompt (a module's text, a parameter value): no special tokens."""
+        return prompt_ids(text, self.tokenizer, add_special_tokens=False)
 
-    def key(self, module: CompiledModule) -> bytes:
+    def key(self, module: CompiledModule, fingerprint: str | None = None) -> bytes:
         scope = [t for name in module.scope for t in self._by_name[name].tokens]
-        return module_key(self.fingerprint, self.namespace, module.tokens, module.positions, scope)
+        return module_key(fingerprint or self.fingerprint, self.namespace, module.tokens, module.positions, scope)
 
-    def _compute(self, module: CompiledModule, done: dict[str, KVBlock]) -> KVBlock:
+    def _compute(self, module: CompiledModule, done: dict[str, KVBlock], fingerprint: str) -> KVBlock:
         """A module's KV at its positions, after its scope modules (their KV in ``done``)."""
         scope = [done[name] for name in module.scope]
         rows_before = sum(b.num_tokens for b in scope)
@@ -80,7 +83,7 @@ class PromptModuleGenerator:
         rows = list(range(rows_before, layout.rows))
         prefill_rows(self.model, layout, module.tokens, module.positions, rows)
         k, v = layout.take(torch.tensor(rows))
-        return KVBlock(k, v, module.tokens, module.start, self.fingerprint, self.namespace)
+        return KVBlock(k, v, module.tokens, module.start, fingerprint, self.namespace)
 
     @torch.inference_mode()
     def module_blocks(self, names: Sequence[str], *, pin: bool = True) -> tuple[dict[str, KVBlock], int]:
@@ -91,11 +94,12 @@ class PromptModuleGenerator:
                 if dep not in needed:
                     needed.append(dep)
         needed.sort(key=lambda n: [m.name for m in self.compiled.modules].index(n))
-        keys = [self.key(self._by_name[n]) for n in needed]
+        fingerprint = self.fingerprint  # this call's: a changed model gets other keys, never a resident block
+        keys = [self.key(self._by_name[n], fingerprint) for n in needed]
         loaded: list[KVBlock | None] = [self._resident.get(k) for k in keys]
         wanted = [i for i, block in enumerate(loaded) if block is None]
         if wanted and self.store is not None:
-            got = self.store.get_many([keys[i] for i in wanted], fingerprint=self.fingerprint,
+            got = self.store.get_many([keys[i] for i in wanted], fingerprint=fingerprint,
                                       namespace=self.namespace, copy=True)  # owned tensors: they may stay resident
             for i, block in zip(wanted, got, strict=True):
                 loaded[i] = block
@@ -106,7 +110,7 @@ class PromptModuleGenerator:
             if block is not None and list(block.token_ids) != list(module.tokens):
                 raise SchemaError(f"stored KV of module {name!r} does not match its tokens")
             if block is None:
-                block = self._compute(module, done)
+                block = self._compute(module, done, fingerprint)
                 computed += 1
                 if self.store is not None:
                     self.store.put_many([(key, block)], pin=pin)

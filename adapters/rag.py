@@ -38,6 +38,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvshelf.adapters.cache_bridge import blocks_from_cache, check_supported
 from kvshelf.adapters.fingerprint import model_fingerprint
+from kvshelf.adapters.prompts import prompt_ids
 from kvshelf.adapters.reuse_engine import (
     Layout,
     embed,
@@ -66,12 +67,9 @@ BLEND_GROUP_ROWS = 64  # reuse-blend: queries per causal attention group (see ``
 Text = str | Sequence[int]
 
 
-def _encode(tokenizer: PreTrainedTokenizerBase | None, text: Text) -> list[int]:
-    if isinstance(text, str):
-        if tokenizer is None:
-            raise ConfigError("text needs a tokenizer; pass token ids or a tokenizer")
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return [int(t) for t in text]
+def _ids(tokenizer: PreTrainedTokenizerBase | None, text: Text) -> list[int]:
+    """Token ids of a document, chunk, prefix or question: text goes inside the prompt (no special tokens)."""
+    return prompt_ids(text, tokenizer, add_special_tokens=False)
 
 
 def read_documents(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
@@ -130,7 +128,7 @@ def precompute(
     check_supported(model.config)
     texts = list(documents or []) + read_documents(paths)
     fingerprint = model_fingerprint(model)
-    chunks = [c for text in texts for c in chunk_tokens(_encode(tokenizer, text), chunk_size, overlap)]
+    chunks = [c for text in texts for c in chunk_tokens(_ids(tokenizer, text), chunk_size, overlap)]
     started = time.perf_counter()
     computed = skipped = computed_tokens = 0
     for ids in tqdm(chunks, desc="precompute chunks", unit="chunk", disable=not progress):
@@ -189,9 +187,8 @@ class RAGGenerator:
     ) -> None:
         check_supported(model.config)
         self.model, self.tokenizer, self.store, self.namespace = model, tokenizer, store, namespace
-        self.fingerprint = model_fingerprint(model)
         self.inv_freq = inv_freq(model)
-        self.prefix = _encode(tokenizer, prefix) if prefix is not None else []
+        self.prefix = _ids(tokenizer, prefix) if prefix is not None else []
         self.ratio = check_ratio(recompute_ratio)
         layers = model.config.get_text_config(decoder=True).num_hidden_layers
         if not 1 <= select_layer < layers:
@@ -207,64 +204,73 @@ class RAGGenerator:
             raise ConfigError(f"on_missing must be 'recompute' or 'error', got {on_missing!r}")
         self.on_missing = on_missing
 
+    @property
+    def fingerprint(self) -> str:
+        """The model's fingerprint now: it follows the model's dtype and weights (``model_fingerprint``). A call
+        reads it once and uses that value throughout (the ``fingerprint`` arguments below)."""
+        return model_fingerprint(self.model)
+
     # -- chunk KV -------------------------------------------------------------------------------------
 
-    def _load(self, keys: list[bytes], token_lists: list[list[int]]) -> list[KVBlock | None]:
+    def _load(self, keys: list[bytes], token_lists: list[list[int]], fingerprint: str) -> list[KVBlock | None]:
         if self.store is None or not keys:
             return [None] * len(keys)
-        blocks = self.store.get_many(keys, fingerprint=self.fingerprint, namespace=self.namespace, copy=False,
+        blocks = self.store.get_many(keys, fingerprint=fingerprint, namespace=self.namespace, copy=False,
                                      tokens=[len(t) for t in token_lists])
         for block, ids in zip(blocks, token_lists, strict=True):
-            if block is not None and (block.fingerprint != self.fingerprint or list(block.token_ids) != ids):
+            if block is not None and (block.fingerprint != fingerprint or list(block.token_ids) != ids):
                 raise ForeignChunkError(
                     f"the store returned a chunk of model {block.fingerprint} / {len(block.token_ids)} tokens for "
-                    f"model {self.fingerprint} / {len(ids)} tokens; it is never used"
+                    f"model {fingerprint} / {len(ids)} tokens; it is never used"
                 )
         return blocks
 
-    def _missing(self, what: str) -> None:
+    def _missing(self, what: str, fingerprint: str) -> None:
         if self.on_missing == "error":
             raise ChunkMissingError(
-                f"{what} is not stored for model {self.fingerprint} in namespace {self.namespace!r} (never "
+                f"{what} is not stored for model {fingerprint} in namespace {self.namespace!r} (never "
                 f"precomputed, evicted, or stored by another model); run precompute, or use on_missing='recompute'"
             )
 
-    def chunk_blocks(self, chunks: list[list[int]]) -> tuple[list[KVBlock], int]:
+    def chunk_blocks(self, chunks: list[list[int]], fingerprint: str | None = None) -> tuple[list[KVBlock], int]:
         """Each chunk's KV at position 0, from the store or computed (and stored); returns (blocks, computed)."""
-        keys = [rag_chunk_key(self.fingerprint, self.namespace, ids) for ids in chunks]
-        blocks = self._load(keys, chunks)
+        fingerprint = fingerprint or self.fingerprint
+        keys = [rag_chunk_key(fingerprint, self.namespace, ids) for ids in chunks]
+        blocks = self._load(keys, chunks, fingerprint)
         computed = 0
         for i, (block, ids) in enumerate(zip(blocks, chunks, strict=True)):
             if block is None:
-                self._missing(f"chunk {i} ({len(ids)} tokens)")
-                blocks[i] = compute_chunk(self.model, ids, self.fingerprint, self.namespace)
+                self._missing(f"chunk {i} ({len(ids)} tokens)", fingerprint)
+                blocks[i] = compute_chunk(self.model, ids, fingerprint, self.namespace)
                 if self.store is not None:
                     self.store.put_many([(keys[i], blocks[i])])
                 computed += 1
         return blocks, computed  # type: ignore[return-value]
 
-    def _prefix_block(self) -> KVBlock | None:
+    def _prefix_block(self, fingerprint: str | None = None) -> KVBlock | None:
         if not self.prefix:
             return None
-        key = rag_chunk_key(self.fingerprint, self.namespace, self.prefix)
-        (block,) = self._load([key], [self.prefix])
+        fingerprint = fingerprint or self.fingerprint
+        key = rag_chunk_key(fingerprint, self.namespace, self.prefix)
+        (block,) = self._load([key], [self.prefix], fingerprint)
         if block is None:
-            block = compute_chunk(self.model, self.prefix, self.fingerprint, self.namespace)
+            block = compute_chunk(self.model, self.prefix, fingerprint, self.namespace)
             if self.store is not None:
                 self.store.put_many([(key, block)])
         return block
 
-    def block_attention_blocks(self, chunks: list[list[int]], prefix_block: KVBlock | None) -> tuple[list[KVBlock],
-                                                                                                       int]:
+    def block_attention_blocks(self, chunks: list[list[int]], prefix_block: KVBlock | None,
+                               fingerprint: str | None = None) -> tuple[list[KVBlock], int]:
         """Each chunk encoded after the prefix only (Block-Attention), at positions ``len(prefix)...``; missing
         ones are computed together in one forward under a block-diagonal mask and stored."""
         p = len(self.prefix)
-        keys = [prefixed_block_key(self.fingerprint, self.namespace, self.prefix, ids) for ids in chunks]
-        blocks = self._load(keys, chunks)
+        fingerprint = fingerprint or self.fingerprint
+        keys = [prefixed_block_key(fingerprint, self.namespace, self.prefix, ids) for ids in chunks]
+        blocks = self._load(keys, chunks, fingerprint)
         missing = [i for i, b in enumerate(blocks) if b is None]
         if missing:
             for i in missing:
-                self._missing(f"block {i} ({len(chunks[i])} tokens, after a {p}-token prefix)")
+                self._missing(f"block {i} ({len(chunks[i])} tokens, after a {p}-token prefix)", fingerprint)
             total = p + sum(len(chunks[i]) for i in missing)
             layout = Layout.empty(self.model, total)
             if prefix_block is not None:
@@ -283,7 +289,7 @@ class RAGGenerator:
                        block_mask(rows, segments, self.model.dtype), range(self.model.config.num_hidden_layers))
             for n, i in enumerate(missing):
                 k, v = layout.take(torch.arange(starts[n], starts[n] + len(chunks[i])))
-                blocks[i] = KVBlock(k, v, tuple(chunks[i]), p, self.fingerprint, self.namespace)
+                blocks[i] = KVBlock(k, v, tuple(chunks[i]), p, fingerprint, self.namespace)
                 if self.store is not None:
                     self.store.put_many([(keys[i], blocks[i])])
         return blocks, len(missing)  # type: ignore[return-value]
@@ -299,10 +305,10 @@ class RAGGenerator:
         if mode not in MODES:
             raise ConfigError(f"unknown mode {mode!r}; use one of {MODES}")
         started = time.perf_counter()
-        chunk_ids = [_encode(self.tokenizer, c) for c in chunks]
+        chunk_ids = [_ids(self.tokenizer, c) for c in chunks]
         if any(not c for c in chunk_ids):
             raise ConfigError("a chunk is empty")
-        q_ids = _encode(self.tokenizer, question)
+        q_ids = _ids(self.tokenizer, question)
         if not q_ids:
             raise ConfigError("the question is empty")
         p, c_total = len(self.prefix), sum(len(c) for c in chunk_ids)
@@ -321,11 +327,12 @@ class RAGGenerator:
                              past_key_values=DynamicCache(config=self.model.config), logits_to_keep=1)
             cache, first = out.past_key_values, out.logits[0, -1].float()
         else:
-            prefix_block = self._prefix_block()
+            fingerprint = self.fingerprint  # this call's
+            prefix_block = self._prefix_block(fingerprint)
             if mode == "block-attention" or (mode == "reuse-blend" and self.blend_base == "block"):
-                blocks, computed = self.block_attention_blocks(chunk_ids, prefix_block)
+                blocks, computed = self.block_attention_blocks(chunk_ids, prefix_block, fingerprint)
             else:
-                blocks, computed = self.chunk_blocks(chunk_ids)
+                blocks, computed = self.chunk_blocks(chunk_ids, fingerprint)
             reused = len(blocks) - computed
             layout = Layout.empty(self.model, total, zero=False)  # every row is filled or computed below
             if prefix_block is not None:

@@ -14,7 +14,7 @@ from kvshelf.kvstore.errors import (
     UnknownCodecError,
 )
 from kvshelf.kvstore.fingerprint import fingerprint_from_properties
-from kvshelf.kvstore.keys import KEY_BYTES, chunk_key, prefix_block_keys
+from kvshelf.kvstore.keys import KEY_BYTES, BlockSpan, chunk_key, prefix_block_keys, prefix_block_spans
 from kvshelf.kvstore.lmdb_tier import LMDBTier
 from kvshelf.kvstore.memory_tier import MemoryTier
 from kvshelf.kvstore.protocol import BlockStore
@@ -25,6 +25,7 @@ from kvshelf.kvstore.tier import Tier, TierUsage
 
 __all__ = [
     "KEY_BYTES",
+    "BlockSpan",
     "BlockStore",
     "CodecParamError",
     "ConfigError",
@@ -50,5 +51,6 @@ __all__ = [
     "open_embedded_store",
     "parse_size",
     "prefix_block_keys",
+    "prefix_block_spans",
     "read_header",
 ]

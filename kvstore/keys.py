@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -44,18 +45,36 @@ def block_key(fingerprint: str, namespace: str, parent: bytes | None, tokens: Se
     return _digest(b"prefix", fingerprint.encode(), namespace.encode(), parent or _ROOT, _tokens_bytes(tokens))
 
 
-def prefix_block_keys(
-    fingerprint: str, namespace: str, tokens: Sequence[int], block_size: int
-) -> list[bytes]:
-    """Chained keys of every *full* block of ``tokens`` (a trailing partial block gets none)."""
+class BlockSpan(NamedTuple):
+    """One chained prefix block: tokens ``[start, end)`` of the prompt and the block's ``key``."""
+
+    start: int
+    end: int
+    key: bytes
+
+
+def prefix_block_spans(
+    fingerprint: str, namespace: str, tokens: Sequence[int], block_size: int, *, partial: bool = False
+) -> list[BlockSpan]:
+    """The chained blocks of ``tokens``: every full block of ``block_size`` tokens, plus with ``partial`` the
+    trailing shorter one (the end of a context marked cacheable), each as ``(start, end, key)``."""
     if block_size <= 0:
         raise ConfigError(f"block_size must be > 0, got {block_size}")
-    keys: list[bytes] = []
+    spans: list[BlockSpan] = []
     parent: bytes | None = None
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = block_key(fingerprint, namespace, parent, tokens[start : start + block_size])
-        keys.append(parent)
-    return keys
+    stop = len(tokens) if partial else len(tokens) - block_size + 1
+    for start in range(0, stop, block_size):
+        end = min(start + block_size, len(tokens))
+        parent = block_key(fingerprint, namespace, parent, tokens[start:end])
+        spans.append(BlockSpan(start, end, parent))
+    return spans
+
+
+def prefix_block_keys(
+    fingerprint: str, namespace: str, tokens: Sequence[int], block_size: int, *, partial: bool = False
+) -> list[bytes]:
+    """Chained keys of every full block of ``tokens`` (and with ``partial`` of the trailing shorter one)."""
+    return [span.key for span in prefix_block_spans(fingerprint, namespace, tokens, block_size, partial=partial)]
 
 
 def chunk_key(fingerprint: str, namespace: str, tokens: Sequence[int]) -> bytes:

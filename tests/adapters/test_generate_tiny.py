@@ -12,7 +12,7 @@ from kvshelf.adapters.cache_bridge import blocks_from_cache, cache_from_blocks
 from kvshelf.adapters.fingerprint import model_fingerprint
 from kvshelf.adapters.generate import CachedGenerator
 from kvshelf.adapters.model import tiny_llama
-from kvshelf.kvstore import KVBlock, MemoryTier, TieredStore, open_embedded_store
+from kvshelf.kvstore import KVBlock, MemoryTier, TieredStore, open_embedded_store, prefix_block_spans
 from kvshelf.kvstore.errors import ConfigError, UnsupportedModelError
 
 
@@ -104,9 +104,9 @@ def test_forged_block_of_another_model_is_a_counted_miss(model, tmp_path):
     store = TieredStore([MemoryTier(64 << 20)])
     gen = CachedGenerator(model, store=store, block_size=16)
     prompt = _prompt(40)
-    span = gen.block_spans(prompt, 40, partial=False)[0]
+    span = prefix_block_spans(gen.fingerprint, gen.namespace, prompt, gen.block_size)[0]
     forged = KVBlock(torch.randn(2, 2, 16, 16), torch.randn(2, 2, 16, 16), tuple(prompt[:16]), 0, "f" * 32)
-    store.put_many([(span[2], forged)])
+    store.put_many([(span.key, forged)])
     result = gen.generate(prompt, max_new_tokens=5, eos_token_id=None)
     assert result.reused_tokens == 0
     assert store.stats()["tiers"][0]["foreign"] == 1

@@ -12,7 +12,7 @@ import pytest
 
 from kvshelf.adapters.generate import CachedGenerator
 from kvshelf.bench.ttft import build_context
-from kvshelf.kvstore import open_embedded_store
+from kvshelf.kvstore import open_embedded_store, prefix_block_keys
 
 pytestmark = pytest.mark.slow
 
@@ -96,7 +96,7 @@ def test_corrupted_block_on_disk_is_a_miss_and_output_unchanged(smollm2, texts, 
     store = open_embedded_store(tmp_path)
     gen = CachedGenerator(model, tokenizer, store)
     cold = gen.generate(prompt, max_new_tokens=16, reuse=False)
-    second_key = gen.block_spans(prompt, len(prompt), partial=False)[1][2]
+    second_key = prefix_block_keys(gen.fingerprint, gen.namespace, prompt, gen.block_size)[1]
     store.close()
     env = lmdb.open(str(tmp_path / "lmdb"), max_dbs=4, map_size=1 << 30)
     blocks = env.open_db(b"blocks")

@@ -29,6 +29,7 @@ from kvshelf.kvstore import (
     encode_block,
     fingerprint_from_properties,
     prefix_block_keys,
+    prefix_block_spans,
     read_header,
 )
 from kvshelf.kvstore.encoding import MAGIC
@@ -181,6 +182,31 @@ def test_prefix_keys_extend_with_the_prompt():
                                                                  (8, 4, 2), (5, 1, 5)])
 def test_only_full_blocks_get_keys(n_tokens, block_size, n_keys):
     assert len(prefix_block_keys(FP, NS, list(range(n_tokens)), block_size)) == n_keys
+
+
+def test_partial_tail_key_matches_known_value():
+    # CachedGenerator(cacheable_prefix=...) stores a context's trailing partial block under this key
+    assert [k.hex() for k in prefix_block_keys("model-a", "tenant-1", list(range(10)), 4, partial=True)] == [
+        "557aa6d965780a06c501c6af68ecd830",
+        "d9c31f6598b119c5e333c2771269fd88",
+        "23f5b6d95ea3661ca3aa877430385b0b",
+    ]
+
+
+@pytest.mark.parametrize(("n_tokens", "block_size"), [(0, 4), (3, 4), (4, 4), (7, 4), (8, 4), (5, 1), (10, 3)])
+@pytest.mark.parametrize("partial", [False, True])
+def test_spans_are_the_chained_blocks(n_tokens, block_size, partial):
+    tokens = list(range(100, 100 + n_tokens))
+    spans = prefix_block_spans(FP, NS, tokens, block_size, partial=partial)
+    assert [s.key for s in spans] == prefix_block_keys(FP, NS, tokens, block_size, partial=partial)
+    full = n_tokens // block_size
+    assert len(spans) == (-(-n_tokens // block_size) if partial else full)
+    parent = None
+    for i, (start, end, key) in enumerate(spans):  # consecutive, block_size long but the partial tail
+        assert start == i * block_size and end == min(start + block_size, n_tokens)
+        parent = block_key(FP, NS, parent, tokens[start:end])
+        assert key == parent
+    assert [s.key for s in spans[:full]] == prefix_block_keys(FP, NS, tokens, block_size)
 
 
 @pytest.mark.parametrize("block_size", [0, -1, -256])

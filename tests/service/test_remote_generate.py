@@ -8,7 +8,7 @@ from service_helpers import TOKENS, ServeProcess, write_tokens
 
 from kvshelf.adapters.generate import CachedGenerator
 from kvshelf.adapters.model import tiny_llama
-from kvshelf.kvstore import open_embedded_store
+from kvshelf.kvstore import open_embedded_store, prefix_block_keys
 from kvshelf.service.client import RemoteStore
 from kvshelf.service.server import start_server
 
@@ -81,7 +81,7 @@ def test_remote_prepared_blocks_reject_foreign_and_unknown_keys(model, tmp_path)
             gen = CachedGenerator(model, store=remote, block_size=16)
             prompt = _prompt(40, seed=6)
             gen.generate(prompt, max_new_tokens=2, eos_token_id=None)
-            keys = [key for _, _, key in gen.block_spans(prompt, 40, partial=False)]
+            keys = prefix_block_keys(gen.fingerprint, gen.namespace, prompt, gen.block_size)
             got = remote.get_prepared_many(keys, fingerprint=gen.fingerprint)
             assert [b.token_ids for b in got] == [tuple(prompt[:16]), tuple(prompt[16:32])]
             assert remote.get_prepared_many(keys, fingerprint="f" * 32) == [None, None]
