@@ -368,26 +368,31 @@ class RedisTier(Tier):
         return self._run("contains", fn)
 
     def delete(self, keys: Iterable[bytes]) -> int:
-        """Remove manifests first (the values vanish at once), then their chunks; return how many existed."""
+        """Remove manifests first (the values vanish at once), then their chunks; return how many existed.
+
+        ``GETDEL`` removes each manifest and returns the one it removed in one atomic step, so a put racing the
+        delete of the same key is wholly before or after it: its chunks and the usage counters stay right.
+        """
         keys = list(keys)
         if not keys:
             return 0
 
         def fn(client: Client) -> int:
-            headers = self._headers(client, keys)
             pipe = self._pipeline(client)
             for key in keys:
-                pipe.delete(self._manifest_key(key))
+                pipe.getdel(self._manifest_key(key))
             deleted = pipe.execute()
             pipe = self._pipeline(client)
             removed, removed_bytes = 0, 0
-            for key, manifest, gone in zip(keys, headers, deleted, strict=True):
+            for key, raw in zip(keys, deleted, strict=True):
+                if raw is None:
+                    continue
+                removed += 1
+                manifest = _Manifest.parse(raw)
                 if manifest is not None:
+                    removed_bytes += manifest.total
                     for chunk_key in self._chunk_keys(key, manifest):
                         pipe.delete(chunk_key)
-                if gone:
-                    removed += 1
-                    removed_bytes += manifest.total if manifest is not None else 0
             self._count(pipe, -removed, -removed_bytes)
             pipe.execute()
             return removed

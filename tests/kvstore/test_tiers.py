@@ -1,4 +1,5 @@
-"""The memory and LMDB tiers on their own, and LMDB damage seen through a TieredStore."""
+"""What only the memory and LMDB tiers do (eviction, map growth, reopening), and LMDB damage seen through a
+TieredStore. What every tier does is ``test_tier_contract.py``."""
 
 from __future__ import annotations
 
@@ -44,15 +45,6 @@ def v(i: int, size: int) -> bytes:
 def test_memory_capacity_must_be_positive_int(capacity):
     with pytest.raises(ConfigError, match="capacity"):
         MemoryTier(capacity)
-
-
-def test_memory_put_get_basic():
-    tier = MemoryTier(1000)
-    assert tier.put_many([(k(1), v(1, 10)), (k(2), v(2, 20))]) == 2
-    assert tier.get_many([k(2), k(3), k(1)]) == [v(2, 20), None, v(1, 10)]
-    assert tier.usage() == TierUsage(blocks=2, bytes=30, capacity_bytes=1000)
-    assert sorted(tier.keys()) == [k(1), k(2)]
-    assert tier.get_many([]) == []
 
 
 def test_memory_lru_eviction_by_bytes_get_refreshes():
@@ -136,24 +128,6 @@ def test_memory_full_of_pins_rejects_without_evicting():
     assert tier.get_many([k(2)]) == [v(2, 100)]
 
 
-def test_memory_contains_many_is_a_prefix_length():
-    tier = MemoryTier(1000)
-    tier.put_many([(k(i), v(i, 10)) for i in (0, 1, 3)])
-    assert tier.contains_many([k(0), k(1), k(2), k(3)]) == 2
-    assert tier.contains_many([k(0), k(1), k(3)]) == 3
-    assert tier.contains_many([k(2), k(0)]) == 0
-    assert tier.contains_many([]) == 0
-
-
-def test_memory_delete():
-    tier = MemoryTier(1000)
-    tier.put_many([(k(i), v(i, 10 * (i + 1))) for i in range(3)])
-    assert tier.delete([k(0), k(2), k(9)]) == 2
-    assert tier.delete([k(0)]) == 0
-    assert tier.get_many([k(0), k(1), k(2)]) == [None, v(1, 20), None]
-    assert tier.usage() == TierUsage(blocks=1, bytes=20, capacity_bytes=1000)
-
-
 # ------------------------------------------------------------------------------------------------------------
 # LMDBTier
 # ------------------------------------------------------------------------------------------------------------
@@ -175,34 +149,6 @@ def test_lmdb_path_that_is_a_file_is_config_error(tmp_path):
     blocker.write_bytes(b"x")
     with pytest.raises(ConfigError, match="cannot open LMDB"):
         LMDBTier(blocker / "lmdb")
-
-
-def test_lmdb_put_get_contains_delete_usage(lmdb_path):
-    tier = LMDBTier(lmdb_path, initial_map_bytes=MiB, durable=False)
-    try:
-        assert tier.usage().blocks == 0 and tier.usage().bytes == 0
-        assert tier.put_many([]) == 0
-        assert tier.put_many([(k(i), v(i, 100 + i)) for i in range(5)]) == 5
-        assert tier.get_many([k(4), k(9), k(0)]) == [v(4, 104), None, v(0, 100)]
-        assert tier.usage().blocks == 5 and tier.usage().bytes == sum(100 + i for i in range(5))
-        # prefix-length semantics
-        assert tier.contains_many([k(0), k(1), k(2)]) == 3
-        assert tier.contains_many([k(0), k(1), k(7), k(2)]) == 2
-        assert tier.contains_many([k(7), k(0)]) == 0
-        assert tier.contains_many([]) == 0
-        # overwrite adjusts the byte count
-        tier.put_many([(k(0), v(0, 10))])
-        assert tier.get_many([k(0)]) == [v(0, 10)]
-        assert tier.usage().bytes == sum(100 + i for i in range(5)) - 90
-        # delete
-        assert tier.delete([k(0), k(1), k(42)]) == 2
-        assert tier.delete([k(0)]) == 0
-        assert tier.get_many([k(0), k(1), k(2)]) == [None, None, v(2, 102)]
-        assert tier.usage() == TierUsage(blocks=3, bytes=102 + 103 + 104, capacity_bytes=tier.max_map_bytes)
-        assert sorted(tier.keys()) == [k(2), k(3), k(4)]
-        assert tier.contains_many([k(2), k(3), k(4)]) == 3
-    finally:
-        tier.close()
 
 
 def test_lmdb_map_grows_and_keeps_everything(lmdb_path):
