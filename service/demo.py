@@ -15,11 +15,14 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
+
+if TYPE_CHECKING:
+    from kvshelf.kvstore.protocol import BlockStore
 
 _FIRST = ["Ada", "Bruno", "Chiara", "Dmitri", "Elena", "Farid", "Greta", "Hiro", "Ines", "Jonas", "Kemal", "Lena"]
 _LAST = ["Moreau", "Okafor", "Lindqvist", "Tanaka", "Rossi", "Novak", "Haddad", "Keller", "Silva", "Brandt"]
@@ -110,7 +113,7 @@ def _ask(generator: Any, tokenizer: Any, doc: Document, question: str, **kw: Any
             "reused": result.reused_tokens, "prompt_tokens": len(result.prompt_ids)}
 
 
-def _open_store(data_dir: str, remote: str | None) -> Any:
+def _open_store(data_dir: str, remote: str | None) -> BlockStore:
     """The embedded store in ``data_dir``, or a ``RemoteStore`` on ``remote`` (then ``data_dir`` holds only
     the demo's scratch files)."""
     if remote:
