@@ -1,11 +1,13 @@
 """Every touch of transformers internals, in one module.
 
-Tested with transformers 5.23.0 (``pyproject.toml`` allows ``>=5.0,<5.24``: the whole adapters suite also
-passes on 5.0.0, the first release with the config ``rope_parameters`` and ``dtype`` loading kvshelf uses; the
-upper bound stops at the newest release tested). Elsewhere in ``kvshelf.adapters``, modules import only public
-transformers names (``PreTrainedModel``, ``PreTrainedTokenizerBase``, ``DynamicCache``, ``AutoModelForCausalLM``,
-config classes); nothing outside ``adapters`` imports transformers at all (``tests/adapters/test_hf_boundary.py``
-checks both). When a transformers release changes one of the contracts below, this module is what to fix:
+Tested with transformers 5.23.0. ``pyproject.toml`` allows ``>=5.0,<5.24``: the adapters, reuse and xquant tests
+(``tests/adapters``, ``tests/reuse``, ``tests/compress/test_xquant.py``) also pass on 5.0.0, the first release of
+the 5.x cache and attention API this module wraps; the upper bound stops after the newest release tested.
+
+Elsewhere in ``kvshelf.adapters``, modules import only public transformers names (``PreTrainedModel``,
+``PreTrainedTokenizerBase``, ``DynamicCache``, ``AutoModelForCausalLM``, config classes); nothing outside
+``adapters`` imports transformers at all (``tests/adapters/test_hf_boundary.py`` checks both). When a transformers
+release changes one of the contracts below, this module is what to fix:
 
 * attention implementations: reading and switching ``config._attn_implementation``, registering attention and
   mask functions (``AttentionInterface``, ``AttentionMaskInterface``), HF's ``sdpa_attention_forward`` and
@@ -45,9 +47,9 @@ __all__ = [
     "DynamicSlidingWindowLayer", "GrowingLayer", "Rotary", "attention_hook_inputs", "attention_implementation",
     "attention_modules", "attn_implementation", "cache_bytes", "cache_from_tensors", "cache_layers",
     "cache_of_layers", "cache_tensors", "decoder", "decoder_layers", "dequantize_cache", "fill_layer", "final_norm",
-    "full_attention_layers", "kv_projection_weights", "layer_tensors", "position_embeddings", "project_queries",
-    "quantized_cache", "register_attention", "rotary", "run_decoder_layer", "sdpa_attention_forward",
-    "set_attn_implementation", "set_cache_layer", "supports_sdpa",
+    "full_attention_layers", "kv_projection_weights", "layer_tensors", "new_cache", "position_embeddings",
+    "project_queries", "quantized_cache", "register_attention", "rotary", "run_decoder_layer",
+    "sdpa_attention_forward", "set_cache_layer", "supports_sdpa", "switch_attention",
 ]
 
 
@@ -59,7 +61,7 @@ def attn_implementation(model: PreTrainedModel) -> str:
     return model.config._attn_implementation
 
 
-def set_attn_implementation(model: PreTrainedModel, name: str) -> None:
+def switch_attention(model: PreTrainedModel, name: str) -> None:
     """Switch the model (and its sub-models) to the attention implementation ``name``."""
     model.set_attn_implementation(name)
 
@@ -71,11 +73,11 @@ def attention_implementation(model: PreTrainedModel, name: str) -> Iterator[str]
     if previous == name:
         yield previous
         return
-    set_attn_implementation(model, name)
+    switch_attention(model, name)
     try:
         yield previous
     finally:
-        set_attn_implementation(model, previous)
+        switch_attention(model, previous)
 
 
 def supports_sdpa(model: nn.Module) -> bool:
@@ -137,6 +139,11 @@ def fill_layer(layer: Any, keys: torch.Tensor, values: torch.Tensor) -> None:
     layer.keys, layer.values = keys, values
 
 
+def new_cache(config: PretrainedConfig | None = None) -> DynamicCache:
+    """An empty ``DynamicCache``: with ``config`` of the model's layer types, else growing ``DynamicLayer`` s."""
+    return DynamicCache(config=config) if config is not None else DynamicCache()
+
+
 def cache_from_tensors(tensors: Sequence[tuple[torch.Tensor, torch.Tensor]],
                        config: PretrainedConfig | None = None) -> DynamicCache:
     """A ``DynamicCache`` whose layer ``i`` holds ``tensors[i]`` = ``(keys, values)`` ``[b, h, n, d]`` (not copied).
@@ -144,11 +151,9 @@ def cache_from_tensors(tensors: Sequence[tuple[torch.Tensor, torch.Tensor]],
     With ``config`` the cache has the model's layer types (and must have ``len(tensors)`` layers); without, it
     has one ``DynamicLayer`` per entry.
     """
+    cache = new_cache(config)
     if config is None:
-        cache = DynamicCache()
         cache.layers = [DynamicLayer() for _ in tensors]
-    else:
-        cache = DynamicCache(config=config)
     layers = cache_layers(cache)
     if len(layers) != len(tensors):
         raise UnsupportedModelError(f"{len(tensors)} layers of keys and values for a cache of {len(layers)} layers")
@@ -258,6 +263,14 @@ class GrowingLayer(DynamicLayer):
 
     def get_seq_length(self) -> int:
         return 0 if self._k is None else self._k.n
+
+    def reset(self) -> None:
+        """Drop the buffers: an empty, uninitialized layer (``DynamicLayer.reset`` zeroes them in place in
+        transformers 5.0 and drops them in 5.23; a pruned cache wants them dropped in either)."""
+        self._k = self._v = None
+        self.is_initialized = False
+        if hasattr(self, "cumulative_length"):
+            self.cumulative_length = 0
 
     @property
     def allocated_bytes(self) -> int:

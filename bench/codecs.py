@@ -84,10 +84,12 @@ def _windows(tokenizer: Any, corpus: str | None, count: int) -> list[list[int]]:
 
 
 def _prefill(model: Any, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    from kvshelf.adapters.hf import cache_tensors
+
     with torch.no_grad():
         out = model(torch.tensor([ids[:PREFIX]]), use_cache=True)
-    layers = out.past_key_values.layers
-    return torch.stack([la.keys[0] for la in layers]), torch.stack([la.values[0] for la in layers])
+    layers = cache_tensors(out.past_key_values)  # per layer (keys, values) [1, kv_heads, tokens, head_dim]
+    return torch.stack([k[0] for k, _ in layers]), torch.stack([v[0] for _, v in layers])
 
 
 def _suffix_nll(model: Any, ids: list[int], cache: Any, attention_mask: torch.Tensor | None = None) -> float:
@@ -194,10 +196,9 @@ def int4_vs_cachegen(results: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def _anchor_probe(backend: str, nbits: int, model: Any) -> Any:
-    from transformers import QuantizedCache
+    from kvshelf.adapters.hf import quantized_cache
 
-    return QuantizedCache(backend=backend, config=model.config, nbits=nbits, axis_key=0, axis_value=0,
-                          q_group_size=ANCHOR_GROUP, residual_length=128)
+    return quantized_cache(backend, model.config, nbits=nbits, group_size=ANCHOR_GROUP, residual_length=128)
 
 
 def _anchor_window(backend: str, nbits: int, model: Any, ids: list[int], keys: torch.Tensor,
@@ -208,10 +209,10 @@ def _anchor_window(backend: str, nbits: int, model: Any, ids: list[int], keys: t
     for n in range(keys.shape[0]):
         cache.update(keys[n : n + 1].contiguous(), values[n : n + 1].contiguous(), n)
     t_enc = time.perf_counter() - t0
+    from kvshelf.adapters.hf import dequantize_cache
+
     t0 = time.perf_counter()
-    for layer in cache.layers:
-        layer._dequantize(layer._quantized_keys)
-        layer._dequantize(layer._quantized_values)
+    dequantize_cache(cache)
     t_dec = time.perf_counter() - t0
     return _suffix_nll(model, ids, cache), t_enc, t_dec
 

@@ -117,12 +117,9 @@ def configs(budgets: tuple[float, ...], only: Only = None) -> list[Config]:
 
 def fresh(cache: Any) -> Any:
     """A new ``DynamicCache`` over the same tensors (decoding concatenates into new ones, so no copy is needed)."""
-    from transformers import DynamicCache
+    from kvshelf.adapters import hf
 
-    out = DynamicCache()
-    for i, layer in enumerate(cache.layers):
-        out.update(layer.keys, layer.values, i)
-    return out
+    return hf.cache_from_tensors(hf.cache_tensors(cache))
 
 
 def _methods(budgets: tuple[float, ...], only: Only = None) -> dict[str, Any]:
@@ -160,19 +157,15 @@ class Prefilled:
     """One eager prefill of ``ids`` scored by every static method: builds each configuration's cache on demand."""
 
     def __init__(self, model: Any, ids: list[int], methods: dict[str, Any]) -> None:
-        from transformers import DynamicCache
-
+        from kvshelf.adapters import hf
         from kvshelf.adapters.pruning import scoring
 
-        previous = model.config._attn_implementation
-        model.set_attn_implementation("eager")  # H2O and Keyformer read the prefill's attention weights
-        try:
-            self.cache = DynamicCache()
+        # H2O and Keyformer read the prefill's attention weights: eager for the prefill, decode runs with sdpa
+        with hf.attention_implementation(model, "eager"):
+            self.cache = hf.new_cache()
             with torch.inference_mode(), scoring(model, methods) as kept:
                 self.logits = model(input_ids=torch.tensor([ids]), past_key_values=self.cache,
                                     use_cache=True).logits[0, -1]
-        finally:
-            model.set_attn_implementation(previous)  # decode runs with sdpa
         self.kept, self.first, self.length = kept, int(self.logits.argmax()), len(ids)
 
     def cache_for(self, name: str, budget: float) -> Any:

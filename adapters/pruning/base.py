@@ -246,10 +246,10 @@ def eager_prefill(model: nn.Module) -> Iterator[None]:
         prefill = cache is None or cache.get_seq_length() == 0
         impl = hf.attn_implementation(model)
         if prefill and switched and impl == "sdpa":
-            hf.set_attn_implementation(model, "eager")
+            hf.switch_attention(model, "eager")
             switched = False
         elif not prefill and impl == "eager":
-            hf.set_attn_implementation(model, "sdpa")
+            hf.switch_attention(model, "sdpa")
             switched = True
 
     handle = model.register_forward_pre_hook(switch, with_kwargs=True)
@@ -258,7 +258,7 @@ def eager_prefill(model: nn.Module) -> Iterator[None]:
     finally:
         handle.remove()
         if switched and hf.attn_implementation(model) == "sdpa":
-            hf.set_attn_implementation(model, "eager")
+            hf.switch_attention(model, "eager")
 
 
 @contextmanager
