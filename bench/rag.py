@@ -75,7 +75,9 @@ def plant(text: str, code: str, rng: random.Random) -> str:
 
 
 def _enc(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    from kvshelf.adapters.prompts import prompt_ids
+
+    return prompt_ids(text, tokenizer, add_special_tokens=False)
 
 
 def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:

@@ -99,8 +99,10 @@ def prompt_ids(tokenizer: Any, document: Document, question: str) -> tuple[list[
     returns the ids and the length of the reusable context (header + document)."""
     before, after = _template_pieces(tokenizer)
 
+    from kvshelf.adapters.prompts import prompt_ids as ids_of
+
     def enc(text: str) -> list[int]:
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
+        return ids_of(text, tokenizer, add_special_tokens=False)
 
     context = enc(before + "Document:\n") + enc(document.text)
     return context + enc(f"\n\nQuestion: {question}" + after), len(context)
