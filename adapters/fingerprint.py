@@ -5,7 +5,8 @@ sampled weight give another fingerprint at the next call, so a block is never se
 weight digest (the first rows of the first and last dozen parameters) costs a few milliseconds, so it is memoized
 on the model, valid while the model's dtype, its config properties and, for each sampled parameter, the tensor
 object, its storage, dtype, device and autograd version counter (bumped by every in-place write: ``copy_``,
-``load_state_dict``, optimizer steps) stay the same; checking that costs microseconds.
+``load_state_dict``, optimizer steps) stay the same. Measured on SmolLM2 (272 parameters, this 2-core CPU): the
+check ~0.8 ms (mostly listing the parameters), the digest ~6.5 ms; on a tiny test model 0.08 ms and 0.5 ms.
 """
 
 from __future__ import annotations
