@@ -187,7 +187,7 @@ class RAGGenerator:
     ) -> None:
         check_supported(model.config)
         self.model, self.tokenizer, self.store, self.namespace = model, tokenizer, store, namespace
-        self.inv_freq = inv_freq(model)
+        inv_freq(model)  # refuses length-dependent RoPE now; each call reads the model's current frequencies
         self.prefix = _ids(tokenizer, prefix) if prefix is not None else []
         self.ratio = check_ratio(recompute_ratio)
         layers = model.config.get_text_config(decoder=True).num_hidden_layers
@@ -337,9 +337,9 @@ class RAGGenerator:
             layout = Layout.empty(self.model, total, zero=False)  # every row is filled or computed below
             if prefix_block is not None:
                 layout.fill(0, prefix_block.keys, prefix_block.values)
-            row = p
+            row, freqs = p, inv_freq(self.model)  # [head_dim / 2], as the model has them now (dtype included)
             for block in blocks:
-                layout.fill(row, rerotate_keys(block.keys, row - block.start_pos, self.inv_freq), block.values)
+                layout.fill(row, rerotate_keys(block.keys, row - block.start_pos, freqs), block.values)
                 row += block.num_tokens
             q_rows = list(range(p + c_total, total))
             if mode == "reuse-blend":
