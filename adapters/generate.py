@@ -20,7 +20,7 @@ from kvshelf.adapters.hf import BaseStreamer
 from kvshelf.adapters.prompts import Prompt, prompt_ids
 from kvshelf.kvstore.errors import ConfigError
 from kvshelf.kvstore.keys import prefix_block_spans
-from kvshelf.kvstore.protocol import BlockStore
+from kvshelf.kvstore.protocol import BlockStore, namespace_of
 
 DEFAULT_BLOCK_SIZE = 256
 
@@ -64,7 +64,7 @@ class CachedGenerator:
         model: a HF causal LM with a full-attention RoPE decoder (Llama family, GQA included).
         tokenizer: used when prompts are strings and to decode the output; optional with token-id prompts.
         store: a ``BlockStore`` (embedded ``TieredStore``, or ``RemoteStore``); ``None`` disables reuse.
-        namespace: tenant namespace of the blocks.
+        namespace: tenant namespace of the blocks (default: the store's).
         block_size: tokens per prefix block (default 256).
     """
 
@@ -74,7 +74,7 @@ class CachedGenerator:
         tokenizer: PreTrainedTokenizerBase | None = None,
         store: BlockStore | None = None,
         *,
-        namespace: str = "default",
+        namespace: str | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
     ) -> None:
         if block_size <= 0:
@@ -83,7 +83,7 @@ class CachedGenerator:
         self.model = model
         self.tokenizer = tokenizer
         self.store = store
-        self.namespace = namespace
+        self.namespace = namespace_of(store, namespace)
         self.block_size = block_size
 
     @property

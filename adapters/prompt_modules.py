@@ -24,7 +24,7 @@ from kvshelf.adapters.fingerprint import model_fingerprint
 from kvshelf.adapters.prompts import prompt_ids
 from kvshelf.adapters.reuse_engine import Layout, eos_ids, greedy_decode, prefill_rows
 from kvshelf.kvstore.block import KVBlock
-from kvshelf.kvstore.protocol import BlockStore
+from kvshelf.kvstore.protocol import BlockStore, namespace_of
 from kvshelf.reuse.errors import SchemaError
 from kvshelf.reuse.keys import module_key
 from kvshelf.reuse.schema import Assembly, CompiledModule, PromptItem, PromptSchema, assemble, parse_prompt
@@ -47,9 +47,10 @@ class PromptModuleGenerator:
     """Generate from prompts assembled from a schema's cached modules plus parameters and free text."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, store: BlockStore | None,
-                 schema: PromptSchema | str, *, namespace: str = "default") -> None:
+                 schema: PromptSchema | str, *, namespace: str | None = None) -> None:
         check_supported(model.config)
-        self.model, self.tokenizer, self.store, self.namespace = model, tokenizer, store, namespace
+        self.model, self.tokenizer, self.store = model, tokenizer, store
+        self.namespace = namespace_of(store, namespace)
         self.schema = PromptSchema.from_markup(schema) if isinstance(schema, str) else schema
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.compiled = self.schema.compile(self.tokenize, self.max_positions)

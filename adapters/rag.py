@@ -53,7 +53,7 @@ from kvshelf.adapters.reuse_engine import (
 )
 from kvshelf.kvstore.block import KVBlock
 from kvshelf.kvstore.errors import ConfigError
-from kvshelf.kvstore.protocol import BlockStore
+from kvshelf.kvstore.protocol import BlockStore, namespace_of
 from kvshelf.reuse.blend import DEFAULT_RATIO, check_ratio, kv_deviation, select_recompute
 from kvshelf.reuse.chunking import chunk_tokens
 from kvshelf.reuse.errors import ChunkMissingError, ContextTooLongError, ForeignChunkError
@@ -113,7 +113,7 @@ def precompute(
     store: BlockStore,
     *,
     paths: Sequence[str | os.PathLike[str]] = (),
-    namespace: str = "default",
+    namespace: str | None = None,
     chunk_size: int = 256,
     overlap: int = 0,
     pin: bool = False,
@@ -126,6 +126,7 @@ def precompute(
     ``{"documents", "chunks", "computed", "skipped", "tokens", "computed_tokens", "seconds"}``.
     """
     check_supported(model.config)
+    namespace = namespace_of(store, namespace)
     texts = list(documents or []) + read_documents(paths)
     fingerprint = model_fingerprint(model)
     chunks = [c for text in texts for c in chunk_tokens(_ids(tokenizer, text), chunk_size, overlap)]
@@ -181,12 +182,13 @@ class RAGGenerator:
 
     def __init__(
         self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None,
-        store: BlockStore | None = None, *, namespace: str = "default", prefix: Text | None = None,
+        store: BlockStore | None = None, *, namespace: str | None = None, prefix: Text | None = None,
         recompute_ratio: float = DEFAULT_RATIO, select_layer: int = 1, blend_base: str = "block",
         ape: tuple[float, float] | None = None, on_missing: str = "recompute",
     ) -> None:
         check_supported(model.config)
-        self.model, self.tokenizer, self.store, self.namespace = model, tokenizer, store, namespace
+        self.model, self.tokenizer, self.store = model, tokenizer, store
+        self.namespace = namespace_of(store, namespace)
         inv_freq(model)  # refuses length-dependent RoPE now; each call reads the model's current frequencies
         self.prefix = _ids(tokenizer, prefix) if prefix is not None else []
         self.ratio = check_ratio(recompute_ratio)

@@ -128,3 +128,11 @@ class BlockStore(Protocol):
     def __enter__(self) -> Self: ...
 
     def __exit__(self, *exc: object) -> None: ...
+
+
+def namespace_of(store: BlockStore | None, namespace: str | None) -> str:
+    """The namespace a consumer works in: ``namespace`` when given, else the store's (a ``RemoteStore`` with a
+    token lives in its token's namespace), else ``"default"``."""
+    if namespace is not None:
+        return namespace
+    return store.namespace if store is not None else DEFAULT_NAMESPACE

@@ -7,6 +7,7 @@ import torch
 from helpers import SCHEMA_MARKUP, token_ids, word_ids
 from transformers import DynamicCache
 
+from kvshelf.adapters.generate import CachedGenerator
 from kvshelf.adapters.model import tiny_llama
 from kvshelf.adapters.prompt_modules import PromptModuleGenerator
 from kvshelf.adapters.rag import RAGGenerator, compute_chunk, precompute
@@ -165,3 +166,15 @@ def test_foreign_model_chunk_is_never_used(model, tmp_path):
     own = compute_chunk(model, chunks[0], lenient.fingerprint, "default")
     (loaded, _), _ = lenient.chunk_blocks(chunks)
     assert torch.equal(loaded.keys, own.keys)  # what is used now is this model's own KV
+
+
+def test_front_doors_work_in_their_stores_namespace(model, tmp_path):
+    """Without ``namespace=``, every front door uses its store's namespace (a remote store's is its token's)."""
+    with open_embedded_store(tmp_path, memory_bytes="64MiB", namespace="team-a") as store:
+        assert RAGGenerator(model, _WordTokenizer(), store).namespace == "team-a"
+        assert PromptModuleGenerator(model, _WordTokenizer(), store, SCHEMA_MARKUP).namespace == "team-a"
+        assert CachedGenerator(model, store=store).namespace == "team-a"
+        assert CachedGenerator(model, store=store, namespace="team-b").namespace == "team-b"
+        assert CachedGenerator(model).namespace == "default"
+        precompute(["one two three four five six"], model, _WordTokenizer(), store, chunk_size=4, progress=False)
+        assert {row["namespace"] for row in store.stats()["rows"]} == {"team-a"}

@@ -60,10 +60,11 @@ def test_two_workers_share_a_served_cache_per_tenant(model, tmp_path):
             first = CachedGenerator(model, store=worker1, namespace="tenant-a", block_size=16).generate(
                 prompt, max_new_tokens=8, eos_token_id=None)
         with RemoteStore(proc.address, token=token_a, namespace="tenant-a") as worker2:
-            second = CachedGenerator(model, store=worker2, namespace="tenant-a", block_size=16).generate(
+            # no namespace given: the generator works in its store's (the token's) namespace
+            second = CachedGenerator(model, store=worker2, block_size=16).generate(
                 prompt, max_new_tokens=8, eos_token_id=None)
         with RemoteStore(proc.address, token=token_b, namespace="tenant-b") as other:
-            third = CachedGenerator(model, store=other, namespace="tenant-b", block_size=16).generate(
+            third = CachedGenerator(model, store=other, block_size=16).generate(
                 prompt, max_new_tokens=8, eos_token_id=None)
         assert first.reused_tokens == 0 and second.reused_tokens == 64 and third.reused_tokens == 0
         assert first.new_ids == second.new_ids == third.new_ids
