@@ -1,4 +1,4 @@
-"""Shared, generic fixtures. Block helpers live in ``tests/helpers.py`` (importable as ``helpers``)."""
+"""Shared, generic fixtures. Block helpers live in ``tests/support/helpers.py`` (importable as ``helpers``)."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ CODECS = available_codecs()
 def test_every_codec_has_a_bound() -> None:
     missing = sorted(set(CODECS) - set(BOUNDS))
     assert not missing, f"registered codecs without a round-trip bound: {missing}; add them to BOUNDS in " \
-                        "tests/codec_bounds.py"
+                        "tests/support/codec_bounds.py"
     stale = sorted(set(BOUNDS) - set(CODECS))
     assert not stale, f"BOUNDS names codecs that are not registered: {stale}"
     assert {"raw", "zstd"} <= {n for n in CODECS if bound_of(n) == LOSSLESS_BOUND}

@@ -2,8 +2,8 @@
 
 Tiers under test (the ``tier`` fixture's params; a new tier gets the whole suite by adding one): ``MemoryTier``,
 ``LMDBTier`` in a temporary directory, and ``RedisTier`` on a real standalone ``redis-server`` and on a real local
-3-node Redis Cluster (``tests/redis_servers.py``; each test under a key prefix of its own). What only one tier does
-(eviction policies, LMDB map growth, Redis chunk layout and failures) is tested in that tier's own file.
+3-node Redis Cluster (``tests/support/redis_servers.py``; each test under a key prefix of its own). What only one
+tier does (eviction policies, LMDB map growth, Redis chunk layout and failures) is tested in that tier's own file.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ def bound_of(name: str) -> str:
     """The bound of codec ``name``; a registered codec without one fails the test that asked (never skipped)."""
     if name not in BOUNDS:
         pytest.fail(f"codec {name!r} is registered but has no round-trip bound: add it to BOUNDS in "
-                    f"tests/codec_bounds.py (LOSSLESS_BOUND, or its documented error bound, with a branch in "
+                    f"tests/support/codec_bounds.py (LOSSLESS_BOUND, or its documented error bound, with a branch in "
                     f"check_round_trip / error_bound for a new kind of bound)", pytrace=False)
     return BOUNDS[name]
 
@@ -86,8 +86,8 @@ def case(name: str) -> Case:
     if not get_codec(name).needs_model:
         return Case()
     if name not in MODEL_CASES:
-        pytest.fail(f"codec {name!r} needs the model: add a tiny-model case to MODEL_CASES in tests/codec_bounds.py",
-                    pytrace=False)
+        pytest.fail(f"codec {name!r} needs the model: add a tiny-model case to MODEL_CASES in "
+                    "tests/support/codec_bounds.py", pytrace=False)
     return MODEL_CASES[name]()
 
 

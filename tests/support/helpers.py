@@ -15,7 +15,7 @@ import torch
 from kvshelf.kvstore import KVBlock, chunk_key
 
 FINGERPRINT = "fp-test-0123456789abcdef"
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_block(
