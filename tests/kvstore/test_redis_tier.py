@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import random
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +13,7 @@ import pytest
 import redis
 import redis.cluster
 import redis_servers
-from helpers import assert_same_block, key_of, make_block
+from helpers import assert_same_block, key_of, make_block, run_workers
 from redis_servers import free_port
 
 from kvshelf.kvstore import (
@@ -120,27 +119,17 @@ def test_racing_puts_and_deletes_leave_no_orphan_chunks(backend: Backend, prefix
     """A delete racing a put of the same key removes one whole value: no chunk of the other is left behind."""
     tier = backend.tier(prefix)
     values = {i: os.urandom(3 * CHUNK) for i in range(4)}  # a manifest and three chunks each
-    errors: list[BaseException] = []
 
     def worker(seed: int) -> None:
         rng = random.Random(seed)
-        try:
-            for _ in range(80):
-                i = rng.randrange(4)
-                if rng.random() < 0.5:
-                    tier.put_many([(k(i), values[i])])
-                else:
-                    tier.delete([k(i)])
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
-            errors.append(exc)
+        for _ in range(80):
+            i = rng.randrange(4)
+            if rng.random() < 0.5:
+                tier.put_many([(k(i), values[i])])
+            else:
+                tier.delete([k(i)])
 
-    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-    if errors:
-        raise errors[0]
+    run_workers(worker, 4)
     held = tier.keys()
     assert len(backend.raw_keys(prefix)) == 4 * len(held) + 1  # their manifests and chunks, and the usage hash
     assert tier.usage() == TierUsage(blocks=len(held), bytes=3 * CHUNK * len(held), capacity_bytes=None)

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import os
 import random
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis_servers
-from helpers import key_of, make_block
+from helpers import key_of, make_block, run_workers
 
 from kvshelf.kvstore import LMDBTier, MemoryTier, RedisTier, Tier, encode_block
 
@@ -157,30 +156,20 @@ def test_pins_and_the_eviction_callback_within_capacity(tier: Tier) -> None:
 def test_threads_sharing_one_tier(tier: Tier) -> None:
     """Concurrent puts, gets and deletes: a read is a miss or the one value of its key; the usage stays exact."""
     value = {i: v(i, 200 + 61 * i) for i in range(24)}
-    errors: list[BaseException] = []
 
     def worker(seed: int) -> None:
         rng = random.Random(seed)
-        try:
-            for _ in range(60):
-                i = rng.randrange(24)
-                op = rng.random()
-                if op < 0.5:
-                    tier.put_many([(k(i), value[i])])
-                elif op < 0.85:
-                    assert tier.get_many([k(i)]) in ([None], [value[i]])
-                else:
-                    tier.delete([k(i)])
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
-            errors.append(exc)
+        for _ in range(60):
+            i = rng.randrange(24)
+            op = rng.random()
+            if op < 0.5:
+                tier.put_many([(k(i), value[i])])
+            elif op < 0.85:
+                assert tier.get_many([k(i)]) in ([None], [value[i]])
+            else:
+                tier.delete([k(i)])
 
-    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(3)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-    if errors:
-        raise errors[0]
+    run_workers(worker, 3)
     held = dict(zip(tier.keys(), tier.get_many(tier.keys()), strict=True))
     assert all(got == value[int.from_bytes(key, "big")] for key, got in held.items())
     usage = tier.usage()

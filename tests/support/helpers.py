@@ -6,8 +6,9 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -113,3 +114,22 @@ SCHEMA_MARKUP = """
   <module name="faq" scope="prefix">frequent questions here</module>
 </schema>
 """
+
+
+def run_workers(worker: Callable[[int], None], count: int, *, timeout_s: float = 120) -> None:
+    """Run ``worker(seed)`` for seeds ``0..count-1`` in threads at once; re-raise the first exception one raised."""
+    errors: list[BaseException] = []
+
+    def guarded(seed: int) -> None:
+        try:
+            worker(seed)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the calling thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(seed,)) for seed in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=timeout_s)
+    if errors:
+        raise errors[0]
