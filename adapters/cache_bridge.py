@@ -2,7 +2,10 @@
 
 A Llama-family decoder's cache holds, per layer, keys and values shaped ``[batch, kv_heads, tokens,
 head_dim]`` with RoPE already applied. A block stacks the layers: ``[layers, kv_heads, tokens, head_dim]``.
-Only batch size 1 and full-attention (non-sliding) dynamic layers are bridged.
+Only batch size 1 and dynamic layers are bridged: full attention, and sliding windows where a path allows them
+(``check_supported(..., sliding_window=True)``: prefix reuse). A block always holds every token of every layer;
+a sliding-window layer is read while it still holds the tokens (``hf.keep_sliding_history``) and loaded as its
+cache class keeps it: its last ``window - 1`` tokens, counting all (``hf.fill_layer``).
 """
 
 from __future__ import annotations
@@ -19,17 +22,34 @@ from kvshelf.kvstore.codec import PreparedPayload
 from kvshelf.kvstore.errors import UnsupportedModelError
 
 
-def check_supported(config: PretrainedConfig) -> None:
-    """Raise ``UnsupportedModelError`` for caches kvshelf cannot bridge (sliding windows, no RoPE...)."""
+def check_supported(config: PretrainedConfig, feature: str = "KV reuse", *, sliding_window: bool = False) -> None:
+    """Raise ``UnsupportedModelError``, naming the model type and ``feature``, for a model whose KV cache kvshelf
+    cannot bridge for that feature: an encoder-decoder (T5...), a decoder without attention heads, attention layers
+    other than full attention (linear or recurrent state, chunked attention, KV shared between layers...) and,
+    unless ``sliding_window`` (a feature that loads and stores sliding-window layers: prefix reuse), sliding-window
+    layers. Which layers are sliding follows the config as transformers reads it (``hf.attention_layer_types``)."""
     text = config.get_text_config(decoder=True)
-    layer_types = getattr(text, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types) or getattr(text, "sliding_window", None):
-        raise UnsupportedModelError(
-            f"model type {text.model_type!r} uses sliding-window or non-standard attention layers "
-            f"({sorted(set(layer_types)) or 'sliding_window'}); kvshelf bridges full-attention caches only"
-        )
+    model_type = getattr(text, "model_type", None) or getattr(config, "model_type", "?")
+    refuse = f"{feature} does not support model type {model_type!r}"
+    if getattr(config, "is_encoder_decoder", False) or getattr(text, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{refuse}: it is an encoder-decoder model; kvshelf reuses the KV cache of "
+                                    "decoder-only causal LMs")
     if not hasattr(text, "num_hidden_layers") or not hasattr(text, "num_attention_heads"):
-        raise UnsupportedModelError(f"model type {text.model_type!r} is not a decoder kvshelf can bridge")
+        raise UnsupportedModelError(f"{refuse}: not a decoder kvshelf can bridge")
+    types = hf.attention_layer_types(config)
+    allowed = {hf.FULL_ATTENTION, hf.SLIDING_ATTENTION} if sliding_window else {hf.FULL_ATTENTION}
+    other = sorted(set(types) - allowed)
+    if other == [hf.SLIDING_ATTENTION]:
+        raise UnsupportedModelError(
+            f"{refuse}: it has sliding-window attention layers (window {getattr(text, 'sliding_window', None)}); "
+            "this path bridges full-attention caches only"
+        )
+    if other:
+        raise UnsupportedModelError(f"{refuse}: it has attention layers of types {other}, which kvshelf does not "
+                                    "bridge (it bridges full-attention and sliding-window KV caches)")
+    if hf.SLIDING_ATTENTION in types and not hf.records_sliding_history():
+        raise UnsupportedModelError(f"{refuse}: its sliding-window layers need transformers "
+                                    f"{hf.TESTED_VERSION}+ (sliding layers that keep their past)")
 
 
 def blocks_from_cache(
@@ -48,15 +68,21 @@ def blocks_from_cache(
     ``token_ids`` are the tokens of the whole cache; ``position_offset`` is the position of cache index 0.
     Blocks own their memory (copies), so the cache may keep growing.
     """
-    hf.full_attention_layers(cache)
+    starts = [hf.layer_start(layer) for layer in hf.bridge_layers(cache)]  # cache index of each layer's first token
     layers = hf.cache_tensors(cache)  # per layer (keys, values) [1, kv_heads, tokens, head_dim]
     if layers and layers[0][0].shape[0] != 1:
         raise UnsupportedModelError(f"only batch size 1 is bridged, got {layers[0][0].shape[0]}")
+    for index, (first, (k, _)) in enumerate(zip(starts, layers, strict=True)):
+        if first > start or first + k.shape[2] < end:
+            raise UnsupportedModelError(
+                f"cache layer {index} holds tokens [{first}, {first + k.shape[2]}), not all of [{start}, {end}) (a "
+                "sliding-window layer that dropped them: keep them with hf.keep_sliding_history)"
+            )
     blocks = []
     for s in range(start, end, block_size):
         e = min(s + block_size, end)
-        keys = torch.stack([k[0, :, s:e] for k, _ in layers]).to("cpu")
-        values = torch.stack([v[0, :, s:e] for _, v in layers]).to("cpu")
+        keys = torch.stack([k[0, :, s - o:e - o] for o, (k, _) in zip(starts, layers, strict=True)]).to("cpu")
+        values = torch.stack([v[0, :, s - o:e - o] for o, (_, v) in zip(starts, layers, strict=True)]).to("cpu")
         blocks.append(
             KVBlock(keys, values, tuple(int(t) for t in token_ids[s:e]), position_offset + s, fingerprint, namespace)
         )
@@ -127,7 +153,7 @@ def _runs(payloads: Sequence[PreparedPayload]) -> list[list[PreparedPayload]]:
 
 def _fill(cache: DynamicCache, keys: torch.Tensor, values: torch.Tensor) -> None:
     """Make ``keys`` / ``values`` ``[layers, kv_heads, tokens, head_dim]`` the contents of the empty ``cache``."""
-    layers = hf.full_attention_layers(cache)
+    layers = hf.bridge_layers(cache)  # a sliding-window layer keeps its window of them (hf.fill_layer)
     if len(layers) != keys.shape[0]:
         raise UnsupportedModelError(f"blocks have {keys.shape[0]} layers, the model has {len(layers)}")
     for index, layer in enumerate(layers):

@@ -7,6 +7,17 @@ on the model, valid while the model's dtype, its config properties and, for each
 object, its storage, dtype, device and autograd version counter (bumped by every in-place write: ``copy_``,
 ``load_state_dict``, optimizer steps) stay the same. Measured on SmolLM2 (272 parameters, this 2-core CPU): the
 check ~0.8 ms (mostly listing the parameters), the digest ~6.5 ms; on a tiny test model 0.08 ms and 0.5 ms.
+
+Blocks are keyed by dtype (it is one of the properties). ``fingerprint_in_dtype`` gives the fingerprint the model
+would have after ``model.to(dtype)`` without converting it: the properties with the dtype swapped, and the digest
+of the sampled rows cast to that dtype (the digest reads every dtype as float32, and ``model.to`` casts each value
+the same way, round to nearest even), so it costs one more digest and is exact for the cast of these weights. Which
+blocks it can find: from a float32 model, those of its bfloat16 and float16 casts; from a bfloat16 (float16)
+model, those of a float32 model whose weights are bfloat16 (float16) values, as when both load a bfloat16
+(float16) checkpoint, the usual way checkpoints ship. Float32 blocks of a model whose weights have more precision
+cannot be named from its lower-precision copy (the lost bits are in their fingerprint), nor a copy whose loader
+kept some modules in float32: it finds too few, never blocks of other weights. ``CachedGenerator`` uses it only
+when a lookup finds nothing, to say so in its result (``other_dtype_blocks``).
 """
 
 from __future__ import annotations
@@ -61,28 +72,78 @@ def _state(sampled: list[tuple[str, torch.nn.Parameter]]) -> tuple[Any, ...] | N
     return tuple(state)
 
 
-def model_fingerprint(model: PreTrainedModel) -> str:
-    """A stable 32-hex-digit digest of the model as it is now (memoized on the model while it does not change)."""
+#: the dtypes ``other_dtype_fingerprints`` names (blocks of the same weights in another of these are counted)
+COMMON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DTYPE_MEMO = "_kvshelf_dtype_fingerprints"
+
+
+def _properties(model: PreTrainedModel, dtype: torch.dtype) -> dict[str, Any]:
     config = model.config.get_text_config(decoder=True)
     layers, kv_heads, head_dim = kv_geometry(model)
-    properties = {
+    return {
         "architecture": type(model).__name__,
         "model_type": config.model_type,
         "layers": layers,
         "kv_heads": kv_heads,
         "head_dim": head_dim,
         "rope": getattr(config, "rope_parameters", None) or getattr(config, "rope_theta", None),
-        "dtype": str(model.dtype),
+        "dtype": str(dtype),
         "vocab": config.vocab_size,
     }
+
+
+def _memo_valid(memo: Any, properties: dict[str, Any], sampled: list[tuple[str, torch.nn.Parameter]],
+                state: tuple[Any, ...] | None) -> bool:
+    return (state is not None and memo is not None and memo[2] == state and memo[1] == properties
+            and all(ref() is tensor for ref, (_, tensor) in zip(memo[0], sampled, strict=True)))
+
+
+def _memo(properties: dict[str, Any], sampled: list[tuple[str, torch.nn.Parameter]], state: tuple[Any, ...],
+          value: Any) -> tuple[Any, ...]:
+    """The parameters by weak reference: a replaced one is never kept alive for this."""
+    return tuple(weakref.ref(t) for _, t in sampled), copy.deepcopy(properties), state, value
+
+
+def model_fingerprint(model: PreTrainedModel) -> str:
+    """A stable 32-hex-digit digest of the model as it is now (memoized on the model while it does not change)."""
+    properties = _properties(model, model.dtype)
     sampled = _sampled(model)
     state = _state(sampled)
     memo = model.__dict__.get(_MEMO)
-    if (state is not None and memo is not None and memo[2] == state and memo[1] == properties
-            and all(ref() is tensor for ref, (_, tensor) in zip(memo[0], sampled, strict=True))):
+    if _memo_valid(memo, properties, sampled, state):
         return memo[3]
     fingerprint = fingerprint_from_properties(properties, _weight_sample_digest(sampled))
-    if state is not None:  # the parameters by weak reference: a replaced one is never kept alive for this
-        model.__dict__[_MEMO] = (tuple(weakref.ref(t) for _, t in sampled), copy.deepcopy(properties), state,
-                                 fingerprint)
+    if state is not None:
+        model.__dict__[_MEMO] = _memo(properties, sampled, state, fingerprint)
     return fingerprint
+
+
+def fingerprint_in_dtype(model: PreTrainedModel, dtype: torch.dtype) -> str:
+    """The fingerprint ``model.to(dtype)`` would have, computed without converting the model (see the module's
+    docstring: exact for the cast of these weights). ``model_fingerprint`` for the model's own dtype."""
+    if dtype == model.dtype:
+        return model_fingerprint(model)
+    return other_dtype_fingerprints(model, (dtype,))[str(dtype)]
+
+
+def other_dtype_fingerprints(model: PreTrainedModel,
+                             dtypes: tuple[torch.dtype, ...] = COMMON_DTYPES) -> dict[str, str]:
+    """``{str(dtype): fingerprint_in_dtype(model, dtype)}`` for each of ``dtypes`` other than the model's own
+    (memoized on the model like ``model_fingerprint``; ~one weight digest per dtype the first time)."""
+    properties = _properties(model, model.dtype)
+    sampled = _sampled(model)
+    state = _state(sampled)
+    memo = model.__dict__.get(_DTYPE_MEMO)
+    known: dict[str, str] = dict(memo[3]) if _memo_valid(memo, properties, sampled, state) else {}
+    out = {}
+    for dtype in dtypes:
+        if dtype == model.dtype:
+            continue
+        if str(dtype) not in known:
+            cast = [(name, tensor.detach()[:_SAMPLE_ROWS].to(dtype) if tensor.is_floating_point() else tensor)
+                    for name, tensor in sampled]
+            known[str(dtype)] = fingerprint_from_properties(_properties(model, dtype), _weight_sample_digest(cast))
+        out[str(dtype)] = known[str(dtype)]
+    if state is not None:
+        model.__dict__[_DTYPE_MEMO] = _memo(properties, sampled, state, known)
+    return out

@@ -3,6 +3,15 @@
 On each call: find the longest cached prefix of full blocks (chained keys), load it into a ``DynamicCache``,
 let ``model.generate`` prefill only the rest, then store the prompt's new full blocks. The output equals the
 uncached run's (same model, same KV up to floating-point summation order of the suffix prefill).
+
+Sliding-window and hybrid models (Mistral, Qwen2 with a window, Gemma 2/3) work the same way: a block holds every
+token of every layer (while the call runs, the sliding layers keep the tokens they would drop:
+``hf.keep_sliding_history``), and a loaded prefix gives each layer what its cache class keeps: a sliding layer its
+last ``window - 1`` tokens, counting all of them, exactly as if it had prefilled the prefix itself.
+
+Blocks are keyed by the model's dtype. When a lookup finds nothing, the result says how many blocks of the same
+prompt are stored for the same weights in another common dtype (``other_dtype_blocks``; see
+``fingerprint.fingerprint_in_dtype`` for which ones can be named).
 """
 
 from __future__ import annotations
@@ -14,8 +23,9 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from kvshelf.adapters import hf
 from kvshelf.adapters.cache_bridge import blocks_from_cache, cache_from_prepared, check_supported
-from kvshelf.adapters.fingerprint import model_fingerprint
+from kvshelf.adapters.fingerprint import model_fingerprint, other_dtype_fingerprints
 from kvshelf.adapters.hf import BaseStreamer
 from kvshelf.adapters.prompts import Prompt, prompt_ids
 from kvshelf.kvstore.errors import ConfigError
@@ -38,6 +48,10 @@ class GenerationResult:
     ttft_s: float  # call start to first new token, including the store lookup and load
     total_s: float
     logits: tuple[torch.Tensor, ...] | None = None  # per new token, [1, vocab] (when output_logits=True)
+    # when nothing was reused: blocks of this prompt stored for the same weights in other dtypes (not usable: KV is
+    # keyed by dtype), and those dtypes; 0 and () when something was reused or none is found
+    other_dtype_blocks: int = 0
+    other_dtypes: tuple[str, ...] = ()
 
 
 class _FirstTokenTimer(BaseStreamer):
@@ -61,7 +75,10 @@ class CachedGenerator:
     """Generate with a model through a kvshelf store.
 
     Args:
-        model: a HF causal LM with a full-attention RoPE decoder (Llama family, GQA included).
+        model: a HF decoder-only causal LM: full-attention, sliding-window or hybrid layers (the architecture
+            suite's families, ``tests/support/families.py``); an encoder-decoder (T5) or a model with other layers
+            (linear attention, recurrent state...) raises ``UnsupportedModelError``. Its dtype is the blocks':
+            choose it when loading (``load_model(..., dtype=...)``).
         tokenizer: used when prompts are strings and to decode the output; optional with token-id prompts.
         store: a ``BlockStore`` (embedded ``TieredStore``, or ``RemoteStore``); ``None`` disables reuse.
         namespace: tenant namespace of the blocks (default: the store's).
@@ -79,7 +96,8 @@ class CachedGenerator:
     ) -> None:
         if block_size <= 0:
             raise ConfigError(f"block_size must be > 0, got {block_size}")
-        check_supported(model.config)
+        check_supported(model.config, "prefix reuse", sliding_window=True)
+        self._sliding = hf.SLIDING_ATTENTION in hf.attention_layer_types(model.config)
         self.model = model
         self.tokenizer = tokenizer
         self.store = store
@@ -95,12 +113,18 @@ class CachedGenerator:
         """Prompt -> token ids (``prompts.prompt_ids``; a string gets the tokenizer's special tokens)."""
         return prompt_ids(prompt, self.tokenizer, add_special_tokens=True)
 
-    def _load_prefix(self, ids: list[int], cacheable_prefix: int | None, fingerprint: str) -> tuple[int, Any]:
-        """Longest cached prefix as a cache of at most ``len(ids) - 1`` tokens (one token must be prefilled)."""
+    def _spans(self, ids: list[int], cacheable_prefix: int | None, fingerprint: str) -> list:
+        return prefix_block_spans(fingerprint, self.namespace, ids[: cacheable_prefix or len(ids)], self.block_size,
+                                  partial=cacheable_prefix is not None)
+
+    def _load_prefix(self, ids: list[int], cacheable_prefix: int | None,
+                     fingerprint: str) -> tuple[int, int, Any, tuple[int, tuple[str, ...]]]:
+        """``(reused, loaded, cache, other dtypes)``: the longest cached prefix as a cache of ``reused`` tokens,
+        at most ``len(ids) - 1`` (one token must be prefilled), ``loaded`` the tokens of the blocks found; when
+        none is found, ``other_dtype_blocks`` and ``other_dtypes`` of the result."""
         if self.store is None or len(ids) < 2:
-            return 0, None
-        spans = prefix_block_spans(fingerprint, self.namespace, ids[: cacheable_prefix or len(ids)], self.block_size,
-                                   partial=cacheable_prefix is not None)
+            return 0, 0, None, (0, ())
+        spans = self._spans(ids, cacheable_prefix, fingerprint)
         keys = [span.key for span in spans]
         tokens = [span.end - span.start for span in spans]
         found = (
@@ -108,7 +132,7 @@ class CachedGenerator:
             if keys else 0
         )
         if not found:
-            return 0, None
+            return 0, 0, None, self._other_dtype_blocks(ids, cacheable_prefix) if keys else (0, ())
         blocks = self.store.get_prepared_many(keys[:found], fingerprint=fingerprint, namespace=self.namespace,
                                               tokens=tokens[:found])
         usable = []
@@ -117,19 +141,35 @@ class CachedGenerator:
                 break
             usable.append(block)
         if not usable:
-            return 0, None
-        reused = min(sum(b.num_tokens for b in usable), len(ids) - 1)
+            return 0, 0, None, (0, ())
+        loaded = sum(b.num_tokens for b in usable)
+        reused = min(loaded, len(ids) - 1)
         cache = cache_from_prepared(usable, self.model.config, max_tokens=reused, device=self.model.device,
                                     dtype=self.model.dtype)
-        return reused, cache
+        return reused, loaded, cache, (0, ())
 
-    def _store_prompt_blocks(self, ids: list[int], cache: Any, reused: int, cacheable_prefix: int | None,
+    def _other_dtype_blocks(self, ids: list[int], cacheable_prefix: int | None) -> tuple[int, tuple[str, ...]]:
+        """Blocks of this prompt's prefix stored for the model's weights cast to another common dtype, and those
+        dtypes. Each probe looks up the first block alone (one counted lookup for that dtype's fingerprint when it
+        is absent, the usual case), then the rest of the chain."""
+        count, dtypes = 0, []
+        for name, fingerprint in other_dtype_fingerprints(self.model).items():
+            keys = [span.key for span in self._spans(ids, cacheable_prefix, fingerprint)]
+            if not self.store.lookup_prefix(keys[:1], namespace=self.namespace, model=fingerprint):
+                continue
+            rest = self.store.lookup_prefix(keys[1:], namespace=self.namespace, model=fingerprint) if keys[1:] else 0
+            count += 1 + rest
+            dtypes.append(name.removeprefix("torch."))
+        return count, tuple(dtypes)
+
+    def _store_prompt_blocks(self, ids: list[int], cache: Any, loaded: int, cacheable_prefix: int | None,
                              fingerprint: str) -> int:
+        """Store the blocks of the prompt past the ``loaded`` tokens' (the blocks found need no second copy)."""
         if self.store is None or cache is None:
             return 0
         limit = min(cacheable_prefix or len(ids), cache.get_seq_length())
         spans = [s for s in prefix_block_spans(fingerprint, self.namespace, ids[:limit], self.block_size,
-                                               partial=cacheable_prefix is not None) if s.end > reused]
+                                               partial=cacheable_prefix is not None) if s.end > loaded]
         if not spans:
             return 0
         entries = []
@@ -176,7 +216,11 @@ class CachedGenerator:
             raise ConfigError("CachedGenerator measures TTFT with its own streamer; 'streamer' is not accepted")
         started = time.perf_counter()
         fingerprint = self.fingerprint  # this call's: blocks are looked up and stored for the model as it is now
-        reused, cache = self._load_prefix(ids, cacheable_prefix, fingerprint) if reuse else (0, None)
+        reused, loaded, cache, (other_blocks, other_dtypes) = (
+            self._load_prefix(ids, cacheable_prefix, fingerprint) if reuse else (0, 0, None, (0, ())))
+        if self._sliding and store and self.store is not None:  # the blocks to store need every token
+            cache = cache if cache is not None else hf.new_cache(self.model.config)
+            hf.keep_sliding_history(cache)
         timer = _FirstTokenTimer()
         input_ids = torch.tensor([ids], device=self.model.device)
         generate_kwargs.setdefault("do_sample", False)
@@ -193,7 +237,7 @@ class CachedGenerator:
         )
         finished = time.perf_counter()
         new_ids = [int(t) for t in out.sequences[0, len(ids) :].tolist()]
-        stored = (self._store_prompt_blocks(ids, out.past_key_values, reused, cacheable_prefix, fingerprint)
+        stored = (self._store_prompt_blocks(ids, out.past_key_values, loaded, cacheable_prefix, fingerprint)
                   if store else 0)
         text = self.tokenizer.decode(new_ids, skip_special_tokens=True) if self.tokenizer is not None else None
         return GenerationResult(
@@ -206,4 +250,6 @@ class CachedGenerator:
             ttft_s=(timer.first_token_at or finished) - started,
             total_s=finished - started,
             logits=getattr(out, "logits", None),
+            other_dtype_blocks=other_blocks,
+            other_dtypes=other_dtypes,
         )

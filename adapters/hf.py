@@ -50,6 +50,8 @@ __all__ = [
     "full_attention_layers", "kv_projection_weights", "layer_tensors", "new_cache", "position_embeddings",
     "project_queries", "quantized_cache", "register_attention", "rotary", "run_decoder_layer",
     "sdpa_attention_forward", "set_cache_layer", "supports_sdpa", "switch_attention",
+    "FULL_ATTENTION", "SLIDING_ATTENTION", "attention_layer_types", "bridge_layers", "is_sliding_layer",
+    "keep_sliding_history", "layer_start", "records_sliding_history",
 ]
 
 
@@ -114,6 +116,75 @@ def full_attention_layers(cache: Any) -> list[DynamicLayer]:
     return layers
 
 
+# -- attention layer types; sliding-window layers ------------------------------------------------------------
+
+#: the attention layer types of ``attention_layer_types`` that kvshelf bridges (sliding windows: prefix reuse)
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+
+
+def attention_layer_types(config: PretrainedConfig) -> list[str]:
+    """The decoder's attention type per layer, as ``DynamicCache(config=...)`` builds its layers (transformers'
+    ``get_layer_types_and_kwargs``): ``layer_types`` when the config has them (authoritative: Gemma 3 with every
+    layer ``"full_attention"`` has no window although its ``sliding_window`` is set), else ``"sliding_attention"``
+    for every layer when ``sliding_window`` is set (Mistral), ``"chunked_attention"`` with
+    ``attention_chunk_size``, else ``"full_attention"``; layers sharing another's KV, or without attention, are
+    ``"dummy"``."""
+    text = config.get_text_config(decoder=True)
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+    except ImportError:  # older 5.x: the same inference, by hand
+        types = getattr(text, "layer_types", None)
+        if types is None:
+            kind = (SLIDING_ATTENTION if getattr(text, "sliding_window", None) is not None
+                    else "chunked_attention" if getattr(text, "attention_chunk_size", None) is not None
+                    else FULL_ATTENTION)
+            types = [kind] * int(getattr(text, "num_hidden_layers", 0) or 0)
+        return [str(t) for t in types]
+    return [str(t) for t in get_layer_types_and_kwargs(text)[0]]
+
+
+def is_sliding_layer(layer: Any) -> bool:
+    """Whether a cache layer is a sliding-window ``DynamicSlidingWindowLayer``."""
+    return isinstance(layer, DynamicSlidingWindowLayer)
+
+
+def records_sliding_history() -> bool:
+    """Whether this transformers' sliding-window cache layers can keep every token (``keep_sliding_history``)."""
+    return hasattr(DynamicSlidingWindowLayer, "activate_past_recording")
+
+
+def keep_sliding_history(cache: Any) -> None:
+    """Make the sliding-window layers of ``cache`` keep every token they are given from now on, so that blocks of
+    all tokens can be read from them after a forward or ``generate``. Attention is unchanged: each update still
+    returns only the window (HF's past recording, made for speculative decoding's rollback). Full layers are
+    untouched."""
+    for layer in cache_layers(cache):
+        if is_sliding_layer(layer):
+            if not hasattr(layer, "activate_past_recording"):
+                raise UnsupportedModelError(f"transformers {TESTED_VERSION}+ is needed to keep the tokens of "
+                                            "sliding-window cache layers")
+            layer.activate_past_recording()
+
+
+def bridge_layers(cache: Any) -> list[DynamicLayer]:
+    """``cache_layers``, refused (``UnsupportedModelError``) unless each is a ``DynamicLayer``: full attention or a
+    sliding window (``DynamicSlidingWindowLayer``; ``layer_start`` says which tokens it still holds)."""
+    layers = cache_layers(cache)
+    for layer in layers:
+        if not isinstance(layer, DynamicLayer):
+            raise UnsupportedModelError(f"cannot bridge cache layer type {type(layer).__name__}")
+    return layers
+
+
+def layer_start(layer: Any) -> int:
+    """The cache index (token count from the start) of the first token a layer holds: 0 for a full-attention layer;
+    for a sliding-window layer, how many tokens it has dropped (all it has seen, minus what it holds)."""
+    tensors = layer_tensors(layer)
+    if is_sliding_layer(layer) and tensors is not None:
+        return int(layer.cumulative_length) - tensors[0].shape[-2]
+    return 0
+
+
 def layer_tensors(layer: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A cache layer's ``(keys, values)`` ``[b, h, n, d]`` (RoPE applied to keys); ``None`` before its first
     update."""
@@ -134,8 +205,15 @@ def cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def fill_layer(layer: Any, keys: torch.Tensor, values: torch.Tensor) -> None:
-    """Make ``keys`` / ``values`` ``[b, h, n, d]`` (not copied) the contents of an empty ``DynamicLayer``."""
+    """Make ``keys`` / ``values`` ``[b, h, n, d]`` (not copied) the contents of an empty ``DynamicLayer``, as if
+    it had been updated with them: a sliding-window layer keeps the last ``sliding_window - 1`` tokens (what its
+    ``update`` keeps) and counts all ``n``."""
     layer.lazy_initialization(keys, values)
+    if is_sliding_layer(layer):
+        n = keys.shape[-2]
+        keep = min(n, max(int(layer.sliding_window) - 1, 0))
+        keys, values = keys[:, :, n - keep:], values[:, :, n - keep:]
+        layer.cumulative_length = n
     layer.keys, layer.values = keys, values
 
 

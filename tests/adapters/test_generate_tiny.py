@@ -127,11 +127,16 @@ def test_bad_inputs(model, tmp_path):
         CachedGenerator(model, block_size=0)
 
 
-def test_sliding_window_model_is_refused():
+def test_sliding_window_model_is_accepted_by_prefix_reuse_only():
+    """Prefix reuse bridges sliding-window layers (``tests/adapters/test_families_prefix.py`` checks it exact); a
+    path that does not opt in (``check_supported``'s default) still refuses them."""
+    from kvshelf.adapters.cache_bridge import check_supported
+
     config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                            num_attention_heads=2, num_key_value_heads=1, sliding_window=8)
-    with pytest.raises(UnsupportedModelError, match="sliding"):
-        CachedGenerator(MistralForCausalLM(config))
+    CachedGenerator(MistralForCausalLM(config))
+    with pytest.raises(UnsupportedModelError, match="'mistral'.*sliding"):
+        check_supported(config)
 
 
 def test_bridge_round_trip_is_exact(model):
