@@ -18,8 +18,17 @@ whole cache as ``DynamicLayer``'s ``torch.cat`` does), and a method that reads a
 model to eager attention for the prefill only: decode steps run with sdpa (the original implementation is back
 when the ``with`` block ends).
 
-Shapes: ``b`` batch, ``h_q`` query heads, ``h_kv`` KV heads, ``g = h_q / h_kv`` (GQA group), ``n`` tokens,
-``d`` head dim.
+Model families: a method hooks the self-attention modules of any layout ``adapters.hf`` knows (Llama-style,
+GPT-NeoX, Falcon, GPT-2) and prunes the full-attention layers only: a sliding-window layer's cache is bounded by
+its window already, and HF's sliding cache layer keeps only the window's last tokens, so pruning it (or turning it
+into a full layer) would change what the window sees; a model without any full-attention layer (Mistral with its
+``sliding_window``) is refused. Methods that recompute queries (SnapKV) follow the model's own query path
+(``hf.attention_queries``: projection, q norm placement, partial or interleaved RoPE) and its logit scaling and
+soft cap. What a method cannot do on a model raises ``UnsupportedArchitectureError`` naming the method, the
+family (``model_type``) and the feature, when the ``with`` block is entered, before any work.
+
+Shapes: ``b`` batch, ``h_q`` query heads, ``h_kv`` KV heads (the cache's heads), ``g = h_q / h_kv`` (GQA group),
+``n`` tokens, ``d`` head dim.
 """
 
 from __future__ import annotations
@@ -37,7 +46,6 @@ from kvshelf.adapters.pruning.budget import check_budget, resolve_budget
 from kvshelf.adapters.pruning.errors import AttentionImplementationError, UnsupportedArchitectureError
 from kvshelf.adapters.pruning.layout import GrowingLayer, cache_bytes, growing_cache
 from kvshelf.kvstore.errors import UnsupportedModelError
-from kvshelf.reuse.rope import apply_rope
 
 _ATTN_WEIGHT_IMPLEMENTATIONS = ("eager",)
 
@@ -47,10 +55,10 @@ class LayerInputs:
     """What a scoring method sees for one attention layer at the end of the prefill.
 
     Attributes:
-        module: the attention module (``q_proj``, ``head_dim``, ``num_key_value_groups``...).
+        module: the attention module (any layout ``adapters.hf`` knows).
         hidden_states: ``[b, n, hidden]``, the layer's (normed) input.
         keys, values: ``[b, h_kv, n, d]``, the layer's cache (RoPE applied to keys).
-        position_embeddings: ``(cos, sin)``, each ``[b, n, d]``.
+        position_embeddings: ``(cos, sin)``, each ``[b, n, rotary_dim]``, or ``None`` (no RoPE: GPT-2).
         attentions: ``[b, h_q, n, n]`` prefill attention weights, or ``None`` when the implementation returns none.
     """
 
@@ -58,27 +66,42 @@ class LayerInputs:
     hidden_states: torch.Tensor
     keys: torch.Tensor
     values: torch.Tensor
-    position_embeddings: tuple[torch.Tensor, torch.Tensor]
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None
     attentions: torch.Tensor | None = None
 
     @property
-    def groups(self) -> int:
-        return int(self.module.num_key_value_groups)
+    def kv_heads(self) -> int:
+        return int(self.keys.shape[1])
+
+    @property
+    def scaling(self) -> float:
+        """The factor the model multiplies ``q @ k^T`` by (``1 / sqrt(d)``, Granite's multiplier, Gemma's...)."""
+        return hf.attention_scaling(self.module)
+
+    def logits(self, queries: torch.Tensor) -> torch.Tensor:
+        """The model's attention logits of ``queries`` ``[b, h_q, q, d]`` over the keys: ``[b, h_q, q, n]`` float32
+        (scaled, soft-capped where the model caps them; no mask)."""
+        keys = self.keys.float().repeat_interleave(queries.shape[1] // self.kv_heads, dim=1)  # [b, h_q, n, d]
+        logits = queries.float() @ keys.transpose(2, 3) * self.scaling
+        cap = hf.attention_softcap(self.module)
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     @property
     def tokens(self) -> int:
         return int(self.keys.shape[2])
 
     def queries(self, last: int) -> torch.Tensor:
-        """The last ``last`` tokens' queries, recomputed with RoPE: ``[b, h_q, last, d]``."""
-        q = hf.project_queries(self.module, self.hidden_states[:, -last:])  # [b, h_q, last, d], before RoPE
-        cos, sin = (t[:, -last:].unsqueeze(1).to(q.dtype) for t in self.position_embeddings)  # [b, 1, last, d]
-        return apply_rope(q, cos, sin)
+        """The last ``last`` tokens' queries as the model computes them (its q path and RoPE): ``[b, h_q, last, d]``."""
+        embeddings = self.position_embeddings
+        if embeddings is not None:
+            embeddings = (embeddings[0][:, -last:], embeddings[1][:, -last:])
+        return hf.attention_queries(self.module, self.hidden_states[:, -last:], embeddings)
 
     def to_kv_heads(self, per_query_head: torch.Tensor, reduce: str = "mean") -> torch.Tensor:
         """``[b, h_q, ...]`` -> ``[b, h_kv, ...]``: mean (or sum) over each GQA group."""
         b, h_q = per_query_head.shape[:2]
-        grouped = per_query_head.reshape(b, h_q // self.groups, self.groups, *per_query_head.shape[2:])
+        groups = h_q // self.kv_heads
+        grouped = per_query_head.reshape(b, self.kv_heads, groups, *per_query_head.shape[2:])
         return grouped.sum(2) if reduce == "sum" else grouped.mean(2)
 
 
@@ -108,26 +131,61 @@ def gather_tokens(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return x.gather(2, idx.unsqueeze(-1).expand(*idx.shape, x.shape[-1]))
 
 
-def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The decoder's attention modules, in layer order; ``UnsupportedArchitectureError`` if it has none we can hook."""
-    from kvshelf.adapters.cache_bridge import check_supported
+def refusal(method: str, model: nn.Module, feature: str) -> UnsupportedArchitectureError:
+    """The error refusing ``method`` on ``model``: names the method, the family (``model_type``) and the feature."""
+    return UnsupportedArchitectureError(f"{method} does not support model type {hf.model_type(model)!r}: {feature}")
 
+
+def attention_modules(model: nn.Module, method: str = "token pruning", *, queries: bool = False,
+                      interface: bool = False, softcap: bool = True) -> list[nn.Module]:
+    """The self-attention modules of the model's full-attention layers (the ones a method prunes or selects in),
+    in layer order, after checking everything the method needs; ``UnsupportedArchitectureError`` naming
+    ``method``, the family and the feature otherwise (before any work).
+
+    Args:
+        queries: the method recomputes queries (``LayerInputs.queries``): the query path must be one
+            ``hf.attention_queries`` knows.
+        interface: the method runs as a registered attention function: the model's attention must call
+            transformers' attention interface.
+        softcap: the method handles soft-capped attention logits (Gemma 2); ``False`` refuses them.
+    """
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "get_text_config"):
         raise UnsupportedArchitectureError(
-            f"token pruning supports Llama-style HF decoders; {type(model).__name__} has no transformers config"
+            f"{method} supports HF decoder LMs (Llama-style, GPT-NeoX, Falcon, GPT-2 layouts); "
+            f"{type(model).__name__} has no transformers config"
         )
+    text = config.get_text_config(decoder=True)
+    if getattr(text, "is_encoder_decoder", False) or getattr(config, "is_encoder_decoder", False):
+        raise refusal(method, model, "encoder-decoder models are not supported (decoder-only LMs)")
     try:
-        check_supported(config)
+        modules = hf.self_attention_modules(model)
     except UnsupportedModelError as exc:
-        raise UnsupportedArchitectureError(f"token pruning does not support this model: {exc}") from exc
-    try:
-        return hf.attention_modules(model)
-    except UnsupportedModelError as exc:
-        raise UnsupportedArchitectureError(
-            f"token pruning supports Llama-style decoders (model.model.layers[i].self_attn with q_proj/k_proj, "
-            f"GQA and RoPE); {type(model).__name__} ({model.config.model_type!r}) is not one"
-        ) from exc
+        raise refusal(method, model, f"no attention modules kvshelf can hook ({exc})") from exc
+    problem = hf.absolute_position_problem(model)
+    if problem is not None:
+        raise refusal(method, model, problem)
+    types = hf.attention_layer_types(config)
+    if len(types) != len(modules):
+        raise refusal(method, model, f"{len(types)} layer types for {len(modules)} attention layers")
+    full = [m for m in modules if types[m.layer_idx] == hf.FULL_ATTENTION]
+    if not full:
+        raise refusal(method, model, f"every attention layer is {'/'.join(sorted(set(types)))} (sliding-window "
+                                     f"attention, window {getattr(text, 'sliding_window', None)}): {method} prunes "
+                                     "full-attention layers only, and a sliding layer's cache is bounded by its window")
+    for module in full:
+        try:
+            if queries:
+                hf.query_path(module)
+            hf.attention_scaling(module)
+        except UnsupportedModelError as exc:
+            raise refusal(method, model, f"its queries cannot be recomputed exactly ({exc})") from exc
+        if interface and not hf.uses_attention_interface(module):
+            raise refusal(method, model, f"its attention ({type(module).__name__}) does not call transformers' "
+                                         "attention interface, where a selection method runs")
+        if not softcap and hf.attention_softcap(module) is not None:
+            raise refusal(method, model, "attention logit softcapping (attn_logit_softcapping) is not supported")
+    return full
 
 
 def check_attn_implementation(model: nn.Module, method: str) -> None:
@@ -146,13 +204,16 @@ class PruningMethod:
     Args:
         budget: a ratio of the prefill's tokens in ``(0, 1]`` (float) or a token count (int).
 
-    Subclasses implement ``score`` (and set ``needs_attentions`` when they read attention weights). Using a
+    Subclasses implement ``score`` (and set ``needs_attentions`` when they read attention weights,
+    ``recomputes_queries`` when they call ``LayerInputs.queries``). Using a
     method as ``with method(model): ...`` hooks the model; the yielded ``PruningSession`` records the kept
     indices per layer.
     """
 
     budget: float | int = 0.5
     needs_attentions: ClassVar[bool] = False
+    #: whether ``score`` recomputes queries (``LayerInputs.queries``): checked against the model's query path
+    recomputes_queries: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         check_budget(self.budget)
@@ -193,7 +254,8 @@ class PruningMethod:
         return select(self.score(layer, keep), keep)
 
     def check_model(self, model: nn.Module) -> list[nn.Module]:
-        modules = attention_modules(model)
+        """The attention modules to hook; refuses (``UnsupportedArchitectureError``) what the method cannot do."""
+        modules = attention_modules(model, self.name, queries=self.recomputes_queries)
         if self.needs_attentions:
             check_attn_implementation(model, self.name)
         return modules
@@ -233,9 +295,10 @@ def eager_prefill(model: nn.Module) -> Iterator[None]:
 
     A forward pre-hook on ``model`` switches ``config._attn_implementation`` between ``"eager"`` and ``"sdpa"``
     only (any other implementation, e.g. TokenSelect's, is left alone), and puts ``"eager"`` back on exit if it
-    switched. A model without sdpa support keeps eager throughout.
+    switched. A model without sdpa support (or whose implementation cannot be switched: Falcon) keeps eager
+    throughout.
     """
-    if not hf.supports_sdpa(model):
+    if not hf.supports_sdpa(model) or not hf.can_switch_attention(model):
         yield
         return
     switched = False
@@ -297,7 +360,8 @@ def scoring(model: nn.Module, methods: dict[str, PruningMethod]) -> Iterator[dic
     The prefill's computation does not depend on pruning (each layer is pruned after it ran), so one prefill
     can serve every method; ``prune_cache`` then builds each method's cache. Used by ``bench/pruning.py``.
     """
-    modules = attention_modules(model)
+    modules = attention_modules(model, "+".join(m.name for m in methods.values()),
+                                queries=any(m.recomputes_queries for m in methods.values()))
     for method in methods.values():
         if method.needs_attentions:
             check_attn_implementation(model, method.name)

@@ -35,6 +35,10 @@ class Compose(PruningMethod):
         return any(m.needs_attentions for m in self.methods)
 
     @property
+    def recomputes_queries(self) -> bool:  # type: ignore[override]
+        return any(m.recomputes_queries for m in self.methods)
+
+    @property
     def name(self) -> str:
         return "+".join(m.name for m in self.methods)
 

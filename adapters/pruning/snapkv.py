@@ -8,6 +8,7 @@ and smoothed by a 1-D pooling (so neighbours of an important token come along), 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -20,11 +21,13 @@ from kvshelf.kvstore.errors import ConfigError
 class SnapKV(PruningMethod):
     """Observation-window voting with pooling, per KV head (GQA: mean over the query heads of a group).
 
-    Does not need attention weights: the window's queries ``[b, h_q, w, d]`` are recomputed from the layer input.
+    Does not need attention weights: the window's queries ``[b, h_q, w, d]`` are recomputed from the layer input
+    along the model's own query path (``hf.attention_queries``), and scaled and soft-capped as the model does.
     The window itself is always kept. Max pooling keeps whole neighbourhoods of a voted token (e.g. every digit
     of a number), where average pooling dilutes its edges. ``score``: ``[b, h_kv, n]``.
     """
 
+    recomputes_queries: ClassVar[bool] = True
     window: int = 16  # the last tokens (the question): tuned on needle cases disjoint from the benchmark's (see
     # the README); a 64-token window (kvpress's) mixes context tokens into the vote and loses needles at 25%
     kernel: int = 7
@@ -41,10 +44,8 @@ class SnapKV(PruningMethod):
         w = min(self.window, n - 1)
         if w <= 0:
             return torch.zeros(layer.keys.shape[:3], device=layer.keys.device)
-        q = layer.queries(w).float()  # [b, h_q, w, d]
-        keys = layer.keys.float().repeat_interleave(layer.groups, dim=1)  # [b, h_q, n, d]
-        logits = q @ keys.transpose(2, 3) / layer.module.head_dim**0.5  # [b, h_q, w, n]
-        causal = torch.ones(w, w, dtype=torch.bool, device=q.device).triu(1)
+        logits = layer.logits(layer.queries(w))  # [b, h_q, w, n], as the model scales and caps them
+        causal = torch.ones(w, w, dtype=torch.bool, device=logits.device).triu(1)
         logits[..., -w:] = logits[..., -w:].masked_fill(causal, float("-inf"))
         votes = torch.softmax(logits, dim=-1)[..., :-w].mean(dim=2)  # [b, h_q, n - w]
         pool = F.max_pool1d if self.pooling == "max" else F.avg_pool1d

@@ -11,6 +11,12 @@ sdpa mask in ``AttentionMaskInterface``) under ``kvshelf_tokenselect``; ``with T
 switches the model to it and back. The prefill of an empty cache runs as plain sdpa (full attention);
 afterwards a single query gathers its selection, and a chunk of queries (teacher forcing) masks per query to
 the top-k of the earlier cache plus its causal part of the chunk.
+
+Model families: it selects in full-attention layers only (a sliding-window layer attends to its window as usual:
+its cache is bounded already), and refuses (``UnsupportedArchitectureError``, when the ``with`` block is entered)
+models whose attention does not go through transformers' attention interface (Falcon), models without any
+full-attention layer (Mistral with its window) and soft-capped attention logits (Gemma 2), which sdpa, its
+full-attention fallback, does not compute.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ class TokenSelect:
     steps: int = 0
     reused: int = 0
     layers: dict[int, _LayerState] = field(default_factory=dict)
+    first_layer: int = 0  # the first layer it selects in (counts ``steps`` and ``reused``)
 
     def __post_init__(self) -> None:
         check_budget(self.budget)
@@ -65,7 +72,7 @@ class TokenSelect:
 
     def vote(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
         """Per-head soft vote: ``query [b, h_q, q, d]``, ``key [b, h_kv, n, d]`` -> ``[b, h_kv, q, n]``."""
-        g = module.num_key_value_groups
+        g = query.shape[1] // key.shape[1]
         logits = (query.float() @ key.float().repeat_interleave(g, dim=1).transpose(2, 3)) * scaling
         probs = torch.softmax(logits, dim=-1)
         b, h_q, q, n = probs.shape
@@ -87,17 +94,17 @@ class TokenSelect:
             b, h_kv = key.shape[:2]
             new = torch.arange(state.tokens, n, device=key.device).expand(b, h_kv, -1)
             idx = torch.cat([new, state.ranked[..., : k - fresh]], dim=-1)
-            if int(module.layer_idx) == 0:
+            if int(module.layer_idx) == self.first_layer:
                 self.reused += 1
         else:
             votes = self.vote(module, query, key, scaling)[:, :, 0]  # [b, h_kv, n]
             votes[..., -1] = float("inf")  # the current token always sees itself
             idx = torch.topk(votes, k, dim=-1).indices
             state.query, state.ranked, state.tokens = q, idx, n
-        if int(module.layer_idx) == 0:
+        if int(module.layer_idx) == self.first_layer:
             self.steps += 1
         ks, vs = gather_tokens(key, idx), gather_tokens(value, idx)
-        g = module.num_key_value_groups
+        g = query.shape[1] // key.shape[1]
         b, h_q, _, d = query.shape
         qg = query.view(b, h_q // g, g, d)
         weights = torch.softmax((qg.float() @ ks.float().transpose(2, 3)) * scaling, dim=-1)
@@ -115,7 +122,7 @@ class TokenSelect:
         chosen = torch.zeros_like(votes, dtype=torch.bool).scatter_(-1, torch.topk(votes, k, dim=-1).indices, True)
         causal = torch.ones(q, q, dtype=torch.bool, device=key.device).tril()
         allowed = torch.cat([chosen, causal.expand(*chosen.shape[:3], q)], dim=-1)  # [b, h_kv, q, n]
-        g = module.num_key_value_groups
+        g = query.shape[1] // key.shape[1]
         logits = (query.float() @ key.float().repeat_interleave(g, dim=1).transpose(2, 3)) * scaling
         logits = logits.masked_fill(~allowed.repeat_interleave(g, dim=1), float("-inf"))
         out = torch.softmax(logits, dim=-1) @ value.float().repeat_interleave(g, dim=1)
@@ -123,9 +130,10 @@ class TokenSelect:
 
     @contextmanager
     def __call__(self, model: nn.Module) -> Iterator[TokenSelect]:
-        modules = attention_modules(model)
+        modules = attention_modules(model, self.name, interface=True, softcap=False)  # full-attention layers only
         register()
         with hf.attention_implementation(model, IMPLEMENTATION):
+            self.first_layer = min(int(m.layer_idx) for m in modules)
             for m in modules:
                 setattr(m, _STATE, self)
             self.layers.clear()

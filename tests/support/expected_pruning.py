@@ -1,0 +1,34 @@
+"""What the architecture suite expects of token pruning and selection on each family (the README table's source):
+``{(family, method): "exact" | "refused"}``, one column per method of ``kvshelf.adapters.pruning.METHODS``,
+checked cell by cell by ``tests/adapters/test_families_pruning.py``.
+
+"exact": budget 1.0 (keep everything) gives plain HF ``generate``'s greedy tokens and logits (fp32: within 1e-4),
+and a smaller budget runs (approximate by design) and prunes every full-attention layer to it. Sliding-window
+layers are never pruned (their cache is bounded by the window already): hybrid models (Qwen2 with
+``max_window_layers``, Gemma 2/3) prune their full-attention layers only.
+
+"refused": ``UnsupportedModelError`` naming the method and the family's ``model_type`` when the ``with`` block is
+entered, before any work:
+
+* Mistral with its ``sliding_window``: every layer is sliding-window, nothing a method may prune;
+* TokenSelect on Falcon: its attention does not call transformers' attention interface, where TokenSelect runs;
+* TokenSelect on Gemma 2: soft-capped attention logits, which sdpa (its full-attention fallback) does not compute.
+"""
+
+from __future__ import annotations
+
+from families import CONFIGS
+
+#: the methods, as ``METHODS`` names them (the suite checks the two agree)
+METHODS = ("streamingllm", "h2o", "keyformer", "snapkv", "keynorm", "tokenselect")
+
+#: refused cells and why (the refusal's feature)
+REFUSED: dict[tuple[str, str], str] = {
+    **{("mistral", method): "every attention layer is sliding-window" for method in METHODS},
+    ("falcon", "tokenselect"): "attention outside transformers' attention interface",
+    ("gemma2", "tokenselect"): "attention logit softcapping",
+}
+
+EXPECTED: dict[tuple[str, str], str] = {
+    (family, method): "refused" if (family, method) in REFUSED else "exact" for family in CONFIGS for method in METHODS
+}
