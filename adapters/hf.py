@@ -25,6 +25,7 @@ Shapes: ``b`` batch, ``h`` KV heads (``h_q`` query heads), ``n`` tokens, ``d`` h
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -47,7 +48,8 @@ __all__ = [
     "DynamicSlidingWindowLayer", "GrowingLayer", "Rotary", "attention_hook_inputs", "attention_implementation",
     "attention_modules", "attn_implementation", "cache_bytes", "cache_from_tensors", "cache_layers",
     "cache_of_layers", "cache_tensors", "decoder", "decoder_layers", "dequantize_cache", "fill_layer", "final_norm",
-    "full_attention_layers", "kv_projection_weights", "layer_tensors", "new_cache", "position_embeddings",
+    "full_attention_layers", "input_embeddings", "kv_projection_weights", "layer_tensors", "lm_logits",
+    "model_type", "new_cache", "position_embeddings",
     "project_queries", "quantized_cache", "register_attention", "rotary", "run_decoder_layer",
     "sdpa_attention_forward", "set_cache_layer", "supports_sdpa", "switch_attention",
     "FULL_ATTENTION", "SLIDING_ATTENTION", "attention_layer_types", "bridge_layers", "is_sliding_layer",
@@ -399,36 +401,125 @@ def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
 
 
 def final_norm(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
-    """The decoder's final norm of ``hidden`` ``[b, n, hidden]`` (what the LM head reads)."""
-    return decoder(model).norm(hidden)
+    """The decoder's final norm of ``hidden`` ``[b, n, hidden]`` (what the LM head reads): ``norm``, or GPT-NeoX's
+    ``final_layer_norm``."""
+    inner = decoder(model)
+    norm = getattr(inner, "norm", None) or getattr(inner, "final_layer_norm", None)
+    if norm is None:
+        raise UnsupportedModelError(f"model type {model_type(model)!r}: no final norm found in the decoder")
+    return norm(hidden)
+
+
+def model_type(model: PreTrainedModel) -> str:
+    """The text decoder's ``model_type`` (what refusals name)."""
+    return str(model.config.get_text_config(decoder=True).model_type)
+
+
+def input_embeddings(model: PreTrainedModel, input_ids: torch.Tensor) -> torch.Tensor:
+    """``[b, n, hidden]``: what the decoder's first layer reads for ``input_ids`` ``[b, n]``: the embedding module's
+    output (Gemma's scales itself) times the decoder's ``embedding_multiplier`` (Granite), as the decoder's own
+    forward computes it."""
+    hidden = model.get_input_embeddings()(input_ids)
+    multiplier = getattr(decoder(model), "embedding_multiplier", None)
+    return hidden if multiplier in (None, 1, 1.0) else hidden * multiplier
+
+
+def lm_logits(model: PreTrainedModel, normed: torch.Tensor) -> torch.Tensor:
+    """The causal LM's logits of final-normed hidden states ``[b, n, hidden]``, as its own forward computes them:
+    the LM head, then Granite's ``/ logits_scaling``, Cohere's ``* logit_scale`` or Gemma 2/3's final soft cap."""
+    logits = model.get_output_embeddings()(normed)
+    text = model.config.get_text_config(decoder=True)
+    scaling = getattr(text, "logits_scaling", None)
+    if scaling not in (None, 1, 1.0):
+        logits = logits / scaling
+    scale = getattr(model, "logit_scale", None)
+    if isinstance(scale, (int, float)) and scale != 1:
+        logits = logits * scale
+    cap = getattr(text, "final_logit_softcapping", None)
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
 
 
 @dataclass(frozen=True, eq=False)
 class Rotary:
-    """A model's rotary embedding: ``inv_freq`` ``[head_dim / 2]`` float32 on the CPU (after any static
-    scaling), ``attention_scaling`` (the factor HF multiplies cos and sin by) and ``rope_type``."""
+    """A model's rotary embedding: ``inv_freq`` ``[rotary_dim / 2]`` float32 on the CPU (after any static
+    scaling), ``attention_scaling`` (the factor HF multiplies cos and sin by), ``rope_type``, and its convention:
+    ``rotary_dim`` (``2 * len(inv_freq)``; less than the head dim with partial rotary) and ``interleaved`` (pairs
+    ``(2i, 2i + 1)``, Cohere's, rather than halves ``(i, i + rotary_dim / 2)``)."""
 
     inv_freq: torch.Tensor
     attention_scaling: float
     rope_type: str
+    rotary_dim: int = 0
+    interleaved: bool = False
 
 
 def rotary(model: PreTrainedModel) -> Rotary:
-    """The decoder's rotary embedding parameters; ``UnsupportedModelError`` without one."""
+    """The decoder's rotary embedding parameters; ``UnsupportedModelError`` without one.
+
+    A rotary embedding with one table per attention layer type (Gemma 3's ``full_attention_inv_freq`` ...) is
+    read for the model's one layer type when all its layers have the same (else refused)."""
     rotary_emb = getattr(decoder(model), "rotary_emb", None)
-    inv_freq = getattr(rotary_emb, "inv_freq", None)
+    layer_type = _rope_layer_type(model, rotary_emb)
+    prefix = "" if layer_type is None else f"{layer_type}_"
+    inv_freq = getattr(rotary_emb, f"{prefix}inv_freq", None)
     if inv_freq is None:
         raise UnsupportedModelError(f"{type(model).__name__} has no rotary embedding with inv_freq (not a RoPE "
                                     "decoder in the Llama layout)")
-    return Rotary(inv_freq.detach().to("cpu", torch.float32), float(getattr(rotary_emb, "attention_scaling", 1.0)),
-                  str(getattr(rotary_emb, "rope_type", "default")))
+    freqs = inv_freq.detach().to("cpu", torch.float32)
+    rope_type = getattr(rotary_emb, "rope_type", "default")
+    if isinstance(rope_type, dict):
+        rope_type = rope_type.get(layer_type, "default")
+    return Rotary(freqs, float(getattr(rotary_emb, f"{prefix}attention_scaling", 1.0)), str(rope_type),
+                  2 * freqs.numel(), _interleaved(model, rotary_emb, freqs.numel()))
+
+
+def _rope_layer_type(model: PreTrainedModel, rotary_emb: nn.Module | None) -> str | None:
+    """``None`` for a rotary embedding with one table; for one with a table per layer type (its ``forward`` takes
+    ``layer_type``), the model's only layer type; ``UnsupportedModelError`` when its layers have several."""
+    if rotary_emb is None or "layer_type" not in inspect.signature(rotary_emb.forward).parameters:
+        return None
+    types = sorted(set(getattr(model.config.get_text_config(decoder=True), "layer_types", None) or []))
+    if len(types) != 1:
+        raise UnsupportedModelError(f"model type {model_type(model)!r}: one rotary embedding per layer type "
+                                    f"({types}); kvshelf re-encodes keys of models with one")
+    return types[0]
+
+
+def _rope_call(model: PreTrainedModel, rotary_emb: nn.Module, hidden: torch.Tensor,
+               position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    layer_type = _rope_layer_type(model, rotary_emb)
+    if layer_type is None:
+        return rotary_emb(hidden, position_ids=position_ids)
+    return rotary_emb(hidden, position_ids=position_ids, layer_type=layer_type)
+
+
+def _interleaved(model: PreTrainedModel, rotary_emb: nn.Module, pairs: int) -> bool:
+    """Whether the rotary embedding's ``cos`` table repeats each angle twice in a row (pairs ``(2i, 2i + 1)``,
+    Cohere's ``repeat_interleave``) rather than concatenating two halves (Llama's ``rotate_half``); read from
+    its own output at position 1 (angles ``inv_freq``, all different)."""
+    probe = torch.zeros(1, 1, 1, dtype=torch.float32, device=model.device)
+    with torch.no_grad():
+        cos, _ = _rope_call(model, rotary_emb, probe, torch.ones(1, 1, dtype=torch.long, device=model.device))
+    cos = cos.reshape(-1).float().cpu()
+    if cos.numel() != 2 * pairs or pairs == 1 or torch.equal(cos[:pairs], cos[pairs:]):
+        if cos.numel() != 2 * pairs:
+            raise UnsupportedModelError(f"model type {model_type(model)!r}: a rotary table of {cos.numel()} "
+                                        f"entries for {pairs} frequencies (an unknown RoPE layout)")
+        return False
+    if torch.equal(cos[0::2], cos[1::2]):
+        return True
+    raise UnsupportedModelError(f"model type {model_type(model)!r}: its rotary table is neither halves nor "
+                                "interleaved pairs (an unknown RoPE layout)")
 
 
 def position_embeddings(model: PreTrainedModel, hidden: torch.Tensor,
                         position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """HF's ``(cos, sin)`` for ``position_ids`` ``[1, q]``: each ``[1, q, d]`` (both halves equal, times the
-    attention scaling) in ``hidden``'s dtype, as the decoder layers take them."""
-    return decoder(model).rotary_emb(hidden, position_ids=position_ids)
+    attention scaling) in ``hidden``'s dtype, as the decoder layers take them (a rotary embedding per layer type:
+    the model's one layer type's, see ``rotary``)."""
+    return _rope_call(model, decoder(model).rotary_emb, hidden, position_ids)
 
 
 def run_decoder_layer(model: PreTrainedModel, index: int, hidden: torch.Tensor, *, position_ids: torch.Tensor,
@@ -442,8 +533,15 @@ def run_decoder_layer(model: PreTrainedModel, index: int, hidden: torch.Tensor, 
     ``attention_kwargs`` (``attention_mask`` ``[1, 1, q, n]`` or ``None``, extra kwargs of a registered attention
     function) go to the attention.
     """
-    return decoder_layers(model)[index](hidden, position_ids=position_ids, past_key_values=cache, use_cache=True,
-                                        position_embeddings=embeddings, **attention_kwargs)
+    layer = decoder_layers(model)[index]
+    return layer(hidden, position_ids=position_ids, use_cache=True, position_embeddings=embeddings,
+                 **{_cache_argument(layer): cache}, **attention_kwargs)
+
+
+def _cache_argument(layer: nn.Module) -> str:
+    """The name a decoder layer takes its cache under: ``past_key_values``, or GPT-NeoX's ``layer_past``."""
+    params = inspect.signature(layer.forward).parameters
+    return "layer_past" if "layer_past" in params and "past_key_values" not in params else "past_key_values"
 
 
 #: what kvshelf reads of an attention module: its projections, head dim, GQA group size and layer index

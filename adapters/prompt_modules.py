@@ -19,10 +19,9 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from kvshelf.adapters.cache_bridge import check_supported
 from kvshelf.adapters.fingerprint import model_fingerprint
 from kvshelf.adapters.prompts import prompt_ids
-from kvshelf.adapters.reuse_engine import Layout, eos_ids, greedy_decode, prefill_rows
+from kvshelf.adapters.reuse_engine import Layout, check_engine, eos_ids, greedy_decode, prefill_rows
 from kvshelf.kvstore.block import KVBlock
 from kvshelf.kvstore.protocol import BlockStore, namespace_of
 from kvshelf.reuse.errors import SchemaError
@@ -48,7 +47,7 @@ class PromptModuleGenerator:
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, store: BlockStore | None,
                  schema: PromptSchema | str, *, namespace: str | None = None) -> None:
-        check_supported(model.config)
+        check_engine(model, "prompt modules")  # refuses families the engine cannot drive, before any work
         self.model, self.tokenizer, self.store = model, tokenizer, store
         self.namespace = namespace_of(store, namespace)
         self.schema = PromptSchema.from_markup(schema) if isinstance(schema, str) else schema

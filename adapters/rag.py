@@ -36,15 +36,15 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from kvshelf.adapters.cache_bridge import blocks_from_cache, check_supported
+from kvshelf.adapters.cache_bridge import blocks_from_cache
 from kvshelf.adapters.fingerprint import model_fingerprint
 from kvshelf.adapters.prompts import prompt_ids
 from kvshelf.adapters.reuse_engine import (
     Layout,
+    check_engine,
     embed,
     eos_ids,
     greedy_decode,
-    inv_freq,
     last_logits,
     layer_kv,
     prefill_rows,
@@ -62,6 +62,8 @@ from kvshelf.reuse.masks import PREFIX, block_mask
 from kvshelf.reuse.rope import rerotate_keys
 
 MODES = ("full", "reuse", "reuse-blend", "block-attention")
+FEATURE = "RAG chunk reuse"  # what a refusal names (``UnsupportedModelError``)
+PRECOMPUTE_FEATURE = "RAG precompute"
 BLEND_BASES = ("block", "chunk")
 BLEND_GROUP_ROWS = 64  # reuse-blend: queries per causal attention group (see ``run_layers``)
 Text = str | Sequence[int]
@@ -125,7 +127,7 @@ def precompute(
     as soon as it is computed, so an interrupted run loses at most one chunk. Returns a summary:
     ``{"documents", "chunks", "computed", "skipped", "tokens", "computed_tokens", "seconds"}``.
     """
-    check_supported(model.config)
+    check_engine(model, PRECOMPUTE_FEATURE)  # chunks no RAG mode could use are never stored
     namespace = namespace_of(store, namespace)
     texts = list(documents or []) + read_documents(paths)
     fingerprint = model_fingerprint(model)
@@ -186,10 +188,9 @@ class RAGGenerator:
         recompute_ratio: float = DEFAULT_RATIO, select_layer: int = 1, blend_base: str = "block",
         ape: tuple[float, float] | None = None, on_missing: str = "recompute",
     ) -> None:
-        check_supported(model.config)
+        check_engine(model, FEATURE)  # refuses unsupported families and length-dependent RoPE now
         self.model, self.tokenizer, self.store = model, tokenizer, store
         self.namespace = namespace_of(store, namespace)
-        inv_freq(model)  # refuses length-dependent RoPE now; each call reads the model's current frequencies
         self.prefix = _ids(tokenizer, prefix) if prefix is not None else []
         self.ratio = check_ratio(recompute_ratio)
         layers = model.config.get_text_config(decoder=True).num_hidden_layers
@@ -339,9 +340,10 @@ class RAGGenerator:
             layout = Layout.empty(self.model, total, zero=False)  # every row is filled or computed below
             if prefix_block is not None:
                 layout.fill(0, prefix_block.keys, prefix_block.values)
-            row, freqs = p, inv_freq(self.model)  # [head_dim / 2], as the model has them now (dtype included)
+            row, rotary = p, check_engine(self.model, FEATURE)  # the RoPE as the model has it now (dtype included)
             for block in blocks:
-                layout.fill(row, rerotate_keys(block.keys, row - block.start_pos, freqs), block.values)
+                layout.fill(row, rerotate_keys(block.keys, row - block.start_pos, rotary.inv_freq,
+                                               interleaved=rotary.interleaved), block.values)
                 row += block.num_tokens
             q_rows = list(range(p + c_total, total))
             if mode == "reuse-blend":

@@ -12,8 +12,10 @@ Positions are explicit, so layouts may have gaps (Prompt Cache parameter slots).
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,6 +126,9 @@ class _CaptureKV:
 
 FOLDED = "kvshelf_gqa_fold"
 PARTS = "kvshelf_query_parts"  # attention kwarg: [(query slice, kv_end, tiled mask)], see ``run_layers``
+# ``run_layers`` hands the query parts to ``folded_gqa_attention`` here rather than as a layer kwarg: some decoder
+# layers (StableLM's) do not pass their ``**kwargs`` on to the attention, and a lost mask is a silently wrong one
+_PARTS: ContextVar[list[tuple[slice, int, torch.Tensor]] | None] = ContextVar("kvshelf_query_parts", default=None)
 
 
 def _fold(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -148,6 +153,8 @@ def folded_gqa_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     kv_heads = key.shape[1]
     groups = heads // kv_heads
     parts = kwargs.pop(PARTS, None)
+    if parts is None:
+        parts = _PARTS.get()
     if parts is not None:
         outs = [torch.nn.functional.scaled_dot_product_attention(
                     _fold(query[:, :, part], kv_heads), key[:, :, :kv_end], value[:, :, :kv_end], attn_mask=mask,
@@ -181,18 +188,94 @@ def folded_attention(model: PreTrainedModel) -> Iterator[int | None]:
         yield groups
 
 
-def inv_freq(model: PreTrainedModel) -> torch.Tensor:
-    """The model's RoPE inverse frequencies ``[head_dim / 2]``; refuses position-dependent (dynamic) RoPE."""
-    check_supported(model.config)
-    rotary = hf.rotary(model)
+def refusal(model: PreTrainedModel, feature: str, reason: str) -> UnsupportedModelError:
+    """The ``UnsupportedModelError`` of a model the reuse engine cannot drive: names its family (``model_type``)
+    and the feature."""
+    return UnsupportedModelError(f"model type {hf.model_type(model)!r}: {feature} is not supported: {reason}")
+
+
+def rope(model: PreTrainedModel, feature: str = "moving cached keys (RoPE re-encoding)") -> hf.Rotary:
+    """The model's RoPE (inverse frequencies ``[rotary_dim / 2]``, partial rotary, interleaving); refuses a model
+    without one and position-dependent (dynamic, longrope) RoPE, whose frequencies change with the length."""
+    try:
+        rotary = hf.rotary(model)
+    except UnsupportedModelError as exc:
+        raise refusal(model, feature, f"no rotary position embedding the reuse engine can re-encode ({exc})") from None
     if rotary.rope_type in ("dynamic", "longrope"):
-        raise UnsupportedModelError(f"RoPE type {rotary.rope_type!r} depends on the length; keys cannot be moved")
-    return rotary.inv_freq
+        raise refusal(model, feature, f"RoPE type {rotary.rope_type!r} depends on the length; keys cannot be moved")
+    return rotary
+
+
+_VERIFIED: weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple[str, str, str], str | None]] = (
+    weakref.WeakKeyDictionary())
+PROBE_IDS = (5, 17, 29, 41, 53, 67, 79, 91)  # the self-check's prompt (ids modulo the vocabulary)
+
+
+def check_engine(model: PreTrainedModel, feature: str) -> hf.Rotary:
+    """Refuse (``UnsupportedModelError`` naming the family and ``feature``), before any work is done or stored, a
+    model whose forward the layer-by-layer engine cannot reproduce; returns its RoPE (``rope``).
+
+    Refused: sliding-window or other non-full attention layers, decoders not in the Llama layout (no decoder
+    layers with a rotary embedding: GPT-2, Falcon, Gemma 3's per-layer-type RoPE), length-dependent RoPE. Then a
+    self-check, once per model, attention implementation and dtype: an 8-token prompt prefilled through the
+    engine in two steps (the second against the first's KV, as a reused prefix) must give the model's own
+    last-token logits. Details the engine does not know of (a multiplier, a scaled head, a layer that drops the
+    mask) make it differ, and the model is refused rather than silently wrong.
+    """
+    text = model.config.get_text_config(decoder=True)
+    layer_types = getattr(text, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types) or (not layer_types and getattr(text, "sliding_window", None)):
+        raise refusal(model, feature, f"sliding-window or non-standard attention layers "
+                                      f"({sorted(set(layer_types)) or 'sliding_window'}); the engine assembles "
+                                      "full-attention layouts only")
+    try:
+        check_supported(model.config)
+        hf.decoder_layers(model)
+    except UnsupportedModelError as exc:
+        raise refusal(model, feature, str(exc)) from None
+    rotary = rope(model, feature)
+    key = (hf.attn_implementation(model), str(model.dtype), str(model.device))
+    verified = _VERIFIED.setdefault(model, {})
+    if key not in verified:
+        verified[key] = _self_check(model)
+    if verified[key] is not None:
+        raise refusal(model, feature, verified[key])
+    return rotary
+
+
+@torch.inference_mode()
+def _self_check(model: PreTrainedModel) -> str | None:
+    """``None`` when the engine reproduces the model's own logits on a short prompt, else why not."""
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = [t % vocab for t in PROBE_IDS]
+    want = model(input_ids=torch.tensor([ids], device=model.device), use_cache=True,
+                 past_key_values=DynamicCache(config=model.config)).logits[0, -1].float()
+    layout = Layout.empty(model, len(ids))
+    split = len(ids) // 2
+    try:
+        prefill_rows(model, layout, ids[:split], range(split), range(split))
+        got = prefill_rows(model, layout, ids[split:], range(split, len(ids)), range(split, len(ids)))
+    except UnsupportedModelError as exc:
+        return str(exc)
+    except (RuntimeError, TypeError, ValueError, AttributeError) as exc:
+        return f"its decoder layers cannot be driven one by one ({type(exc).__name__}: {exc})"
+    tolerance = 1e-3 if model.dtype == torch.float32 else 5e-2
+    diff = float((got - want).abs().max())
+    if diff > tolerance * (1.0 + float(want.abs().max())):
+        return (f"its own forward does something the layer-by-layer engine does not reproduce (logits differ by "
+                f"{diff:.3g} on a self-check)")
+    return None
+
+
+def inv_freq(model: PreTrainedModel) -> torch.Tensor:
+    """The model's RoPE inverse frequencies ``[rotary_dim / 2]``; refuses position-dependent (dynamic) RoPE."""
+    check_supported(model.config)
+    return rope(model).inv_freq
 
 
 def embed(model: PreTrainedModel, ids: Sequence[int]) -> torch.Tensor:
-    """``[1, n, hidden]`` input embeddings of ``ids``."""
-    return model.get_input_embeddings()(torch.tensor([list(ids)], device=model.device))
+    """``[1, n, hidden]``: what the first decoder layer reads for ``ids`` (embedding multipliers included)."""
+    return hf.input_embeddings(model, torch.tensor([list(ids)], device=model.device))
 
 
 def _groups(rows: torch.Tensor, group_rows: int | None) -> list[tuple[slice, int]]:
@@ -234,17 +317,22 @@ def run_layers(
     with folded_attention(model) as heads_per_kv:
         if heads_per_kv is not None:  # one pass per layer; the runs of queries are split inside the attention
             cache = _ScatterKV(layout, rows, max(kv_end for _, kv_end in groups))
-            kwargs: dict[str, Any] = {"attention_mask": None}
-            if not plain_prefill:  # a plain prefill of every row needs no mask (SDPA's own causal kernel)
-                kwargs[PARTS] = [(part, kv_end, _group_mask(mask, rows, part, kv_end, heads_per_kv, model.dtype).to(
+            parts = None  # a plain prefill of every row needs no mask (SDPA's own causal kernel)
+            if not plain_prefill:
+                parts = [(part, kv_end, _group_mask(mask, rows, part, kv_end, heads_per_kv, model.dtype).to(
                     model.device)) for part, kv_end in groups]
-            for index in layers:
-                hidden = hf.run_decoder_layer(model, index, hidden, position_ids=position_ids, embeddings=(cos, sin),
-                                              cache=cache, **kwargs)
+            token = _PARTS.set(parts)
+            try:
+                for index in layers:
+                    hidden = hf.run_decoder_layer(model, index, hidden, position_ids=position_ids,
+                                                  embeddings=(cos, sin), cache=cache, attention_mask=None)
+            finally:
+                _PARTS.reset(token)
             return hidden
-        # another attention implementation: each run of queries through the layer on its own
+        # another attention implementation: each run of queries through the layer on its own, always under an
+        # explicit mask (eager attention has no implicit causal mask, even for a plain prefill)
         parts = [(part, _ScatterKV(layout, rows[part], kv_end),
-                  None if plain_prefill else _group_mask(mask, rows, part, kv_end, 1, model.dtype).to(model.device))
+                  _group_mask(mask, rows, part, kv_end, 1, model.dtype).to(model.device))
                  for part, kv_end in groups]
         for index in layers:
             outs = [hf.run_decoder_layer(model, index, hidden[:, part], position_ids=position_ids[:, part],
@@ -283,7 +371,7 @@ def write_kv(layout: Layout, layer: int, rows: torch.Tensor, keys: torch.Tensor,
 def last_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
     """Next-token logits ``[vocab]`` (float32) from the last row of ``hidden`` ``[1, q, hidden]``."""
     normed = hf.final_norm(model, hidden[:, -1:])
-    return model.get_output_embeddings()(normed)[0, -1].float()
+    return hf.lm_logits(model, normed)[0, -1].float()  # the head's own scaling (Granite, Cohere) included
 
 
 def prefill_rows(

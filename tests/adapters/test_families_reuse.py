@@ -1,0 +1,194 @@
+"""Architecture suite, RAG and prompt modules: every family (``families.CONFIGS``) x path x attention
+implementation, each cell through ``arch_rule.run_cell`` against plain HF, its outcome compared with
+``expected_reuse.EXPECTED`` (the README table's source).
+
+Paths (see ``expected_reuse``): ``rag-reuse``, ``rag-blend``, ``rag-block-attention`` (approximate by design:
+their exact limiting case must equal plain HF, and the approximate case must run) and ``prompt-modules`` (exact at
+schema positions). A refused family must raise ``UnsupportedModelError`` naming its ``model_type`` and the
+feature before storing anything (``precompute`` included)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from arch_rule import APPROXIMATE, EXACT, LOGIT_ATOL, REFUSED, Output, plain_generate, run_cell
+from expected_reuse import EXPECTED, PATHS
+from families import CONFIGS, attn_implementations, family_model
+from helpers import SCHEMA_MARKUP, token_ids, word_ids
+
+from kvshelf.adapters.prompt_modules import PromptModuleGenerator
+from kvshelf.adapters.rag import RAGGenerator, compute_chunk, precompute
+from kvshelf.adapters.reuse_engine import rope
+from kvshelf.reuse import ModuleUse, rerotate_keys
+
+NEW = 4  # greedy tokens per cell
+RAG_FEATURE, MODULES_FEATURE = "RAG", "prompt modules"
+
+_MODELS: dict[tuple[str, str, torch.dtype], torch.nn.Module] = {}
+
+
+def _model(family: str, attn: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """Each family's tiny model, built once per attention implementation and dtype."""
+    key = (family, attn, dtype)
+    if key not in _MODELS:
+        _MODELS[key] = family_model(family, attn=attn, dtype=dtype)
+    return _MODELS[key]
+
+
+class _Store:
+    """An in-memory block store (the ``BlockStore`` calls the RAG and prompt-module front doors make) that
+    records what was put."""
+
+    namespace = "default"
+
+    def __init__(self) -> None:
+        self.blocks: dict[bytes, object] = {}
+
+    def get_many(self, keys, **_):  # noqa: ANN001, ANN003, ANN201
+        return [self.blocks.get(k) for k in keys]
+
+    def put_many(self, items, pin: bool = False) -> None:  # noqa: ANN001
+        self.blocks.update(items)
+
+    def contains_many(self, keys, **_) -> int:  # noqa: ANN001, ANN003
+        return sum(k in self.blocks for k in keys)
+
+
+class _WordTokenizer:
+    pad_token_id = 0
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+        return {"input_ids": word_ids(text)}
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:  # noqa: ANN001
+        return " ".join(map(str, ids))
+
+
+CHUNKS = [token_ids(12, 21), token_ids(9, 22), token_ids(11, 23)]
+PREFIX, QUESTION = token_ids(4, 24), token_ids(5, 25)
+
+
+def _rag_output(result) -> Output:  # noqa: ANN001
+    return Output(result.new_ids, [result.first_logits])
+
+
+def _approximate_runs(run: Callable[[], object]) -> None:
+    """The approximate case runs, gives ``NEW`` tokens and finite logits."""
+    result = run()
+    assert len(result.new_ids) == NEW
+    assert torch.isfinite(result.first_logits).all()
+
+
+def _rerotation_is_exact(model) -> None:  # noqa: ANN001
+    """Keys of a chunk computed alone at 0 and moved to ``p`` equal the chunk computed alone at ``p`` (the model's
+    own rotary convention: partial, interleaved, scaled)."""
+    rotary = rope(model)
+    ids, position = CHUNKS[0], 37
+    with torch.inference_mode():
+        at_zero = compute_chunk(model, ids, "fp", "default").keys
+        out = model(input_ids=torch.tensor([ids]), position_ids=torch.arange(position, position + len(ids))[None],
+                    use_cache=True)
+    at_p = torch.stack([layer.keys[0] for layer in out.past_key_values.layers])
+    moved = rerotate_keys(at_zero, position, rotary.inv_freq, interleaved=rotary.interleaved)
+    assert (moved - at_p).abs().max().item() <= LOGIT_ATOL
+
+
+def _rag_cell(model, path: str) -> str:  # noqa: ANN001
+    store = _Store()
+    nothing_stored = lambda: not store.blocks  # noqa: E731
+    if path == "rag-reuse":  # exact limiting case: one chunk, no prefix
+        outcome = run_cell(model, RAG_FEATURE, lambda: _rag_output(RAGGenerator(model, None, store).generate(
+            [CHUNKS[0]], QUESTION, mode="reuse", max_new_tokens=NEW, eos_token_id=None)),
+            lambda: plain_generate(model, CHUNKS[0] + QUESTION, NEW), nothing_stored=nothing_stored)
+        precomputed = run_cell(model, RAG_FEATURE, lambda: Output(
+            [precompute(["a b c d e f g h"], model, _WordTokenizer(), store, chunk_size=4, progress=False)
+             ["computed"]]), Output([2]), nothing_stored=nothing_stored)
+        assert precomputed == outcome
+        if outcome == REFUSED:
+            return REFUSED
+        _rerotation_is_exact(model)
+        rag = RAGGenerator(model, None, store, prefix=PREFIX)
+        _approximate_runs(lambda: rag.generate(CHUNKS, QUESTION, mode="reuse", max_new_tokens=NEW,
+                                               eos_token_id=None))
+        _approximate_runs(lambda: rag.generate(CHUNKS[::-1], QUESTION, mode="reuse", max_new_tokens=NEW,
+                                               eos_token_id=None))
+        return APPROXIMATE
+    if path == "rag-blend":  # exact limiting case: recompute_ratio=1.0, both blend bases
+        everything = PREFIX + sum(CHUNKS, []) + QUESTION
+        outcomes = {run_cell(model, RAG_FEATURE, lambda base=base: _rag_output(RAGGenerator(
+            model, None, store, prefix=PREFIX, recompute_ratio=1.0, blend_base=base).generate(
+                CHUNKS, QUESTION, mode="reuse-blend", max_new_tokens=NEW, eos_token_id=None)),
+            lambda: plain_generate(model, everything, NEW), nothing_stored=nothing_stored)
+            for base in ("block", "chunk")}
+        (outcome,) = outcomes
+        if outcome == REFUSED:
+            return REFUSED
+        _approximate_runs(lambda: RAGGenerator(model, None, store, prefix=PREFIX).generate(
+            CHUNKS, QUESTION, mode="reuse-blend", max_new_tokens=NEW, eos_token_id=None))
+        return APPROXIMATE
+    # rag-block-attention: exact limiting case: one block after the prefix (it sees the prefix, the question all)
+    outcome = run_cell(model, RAG_FEATURE, lambda: _rag_output(RAGGenerator(model, None, store, prefix=PREFIX).generate(
+        [CHUNKS[1]], QUESTION, mode="block-attention", max_new_tokens=NEW, eos_token_id=None)),
+        lambda: plain_generate(model, PREFIX + CHUNKS[1] + QUESTION, NEW), nothing_stored=nothing_stored)
+    if outcome == REFUSED:
+        return REFUSED
+    rag = RAGGenerator(model, None, store, prefix=PREFIX)
+    for _ in range(2):  # blocks computed, then reused
+        _approximate_runs(lambda: rag.generate(CHUNKS, QUESTION, mode="block-attention", max_new_tokens=NEW,
+                                               eos_token_id=None))
+    return APPROXIMATE
+
+
+def _modules_cell(model, dtype: torch.dtype = torch.float32) -> str:  # noqa: ANN001
+    store = _Store()
+    prompt = [ModuleUse("system"), "tell me a story now"]  # a module at 0 and text right after: exact
+    gen: list[PromptModuleGenerator] = []
+
+    def run() -> Output:
+        gen.append(PromptModuleGenerator(model, _WordTokenizer(), store, SCHEMA_MARKUP))
+        result = gen[0].generate(prompt, max_new_tokens=NEW, eos_token_id=None)
+        assert result.reused_tokens > 0
+        assert list(result.assembly.positions) == list(range(len(result.assembly.tokens)))
+        return Output(result.new_ids, [result.first_logits])
+
+    def reference() -> Output:
+        return plain_generate(model, list(gen[0].assemble(prompt).tokens), NEW)
+
+    outcome = run_cell(model, MODULES_FEATURE, run, reference, dtype=dtype, nothing_stored=lambda: not store.blocks)
+    if outcome == EXACT:  # modules away from 0, a parameter slot: the paper's approximation runs
+        _approximate_runs(lambda: gen[0].generate(
+            [ModuleUse("system"), ModuleUse("manual", {"product": "x y z"}), ModuleUse("faq"), "why"],
+            max_new_tokens=NEW, eos_token_id=None))
+    return outcome
+
+
+CELLS = [pytest.param(family, attn, path, id=f"{family}-{attn}-{path}")
+         for family in CONFIGS for attn in attn_implementations(family) for path in PATHS]
+
+
+@pytest.mark.parametrize(("family", "attn", "path"), CELLS)
+def test_cell(family, attn, path):
+    model = _model(family, attn)
+    outcome = _modules_cell(model) if path == "prompt-modules" else _rag_cell(model, path)
+    assert outcome == EXPECTED[(family, path)], f"{family}/{path} under {attn}: {outcome}"
+
+
+BF16_CELLS = [pytest.param(family, path, id=f"{family}-bf16-{path}")
+              for family in ("llama", "cohere", "granite", "stablelm", "phi3-partial")
+              for path in ("rag-reuse", "prompt-modules")]
+
+
+@pytest.mark.parametrize(("family", "path"), BF16_CELLS)
+def test_bf16_cell(family, path):
+    """bf16 (sdpa): the exact limiting cases give the reference's tokens, logits within the bf16 tolerance."""
+    model = _model(family, "sdpa", torch.bfloat16)
+    if path == "prompt-modules":
+        outcome = _modules_cell(model, torch.bfloat16)
+    else:
+        store = _Store()
+        outcome = run_cell(model, RAG_FEATURE, lambda: _rag_output(RAGGenerator(model, None, store).generate(
+            [CHUNKS[0]], QUESTION, mode="reuse", max_new_tokens=NEW, eos_token_id=None)),
+            lambda: plain_generate(model, CHUNKS[0] + QUESTION, NEW), dtype=torch.bfloat16)
+    assert outcome == EXACT

@@ -1,0 +1,40 @@
+"""What the architecture suite expects of the RAG and prompt-module paths on each family (the README table's
+source): ``{(family, path): "exact" | "approximate" | "refused"}``, checked cell by cell by
+``tests/adapters/test_families_reuse.py``.
+
+* ``rag-reuse`` (TurboRAG): approximate (chunks miss each other); exact limiting case: one chunk, no prefix, and
+  keys re-rotated to position ``p`` equal to the chunk computed at ``p``.
+* ``rag-blend`` (CacheBlend): approximate; exact limiting case: ``recompute_ratio=1.0`` equals full prefill.
+* ``rag-block-attention``: approximate; exact limiting case: one block after the prefix equals full prefill.
+* ``prompt-modules`` (Prompt Cache): exact at schema positions with contiguous text.
+
+Refused: sliding-window and hybrid layers (the engine assembles full-attention layouts), decoders without a
+Llama-layout RoPE (GPT-2, Falcon), length-dependent RoPE (dynamic, longrope).
+"""
+
+from __future__ import annotations
+
+from families import CONFIGS
+
+PATHS = ("rag-reuse", "rag-blend", "rag-block-attention", "prompt-modules")
+EXACT_PATHS = frozenset({"prompt-modules"})  # the others are approximate by design (their limiting case is exact)
+
+REFUSED_FAMILIES = {
+    "llama-dynamic": "RoPE type 'dynamic' depends on the length",
+    "llama-longrope": "RoPE type 'longrope' depends on the length",
+    "qwen2-window": "sliding-window layers",
+    "mistral": "sliding-window layers",
+    "gemma2": "sliding-window layers",
+    "gemma3": "sliding-window layers",
+    "gpt2": "no rotary position embedding",
+    "falcon": "no decoder layers in the Llama layout",
+}
+
+
+def _outcome(family: str, path: str) -> str:
+    if family in REFUSED_FAMILIES:
+        return "refused"
+    return "exact" if path in EXACT_PATHS else "approximate"
+
+
+EXPECTED: dict[tuple[str, str], str] = {(family, path): _outcome(family, path) for family in CONFIGS for path in PATHS}
