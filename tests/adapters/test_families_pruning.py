@@ -132,16 +132,29 @@ def test_attention_weight_methods_refuse_sdpa(family: str) -> None:
                 pass
 
 
+def _snapkv_from_weights(method: SnapKV, layer: LayerInputs) -> torch.Tensor:
+    """SnapKV's scores ``[b, h_kv, n]`` computed from the model's own attention weights of the window's rows."""
+    w = method.window
+    votes = layer.attentions.float()[:, :, -w:, :-w].mean(dim=2)  # [b, h_q, n - w]
+    votes = torch.nn.functional.max_pool1d(votes, method.kernel, stride=1, padding=method.kernel // 2)
+    return torch.nn.functional.pad(layer.to_kv_heads(votes), (0, w), value=float("inf"))
+
+
 def _check_recomputed_attention(model: torch.nn.Module, what: str) -> None:
-    """In an eager prefill, each full-attention layer's recomputed queries (``LayerInputs.queries``), scaled and
-    capped as the model does (``LayerInputs.logits``), give the model's own attention weights."""
+    """In an eager prefill, each full-attention layer's SnapKV scores equal those computed from the model's own
+    attention weights; and every recomputed query (``LayerInputs.queries``), scaled and capped as the model does
+    (``LayerInputs.logits``), gives the model's own attention weights."""
     checked: list[int] = []
+    snapkv = SnapKV(0.5, window=8)
 
     def hook(module, args, kwargs, output) -> None:  # noqa: ANN001
         hidden, cache, embeddings = hf.attention_hook_inputs(args, kwargs)
         keys, values = hf.layer_tensors(hf.cache_layers(cache)[module.layer_idx])
         n = hidden.shape[1]
         layer = LayerInputs(module, hidden, keys, values, embeddings, output[1])
+        scores, want = snapkv.base_score(layer), _snapkv_from_weights(snapkv, layer)
+        diff = (scores[..., :-8] - want[..., :-8]).abs().max().item()
+        assert diff < 1e-5, f"{what}: layer {module.layer_idx} SnapKV scores differ by {diff:.3g}"
         logits = layer.logits(layer.queries(n))
         causal = torch.ones(n, n, dtype=torch.bool).triu(1)
         probs = torch.softmax(logits.masked_fill(causal, float("-inf")), dim=-1)
@@ -149,7 +162,8 @@ def _check_recomputed_attention(model: torch.nn.Module, what: str) -> None:
         assert diff < 1e-5, f"{what}: layer {module.layer_idx} recomputed attention differs by {diff:.3g}"
         checked.append(module.layer_idx)
 
-    modules = attention_modules(model, "SnapKV", queries=True)
+    modules = [m for m in hf.self_attention_modules(model)
+               if hf.attention_layer_types(model.config)[m.layer_idx] == hf.FULL_ATTENTION]
     handles = [m.register_forward_hook(hook, with_kwargs=True) for m in modules]
     try:
         with torch.inference_mode():
