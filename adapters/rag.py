@@ -125,7 +125,9 @@ def precompute(
 
     Resumable: chunks already in the store (for this model and namespace) are skipped, and each chunk is stored
     as soon as it is computed, so an interrupted run loses at most one chunk. Returns a summary:
-    ``{"documents", "chunks", "computed", "skipped", "tokens", "computed_tokens", "seconds"}``.
+    ``{"documents", "chunks", "computed", "skipped", "tokens", "computed_tokens", "seconds", "dtype"}``: the
+    chunks are keyed by the model's dtype (``dtype``; choose it when loading the model, ``load_model(...,
+    dtype=...)`` or ``kvshelf precompute --dtype``), so generate with the model in that dtype to reuse them.
     """
     check_engine(model, PRECOMPUTE_FEATURE)  # chunks no RAG mode could use are never stored
     namespace = namespace_of(store, namespace)
@@ -144,7 +146,7 @@ def precompute(
         computed_tokens += len(ids)
     return {"documents": len(texts), "chunks": len(chunks), "computed": computed, "skipped": skipped,
             "tokens": sum(len(c) for c in chunks), "computed_tokens": computed_tokens,
-            "seconds": round(time.perf_counter() - started, 3)}
+            "seconds": round(time.perf_counter() - started, 3), "dtype": str(model.dtype).removeprefix("torch.")}
 
 
 @dataclass(frozen=True)

@@ -120,9 +120,12 @@ def precompute(
     chunk_size: Annotated[int, typer.Option(min=1, help="tokens per chunk")] = 256,
     overlap: Annotated[int, typer.Option(min=0, help="tokens shared by consecutive chunks")] = 0,
     pin: Annotated[bool, typer.Option(help="pin the chunks in the store")] = False,
+    dtype: Annotated[str, typer.Option(
+        help="model dtype: float32, bfloat16 or float16 (blocks are keyed by it: generate in the same dtype)")
+    ] = "float32",
 ) -> None:
     """RAG (TurboRAG): chunk documents and store each chunk's KV position-independently; resumable."""
-    from kvshelf.adapters.model import load_model
+    from kvshelf.adapters.model import load_model, resolve_dtype
     from kvshelf.adapters.rag import precompute as run_precompute
     from kvshelf.kvstore.embedded import open_embedded_store
 
@@ -131,7 +134,8 @@ def precompute(
         raise KVShelfError(f"no such file(s): {', '.join(missing)}")
     if overlap >= chunk_size:
         raise KVShelfError(f"--overlap ({overlap}) must be smaller than --chunk-size ({chunk_size})")
-    loaded, tokenizer = load_model(model)
+    resolve_dtype(dtype)  # an unknown dtype is a clear error before the model loads
+    loaded, tokenizer = load_model(model, dtype=dtype)
     store = open_embedded_store(data_dir)
     try:
         summary = run_precompute(None, loaded, tokenizer, store, paths=paths, namespace=namespace,
