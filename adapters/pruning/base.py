@@ -137,7 +137,7 @@ def refusal(method: str, model: nn.Module, feature: str) -> UnsupportedArchitect
 
 
 def attention_modules(model: nn.Module, method: str = "token pruning", *, queries: bool = False,
-                      interface: bool = False, softcap: bool = True) -> list[nn.Module]:
+                      interface: bool = False) -> list[nn.Module]:
     """The self-attention modules of the model's full-attention layers (the ones a method prunes or selects in),
     in layer order, after checking everything the method needs; ``UnsupportedArchitectureError`` naming
     ``method``, the family and the feature otherwise (before any work).
@@ -147,7 +147,6 @@ def attention_modules(model: nn.Module, method: str = "token pruning", *, querie
             ``hf.attention_queries`` knows.
         interface: the method runs as a registered attention function: the model's attention must call
             transformers' attention interface.
-        softcap: the method handles soft-capped attention logits (Gemma 2); ``False`` refuses them.
     """
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "get_text_config"):
@@ -183,8 +182,6 @@ def attention_modules(model: nn.Module, method: str = "token pruning", *, querie
         if interface and not hf.uses_attention_interface(module):
             raise refusal(method, model, f"its attention ({type(module).__name__}) does not call transformers' "
                                          "attention interface, where a selection method runs")
-        if not softcap and hf.attention_softcap(module) is not None:
-            raise refusal(method, model, "attention logit softcapping (attn_logit_softcapping) is not supported")
     return full
 
 

@@ -14,9 +14,9 @@ the top-k of the earlier cache plus its causal part of the chunk.
 
 Model families: it selects in full-attention layers only (a sliding-window layer attends to its window as usual:
 its cache is bounded already), and refuses (``UnsupportedArchitectureError``, when the ``with`` block is entered)
-models whose attention does not go through transformers' attention interface (Falcon), models without any
-full-attention layer (Mistral with its window) and soft-capped attention logits (Gemma 2), which sdpa, its
-full-attention fallback, does not compute.
+models whose attention does not go through transformers' attention interface (Falcon) and models without any
+full-attention layer (Mistral with its window). Soft-capped attention logits (Gemma 2) are capped in the vote and
+the attention, and its full-attention fallback is then the eager formula (sdpa does not cap).
 """
 
 from __future__ import annotations
@@ -70,16 +70,16 @@ class TokenSelect:
         """Tokens attended out of ``past`` cached ones (a count larger than the cache raises ``BudgetError``)."""
         return resolve_budget(self.budget, past)
 
-    def vote(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+    def vote(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, scaling: float,
+             softcap: float | None = None) -> torch.Tensor:
         """Per-head soft vote: ``query [b, h_q, q, d]``, ``key [b, h_kv, n, d]`` -> ``[b, h_kv, q, n]``."""
         g = query.shape[1] // key.shape[1]
-        logits = (query.float() @ key.float().repeat_interleave(g, dim=1).transpose(2, 3)) * scaling
-        probs = torch.softmax(logits, dim=-1)
+        probs = torch.softmax(_logits(query, key, scaling, softcap), dim=-1)
         b, h_q, q, n = probs.shape
         return probs.view(b, h_q // g, g, q, n).sum(2)
 
     def decode(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               scaling: float) -> torch.Tensor:
+               scaling: float, softcap: float | None = None) -> torch.Tensor:
         """One query ``[b, h_q, 1, d]`` over its selection: returns ``[b, 1, h_q, d]``."""
         n = key.shape[2]
         k = self.keep(n)
@@ -97,7 +97,7 @@ class TokenSelect:
             if int(module.layer_idx) == self.first_layer:
                 self.reused += 1
         else:
-            votes = self.vote(module, query, key, scaling)[:, :, 0]  # [b, h_kv, n]
+            votes = self.vote(module, query, key, scaling, softcap)[:, :, 0]  # [b, h_kv, n]
             votes[..., -1] = float("inf")  # the current token always sees itself
             idx = torch.topk(votes, k, dim=-1).indices
             state.query, state.ranked, state.tokens = q, idx, n
@@ -107,30 +107,30 @@ class TokenSelect:
         g = query.shape[1] // key.shape[1]
         b, h_q, _, d = query.shape
         qg = query.view(b, h_q // g, g, d)
-        weights = torch.softmax((qg.float() @ ks.float().transpose(2, 3)) * scaling, dim=-1)
+        weights = torch.softmax(_logits(qg, ks, scaling, softcap), dim=-1)
         out = (weights @ vs.float()).to(query.dtype)  # [b, h_kv, g, d]
         return out.reshape(b, h_q, 1, d).transpose(1, 2)
 
     def chunk(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              scaling: float) -> torch.Tensor:
+              scaling: float, softcap: float | None = None) -> torch.Tensor:
         """``q`` queries after a cache of ``n - q``: each attends to the top-k of the earlier cache (its own vote)
         plus the chunk causally. Returns ``[b, q, h_q, d]``."""
         n, q = key.shape[2], query.shape[2]
         past = n - q
         k = min(self.keep(past), past)
-        votes = self.vote(module, query, key[:, :, :past], scaling)  # [b, h_kv, q, past]
+        votes = self.vote(module, query, key[:, :, :past], scaling, softcap)  # [b, h_kv, q, past]
         chosen = torch.zeros_like(votes, dtype=torch.bool).scatter_(-1, torch.topk(votes, k, dim=-1).indices, True)
         causal = torch.ones(q, q, dtype=torch.bool, device=key.device).tril()
         allowed = torch.cat([chosen, causal.expand(*chosen.shape[:3], q)], dim=-1)  # [b, h_kv, q, n]
         g = query.shape[1] // key.shape[1]
-        logits = (query.float() @ key.float().repeat_interleave(g, dim=1).transpose(2, 3)) * scaling
+        logits = _logits(query, key, scaling, softcap)
         logits = logits.masked_fill(~allowed.repeat_interleave(g, dim=1), float("-inf"))
         out = torch.softmax(logits, dim=-1) @ value.float().repeat_interleave(g, dim=1)
         return out.to(query.dtype).transpose(1, 2)
 
     @contextmanager
     def __call__(self, model: nn.Module) -> Iterator[TokenSelect]:
-        modules = attention_modules(model, self.name, interface=True, softcap=False)  # full-attention layers only
+        modules = attention_modules(model, self.name, interface=True)  # full-attention layers only
         register()
         with hf.attention_implementation(model, IMPLEMENTATION):
             self.first_layer = min(int(m.layer_idx) for m in modules)
@@ -145,9 +145,38 @@ class TokenSelect:
                         delattr(m, _STATE)
 
 
+def _logits(query: torch.Tensor, key: torch.Tensor, scaling: float, softcap: float | None) -> torch.Tensor:
+    """``query [b, h_q, q, d]`` x ``key [b, h_kv, n, d]`` -> float32 logits ``[b, h_q, q, n]``, scaled and (Gemma 2)
+    soft-capped as the model's own attention does."""
+    g = query.shape[1] // key.shape[1]
+    logits = (query.float() @ key.float().repeat_interleave(g, dim=1).transpose(2, 3)) * scaling
+    return logits if softcap is None else torch.tanh(logits / softcap) * softcap
+
+
+def _full_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, scaling: float | None, softcap: float | None,
+                    **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Attention over the whole cache, as the model computes it: sdpa, or (soft-capped logits, which sdpa does not
+    compute) the eager formula under the sdpa-style mask (``[b, 1, q, n]`` bool, ``True`` = attend; ``None`` =
+    causal, the queries being the last ``q`` positions). Returns ``([b, q, h_q, d], None)``."""
+    if softcap is None:
+        return hf.sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    q, n = query.shape[2], key.shape[2]
+    logits = _logits(query, key, scaling if scaling is not None else query.shape[-1] ** -0.5, softcap)
+    if attention_mask is None:
+        attention_mask = torch.ones(q, n, dtype=torch.bool, device=query.device).tril(n - q)
+    if attention_mask.dtype == torch.bool:
+        logits = logits.masked_fill(~attention_mask, float("-inf"))
+    else:
+        logits = logits + attention_mask
+    g = query.shape[1] // key.shape[1]
+    out = torch.softmax(logits, dim=-1) @ value.float().repeat_interleave(g, dim=1)
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
 def tokenselect_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           attention_mask: torch.Tensor | None, scaling: float | None = None,
-                          **kwargs: Any) -> tuple[torch.Tensor, None]:
+                          softcap: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """The registered attention function: ``query [b, h_q, q, d]``, ``key/value [b, h_kv, n, d]`` (whole cache)."""
     method: TokenSelect | None = getattr(module, _STATE, None)
     q, n = query.shape[2], key.shape[2]
@@ -157,12 +186,12 @@ def tokenselect_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
     if method is None or q >= n:
         if method is not None:  # a new prefill: selections of an earlier prompt are stale
             method.layers.pop(int(module.layer_idx), None)
-        return hf.sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        return _full_attention(module, query, key, value, attention_mask, scaling, softcap, **kwargs)
     if q == 1:
         if method.keep(n) >= n:
-            return hf.sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-        return method.decode(module, query, key, value, scale), None
-    return method.chunk(module, query, key, value, scale), None
+            return _full_attention(module, query, key, value, attention_mask, scaling, softcap, **kwargs)
+        return method.decode(module, query, key, value, scale, softcap), None
+    return method.chunk(module, query, key, value, scale, softcap), None
 
 
 def register() -> None:

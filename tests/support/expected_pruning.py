@@ -11,8 +11,7 @@ layers are never pruned (their cache is bounded by the window already): hybrid m
 entered, before any work:
 
 * Mistral with its ``sliding_window``: every layer is sliding-window, nothing a method may prune;
-* TokenSelect on Falcon: its attention does not call transformers' attention interface, where TokenSelect runs;
-* TokenSelect on Gemma 2: soft-capped attention logits, which sdpa (its full-attention fallback) does not compute.
+* TokenSelect on Falcon: its attention does not call transformers' attention interface, where TokenSelect runs.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ METHODS = ("streamingllm", "h2o", "keyformer", "snapkv", "keynorm", "tokenselect
 REFUSED: dict[tuple[str, str], str] = {
     **{("mistral", method): "every attention layer is sliding-window" for method in METHODS},
     ("falcon", "tokenselect"): "attention outside transformers' attention interface",
-    ("gemma2", "tokenselect"): "attention logit softcapping",
 }
 
 EXPECTED: dict[tuple[str, str], str] = {
