@@ -25,7 +25,9 @@ Shapes: ``b`` batch, ``h`` KV heads (``h_q`` query heads), ``n`` tokens, ``d`` h
 
 from __future__ import annotations
 
+import functools
 import inspect
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -54,6 +56,8 @@ __all__ = [
     "sdpa_attention_forward", "set_cache_layer", "supports_sdpa", "switch_attention",
     "FULL_ATTENTION", "SLIDING_ATTENTION", "attention_layer_types", "bridge_layers", "is_sliding_layer",
     "keep_sliding_history", "layer_start", "records_sliding_history",
+    "absolute_position_problem", "attention_head_dim", "attention_queries", "attention_scaling", "attention_softcap",
+    "can_switch_attention", "query_path", "self_attention_modules", "uses_attention_interface",
 ]
 
 
@@ -87,6 +91,12 @@ def attention_implementation(model: PreTrainedModel, name: str) -> Iterator[str]
 def supports_sdpa(model: nn.Module) -> bool:
     """Whether the model class can run with ``sdpa`` attention."""
     return bool(getattr(model, "_supports_sdpa", False))
+
+
+def can_switch_attention(model: nn.Module) -> bool:
+    """Whether ``switch_attention`` works on the model (Falcon's attention ignores it: transformers only warns)."""
+    can = getattr(model, "_can_set_attn_implementation", None)
+    return bool(can()) if callable(can) else False
 
 
 def register_attention(name: str, function: Callable[..., Any], *, sdpa_masks: bool = False) -> None:
@@ -580,4 +590,168 @@ def attention_hook_inputs(args: tuple, kwargs: dict) -> tuple[torch.Tensor | Non
     """From an attention module's forward hook (``with_kwargs=True``): ``(hidden_states [b, n, hidden], the
     cache or None, position_embeddings (cos, sin) each [b, n, d])``."""
     hidden = kwargs.get("hidden_states", args[0] if args else None)
-    return hidden, kwargs.get("past_key_values"), kwargs.get("position_embeddings")
+    cache = kwargs.get("past_key_values", kwargs.get("layer_past"))  # GPT-NeoX and Falcon: ``layer_past``
+    return hidden, cache, kwargs.get("position_embeddings")
+
+
+# -- attention modules of any layout (token pruning and selection) ---------------------------------------------
+
+#: where a causal LM keeps its decoder layers (Llama-style ``model.layers``, GPT-NeoX, Falcon and GPT-2)
+_LAYER_LISTS = (("model", "layers"), ("gpt_neox", "layers"), ("transformer", "h"))
+#: the attribute of a decoder layer's self-attention module, per layout
+_SELF_ATTENTION = ("self_attn", "attention", "self_attention", "attn")
+#: the submodules an attention module may have for ``attention_queries`` to know its query path
+_QUERY_PATH_CHILDREN = frozenset({
+    "q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm", "q_layernorm", "k_layernorm", "qkv_proj",
+    "query_key_value", "dense", "c_attn", "c_proj", "attn_dropout", "resid_dropout", "attention_dropout"})
+
+
+def self_attention_modules(model: nn.Module) -> list[nn.Module]:
+    """Each decoder layer's self-attention module, in layer order, in any layout kvshelf knows: Llama-style
+    ``model.layers[i].self_attn``, GPT-NeoX ``gpt_neox.layers[i].attention``, Falcon
+    ``transformer.h[i].self_attention``, GPT-2 ``transformer.h[i].attn``. Each has a ``layer_idx`` (its cache
+    layer). ``UnsupportedModelError`` otherwise."""
+    for outer, inner in _LAYER_LISTS:
+        layers = getattr(getattr(model, outer, None), inner, None)
+        if isinstance(layers, nn.ModuleList) and len(layers):
+            modules = [next((getattr(layer, a) for a in _SELF_ATTENTION if isinstance(getattr(layer, a, None),
+                                                                                    nn.Module)), None)
+                       for layer in layers]
+            if all(m is not None and isinstance(getattr(m, "layer_idx", None), int) for m in modules):
+                return modules
+    raise UnsupportedModelError(f"{type(model).__name__} has no decoder layers with self-attention modules kvshelf "
+                                "can hook (model.layers[i].self_attn, gpt_neox.layers[i].attention, "
+                                "transformer.h[i].self_attention or .attn, each with a layer_idx)")
+
+
+def absolute_position_problem(model: PreTrainedModel) -> str | None:
+    """Why the model's positions would not survive a cache with gaps (tokens dropped), or ``None``: RoPE, learned
+    absolute positions (GPT-2) are encoded per token from ``position_ids``; ALiBi biases (Falcon ``alibi=True``)
+    are computed from cache indices, which pruning shifts."""
+    text = model.config.get_text_config(decoder=True)
+    if getattr(text, "alibi", False):
+        return "ALiBi attention biases (computed from cache indices, which pruning shifts)"
+    return None
+
+
+def attention_head_dim(module: nn.Module) -> int:
+    """An attention module's head dim (``head_dim``, GPT-NeoX's ``head_size``)."""
+    return int(getattr(module, "head_dim", None) or module.head_size)
+
+
+def attention_scaling(module: nn.Module) -> float:
+    """The factor an attention module multiplies ``q @ k^T`` by: its ``scaling`` (Granite's ``attention_multiplier``,
+    Gemma 2/3's ``query_pre_attn_scalar ** -0.5``, GPT-2's per-layer scaling...), Falcon's ``inv_norm_factor``."""
+    for name in ("scaling", "inv_norm_factor"):
+        value = getattr(module, name, None)
+        if isinstance(value, (int, float)):
+            return float(value)
+    raise UnsupportedModelError(f"attention module {type(module).__name__} has no attention scaling kvshelf reads")
+
+
+def attention_softcap(module: nn.Module) -> float | None:
+    """The soft cap of an attention module's logits (Gemma 2's ``attn_logit_softcapping``), or ``None``."""
+    cap = getattr(module, "attn_logit_softcapping", None)
+    return float(cap) if cap is not None else None
+
+
+def uses_attention_interface(module: nn.Module) -> bool:
+    """Whether the module's forward calls transformers' attention interface (so a registered attention function
+    sees its queries), rather than its own attention code (Falcon's)."""
+    return _calls_interface(type(module))
+
+
+@functools.cache
+def _calls_interface(cls: type) -> bool:
+    try:
+        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+
+
+@functools.cache
+def _interleaved_rotation(cls: type) -> bool:
+    """The rotary convention of the attention class's modeling module, read from its own ``rotate_half`` on a probe:
+    halves (Llama's ``[-x2, x1]``) or interleaved pairs (Cohere's)."""
+    rotate_half = getattr(sys.modules[cls.__module__], "rotate_half", None)
+    out = rotate_half(torch.arange(4.0)).tolist() if callable(rotate_half) else None
+    if out == [-2.0, -3.0, 0.0, 1.0]:
+        return False
+    if out == [-1.0, 0.0, -3.0, 2.0]:
+        return True
+    raise UnsupportedModelError(f"attention module {cls.__name__}: unknown rotary convention (no rotate_half with "
+                                "halves or interleaved pairs in its modeling module)")
+
+
+def query_path(module: nn.Module) -> str:
+    """How ``attention_queries`` recomputes the module's queries: ``"q_proj"`` (Llama-style, with any q norm),
+    ``"qkv_proj"`` (Phi3), ``"gpt_neox"`` / ``"falcon"`` (fused ``query_key_value``), ``"gpt2"`` (``c_attn``).
+    ``UnsupportedModelError`` naming what it does not know (then queries cannot be recomputed exactly)."""
+    unknown = {name for name, _ in module.named_children()} - _QUERY_PATH_CHILDREN
+    if unknown:
+        raise UnsupportedModelError(f"attention module {type(module).__name__} has submodules kvshelf does not know "
+                                    f"on its query path ({', '.join(sorted(unknown))})")
+    if hasattr(module, "q_proj"):
+        path = "q_proj"
+    elif hasattr(module, "qkv_proj"):
+        path = "qkv_proj"
+    elif hasattr(module, "query_key_value"):
+        path = "falcon" if hasattr(module, "new_decoder_architecture") else "gpt_neox"
+    elif hasattr(module, "c_attn") and not getattr(module, "is_cross_attention", False):
+        path = "gpt2"
+    else:
+        raise UnsupportedModelError(f"attention module {type(module).__name__}: no query projection kvshelf knows")
+    if path != "gpt2":
+        _interleaved_rotation(type(module))
+    return path
+
+
+def _fused_queries(module: nn.Module, hidden: torch.Tensor, path: str, d: int) -> torch.Tensor:
+    """``[b, n, h_q, d]`` queries of the fused projections (before any norm or RoPE)."""
+    b, n, _ = hidden.shape
+    if path == "qkv_proj":  # Phi3: [q | k | v] along the output
+        return module.qkv_proj(hidden)[..., : module.config.num_attention_heads * d].view(b, n, -1, d)
+    if path == "gpt_neox":  # per head [q | k | v]
+        return module.query_key_value(hidden).view(b, n, -1, 3 * d)[..., :d]
+    if path == "gpt2":
+        return module.c_attn(hidden).split(module.split_size, dim=2)[0].view(b, n, -1, d)
+    fused = module.query_key_value(hidden)  # Falcon, as its _split_heads
+    if module.new_decoder_architecture:
+        return fused.view(b, n, -1, module.num_heads // module.num_kv_heads + 2, d)[:, :, :, :-2].flatten(2, 3)
+    if not module.multi_query:
+        return fused.view(b, n, module.num_heads, 3, d)[..., 0, :]
+    return fused.view(b, n, module.num_heads + 2, d)[..., :-2, :]
+
+
+def attention_queries(module: nn.Module, hidden: torch.Tensor,
+                      embeddings: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """The module's queries of ``hidden`` ``[b, n, hidden]`` (its normed input), as its own forward computes them
+    before attending: projection (``query_path``), q norm where the family puts it (OLMo2: over all heads before
+    the head split; Qwen3, Gemma3, Cohere: per head; StableLM: per-head layer norms), then RoPE with
+    ``embeddings`` (HF's ``(cos, sin)`` ``[b, n, rotary_dim]``; partial rotary: only the first ``rotary_dim`` dims
+    of each head rotate; Cohere's interleaved pairs), none for GPT-2. Returns ``[b, h_q, n, d]``."""
+    from kvshelf.reuse.rope import apply_rope
+
+    path, d = query_path(module), attention_head_dim(module)
+    b, n, _ = hidden.shape
+    if path == "q_proj":
+        q = module.q_proj(hidden)
+        norm = getattr(module, "q_norm", None)
+        if norm is not None and getattr(module, "use_qk_norm", True):
+            weight = getattr(norm, "weight", None)
+            if weight is not None and weight.dim() == 1 and weight.numel() == q.shape[-1] != d:
+                q = norm(q).view(b, n, -1, d)  # OLMo2: one norm over every head's dims
+            else:
+                q = norm(q.view(b, n, -1, d))  # Qwen3, Gemma3, Cohere: per head
+        else:
+            q = q.view(b, n, -1, d)
+    else:
+        q = _fused_queries(module, hidden, path, d)
+    q = q.transpose(1, 2)  # [b, h_q, n, d]
+    if getattr(module, "qk_layernorm", False):
+        q = module.q_layernorm(q)  # StableLM: per-head layer norms on [b, h_q, n, d]
+    if path == "gpt2" or embeddings is None:
+        return q
+    cos, sin = (t.unsqueeze(1) for t in embeddings)  # [b, 1, n, rotary_dim]
+    return apply_rope(q, cos.to(q.dtype), sin.to(q.dtype), rotary_dim=cos.shape[-1],
+                      interleaved=_interleaved_rotation(type(module)))
