@@ -52,12 +52,13 @@ __all__ = [
     "cache_of_layers", "cache_tensors", "decoder", "decoder_layers", "dequantize_cache", "fill_layer", "final_norm",
     "full_attention_layers", "input_embeddings", "kv_projection_weights", "layer_tensors", "lm_logits",
     "model_type", "new_cache", "position_embeddings",
-    "project_queries", "quantized_cache", "register_attention", "rotary", "run_decoder_layer",
+    "quantized_cache", "register_attention", "rotary", "run_decoder_layer",
     "sdpa_attention_forward", "set_cache_layer", "supports_sdpa", "switch_attention",
     "FULL_ATTENTION", "SLIDING_ATTENTION", "attention_layer_types", "bridge_layers", "is_sliding_layer",
     "keep_sliding_history", "layer_start", "records_sliding_history",
     "absolute_position_problem", "attention_head_dim", "attention_queries", "attention_scaling", "attention_softcap",
-    "can_switch_attention", "query_path", "self_attention_modules", "uses_attention_interface",
+    "can_switch_attention", "eager_attention_function", "query_path", "self_attention_modules",
+    "uses_attention_interface",
 ]
 
 
@@ -576,16 +577,6 @@ def kv_projection_weights(model: nn.Module) -> list[tuple[torch.Tensor, torch.Te
     return [(m.k_proj.weight.detach(), m.v_proj.weight.detach()) for m in attention_modules(model)]
 
 
-def project_queries(module: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """An attention module's queries of ``hidden`` ``[b, n, hidden]`` (its normed input), before RoPE:
-    ``[b, h_q, n, d]`` (with the per-head query norm of Qwen3-style models)."""
-    b, n, _ = hidden.shape
-    q = module.q_proj(hidden).view(b, n, -1, module.head_dim)
-    if hasattr(module, "q_norm"):
-        q = module.q_norm(q)
-    return q.transpose(1, 2)
-
-
 def attention_hook_inputs(args: tuple, kwargs: dict) -> tuple[torch.Tensor | None, Any, Any]:
     """From an attention module's forward hook (``with_kwargs=True``): ``(hidden_states [b, n, hidden], the
     cache or None, position_embeddings (cos, sin) each [b, n, d])``."""
@@ -653,6 +644,16 @@ def attention_softcap(module: nn.Module) -> float | None:
     """The soft cap of an attention module's logits (Gemma 2's ``attn_logit_softcapping``), or ``None``."""
     cap = getattr(module, "attn_logit_softcapping", None)
     return float(cap) if cap is not None else None
+
+
+def eager_attention_function(module: nn.Module) -> Callable[..., Any]:
+    """The eager attention function of the module's modeling file (what it runs under ``attn_implementation=
+    "eager"``): ``(module, query, key, value, additive_mask, scaling=..., dropout=..., [softcap=...]) ->
+    (output [b, q, h_q, d], weights)``."""
+    function = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if not callable(function):
+        raise UnsupportedModelError(f"attention module {type(module).__name__}: no eager attention function")
+    return function
 
 
 def uses_attention_interface(module: nn.Module) -> bool:

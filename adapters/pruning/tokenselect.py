@@ -36,6 +36,7 @@ from kvshelf.adapters.pruning.errors import PruningError
 
 IMPLEMENTATION = "kvshelf_tokenselect"
 _STATE = "_kvshelf_tokenselect"
+_FALLBACK = "_kvshelf_tokenselect_fallback"  # the implementation the model ran with before ("sdpa", "eager")
 
 
 @dataclass
@@ -132,10 +133,13 @@ class TokenSelect:
     def __call__(self, model: nn.Module) -> Iterator[TokenSelect]:
         modules = attention_modules(model, self.name, interface=True)  # full-attention layers only
         register()
-        with hf.attention_implementation(model, IMPLEMENTATION):
+        every = hf.self_attention_modules(model)
+        with hf.attention_implementation(model, IMPLEMENTATION) as previous:
             self.first_layer = min(int(m.layer_idx) for m in modules)
             for m in modules:
                 setattr(m, _STATE, self)
+            for m in every:  # full attention (a prefill, a sliding layer) as the model ran it before
+                setattr(m, _FALLBACK, previous)
             self.layers.clear()
             try:
                 yield self
@@ -143,6 +147,9 @@ class TokenSelect:
                 for m in modules:
                     if getattr(m, _STATE, None) is self:
                         delattr(m, _STATE)
+                for m in every:
+                    if hasattr(m, _FALLBACK):
+                        delattr(m, _FALLBACK)
 
 
 def _logits(query: torch.Tensor, key: torch.Tensor, scaling: float, softcap: float | None) -> torch.Tensor:
@@ -156,22 +163,23 @@ def _logits(query: torch.Tensor, key: torch.Tensor, scaling: float, softcap: flo
 def _full_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, scaling: float | None, softcap: float | None,
                     **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """Attention over the whole cache, as the model computes it: sdpa, or (soft-capped logits, which sdpa does not
-    compute) the eager formula under the sdpa-style mask (``[b, 1, q, n]`` bool, ``True`` = attend; ``None`` =
-    causal, the queries being the last ``q`` positions). Returns ``([b, q, h_q, d], None)``."""
-    if softcap is None:
+    """Attention over the whole cache, as the model computes it without TokenSelect: sdpa, or the model's own eager
+    function when it ran eager before (the same numbers in bf16) or caps its logits (Gemma 2; sdpa does not), under
+    the sdpa-style mask turned additive (``[b, 1, q, n]`` bool, ``True`` = attend; ``None`` = causal, the queries
+    being the last ``q`` positions). Returns ``([b, q, h_q, d], None)``."""
+    if softcap is None and getattr(module, _FALLBACK, "sdpa") != "eager":
         return hf.sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     q, n = query.shape[2], key.shape[2]
-    logits = _logits(query, key, scaling if scaling is not None else query.shape[-1] ** -0.5, softcap)
     if attention_mask is None:
         attention_mask = torch.ones(q, n, dtype=torch.bool, device=query.device).tril(n - q)
     if attention_mask.dtype == torch.bool:
-        logits = logits.masked_fill(~attention_mask, float("-inf"))
-    else:
-        logits = logits + attention_mask
-    g = query.shape[1] // key.shape[1]
-    out = torch.softmax(logits, dim=-1) @ value.float().repeat_interleave(g, dim=1)
-    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+        attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~attention_mask, torch.finfo(query.dtype).min)
+    extra = {"softcap": softcap} if softcap is not None else {}
+    kwargs.pop("dropout", None)
+    out, _ = hf.eager_attention_function(module)(module, query, key, value, attention_mask, scaling=scaling,
+                                                 dropout=0.0, **extra, **kwargs)
+    return out, None
 
 
 def tokenselect_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

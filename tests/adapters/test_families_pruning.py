@@ -40,8 +40,8 @@ from kvshelf.adapters.pruning.base import attention_modules
 PROMPT, NEW = 40, 4  # the prompt is longer than the windowed families' window (24)
 IDS = torch.randint(3, 500, (PROMPT,), generator=torch.Generator().manual_seed(1)).tolist()
 
-_MODELS: dict[tuple[str, str], torch.nn.Module] = {}
-_REFERENCES: dict[tuple[str, str], Output] = {}
+_MODELS: dict[tuple[str, str, torch.dtype], torch.nn.Module] = {}
+_REFERENCES: dict[tuple[str, str, torch.dtype], Output] = {}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -53,17 +53,17 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def _model(family: str, attn: str) -> torch.nn.Module:
-    """Each family's tiny model, built once per attention implementation."""
-    if (family, attn) not in _MODELS:
-        _MODELS[(family, attn)] = family_model(family, attn=attn)
-    return _MODELS[(family, attn)]
+def _model(family: str, attn: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """Each family's tiny model, built once per attention implementation and dtype."""
+    if (family, attn, dtype) not in _MODELS:
+        _MODELS[(family, attn, dtype)] = family_model(family, attn=attn, dtype=dtype)
+    return _MODELS[(family, attn, dtype)]
 
 
-def _reference(family: str, attn: str) -> Output:
-    if (family, attn) not in _REFERENCES:
-        _REFERENCES[(family, attn)] = plain_generate(_model(family, attn), IDS, NEW)
-    return _REFERENCES[(family, attn)]
+def _reference(family: str, attn: str, dtype: torch.dtype = torch.float32) -> Output:
+    if (family, attn, dtype) not in _REFERENCES:
+        _REFERENCES[(family, attn, dtype)] = plain_generate(_model(family, attn, dtype), IDS, NEW)
+    return _REFERENCES[(family, attn, dtype)]
 
 
 def _needs_eager(name: str) -> bool:
@@ -118,6 +118,24 @@ def test_cell(family: str, name: str, attn: str) -> None:
             assert session.kept[i].shape[-1] == keep and layer.get_seq_length() == keep + NEW - 1
         else:  # a sliding-window layer is not pruned: it keeps its window
             assert hf.is_sliding_layer(layer), f"{family}: layer {i} is neither pruned nor sliding"
+
+
+BF16_CELLS = [(family, name) for family in CONFIGS for name in METHODS if EXPECTED[(family, name)] == EXACT]
+
+
+@pytest.mark.parametrize(("family", "name"), BF16_CELLS)
+def test_bf16_full_budget(family: str, name: str) -> None:
+    """bf16: budget 1.0 gives plain ``generate``'s tokens (logits within the bf16 tolerance), also when TokenSelect
+    falls back to full attention on a model loaded with eager (it runs the model's own eager function)."""
+    attn = "eager" if _needs_eager(name) else attn_implementations(family)[-1]
+    model, cls = _model(family, attn, torch.bfloat16), METHODS[name]
+
+    def full() -> Output:
+        _, out = _generate(model, cls(budget=1.0), [])
+        return Output(out.sequences[0, PROMPT:].tolist(), [lg[0].float() for lg in out.logits])
+
+    assert run_cell(model, cls(budget=1.0).name, full, lambda: _reference(family, attn, torch.bfloat16),
+                    dtype=torch.bfloat16) == EXACT
 
 
 SDPA_FAMILIES = [f for f in CONFIGS if "sdpa" in attn_implementations(f)]
