@@ -118,12 +118,12 @@ class CachedGenerator:
                                   partial=cacheable_prefix is not None)
 
     def _load_prefix(self, ids: list[int], cacheable_prefix: int | None,
-                     fingerprint: str) -> tuple[int, int, Any, tuple[int, tuple[str, ...]]]:
-        """``(reused, loaded, cache, other dtypes)``: the longest cached prefix as a cache of ``reused`` tokens,
-        at most ``len(ids) - 1`` (one token must be prefilled), ``loaded`` the tokens of the blocks found; when
-        none is found, ``other_dtype_blocks`` and ``other_dtypes`` of the result."""
+                     fingerprint: str) -> tuple[int, int, Any, bool]:
+        """``(reused, loaded, cache, missed)``: the longest cached prefix as a cache of ``reused`` tokens, at most
+        ``len(ids) - 1`` (one token must be prefilled), ``loaded`` the tokens of the blocks found; ``missed``:
+        blocks were looked up and none was found."""
         if self.store is None or len(ids) < 2:
-            return 0, 0, None, (0, ())
+            return 0, 0, None, False
         spans = self._spans(ids, cacheable_prefix, fingerprint)
         keys = [span.key for span in spans]
         tokens = [span.end - span.start for span in spans]
@@ -132,7 +132,7 @@ class CachedGenerator:
             if keys else 0
         )
         if not found:
-            return 0, 0, None, self._other_dtype_blocks(ids, cacheable_prefix) if keys else (0, ())
+            return 0, 0, None, bool(keys)
         blocks = self.store.get_prepared_many(keys[:found], fingerprint=fingerprint, namespace=self.namespace,
                                               tokens=tokens[:found])
         usable = []
@@ -141,17 +141,18 @@ class CachedGenerator:
                 break
             usable.append(block)
         if not usable:
-            return 0, 0, None, (0, ())
+            return 0, 0, None, False
         loaded = sum(b.num_tokens for b in usable)
         reused = min(loaded, len(ids) - 1)
         cache = cache_from_prepared(usable, self.model.config, max_tokens=reused, device=self.model.device,
                                     dtype=self.model.dtype)
-        return reused, loaded, cache, (0, ())
+        return reused, loaded, cache, False
 
     def _other_dtype_blocks(self, ids: list[int], cacheable_prefix: int | None) -> tuple[int, tuple[str, ...]]:
         """Blocks of this prompt's prefix stored for the model's weights cast to another common dtype, and those
         dtypes. Each probe looks up the first block alone (one counted lookup for that dtype's fingerprint when it
-        is absent, the usual case), then the rest of the chain."""
+        is absent, the usual case), then the rest of the chain. Run after generating, on a miss only: the
+        fingerprints cost one weight digest per dtype once (memoized), the lookups one store call per dtype."""
         count, dtypes = 0, []
         for name, fingerprint in other_dtype_fingerprints(self.model).items():
             keys = [span.key for span in self._spans(ids, cacheable_prefix, fingerprint)]
@@ -216,8 +217,8 @@ class CachedGenerator:
             raise ConfigError("CachedGenerator measures TTFT with its own streamer; 'streamer' is not accepted")
         started = time.perf_counter()
         fingerprint = self.fingerprint  # this call's: blocks are looked up and stored for the model as it is now
-        reused, loaded, cache, (other_blocks, other_dtypes) = (
-            self._load_prefix(ids, cacheable_prefix, fingerprint) if reuse else (0, 0, None, (0, ())))
+        reused, loaded, cache, missed = (
+            self._load_prefix(ids, cacheable_prefix, fingerprint) if reuse else (0, 0, None, False))
         if self._sliding and store and self.store is not None:  # the blocks to store need every token
             cache = cache if cache is not None else hf.new_cache(self.model.config)
             hf.keep_sliding_history(cache)
@@ -239,6 +240,8 @@ class CachedGenerator:
         new_ids = [int(t) for t in out.sequences[0, len(ids) :].tolist()]
         stored = (self._store_prompt_blocks(ids, out.past_key_values, loaded, cacheable_prefix, fingerprint)
                   if store else 0)
+        # after the answer (TTFT does not pay for it): what a miss would have found in another dtype
+        other_blocks, other_dtypes = self._other_dtype_blocks(ids, cacheable_prefix) if missed else (0, ())
         text = self.tokenizer.decode(new_ids, skip_special_tokens=True) if self.tokenizer is not None else None
         return GenerationResult(
             prompt_ids=ids,
