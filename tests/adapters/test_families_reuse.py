@@ -192,3 +192,31 @@ def test_bf16_cell(family, path):
             [CHUNKS[0]], QUESTION, mode="reuse", max_new_tokens=NEW, eos_token_id=None)),
             lambda: plain_generate(model, CHUNKS[0] + QUESTION, NEW), dtype=torch.bfloat16)
     assert outcome == EXACT
+
+
+@pytest.mark.parametrize(("family", "rotary_dim", "interleaved"), [
+    ("llama", 16, False), ("phi3-partial", 8, False), ("stablelm", 4, False), ("gpt-neox", 4, False),
+    ("cohere", 16, True), ("gemma3-full", 16, False)])
+def test_rotary_convention_is_read_from_the_model(family, rotary_dim, interleaved):
+    """Partial rotary and interleaved pairs come from the model's own rotary embedding (head dim 16)."""
+    rotary = rope(_model(family, "sdpa"))
+    assert (rotary.rotary_dim, rotary.interleaved) == (rotary_dim, interleaved)
+
+
+def test_a_forward_detail_the_engine_does_not_know_is_refused_before_any_work():
+    """The once-per-model self-check: a model whose own forward does something the layer-by-layer engine does not
+    (here: logits doubled by a hook) is refused, naming family and feature, and nothing is stored."""
+    model = family_model("llama")  # its own instance: the self-check's verdict is kept per model
+
+    def doubled(module, args, output):  # noqa: ANN001, ANN202
+        output.logits = output.logits * 2
+        return output
+
+    model.register_forward_hook(doubled)
+    store = _Store()
+    for feature, start in ((RAG_FEATURE, lambda: RAGGenerator(model, None, store)),
+                           (RAG_FEATURE, lambda: precompute(["a b c d"], model, _WordTokenizer(), store,
+                                                            chunk_size=2, progress=False)),
+                           (MODULES_FEATURE, lambda: PromptModuleGenerator(model, _WordTokenizer(), store,
+                                                                           SCHEMA_MARKUP))):
+        assert run_cell(model, feature, start, Output([]), nothing_stored=lambda: not store.blocks) == REFUSED

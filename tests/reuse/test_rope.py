@@ -84,3 +84,59 @@ def test_the_xquant_codec_twin_equals_reuse_rope(bound):
     back = xquant._rope(rotated, cos_c, sin_c, inverse=True)  # noqa: SLF001
     assert torch.allclose(back, unrope(rotated, cos[:, None], sin[:, None], scaling), atol=1e-6)
     assert torch.allclose(back, x, atol=1e-5)
+
+
+def _hf_partial(x: torch.Tensor, cos_full: torch.Tensor, sin_full: torch.Tensor) -> torch.Tensor:
+    """HF's partial rotary (Phi3, StableLM, GPT-NeoX): the first ``cos.shape[-1]`` dims rotate, the rest pass."""
+    rot, rest = x[..., : cos_full.shape[-1]], x[..., cos_full.shape[-1]:]
+    return torch.cat([rot * cos_full + rotate_half(rot) * sin_full, rest], dim=-1)
+
+
+def _cohere_rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """Cohere's ``rotate_half``: interleaved pairs ``(x_2i, x_2i+1) -> (-x_2i+1, x_2i)``."""
+    return torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).flatten(-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_partial_rotary_is_hf_bit_for_bit(dtype):
+    """Partial rotary (``rotary_dim`` < head dim): HF's rotation of the first dims, the rest unchanged, bit for bit
+    with half-width or HF's full-width tables; rerotation moves only the rotated dims."""
+    inv_freq = _inv_freq()[: DIM // 4]  # rotary_dim = DIM / 2 (Phi3's partial_rotary_factor=0.5)
+    rotary_dim = 2 * inv_freq.numel()
+    x = torch.randn(2, 3, 7, DIM, generator=torch.Generator().manual_seed(4)).to(dtype)
+    freqs = torch.arange(100, 107)[:, None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos_full, sin_full = emb.cos().to(dtype), emb.sin().to(dtype)
+    expected = _hf_partial(x, cos_full, sin_full)
+    cos, sin = rope_cos_sin(torch.arange(100, 107), inv_freq)
+    assert torch.equal(_bits(apply_rope(x, cos.to(dtype), sin.to(dtype), rotary_dim=rotary_dim)), _bits(expected))
+    assert torch.equal(_bits(apply_rope(x, cos_full, sin_full, rotary_dim=rotary_dim)), _bits(expected))
+    keys = torch.randn(2, 2, 5, DIM, generator=torch.Generator().manual_seed(5))
+    cos0, sin0 = rope_cos_sin(torch.arange(5), inv_freq)
+    at_zero = apply_rope(keys, cos0, sin0, rotary_dim=rotary_dim)
+    cos37, sin37 = rope_cos_sin(torch.arange(37, 42), inv_freq)
+    moved = rerotate_keys(at_zero, 37, inv_freq)
+    assert torch.allclose(moved, apply_rope(keys, cos37, sin37, rotary_dim=rotary_dim), atol=1e-5)
+    assert torch.equal(moved[..., rotary_dim:], keys[..., rotary_dim:])  # the pass-through dims are untouched
+    scaled = apply_rope(keys, cos37 * 1.2, sin37 * 1.2, rotary_dim=rotary_dim)  # HF's attention scaling
+    assert torch.allclose(unrope(scaled, cos37 * 1.2, sin37 * 1.2, 1.2, rotary_dim=rotary_dim), keys, atol=1e-5)
+
+
+def test_interleaved_rotary_is_cohere_bit_for_bit():
+    """Interleaved pairs ``(2i, 2i + 1)`` (Cohere's ``repeat_interleave`` tables and ``rotate_half``) bit for bit;
+    rerotating interleaved keys equals computing them at the new position, and differs from the halves
+    convention (what moving Cohere's keys used to do)."""
+    x = torch.randn(2, 3, 7, DIM, generator=torch.Generator().manual_seed(6))
+    freqs = torch.arange(100, 107)[:, None].float() * _inv_freq()
+    emb = torch.repeat_interleave(freqs, 2, dim=-1)
+    expected = x * emb.cos() + _cohere_rotate_half(x) * emb.sin()
+    cos, sin = rope_cos_sin(torch.arange(100, 107), _inv_freq())
+    assert torch.equal(_bits(apply_rope(x, cos, sin, interleaved=True)), _bits(expected))
+    assert torch.equal(_bits(apply_rope(x, emb.cos(), emb.sin(), interleaved=True)), _bits(expected))
+    cos0, sin0 = rope_cos_sin(torch.arange(7), _inv_freq())
+    at_zero = apply_rope(x, cos0, sin0, interleaved=True)
+    moved = rerotate_keys(at_zero, 100, _inv_freq(), interleaved=True)
+    assert torch.allclose(moved, expected, atol=1e-4)
+    assert (rerotate_keys(at_zero, 100, _inv_freq()) - expected).abs().max() > 0.5
+    back = unrope(expected, cos, sin, interleaved=True)
+    assert torch.allclose(back, x, atol=1e-5)
