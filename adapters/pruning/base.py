@@ -33,6 +33,7 @@ Shapes: ``b`` batch, ``h_q`` query heads, ``h_kv`` KV heads (the cache's heads),
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
@@ -44,7 +45,7 @@ from torch import nn
 from kvshelf.adapters import hf
 from kvshelf.adapters.pruning.budget import check_budget, resolve_budget
 from kvshelf.adapters.pruning.errors import AttentionImplementationError, UnsupportedArchitectureError
-from kvshelf.adapters.pruning.layout import GrowingLayer, cache_bytes, growing_cache
+from kvshelf.adapters.pruning.layout import GrowingLayer, cache_bytes
 from kvshelf.kvstore.errors import UnsupportedModelError
 
 _ATTN_WEIGHT_IMPLEMENTATIONS = ("eager",)
@@ -386,7 +387,14 @@ def scoring(model: nn.Module, methods: dict[str, PruningMethod]) -> Iterator[dic
 def prune_cache(cache: Any, kept: dict[int, torch.Tensor]) -> Any:
     """A new ``DynamicCache`` holding, per layer, only the tokens ``kept[layer] [b, h_kv, k]`` of ``cache``.
 
-    Its layers are ``GrowingLayer`` s (in-place decode appends), as in a cache pruned by ``with method(model):``.
+    Pruned layers are ``GrowingLayer`` s (in-place decode appends), as in a cache pruned by ``with method(model):``;
+    a layer without an entry in ``kept`` (a sliding-window layer, which methods do not prune) is copied as it is.
     """
-    return growing_cache([(gather_tokens(keys, kept[i]), gather_tokens(values, kept[i]))
-                          for i, (keys, values) in enumerate(hf.cache_tensors(cache))])
+    layers = []
+    for i, layer in enumerate(hf.cache_layers(cache)):
+        if i in kept:
+            keys, values = hf.layer_tensors(layer)
+            layers.append(GrowingLayer.of(gather_tokens(keys, kept[i]), gather_tokens(values, kept[i])))
+        else:
+            layers.append(copy.deepcopy(layer))
+    return hf.cache_of_layers(layers)

@@ -33,7 +33,9 @@ from kvshelf.adapters.pruning import (
     PruningMethod,
     SnapKV,
     StreamingLLM,
+    prune_cache,
     resolve_budget,
+    scoring,
 )
 from kvshelf.adapters.pruning.base import attention_modules
 
@@ -254,3 +256,27 @@ def test_positions_stay_absolute_after_pruning(family: str) -> None:
                            position_ids=torch.tensor([[PROMPT + step]])).logits
             tokens.append(int(logits[0, -1].argmax()))
     assert out[0, PROMPT:].tolist() == tokens
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2-window", "gemma2", "gemma3"])
+def test_scoring_and_prune_cache_match_hooked_pruning(family: str) -> None:
+    """``scoring`` + ``prune_cache`` (the benchmark's path) build the cache ``with method(model):`` leaves, hybrid
+    models included (sliding layers copied as they are), and decode the same tokens."""
+    model = _model(family, "eager")
+    ids = torch.tensor([IDS])
+    with torch.inference_mode():
+        cache = tf.DynamicCache(config=model.config)
+        with scoring(model, {"snap": SnapKV(0.5, window=8)}) as kept:
+            first = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1].argmax()
+        pruned = prune_cache(cache, kept["snap"])
+        own = tf.DynamicCache(config=model.config)
+        with SnapKV(0.5, window=8)(model):
+            model(input_ids=ids, past_key_values=own, use_cache=True)
+        for a, b in zip(hf.cache_layers(pruned), hf.cache_layers(own), strict=True):
+            assert type(a) is type(b) and torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        token = first.view(1, 1)
+        for step in range(NEW):
+            a = model(input_ids=token, past_key_values=pruned, position_ids=torch.tensor([[PROMPT + step]])).logits
+            b = model(input_ids=token, past_key_values=own, position_ids=torch.tensor([[PROMPT + step]])).logits
+            assert torch.equal(a, b)
+            token = a[:, -1:].argmax(-1)
