@@ -176,8 +176,22 @@ def test_cell(family, attn, path):
 
 
 BF16_CELLS = [pytest.param(family, path, id=f"{family}-bf16-{path}")
-              for family in ("llama", "cohere", "granite", "stablelm", "phi3-partial")
-              for path in ("rag-reuse", "prompt-modules")]
+              for family in ("llama", "cohere", "granite", "stablelm", "phi3-partial", "gpt-neox") for path in PATHS]
+
+
+def _bf16_limit(model, path: str) -> tuple[Callable[[], Output], Callable[[], Output]]:  # noqa: ANN001
+    """A RAG path's exact limiting case: ``(run, reference)``."""
+    if path == "rag-reuse":
+        return (lambda: _rag_output(RAGGenerator(model, None, _Store()).generate(
+            [CHUNKS[0]], QUESTION, mode="reuse", max_new_tokens=NEW, eos_token_id=None)),
+            lambda: plain_generate(model, CHUNKS[0] + QUESTION, NEW))
+    if path == "rag-blend":
+        return (lambda: _rag_output(RAGGenerator(model, None, _Store(), prefix=PREFIX, recompute_ratio=1.0).generate(
+            CHUNKS, QUESTION, mode="reuse-blend", max_new_tokens=NEW, eos_token_id=None)),
+            lambda: plain_generate(model, PREFIX + sum(CHUNKS, []) + QUESTION, NEW))
+    return (lambda: _rag_output(RAGGenerator(model, None, _Store(), prefix=PREFIX).generate(
+        [CHUNKS[1]], QUESTION, mode="block-attention", max_new_tokens=NEW, eos_token_id=None)),
+        lambda: plain_generate(model, PREFIX + CHUNKS[1] + QUESTION, NEW))
 
 
 @pytest.mark.parametrize(("family", "path"), BF16_CELLS)
@@ -187,10 +201,8 @@ def test_bf16_cell(family, path):
     if path == "prompt-modules":
         outcome = _modules_cell(model, torch.bfloat16)
     else:
-        store = _Store()
-        outcome = run_cell(model, RAG_FEATURE, lambda: _rag_output(RAGGenerator(model, None, store).generate(
-            [CHUNKS[0]], QUESTION, mode="reuse", max_new_tokens=NEW, eos_token_id=None)),
-            lambda: plain_generate(model, CHUNKS[0] + QUESTION, NEW), dtype=torch.bfloat16)
+        run, reference = _bf16_limit(model, path)
+        outcome = run_cell(model, RAG_FEATURE, run, reference, dtype=torch.bfloat16)
     assert outcome == EXACT
 
 
