@@ -641,9 +641,19 @@ def attention_scaling(module: nn.Module) -> float:
 
 
 def attention_softcap(module: nn.Module) -> float | None:
-    """The soft cap of an attention module's logits (Gemma 2's ``attn_logit_softcapping``), or ``None``."""
+    """The soft cap the module applies to its attention logits (Gemma 2 passes its ``attn_logit_softcapping`` to
+    the attention function), or ``None``: Gemma 3 keeps the attribute but never passes it (its logits are not
+    capped)."""
     cap = getattr(module, "attn_logit_softcapping", None)
-    return float(cap) if cap is not None else None
+    return float(cap) if cap is not None and _passes_softcap(type(module)) else None
+
+
+@functools.cache
+def _passes_softcap(cls: type) -> bool:
+    try:
+        return "softcap=" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return True  # cannot tell: assume the cap applies (as the attribute says)
 
 
 def eager_attention_function(module: nn.Module) -> Callable[..., Any]:

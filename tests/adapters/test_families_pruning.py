@@ -211,6 +211,10 @@ VARIANTS = {
     "cohere-qk-norm": lambda: tf.CohereConfig(**_small(), use_qk_norm=True),
     "falcon-multi-query": lambda: tf.FalconConfig(**_falcon(), new_decoder_architecture=False, multi_query=True),
     "falcon-multi-head": lambda: tf.FalconConfig(**_falcon(), new_decoder_architecture=False, multi_query=False),
+    # a soft cap small enough to matter on a tiny model; Gemma 3 has the attribute but does not cap its logits
+    "gemma2-softcap": lambda: tf.Gemma2Config(**_small(), head_dim=16, sliding_window=24, attn_logit_softcapping=1.0),
+    "gemma3-softcap-unused": lambda: tf.Gemma3TextConfig(**_small(), head_dim=16, attn_logit_softcapping=1.0,
+                                                         layer_types=["full_attention"] * 2),
 }
 
 
