@@ -228,10 +228,17 @@ def _falcon() -> dict:
             "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
 
+def _variant(variant: str) -> torch.nn.Module:
+    if (variant, "eager", None) not in _MODELS:
+        torch.manual_seed(0)
+        config = VARIANTS[variant]()
+        _MODELS[(variant, "eager", None)] = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    return _MODELS[(variant, "eager", None)].eval()
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_recomputed_queries_follow_variants(variant: str) -> None:
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(VARIANTS[variant](), attn_implementation="eager").eval()
+    model = _variant(variant)
     _check_recomputed_attention(model, variant)
     with torch.inference_mode(), SnapKV(0.5, window=8)(model) as session:
         model.generate(torch.tensor([IDS]), max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -284,3 +291,16 @@ def test_scoring_and_prune_cache_match_hooked_pruning(family: str) -> None:
             b = model(input_ids=token, past_key_values=own, position_ids=torch.tensor([[PROMPT + step]])).logits
             assert torch.equal(a, b)
             token = a[:, -1:].argmax(-1)
+
+
+@pytest.mark.parametrize(("variant", "name"), [(v, n) for v in sorted(VARIANTS) for n in METHODS])
+def test_variant_full_budget(variant: str, name: str) -> None:
+    """The variants' budget 1.0 cells (eager): exact, or refused (TokenSelect on Falcon)."""
+    model, cls = _variant(variant), METHODS[name]
+
+    def full() -> Output:
+        _, out = _generate(model, cls(budget=1.0), [])
+        return Output(out.sequences[0, PROMPT:].tolist(), [lg[0].float() for lg in out.logits])
+
+    outcome = run_cell(model, cls(budget=1.0).name, full, lambda: plain_generate(model, IDS, NEW))
+    assert outcome == (REFUSED if variant.startswith("falcon") and name == "tokenselect" else EXACT)
