@@ -229,11 +229,12 @@ def _falcon() -> dict:
 
 
 def _variant(variant: str) -> torch.nn.Module:
-    if (variant, "eager", None) not in _MODELS:
+    """A variant's tiny model (eager, fp32), built once."""
+    key = (variant, "eager", torch.float32)
+    if key not in _MODELS:
         torch.manual_seed(0)
-        config = VARIANTS[variant]()
-        _MODELS[(variant, "eager", None)] = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    return _MODELS[(variant, "eager", None)].eval()
+        _MODELS[key] = tf.AutoModelForCausalLM.from_config(VARIANTS[variant](), attn_implementation="eager").eval()
+    return _MODELS[key]
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
