@@ -36,6 +36,7 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from kvshelf.adapters import hf
 from kvshelf.adapters.cache_bridge import blocks_from_cache
 from kvshelf.adapters.fingerprint import model_fingerprint
 from kvshelf.adapters.prompts import prompt_ids
@@ -47,12 +48,13 @@ from kvshelf.adapters.reuse_engine import (
     greedy_decode,
     last_logits,
     layer_kv,
+    layer_windows,
     prefill_rows,
     run_layers,
     write_kv,
 )
 from kvshelf.kvstore.block import KVBlock
-from kvshelf.kvstore.errors import ConfigError
+from kvshelf.kvstore.errors import ConfigError, UnsupportedModelError
 from kvshelf.kvstore.protocol import BlockStore, namespace_of
 from kvshelf.reuse.blend import DEFAULT_RATIO, check_ratio, kv_deviation, select_recompute
 from kvshelf.reuse.chunking import chunk_tokens
@@ -101,8 +103,9 @@ def read_documents(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
 def compute_chunk(model: PreTrainedModel, ids: Sequence[int], fingerprint: str, namespace: str) -> KVBlock:
     """The KV of ``ids`` computed alone at position 0: a block ``[layers, kv_heads, len(ids), head_dim]``."""
     input_ids = torch.tensor([list(ids)], device=model.device)
-    out = model(input_ids=input_ids, use_cache=True, past_key_values=DynamicCache(config=model.config),
-                logits_to_keep=1)
+    cache = DynamicCache(config=model.config)
+    hf.keep_sliding_history(cache)  # a sliding-window layer keeps every token for the block (attention unchanged)
+    out = model(input_ids=input_ids, use_cache=True, past_key_values=cache, logits_to_keep=1)
     (block,) = blocks_from_cache(out.past_key_values, ids, start=0, end=len(ids), block_size=len(ids),
                                  fingerprint=fingerprint, namespace=namespace)
     return block
@@ -204,6 +207,9 @@ class RAGGenerator:
         self.blend_base = blend_base
         if ape is not None and (ape[0] <= 0 or ape[1] <= 0):
             raise ConfigError(f"ape=(temperature, scale) must both be > 0, got {ape}")
+        if ape is not None and any(w is not None for w in layer_windows(model)):
+            raise UnsupportedModelError(f"model type {hf.model_type(model)!r}: APE scaling ({FEATURE}) is not "
+                                        "supported on sliding-window layers")
         self.ape = ape
         if on_missing not in ("recompute", "error"):
             raise ConfigError(f"on_missing must be 'recompute' or 'error', got {on_missing!r}")

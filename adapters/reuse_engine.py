@@ -6,7 +6,10 @@ A layout is the assembled context in position order: per layer, keys and values 
 hidden states through the model's decoder layers, each layer writing the fresh K/V of the query rows into the
 layout before attending over it with an explicit additive mask (``reuse.masks``). This one mechanism gives
 prefill of a suffix (TurboRAG), block-diagonal encoding (Block-Attention) and selective recompute (CacheBlend).
-Positions are explicit, so layouts may have gaps (Prompt Cache parameter slots).
+Positions are explicit, so layouts may have gaps (Prompt Cache parameter slots). A sliding-window layer gets its
+window on top of every mask (a query at row ``r`` never sees rows ``<= r - window``, HF's sliding mask), and decoding
+from the assembled cache leaves each layer's mask to HF. ``check_engine`` refuses, before any work, the models the
+engine cannot drive exactly.
 """
 
 from __future__ import annotations
@@ -222,14 +225,8 @@ def check_engine(model: PreTrainedModel, feature: str) -> hf.Rotary:
     last-token logits. Details the engine does not know of (a multiplier, a scaled head, a layer that drops the
     mask) make it differ, and the model is refused rather than silently wrong.
     """
-    text = model.config.get_text_config(decoder=True)
-    layer_types = getattr(text, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types) or (not layer_types and getattr(text, "sliding_window", None)):
-        raise refusal(model, feature, f"sliding-window or non-standard attention layers "
-                                      f"({sorted(set(layer_types)) or 'sliding_window'}); the engine assembles "
-                                      "full-attention layouts only")
     try:
-        check_supported(model.config)
+        check_supported(model.config, feature, sliding_window=True)  # full-attention and sliding-window layers
         hf.decoder_layers(model)
     except UnsupportedModelError as exc:
         raise refusal(model, feature, str(exc)) from None
@@ -291,11 +288,22 @@ def _groups(rows: torch.Tensor, group_rows: int | None) -> list[tuple[slice, int
 
 
 def _group_mask(mask: torch.Tensor | None, rows: torch.Tensor, part: slice, kv_end: int, tiles: int,
-                dtype: torch.dtype) -> torch.Tensor:
-    """The ``[1, 1, tiles * q_part, kv_end]`` mask of one query group (``tiles``: folded query heads per KV head)."""
-    if mask is None:
-        return causal_mask(rows[part].repeat(tiles), kv_end, dtype)
-    return mask[..., part, :kv_end].repeat(1, 1, tiles, 1)
+                dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
+    """The ``[1, 1, tiles * q_part, kv_end]`` mask of one query group (``tiles``: folded query heads per KV head);
+    with a sliding ``window``, a query at layout row ``r`` also never sees rows ``<= r - window`` (HF's sliding
+    mask, ``kv_idx > q_idx - window``)."""
+    q_rows = rows[part].repeat(tiles)
+    out = causal_mask(q_rows, kv_end, dtype) if mask is None else mask[..., part, :kv_end].repeat(1, 1, tiles, 1)
+    if window is not None:
+        far = torch.arange(kv_end)[None, :] <= q_rows[:, None] - window  # [tiles * q_part, kv_end]
+        out = out.masked_fill(far.to(out.device), torch.finfo(out.dtype).min)
+    return out
+
+
+def layer_windows(model: PreTrainedModel) -> list[int | None]:
+    """Per decoder layer, its sliding window (``None``: full attention), as the model's cache and masks see it."""
+    window = getattr(model.config.get_text_config(decoder=True), "sliding_window", None)
+    return [window if kind == hf.SLIDING_ATTENTION else None for kind in hf.attention_layer_types(model.config)]
 
 
 def run_layers(
@@ -316,31 +324,34 @@ def run_layers(
     everything = slice(0, int(rows.numel()))
     plain_prefill = mask is None and contiguous_span(rows) == slice(0, layout.rows)
     groups = _groups(rows, group_rows) if group_rows and not plain_prefill else [(everything, layout.rows)]
+    windows = layer_windows(model)  # sliding-window layers get their window on top of the mask
     with folded_attention(model) as heads_per_kv:
         if heads_per_kv is not None:  # one pass per layer; the runs of queries are split inside the attention
             cache = _ScatterKV(layout, rows, max(kv_end for _, kv_end in groups))
-            parts = None  # a plain prefill of every row needs no mask (SDPA's own causal kernel)
-            if not plain_prefill:
-                parts = [(part, kv_end, _group_mask(mask, rows, part, kv_end, heads_per_kv, model.dtype).to(
-                    model.device)) for part, kv_end in groups]
-            token = _PARTS.set(parts)
-            try:
-                for index in layers:
+            parts: dict[int | None, Any] = {}
+            for window in {windows[index] for index in layers}:
+                # a plain prefill of every row of a full-attention layer needs no mask (SDPA's own causal kernel)
+                parts[window] = None if plain_prefill and window is None else [
+                    (part, kv_end, _group_mask(mask, rows, part, kv_end, heads_per_kv, model.dtype, window).to(
+                        model.device)) for part, kv_end in groups]
+            for index in layers:
+                token = _PARTS.set(parts[windows[index]])
+                try:
                     hidden = hf.run_decoder_layer(model, index, hidden, position_ids=position_ids,
                                                   embeddings=(cos, sin), cache=cache, attention_mask=None)
-            finally:
-                _PARTS.reset(token)
+                finally:
+                    _PARTS.reset(token)
             return hidden
         # another attention implementation: each run of queries through the layer on its own, always under an
         # explicit mask (eager attention has no implicit causal mask, even for a plain prefill)
-        parts = [(part, _ScatterKV(layout, rows[part], kv_end),
-                  _group_mask(mask, rows, part, kv_end, 1, model.dtype).to(model.device))
-                 for part, kv_end in groups]
+        caches = [(part, _ScatterKV(layout, rows[part], kv_end)) for part, kv_end in groups]
+        masks = {window: [_group_mask(mask, rows, part, kv_end, 1, model.dtype, window).to(model.device)
+                          for part, kv_end in groups] for window in {windows[index] for index in layers}}
         for index in layers:
             outs = [hf.run_decoder_layer(model, index, hidden[:, part], position_ids=position_ids[:, part],
                                          embeddings=(cos[:, part], sin[:, part]), cache=cache,
                                          attention_mask=part_mask)
-                    for part, cache, part_mask in parts]
+                    for (part, cache), part_mask in zip(caches, masks[windows[index]], strict=True)]
             hidden = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return hidden
 
@@ -360,7 +371,8 @@ def layer_kv(model: PreTrainedModel, layer: int, hidden: torch.Tensor,
                              cache=_CaptureKV(), attention_mask=None)
     except _Captured as captured:
         return captured.keys, captured.values
-    raise UnsupportedModelError(f"decoder layer {layer} of {type(model).__name__} did not update its cache")
+    raise UnsupportedModelError(f"decoder layer {layer} of model type {hf.model_type(model)!r} never called its "
+                                "cache's update, so the engine cannot capture its keys and values")
 
 
 def write_kv(layout: Layout, layer: int, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -424,9 +436,14 @@ def greedy_decode(
     token = int(torch.argmax(first_logits))
     out = Decoded([token], first_logits, time.perf_counter(), 0.0, [first_logits])
     position = next_position
+    sliding = any(w is not None for w in layer_windows(model))
+    if sliding and column_bias is not None:
+        raise refusal(model, "a column bias (APE)", "sliding-window layers take HF's own masks when decoding")
     while len(out.new_ids) < max_new_tokens and token not in eos:
         kv_len = cache.get_seq_length() + 1
-        mask = torch.zeros((1, 1, 1, kv_len), dtype=model.dtype, device=model.device)
+        mask = None  # sliding-window layers: HF builds each layer's mask (the window) from the cache
+        if not sliding:
+            mask = torch.zeros((1, 1, 1, kv_len), dtype=model.dtype, device=model.device)
         if column_bias is not None:
             mask[0, 0, 0, : column_bias.shape[0]] += column_bias.to(mask)
         result = model(input_ids=torch.tensor([[token]], device=model.device),

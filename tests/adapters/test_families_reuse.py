@@ -15,12 +15,15 @@ import pytest
 import torch
 from arch_rule import APPROXIMATE, EXACT, LOGIT_ATOL, REFUSED, Output, plain_generate, run_cell
 from expected_reuse import EXPECTED, PATHS
-from families import CONFIGS, attn_implementations, family_model
+from families import CONFIGS, WINDOW, attn_implementations, family_model
 from helpers import SCHEMA_MARKUP, token_ids, word_ids
+from transformers import DynamicCache
 
+from kvshelf.adapters import hf
 from kvshelf.adapters.prompt_modules import PromptModuleGenerator
 from kvshelf.adapters.rag import RAGGenerator, compute_chunk, precompute
 from kvshelf.adapters.reuse_engine import rope
+from kvshelf.kvstore.errors import UnsupportedModelError
 from kvshelf.reuse import ModuleUse, rerotate_keys
 
 NEW = 4  # greedy tokens per cell
@@ -66,8 +69,10 @@ class _WordTokenizer:
         return " ".join(map(str, ids))
 
 
-CHUNKS = [token_ids(12, 21), token_ids(9, 22), token_ids(11, 23)]
+# every exact limiting case is longer than the windowed families' sliding window (families.WINDOW)
+CHUNKS = [token_ids(WINDOW + 6, 21), token_ids(WINDOW - 4, 22), token_ids(11, 23)]
 PREFIX, QUESTION = token_ids(4, 24), token_ids(5, 25)
+MODULE_TEXT = " ".join(["tell me a story now"] * 6)
 
 
 def _rag_output(result) -> Output:  # noqa: ANN001
@@ -88,8 +93,10 @@ def _rerotation_is_exact(model) -> None:  # noqa: ANN001
     ids, position = CHUNKS[0], 37
     with torch.inference_mode():
         at_zero = compute_chunk(model, ids, "fp", "default").keys
+        cache = DynamicCache(config=model.config)
+        hf.keep_sliding_history(cache)  # sliding-window layers keep every token
         out = model(input_ids=torch.tensor([ids]), position_ids=torch.arange(position, position + len(ids))[None],
-                    use_cache=True)
+                    use_cache=True, past_key_values=cache)
     at_p = torch.stack([layer.keys[0] for layer in out.past_key_values.layers])
     moved = rerotate_keys(at_zero, position, rotary.inv_freq, interleaved=rotary.interleaved)
     assert (moved - at_p).abs().max().item() <= LOGIT_ATOL
@@ -143,7 +150,7 @@ def _rag_cell(model, path: str) -> str:  # noqa: ANN001
 
 def _modules_cell(model, dtype: torch.dtype = torch.float32) -> str:  # noqa: ANN001
     store = _Store()
-    prompt = [ModuleUse("system"), "tell me a story now"]  # a module at 0 and text right after: exact
+    prompt = [ModuleUse("system"), MODULE_TEXT]  # a module at 0 and text right after: exact
     gen: list[PromptModuleGenerator] = []
 
     def run() -> Output:
@@ -151,6 +158,7 @@ def _modules_cell(model, dtype: torch.dtype = torch.float32) -> str:  # noqa: AN
         result = gen[0].generate(prompt, max_new_tokens=NEW, eos_token_id=None)
         assert result.reused_tokens > 0
         assert list(result.assembly.positions) == list(range(len(result.assembly.tokens)))
+        assert len(result.assembly.tokens) > WINDOW
         return Output(result.new_ids, [result.first_logits])
 
     def reference() -> Output:
@@ -232,3 +240,10 @@ def test_a_forward_detail_the_engine_does_not_know_is_refused_before_any_work():
                            (MODULES_FEATURE, lambda: PromptModuleGenerator(model, _WordTokenizer(), store,
                                                                            SCHEMA_MARKUP))):
         assert run_cell(model, feature, start, Output([]), nothing_stored=lambda: not store.blocks) == REFUSED
+
+
+def test_ape_on_sliding_window_layers_is_refused_up_front():
+    """APE's column bias rides on an explicit decoding mask, which sliding-window layers cannot take."""
+    with pytest.raises(UnsupportedModelError, match="'mistral'.*APE"):
+        RAGGenerator(_model("mistral", "sdpa"), None, _Store(), ape=(0.9, 0.8))
+    assert RAGGenerator(_model("llama", "sdpa"), None, _Store(), ape=(0.9, 0.8)).ape == (0.9, 0.8)

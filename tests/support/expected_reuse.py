@@ -8,8 +8,9 @@ source): ``{(family, path): "exact" | "approximate" | "refused"}``, checked cell
 * ``rag-block-attention``: approximate; exact limiting case: one block after the prefix equals full prefill.
 * ``prompt-modules`` (Prompt Cache): exact at schema positions with contiguous text.
 
-Refused: sliding-window and hybrid layers (the engine assembles full-attention layouts), decoders without a
-Llama-layout RoPE (GPT-2, Falcon), length-dependent RoPE (dynamic, longrope).
+Sliding-window and hybrid models (Mistral, Qwen2 with a window, Gemma 2) run with each sliding layer's window on
+top of the path's mask, the suite's prompts longer than the window. Refused: decoders without a Llama-layout RoPE
+(GPT-2, Falcon), one RoPE per layer type (Gemma 3's local and global), length-dependent RoPE (dynamic, longrope).
 """
 
 from __future__ import annotations
@@ -22,10 +23,7 @@ EXACT_PATHS = frozenset({"prompt-modules"})  # the others are approximate by des
 REFUSED_FAMILIES = {
     "llama-dynamic": "RoPE type 'dynamic' depends on the length",
     "llama-longrope": "RoPE type 'longrope' depends on the length",
-    "qwen2-window": "sliding-window layers",
-    "mistral": "sliding-window layers",
-    "gemma2": "sliding-window layers",
-    "gemma3": "sliding-window layers",
+    "gemma3": "one rotary embedding per layer type (local and global RoPE)",
     "gpt2": "no rotary position embedding",
     "falcon": "no decoder layers in the Llama layout",
 }
