@@ -51,7 +51,7 @@ __all__ = [
     "attention_modules", "attn_implementation", "cache_bytes", "cache_from_tensors", "cache_layers",
     "cache_of_layers", "cache_tensors", "decoder", "decoder_layers", "dequantize_cache", "fill_layer", "final_norm",
     "full_attention_layers", "input_embeddings", "kv_projection_weights", "layer_tensors", "lm_logits",
-    "model_type", "new_cache", "position_embeddings",
+    "model_type", "new_cache", "position_embeddings", "rope_layer_types", "rotaries",
     "quantized_cache", "register_attention", "rotary", "run_decoder_layer",
     "sdpa_attention_forward", "set_cache_layer", "supports_sdpa", "switch_attention",
     "FULL_ATTENTION", "SLIDING_ATTENTION", "attention_layer_types", "bridge_layers", "is_sliding_layer",
@@ -466,13 +466,14 @@ class Rotary:
     interleaved: bool = False
 
 
-def rotary(model: PreTrainedModel) -> Rotary:
+def rotary(model: PreTrainedModel, layer_type: str | None = None) -> Rotary:
     """The decoder's rotary embedding parameters; ``UnsupportedModelError`` without one.
 
-    A rotary embedding with one table per attention layer type (Gemma 3's ``full_attention_inv_freq`` ...) is
-    read for the model's one layer type when all its layers have the same (else refused)."""
+    A rotary embedding with one table per attention layer type (Gemma 3's ``full_attention_inv_freq`` and
+    ``sliding_attention_inv_freq``) is read for ``layer_type``, by default the model's one layer type (refused when
+    its layers have several: see ``rotaries``)."""
     rotary_emb = getattr(decoder(model), "rotary_emb", None)
-    layer_type = _rope_layer_type(model, rotary_emb)
+    layer_type = _rope_layer_type(model, rotary_emb, layer_type)
     prefix = "" if layer_type is None else f"{layer_type}_"
     inv_freq = getattr(rotary_emb, f"{prefix}inv_freq", None)
     if inv_freq is None:
@@ -483,36 +484,60 @@ def rotary(model: PreTrainedModel) -> Rotary:
     if isinstance(rope_type, dict):
         rope_type = rope_type.get(layer_type, "default")
     return Rotary(freqs, float(getattr(rotary_emb, f"{prefix}attention_scaling", 1.0)), str(rope_type),
-                  2 * freqs.numel(), _interleaved(model, rotary_emb, freqs.numel()))
+                  2 * freqs.numel(), _interleaved(model, rotary_emb, freqs.numel(), layer_type))
 
 
-def _rope_layer_type(model: PreTrainedModel, rotary_emb: nn.Module | None) -> str | None:
+def rope_layer_types(model: PreTrainedModel) -> list[str | None]:
+    """Per decoder layer, the layer type its rotary table belongs to: ``None`` for every layer of a model with one
+    rotary table, else ``config.layer_types`` (Gemma 3: local RoPE on sliding layers, global on full ones)."""
+    rotary_emb = getattr(decoder(model), "rotary_emb", None)
+    layers = len(decoder_layers(model))
+    if not _per_layer_type(rotary_emb):
+        return [None] * layers
+    return list(getattr(model.config.get_text_config(decoder=True), "layer_types", None) or [None] * layers)
+
+
+def rotaries(model: PreTrainedModel) -> list[Rotary]:
+    """``rotary`` of each decoder layer (the same object for layers of the same rotary table)."""
+    kinds = rope_layer_types(model)
+    tables = {kind: rotary(model, kind) for kind in dict.fromkeys(kinds)}
+    return [tables[kind] for kind in kinds]
+
+
+def _per_layer_type(rotary_emb: nn.Module | None) -> bool:
+    return rotary_emb is not None and "layer_type" in inspect.signature(rotary_emb.forward).parameters
+
+
+def _rope_layer_type(model: PreTrainedModel, rotary_emb: nn.Module | None, layer_type: str | None) -> str | None:
     """``None`` for a rotary embedding with one table; for one with a table per layer type (its ``forward`` takes
-    ``layer_type``), the model's only layer type; ``UnsupportedModelError`` when its layers have several."""
-    if rotary_emb is None or "layer_type" not in inspect.signature(rotary_emb.forward).parameters:
+    ``layer_type``), ``layer_type`` or else the model's only layer type (``UnsupportedModelError`` when several)."""
+    if not _per_layer_type(rotary_emb):
         return None
+    if layer_type is not None:
+        return layer_type
     types = sorted(set(getattr(model.config.get_text_config(decoder=True), "layer_types", None) or []))
     if len(types) != 1:
         raise UnsupportedModelError(f"model type {model_type(model)!r}: one rotary embedding per layer type "
-                                    f"({types}); kvshelf re-encodes keys of models with one")
+                                    f"({types}); name the layer type")
     return types[0]
 
 
-def _rope_call(model: PreTrainedModel, rotary_emb: nn.Module, hidden: torch.Tensor,
-               position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    layer_type = _rope_layer_type(model, rotary_emb)
+def _rope_call(model: PreTrainedModel, rotary_emb: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor,
+               layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    layer_type = _rope_layer_type(model, rotary_emb, layer_type)
     if layer_type is None:
         return rotary_emb(hidden, position_ids=position_ids)
     return rotary_emb(hidden, position_ids=position_ids, layer_type=layer_type)
 
 
-def _interleaved(model: PreTrainedModel, rotary_emb: nn.Module, pairs: int) -> bool:
+def _interleaved(model: PreTrainedModel, rotary_emb: nn.Module, pairs: int, layer_type: str | None = None) -> bool:
     """Whether the rotary embedding's ``cos`` table repeats each angle twice in a row (pairs ``(2i, 2i + 1)``,
     Cohere's ``repeat_interleave``) rather than concatenating two halves (Llama's ``rotate_half``); read from
     its own output at position 1 (angles ``inv_freq``, all different)."""
     probe = torch.zeros(1, 1, 1, dtype=torch.float32, device=model.device)
     with torch.no_grad():
-        cos, _ = _rope_call(model, rotary_emb, probe, torch.ones(1, 1, dtype=torch.long, device=model.device))
+        cos, _ = _rope_call(model, rotary_emb, probe, torch.ones(1, 1, dtype=torch.long, device=model.device),
+                            layer_type)
     cos = cos.reshape(-1).float().cpu()
     if cos.numel() != 2 * pairs or pairs == 1 or torch.equal(cos[:pairs], cos[pairs:]):
         if cos.numel() != 2 * pairs:
@@ -525,12 +550,12 @@ def _interleaved(model: PreTrainedModel, rotary_emb: nn.Module, pairs: int) -> b
                                 "interleaved pairs (an unknown RoPE layout)")
 
 
-def position_embeddings(model: PreTrainedModel, hidden: torch.Tensor,
-                        position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def position_embeddings(model: PreTrainedModel, hidden: torch.Tensor, position_ids: torch.Tensor,
+                        layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """HF's ``(cos, sin)`` for ``position_ids`` ``[1, q]``: each ``[1, q, d]`` (both halves equal, times the
-    attention scaling) in ``hidden``'s dtype, as the decoder layers take them (a rotary embedding per layer type:
-    the model's one layer type's, see ``rotary``)."""
-    return _rope_call(model, decoder(model).rotary_emb, hidden, position_ids)
+    attention scaling) in ``hidden``'s dtype, as the decoder layers take them; a rotary embedding per layer type
+    gives ``layer_type``'s (``rope_layer_types``), by default the model's one layer type's."""
+    return _rope_call(model, decoder(model).rotary_emb, hidden, position_ids, layer_type)
 
 
 def run_decoder_layer(model: PreTrainedModel, index: int, hidden: torch.Tensor, *, position_ids: torch.Tensor,

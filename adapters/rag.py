@@ -49,6 +49,7 @@ from kvshelf.adapters.reuse_engine import (
     last_logits,
     layer_kv,
     layer_windows,
+    move_keys,
     prefill_rows,
     run_layers,
     write_kv,
@@ -61,7 +62,6 @@ from kvshelf.reuse.chunking import chunk_tokens
 from kvshelf.reuse.errors import ChunkMissingError, ContextTooLongError, ForeignChunkError
 from kvshelf.reuse.keys import prefixed_block_key, rag_chunk_key
 from kvshelf.reuse.masks import PREFIX, block_mask
-from kvshelf.reuse.rope import rerotate_keys
 
 MODES = ("full", "reuse", "reuse-blend", "block-attention")
 FEATURE = "RAG chunk reuse"  # what a refusal names (``UnsupportedModelError``)
@@ -348,10 +348,9 @@ class RAGGenerator:
             layout = Layout.empty(self.model, total, zero=False)  # every row is filled or computed below
             if prefix_block is not None:
                 layout.fill(0, prefix_block.keys, prefix_block.values)
-            row, rotary = p, check_engine(self.model, FEATURE)  # the RoPE as the model has it now (dtype included)
+            row, rotaries = p, check_engine(self.model, FEATURE)  # each layer's RoPE as the model has it now
             for block in blocks:
-                layout.fill(row, rerotate_keys(block.keys, row - block.start_pos, rotary.inv_freq,
-                                               interleaved=rotary.interleaved), block.values)
+                layout.fill(row, move_keys(block.keys, row - block.start_pos, rotaries), block.values)
                 row += block.num_tokens
             q_rows = list(range(p + c_total, total))
             if mode == "reuse-blend":

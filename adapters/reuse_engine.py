@@ -30,6 +30,7 @@ from kvshelf.adapters.cache_bridge import check_supported
 from kvshelf.adapters.fingerprint import kv_geometry
 from kvshelf.kvstore.errors import UnsupportedModelError
 from kvshelf.reuse.masks import causal_mask
+from kvshelf.reuse.rope import rerotate_keys
 
 
 @dataclass
@@ -197,16 +198,42 @@ def refusal(model: PreTrainedModel, feature: str, reason: str) -> UnsupportedMod
     return UnsupportedModelError(f"model type {hf.model_type(model)!r}: {feature} is not supported: {reason}")
 
 
-def rope(model: PreTrainedModel, feature: str = "moving cached keys (RoPE re-encoding)") -> hf.Rotary:
-    """The model's RoPE (inverse frequencies ``[rotary_dim / 2]``, partial rotary, interleaving); refuses a model
-    without one and position-dependent (dynamic, longrope) RoPE, whose frequencies change with the length."""
+ROPE_FEATURE = "moving cached keys (RoPE re-encoding)"
+
+
+def rope(model: PreTrainedModel, feature: str = ROPE_FEATURE) -> hf.Rotary:
+    """The model's RoPE (inverse frequencies ``[rotary_dim / 2]``, partial rotary, interleaving) when all its
+    layers share one; refusals as ``ropes``."""
+    rotaries = ropes(model, feature)
+    if any(r is not rotaries[0] for r in rotaries):
+        raise refusal(model, feature, "its layers use different rotary tables (see ropes)")
+    return rotaries[0]
+
+
+def ropes(model: PreTrainedModel, feature: str = ROPE_FEATURE) -> list[hf.Rotary]:
+    """Each decoder layer's RoPE (Gemma 3: local and global tables); refuses a model without one and
+    position-dependent (dynamic, longrope) RoPE, whose frequencies change with the length."""
     try:
-        rotary = hf.rotary(model)
+        rotaries = hf.rotaries(model)
     except UnsupportedModelError as exc:
         raise refusal(model, feature, f"no rotary position embedding the reuse engine can re-encode ({exc})") from None
-    if rotary.rope_type in ("dynamic", "longrope"):
-        raise refusal(model, feature, f"RoPE type {rotary.rope_type!r} depends on the length; keys cannot be moved")
-    return rotary
+    for rotary in rotaries:
+        if rotary.rope_type in ("dynamic", "longrope"):
+            raise refusal(model, feature, f"RoPE type {rotary.rope_type!r} depends on the length; keys cannot be "
+                                          "moved")
+    return rotaries
+
+
+def move_keys(keys: torch.Tensor, delta: int, rotaries: Sequence[hf.Rotary]) -> torch.Tensor:
+    """A block's RoPE'd keys ``[layers, kv_heads, n, head_dim]`` moved ``delta`` positions, each layer with its own
+    rotary table (``ropes``)."""
+    if all(r is rotaries[0] for r in rotaries):
+        return rerotate_keys(keys, delta, rotaries[0].inv_freq, interleaved=rotaries[0].interleaved)
+    out = torch.empty_like(keys)
+    for rotary in dict.fromkeys(rotaries):
+        layers = [i for i, r in enumerate(rotaries) if r is rotary]
+        out[layers] = rerotate_keys(keys[layers], delta, rotary.inv_freq, interleaved=rotary.interleaved)
+    return out
 
 
 _VERIFIED: weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple[str, str, str], str | None]] = (
@@ -214,7 +241,7 @@ _VERIFIED: weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple[str, str, str],
 PROBE_IDS = (5, 17, 29, 41, 53, 67, 79, 91)  # the self-check's prompt (ids modulo the vocabulary)
 
 
-def check_engine(model: PreTrainedModel, feature: str) -> hf.Rotary:
+def check_engine(model: PreTrainedModel, feature: str) -> list[hf.Rotary]:
     """Refuse (``UnsupportedModelError`` naming the family and ``feature``), before any work is done or stored, a
     model whose forward the layer-by-layer engine cannot reproduce; returns its RoPE (``rope``).
 
@@ -223,21 +250,22 @@ def check_engine(model: PreTrainedModel, feature: str) -> hf.Rotary:
     self-check, once per model, attention implementation and dtype: an 8-token prompt prefilled through the
     engine in two steps (the second against the first's KV, as a reused prefix) must give the model's own
     last-token logits. Details the engine does not know of (a multiplier, a scaled head, a layer that drops the
-    mask) make it differ, and the model is refused rather than silently wrong.
+    mask) make it differ, and the model is refused rather than silently wrong. Returns each layer's RoPE
+    (``ropes``).
     """
     try:
         check_supported(model.config, feature, sliding_window=True)  # full-attention and sliding-window layers
         hf.decoder_layers(model)
     except UnsupportedModelError as exc:
         raise refusal(model, feature, str(exc)) from None
-    rotary = rope(model, feature)
+    rotaries = ropes(model, feature)
     key = (hf.attn_implementation(model), str(model.dtype), str(model.device))
     verified = _VERIFIED.setdefault(model, {})
     if key not in verified:
         verified[key] = _self_check(model)
     if verified[key] is not None:
         raise refusal(model, feature, verified[key])
-    return rotary
+    return rotaries
 
 
 @torch.inference_mode()
@@ -320,7 +348,8 @@ def run_layers(
     CacheBlend's scattered recomputed tokens need). Results are the same up to float rounding.
     """
     position_ids = positions.to(model.device)[None]
-    cos, sin = hf.position_embeddings(model, hidden, position_ids)
+    kinds = hf.rope_layer_types(model)  # each layer's rotary table (Gemma 3: local or global)
+    tables = {kind: hf.position_embeddings(model, hidden, position_ids, kind) for kind in {kinds[i] for i in layers}}
     everything = slice(0, int(rows.numel()))
     plain_prefill = mask is None and contiguous_span(rows) == slice(0, layout.rows)
     groups = _groups(rows, group_rows) if group_rows and not plain_prefill else [(everything, layout.rows)]
@@ -338,7 +367,7 @@ def run_layers(
                 token = _PARTS.set(parts[windows[index]])
                 try:
                     hidden = hf.run_decoder_layer(model, index, hidden, position_ids=position_ids,
-                                                  embeddings=(cos, sin), cache=cache, attention_mask=None)
+                                                  embeddings=tables[kinds[index]], cache=cache, attention_mask=None)
                 finally:
                     _PARTS.reset(token)
             return hidden
@@ -348,6 +377,7 @@ def run_layers(
         masks = {window: [_group_mask(mask, rows, part, kv_end, 1, model.dtype, window).to(model.device)
                           for part, kv_end in groups] for window in {windows[index] for index in layers}}
         for index in layers:
+            cos, sin = tables[kinds[index]]
             outs = [hf.run_decoder_layer(model, index, hidden[:, part], position_ids=position_ids[:, part],
                                          embeddings=(cos[:, part], sin[:, part]), cache=cache,
                                          attention_mask=part_mask)
@@ -365,7 +395,7 @@ def layer_kv(model: PreTrainedModel, layer: int, hidden: torch.Tensor,
     that layer are needed for every token, not its attention.
     """
     position_ids = positions.to(model.device)[None]
-    embeddings = hf.position_embeddings(model, hidden, position_ids)
+    embeddings = hf.position_embeddings(model, hidden, position_ids, hf.rope_layer_types(model)[layer])
     try:
         hf.run_decoder_layer(model, layer, hidden, position_ids=position_ids, embeddings=embeddings,
                              cache=_CaptureKV(), attention_mask=None)

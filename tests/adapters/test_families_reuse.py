@@ -22,9 +22,9 @@ from transformers import DynamicCache
 from kvshelf.adapters import hf
 from kvshelf.adapters.prompt_modules import PromptModuleGenerator
 from kvshelf.adapters.rag import RAGGenerator, compute_chunk, precompute
-from kvshelf.adapters.reuse_engine import rope
+from kvshelf.adapters.reuse_engine import move_keys, rope, ropes
 from kvshelf.kvstore.errors import UnsupportedModelError
-from kvshelf.reuse import ModuleUse, rerotate_keys
+from kvshelf.reuse import ModuleUse
 
 NEW = 4  # greedy tokens per cell
 RAG_FEATURE, MODULES_FEATURE = "RAG", "prompt modules"
@@ -89,7 +89,6 @@ def _approximate_runs(run: Callable[[], object]) -> None:
 def _rerotation_is_exact(model) -> None:  # noqa: ANN001
     """Keys of a chunk computed alone at 0 and moved to ``p`` equal the chunk computed alone at ``p`` (the model's
     own rotary convention: partial, interleaved, scaled)."""
-    rotary = rope(model)
     ids, position = CHUNKS[0], 37
     with torch.inference_mode():
         at_zero = compute_chunk(model, ids, "fp", "default").keys
@@ -98,7 +97,7 @@ def _rerotation_is_exact(model) -> None:  # noqa: ANN001
         out = model(input_ids=torch.tensor([ids]), position_ids=torch.arange(position, position + len(ids))[None],
                     use_cache=True, past_key_values=cache)
     at_p = torch.stack([layer.keys[0] for layer in out.past_key_values.layers])
-    moved = rerotate_keys(at_zero, position, rotary.inv_freq, interleaved=rotary.interleaved)
+    moved = move_keys(at_zero, position, ropes(model))
     assert (moved - at_p).abs().max().item() <= LOGIT_ATOL
 
 

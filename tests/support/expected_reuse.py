@@ -8,9 +8,10 @@ source): ``{(family, path): "exact" | "approximate" | "refused"}``, checked cell
 * ``rag-block-attention``: approximate; exact limiting case: one block after the prefix equals full prefill.
 * ``prompt-modules`` (Prompt Cache): exact at schema positions with contiguous text.
 
-Sliding-window and hybrid models (Mistral, Qwen2 with a window, Gemma 2) run with each sliding layer's window on
+Sliding-window and hybrid models (Mistral, Qwen2 with a window, Gemma 2 and 3) run with each sliding layer's window on
 top of the path's mask, the suite's prompts longer than the window. Refused: decoders without a Llama-layout RoPE
-(GPT-2, Falcon), one RoPE per layer type (Gemma 3's local and global), length-dependent RoPE (dynamic, longrope).
+(GPT-2, Falcon) and length-dependent RoPE (dynamic, longrope). Gemma 3's local and global RoPE: each layer's keys
+move with its own table.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ EXACT_PATHS = frozenset({"prompt-modules"})  # the others are approximate by des
 REFUSED_FAMILIES = {
     "llama-dynamic": "RoPE type 'dynamic' depends on the length",
     "llama-longrope": "RoPE type 'longrope' depends on the length",
-    "gemma3": "one rotary embedding per layer type (local and global RoPE)",
     "gpt2": "no rotary position embedding",
     "falcon": "no decoder layers in the Llama layout",
 }
