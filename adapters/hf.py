@@ -464,6 +464,7 @@ class Rotary:
     rope_type: str
     rotary_dim: int = 0
     interleaved: bool = False
+    static_positions: int | None = None  # length-dependent RoPE: its tables stay ``inv_freq`` up to this many positions
 
 
 def rotary(model: PreTrainedModel, layer_type: str | None = None) -> Rotary:
@@ -479,12 +480,33 @@ def rotary(model: PreTrainedModel, layer_type: str | None = None) -> Rotary:
     if inv_freq is None:
         raise UnsupportedModelError(f"{type(model).__name__} has no rotary embedding with inv_freq (not a RoPE "
                                     "decoder in the Llama layout)")
-    freqs = inv_freq.detach().to("cpu", torch.float32)
     rope_type = getattr(rotary_emb, "rope_type", "default")
     if isinstance(rope_type, dict):
         rope_type = rope_type.get(layer_type, "default")
+    static = _static_positions(model, rotary_emb, str(rope_type), layer_type)
+    if static is not None:  # the tables it starts from (and returns to on short inputs), not the current ones
+        inv_freq = getattr(rotary_emb, f"{prefix}original_inv_freq", None)
+        if inv_freq is None:
+            raise UnsupportedModelError(f"model type {model_type(model)!r}: RoPE type {rope_type!r} without its "
+                                        "original inv_freq")
+    freqs = inv_freq.detach().to("cpu", torch.float32)
     return Rotary(freqs, float(getattr(rotary_emb, f"{prefix}attention_scaling", 1.0)), str(rope_type),
-                  2 * freqs.numel(), _interleaved(model, rotary_emb, freqs.numel(), layer_type))
+                  2 * freqs.numel(), _interleaved(model, rotary_emb, freqs.numel(), layer_type), static)
+
+
+def _static_positions(model: PreTrainedModel, rotary_emb: nn.Module, rope_type: str,
+                      layer_type: str | None) -> int | None:
+    """For a length-dependent RoPE (HF's ``dynamic_rope_update``), the number of positions up to which every
+    forward uses its original tables: ``dynamic`` grows its frequencies past ``original_max_seq_len`` (and resets
+    them below it: one less, to be safe), ``longrope`` switches to its long factors past
+    ``original_max_position_embeddings``. ``None`` for static RoPE."""
+    if "dynamic" in rope_type:
+        return int(rotary_emb.original_max_seq_len) - 1
+    if rope_type == "longrope":
+        params = model.config.get_text_config(decoder=True).rope_parameters
+        params = params.get(layer_type, params) if layer_type is not None else params
+        return int(params["original_max_position_embeddings"])
+    return None
 
 
 def rope_layer_types(model: PreTrainedModel) -> list[str | None]:

@@ -21,12 +21,14 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvshelf.adapters.fingerprint import model_fingerprint
 from kvshelf.adapters.prompts import prompt_ids
-from kvshelf.adapters.reuse_engine import Layout, check_engine, eos_ids, greedy_decode, prefill_rows
+from kvshelf.adapters.reuse_engine import Layout, check_engine, check_positions, eos_ids, greedy_decode, prefill_rows
 from kvshelf.kvstore.block import KVBlock
 from kvshelf.kvstore.protocol import BlockStore, namespace_of
 from kvshelf.reuse.errors import SchemaError
 from kvshelf.reuse.keys import module_key
 from kvshelf.reuse.schema import Assembly, CompiledModule, PromptItem, PromptSchema, assemble, parse_prompt
+
+FEATURE = "prompt modules"  # what a refusal names (``UnsupportedModelError``)
 
 
 @dataclass(frozen=True)
@@ -47,12 +49,14 @@ class PromptModuleGenerator:
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, store: BlockStore | None,
                  schema: PromptSchema | str, *, namespace: str | None = None) -> None:
-        check_engine(model, "prompt modules")  # refuses families the engine cannot drive, before any work
+        self.rotaries = check_engine(model, FEATURE)  # refuses families the engine cannot drive, before any work
         self.model, self.tokenizer, self.store = model, tokenizer, store
         self.namespace = namespace_of(store, namespace)
         self.schema = PromptSchema.from_markup(schema) if isinstance(schema, str) else schema
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.compiled = self.schema.compile(self.tokenize, self.max_positions)
+        # modules are computed at their positions: a length-dependent RoPE must be static up to the last one
+        check_positions(model, self.rotaries, max((m.end for m in self.compiled.modules), default=0), FEATURE)
         self._by_name = {m.name: m for m in self.compiled.modules}
         # pinned modules' KV, decoded once and kept in memory (raw tensors): no store read, checksum or decode per
         # prompt; the store keeps the durable, shareable copy
@@ -142,6 +146,8 @@ class PromptModuleGenerator:
         """Greedy generation. ``reuse=False`` prefills every row (modules included) at the same positions."""
         started = time.perf_counter()
         assembly = self.assemble(prompt, max_new_tokens)
+        check_positions(self.model, check_engine(self.model, FEATURE), assembly.positions[-1] + 1 + max_new_tokens,
+                        FEATURE)
         n = len(assembly.tokens)
         layout = Layout.empty(self.model, n, zero=False)  # every row is loaded or prefilled below
         cached = [c is not None for c in assembly.cached_by] if reuse else [False] * n

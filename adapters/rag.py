@@ -43,6 +43,7 @@ from kvshelf.adapters.prompts import prompt_ids
 from kvshelf.adapters.reuse_engine import (
     Layout,
     check_engine,
+    check_positions,
     embed,
     eos_ids,
     greedy_decode,
@@ -132,11 +133,12 @@ def precompute(
     chunks are keyed by the model's dtype (``dtype``; choose it when loading the model, ``load_model(...,
     dtype=...)`` or ``kvshelf precompute --dtype``), so generate with the model in that dtype to reuse them.
     """
-    check_engine(model, PRECOMPUTE_FEATURE)  # chunks no RAG mode could use are never stored
+    rotaries = check_engine(model, PRECOMPUTE_FEATURE)  # chunks no RAG mode could use are never stored
     namespace = namespace_of(store, namespace)
     texts = list(documents or []) + read_documents(paths)
     fingerprint = model_fingerprint(model)
     chunks = [c for text in texts for c in chunk_tokens(_ids(tokenizer, text), chunk_size, overlap)]
+    check_positions(model, rotaries, max(map(len, chunks), default=0), PRECOMPUTE_FEATURE)
     started = time.perf_counter()
     computed = skipped = computed_tokens = 0
     for ids in tqdm(chunks, desc="precompute chunks", unit="chunk", disable=not progress):
@@ -246,6 +248,7 @@ class RAGGenerator:
     def chunk_blocks(self, chunks: list[list[int]], fingerprint: str | None = None) -> tuple[list[KVBlock], int]:
         """Each chunk's KV at position 0, from the store or computed (and stored); returns (blocks, computed)."""
         fingerprint = fingerprint or self.fingerprint
+        check_positions(self.model, check_engine(self.model, FEATURE), max(map(len, chunks), default=0), FEATURE)
         keys = [rag_chunk_key(fingerprint, self.namespace, ids) for ids in chunks]
         blocks = self._load(keys, chunks, fingerprint)
         computed = 0
@@ -330,6 +333,8 @@ class RAGGenerator:
                 f"prefix {p} + chunks {c_total} + question {len(q_ids)} + {max_new_tokens} new tokens = "
                 f"{total + max_new_tokens} positions, over the model's {max_positions}"
             )
+        if mode != "full":  # before any work: a length-dependent RoPE must stay static over the whole context
+            check_positions(self.model, check_engine(self.model, FEATURE), total + max_new_tokens, FEATURE)
         reused = computed = recomputed = 0
         bias = None
         if mode == "full":

@@ -211,17 +211,24 @@ def rope(model: PreTrainedModel, feature: str = ROPE_FEATURE) -> hf.Rotary:
 
 
 def ropes(model: PreTrainedModel, feature: str = ROPE_FEATURE) -> list[hf.Rotary]:
-    """Each decoder layer's RoPE (Gemma 3: local and global tables); refuses a model without one and
-    position-dependent (dynamic, longrope) RoPE, whose frequencies change with the length."""
+    """Each decoder layer's RoPE (Gemma 3: local and global tables); refuses a model without one. A length-dependent
+    RoPE (dynamic, longrope) is given with its original tables and the length they hold for (``check_positions``)."""
     try:
         rotaries = hf.rotaries(model)
     except UnsupportedModelError as exc:
         raise refusal(model, feature, f"no rotary position embedding the reuse engine can re-encode ({exc})") from None
-    for rotary in rotaries:
-        if rotary.rope_type in ("dynamic", "longrope"):
-            raise refusal(model, feature, f"RoPE type {rotary.rope_type!r} depends on the length; keys cannot be "
-                                          "moved")
     return rotaries
+
+
+def check_positions(model: PreTrainedModel, rotaries: Sequence[hf.Rotary], positions: int, feature: str) -> None:
+    """Refuse, before any work, a context of ``positions`` positions (new tokens included) that a length-dependent
+    RoPE (``dynamic``, ``longrope``) would encode with other frequencies than its original ones: keys computed at
+    one length could not be moved to, or attended at, another exactly. Up to that limit such a RoPE is static."""
+    limits = [(r.static_positions, r.rope_type) for r in rotaries if r.static_positions is not None]
+    if limits and positions > min(limits)[0]:
+        limit, rope_type = min(limits)
+        raise refusal(model, feature, f"RoPE type {rope_type!r} changes its frequencies past {limit} positions and "
+                                      f"this needs {positions}; keys cannot be moved exactly")
 
 
 def move_keys(keys: torch.Tensor, delta: int, rotaries: Sequence[hf.Rotary]) -> torch.Tensor:

@@ -246,3 +246,25 @@ def test_ape_on_sliding_window_layers_is_refused_up_front():
     with pytest.raises(UnsupportedModelError, match="'mistral'.*APE"):
         RAGGenerator(_model("mistral", "sdpa"), None, _Store(), ape=(0.9, 0.8))
     assert RAGGenerator(_model("llama", "sdpa"), None, _Store(), ape=(0.9, 0.8)).ape == (0.9, 0.8)
+
+
+@pytest.mark.parametrize("family", ["llama-dynamic", "llama-longrope"])
+def test_length_dependent_rope_is_refused_past_its_static_length_before_any_work(family):
+    """Dynamic and longrope RoPE keep their original tables up to a length (exact there, the cells above); a
+    context, chunk or module past it is refused, naming family and feature, with nothing stored."""
+    model = _model(family, "sdpa")
+    limit = min(r.static_positions for r in ropes(model))  # dynamic: the model's own max positions - 1
+    chunk = token_ids(limit - len(QUESTION), 26)  # with the question and one new token: one position too many
+    store = _Store()
+    stored = lambda: not store.blocks  # noqa: E731
+    rag = RAGGenerator(model, None, store)
+    for mode in ("reuse", "reuse-blend", "block-attention"):
+        assert run_cell(model, RAG_FEATURE, lambda mode=mode: rag.generate([chunk], QUESTION, mode=mode,
+                                                                           max_new_tokens=1),
+                        Output([]), nothing_stored=stored) == REFUSED
+    assert run_cell(model, RAG_FEATURE, lambda: precompute(
+        [" ".join(f"w{i}" for i in range(limit + 1))], model, _WordTokenizer(), store, chunk_size=limit + 1,
+        progress=False), Output([]), nothing_stored=stored) == REFUSED
+    late = f'<schema name="late"><module name="m" start="{limit - 1}">far away</module></schema>'
+    assert run_cell(model, MODULES_FEATURE, lambda: PromptModuleGenerator(model, _WordTokenizer(), store, late),
+                    Output([]), nothing_stored=stored) == REFUSED

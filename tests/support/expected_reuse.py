@@ -10,8 +10,8 @@ source): ``{(family, path): "exact" | "approximate" | "refused"}``, checked cell
 
 Sliding-window and hybrid models (Mistral, Qwen2 with a window, Gemma 2 and 3) run with each sliding layer's window on
 top of the path's mask, the suite's prompts longer than the window. Refused: decoders without a Llama-layout RoPE
-(GPT-2, Falcon) and length-dependent RoPE (dynamic, longrope). Gemma 3's local and global RoPE: each layer's keys
-move with its own table.
+(GPT-2, Falcon). Gemma 3's local and global RoPE: each layer's keys move with its own table. Length-dependent RoPE
+(dynamic, longrope) is static up to a length (``reuse_engine.check_positions``): exact within it, refused beyond.
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ PATHS = ("rag-reuse", "rag-blend", "rag-block-attention", "prompt-modules")
 EXACT_PATHS = frozenset({"prompt-modules"})  # the others are approximate by design (their limiting case is exact)
 
 REFUSED_FAMILIES = {
-    "llama-dynamic": "RoPE type 'dynamic' depends on the length",
-    "llama-longrope": "RoPE type 'longrope' depends on the length",
     "gpt2": "no rotary position embedding",
     "falcon": "no decoder layers in the Llama layout",
 }
