@@ -1,0 +1,21 @@
+"""The README's support table is exactly what the architecture suites check (rendered from their EXPECTED)."""
+
+from __future__ import annotations
+
+import support_table
+from families import CONFIGS
+from helpers import REPO_ROOT
+
+
+def test_readme_holds_the_rendered_support_table() -> None:
+    readme = (REPO_ROOT / "README.md").read_text()
+    assert support_table.render() in readme, (
+        "README's support table differs from the suites' expected outcomes: paste the output of "
+        "`.venv/bin/python tests/support/support_table.py` into the README")
+
+
+def test_every_family_has_an_outcome_on_every_path() -> None:
+    cells = support_table.cells()
+    paths = {path for _, path in cells}
+    missing = sorted((family, path) for family in CONFIGS for path in paths if (family, path) not in cells)
+    assert not missing, f"families without an expected outcome: {missing}"
