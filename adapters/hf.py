@@ -1,8 +1,10 @@
 """Every touch of transformers internals, in one module.
 
-Tested with transformers 5.23.0. ``pyproject.toml`` allows ``>=5.0,<5.24``: the adapters, reuse and xquant tests
-(``tests/adapters``, ``tests/reuse``, ``tests/compress/test_xquant.py``) also pass on 5.0.0, the first release of
-the 5.x cache and attention API this module wraps; the upper bound stops after the newest release tested.
+Tested with transformers 5.23.0. ``pyproject.toml`` allows ``>=5.20,<5.24``: the adapters, reuse and xquant tests
+(``tests/adapters``, the architecture suite included, ``tests/reuse``, ``tests/compress/test_xquant.py``) also pass
+on 5.22.2 and 5.20.0. On 5.0.0 the architecture suite fails (171 of 1135: sliding-window cache layers without past
+recording, bf16 cells, RAG on some families), so the lower bound is the oldest release tested; the upper bound
+stops after the newest.
 
 Elsewhere in ``kvshelf.adapters``, modules import only public transformers names (``PreTrainedModel``,
 ``PreTrainedTokenizerBase``, ``DynamicCache``, ``AutoModelForCausalLM``, config classes); nothing outside
