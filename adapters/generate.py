@@ -149,18 +149,17 @@ class CachedGenerator:
         return reused, loaded, cache, False
 
     def _other_dtype_blocks(self, ids: list[int], cacheable_prefix: int | None) -> tuple[int, tuple[str, ...]]:
-        """Blocks of this prompt's prefix stored for the model's weights cast to another common dtype, and those
-        dtypes. Each probe looks up the first block alone (one counted lookup for that dtype's fingerprint when it
-        is absent, the usual case), then the rest of the chain. Run after generating, on a miss only: the
-        fingerprints cost one weight digest per dtype once (memoized), the lookups one store call per dtype."""
+        """Blocks of this prompt's cached prefix stored for the model's weights cast to another common dtype, and
+        those dtypes. Run after generating, on a miss only: the fingerprints cost one weight digest per dtype once
+        (memoized), the probes one uncounted ``held`` call per dtype (the store's hit rates stay the users')."""
         count, dtypes = 0, []
         for name, fingerprint in other_dtype_fingerprints(self.model).items():
             keys = [span.key for span in self._spans(ids, cacheable_prefix, fingerprint)]
-            if not self.store.lookup_prefix(keys[:1], namespace=self.namespace, model=fingerprint):
-                continue
-            rest = self.store.lookup_prefix(keys[1:], namespace=self.namespace, model=fingerprint) if keys[1:] else 0
-            count += 1 + rest
-            dtypes.append(name.removeprefix("torch."))
+            held = self.store.held(keys, namespace=self.namespace) if keys else []
+            run = next((i for i, present in enumerate(held) if not present), len(held))
+            if run:
+                count += run
+                dtypes.append(name.removeprefix("torch."))
         return count, tuple(dtypes)
 
     def _store_prompt_blocks(self, ids: list[int], cache: Any, loaded: int, cacheable_prefix: int | None,

@@ -39,7 +39,7 @@ TIER_STATS_KEYS = frozenset({
 #: the methods of the interface (what the signature test compares)
 METHODS = (
     "put_many", "put_encoded_many", "get_many", "get_prepared_many", "get_encoded_many", "lookup_prefix",
-    "contains_many", "delete", "pin", "unpin", "stats", "close", "__enter__", "__exit__",
+    "contains_many", "held", "delete", "pin", "unpin", "stats", "close", "__enter__", "__exit__",
 )
 
 
@@ -103,6 +103,11 @@ class BlockStore(Protocol):
         tokens: Sequence[int] | None = None,
     ) -> int:
         """``lookup_prefix`` (the name tiers use)."""
+        ...
+
+    def held(self, keys: Iterable[bytes], *, namespace: str | None = None) -> list[bool]:
+        """Per key: is it held. Not counted as a lookup (probes, admin tools): the hit rates stay the users'.
+        ``namespace``: where a remote store looks (an embedded store's keys already name their namespace)."""
         ...
 
     # -- management -----------------------------------------------------------------------------------

@@ -421,8 +421,9 @@ class TieredStore:
                 self._emit(StoreEvent("removed", spec.tier.name, key, 0))
         return present
 
-    def held(self, keys: Iterable[bytes]) -> list[bool]:
-        """Per key: does some reachable tier hold it."""
+    def held(self, keys: Iterable[bytes], *, namespace: str | None = None) -> list[bool]:
+        """Per key: does some reachable tier hold it. Not counted as a lookup. ``namespace`` is accepted for the
+        interface: a block key already names its namespace (keys are hashes over it)."""
         keys = check_keys(keys, scoped=True)
         present = [False] * len(keys)
         for spec in self.specs:

@@ -277,10 +277,12 @@ class RemoteStore:
 
     contains_many = lookup_prefix
 
-    def contains(self, keys: Sequence[bytes], *, namespace: str | None = None) -> list[bool]:
-        """Per key: does the server hold it."""
+    def held(self, keys: Iterable[bytes], *, namespace: str | None = None) -> list[bool]:
+        """Per key: does the server hold it (in ``namespace``, default this store's). Not counted as a lookup."""
         keys = check_keys(keys)
         return list(self._call("Contains", pb.KeysRequest(namespace=namespace or self.namespace, keys=keys)).present)
+
+    contains = held
 
     # -- management -----------------------------------------------------------------------------------
 

@@ -261,6 +261,9 @@ def test_a_reuse_that_finds_only_other_dtype_blocks_says_so():
     fp32 = CachedGenerator(tiny_llama(seed=0), store=store, block_size=BLOCK)  # its bfloat16 cast stored them
     result = fp32.generate(prompt, max_new_tokens=2, store=False)
     assert (result.reused_tokens, result.other_dtype_blocks, result.other_dtypes) == (0, 4, ("bfloat16",))
+    # the probes are not lookups: the store counted this call's lookup for its own model only
+    looked_up = {r["model"] for r in store.stats()["rows"] if r["tier"] == "*" and "lookup_blocks" in r}
+    assert looked_up == {bf16.fingerprint, fp32.fingerprint}
     # a bfloat16 model finds the float32 blocks of its upcast (a bfloat16 checkpoint loaded in float32)
     other_prompt = _tokens(40, seed=8)
     upcast = CachedGenerator(tiny_llama(seed=0, dtype=torch.bfloat16).to(torch.float32), store=store,

@@ -174,6 +174,19 @@ def test_lookup_prefix_counts_the_cached_prefix(store: BlockStore) -> None:
     assert store.lookup_prefix(keys) == 4
 
 
+def test_held_answers_per_key_and_counts_no_lookup(store: BlockStore) -> None:
+    tokens = list(range(600, 612))
+    keys = prefix_block_keys(FINGERPRINT, store.namespace, tokens, 4)
+    assert store.put_many([(keys[i], make_block(tokens[4 * i : 4 * i + 4], start_pos=4 * i,
+                                                namespace=store.namespace)) for i in (0, 2)]) == 2
+    before = store.stats()
+    assert store.held(keys) == [True, False, True]
+    assert store.held(keys, namespace=store.namespace) == [True, False, True]
+    assert store.held([]) == []
+    after = store.stats()
+    assert (after["lookup_hit_rate"], after["rows"]) == (before["lookup_hit_rate"], before["rows"])
+
+
 def test_get_prepared_many_equals_get_many(store: BlockStore) -> None:
     entries = [block_of(store, 6), block_of(store, 3, dtype=torch.float16, start_pos=9)]
     store.put_many(entries)
