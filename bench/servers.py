@@ -35,15 +35,26 @@ def _bindable(port: int) -> bool:
     return True
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands to outgoing connections (``ip_local_port_range``; 32768 by default)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
     """A TCP port nothing listens on now, whose Redis Cluster bus port (+10000) is free too.
 
-    Redis Cluster needs the port to be at most 55535, so this picks from 20000-45000 rather than taking the
-    kernel's ephemeral pick.
+    Both lie below the kernel's ephemeral range. A server restarted on its port (the chaos run, the Redis tests)
+    must find it free again, and a port in the ephemeral range can be taken in between by a client's outgoing
+    socket: a client retrying ``127.0.0.1:port`` while nothing listens can even be handed that very port and
+    connect to itself. Redis Cluster also needs the port to be at most 55535.
     """
     rng = random.Random()
+    top = min(_ephemeral_low(), 65536) - 10000
     for _ in range(1000):
-        port = rng.randrange(20000, 45000)
+        port = rng.randrange(10000, max(top, 10001))
         if _bindable(port) and _bindable(port + 10000):
             return port
     raise ConfigError("no free TCP port pair on 127.0.0.1")
