@@ -16,7 +16,7 @@ import torch
 from arch_rule import APPROXIMATE, EXACT, LOGIT_ATOL, REFUSED, Output, plain_generate, run_cell
 from expected_reuse import EXPECTED, PATHS
 from families import CONFIGS, WINDOW, attn_implementations, family_model
-from helpers import SCHEMA_MARKUP, token_ids, word_ids
+from helpers import SCHEMA_MARKUP, WordTokenizer, token_ids
 from transformers import DynamicCache
 
 from kvshelf.adapters import hf
@@ -59,16 +59,6 @@ class _Store:
         return sum(k in self.blocks for k in keys)
 
 
-class _WordTokenizer:
-    pad_token_id = 0
-
-    def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
-        return {"input_ids": word_ids(text)}
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:  # noqa: ANN001
-        return " ".join(map(str, ids))
-
-
 # every exact limiting case is longer than the windowed families' sliding window (families.WINDOW)
 CHUNKS = [token_ids(WINDOW + 6, 21), token_ids(WINDOW - 4, 22), token_ids(11, 23)]
 PREFIX, QUESTION = token_ids(4, 24), token_ids(5, 25)
@@ -109,7 +99,7 @@ def _rag_cell(model, path: str) -> str:  # noqa: ANN001
             [CHUNKS[0]], QUESTION, mode="reuse", max_new_tokens=NEW, eos_token_id=None)),
             lambda: plain_generate(model, CHUNKS[0] + QUESTION, NEW), nothing_stored=nothing_stored)
         precomputed = run_cell(model, RAG_FEATURE, lambda: Output(
-            [precompute(["a b c d e f g h"], model, _WordTokenizer(), store, chunk_size=4, progress=False)
+            [precompute(["a b c d e f g h"], model, WordTokenizer(), store, chunk_size=4, progress=False)
              ["computed"]]), Output([2]), nothing_stored=nothing_stored)
         assert precomputed == outcome
         if outcome == REFUSED:
@@ -153,7 +143,7 @@ def _modules_cell(model, dtype: torch.dtype = torch.float32) -> str:  # noqa: AN
     gen: list[PromptModuleGenerator] = []
 
     def run() -> Output:
-        gen.append(PromptModuleGenerator(model, _WordTokenizer(), store, SCHEMA_MARKUP))
+        gen.append(PromptModuleGenerator(model, WordTokenizer(), store, SCHEMA_MARKUP))
         result = gen[0].generate(prompt, max_new_tokens=NEW, eos_token_id=None)
         assert result.reused_tokens > 0
         assert list(result.assembly.positions) == list(range(len(result.assembly.tokens)))
@@ -234,9 +224,9 @@ def test_a_forward_detail_the_engine_does_not_know_is_refused_before_any_work():
     model.register_forward_hook(doubled)
     store = _Store()
     for feature, start in ((RAG_FEATURE, lambda: RAGGenerator(model, None, store)),
-                           (RAG_FEATURE, lambda: precompute(["a b c d"], model, _WordTokenizer(), store,
+                           (RAG_FEATURE, lambda: precompute(["a b c d"], model, WordTokenizer(), store,
                                                             chunk_size=2, progress=False)),
-                           (MODULES_FEATURE, lambda: PromptModuleGenerator(model, _WordTokenizer(), store,
+                           (MODULES_FEATURE, lambda: PromptModuleGenerator(model, WordTokenizer(), store,
                                                                            SCHEMA_MARKUP))):
         assert run_cell(model, feature, start, Output([]), nothing_stored=lambda: not store.blocks) == REFUSED
 
@@ -263,8 +253,8 @@ def test_length_dependent_rope_is_refused_past_its_static_length_before_any_work
                                                                            max_new_tokens=1),
                         Output([]), nothing_stored=stored) == REFUSED
     assert run_cell(model, RAG_FEATURE, lambda: precompute(
-        [" ".join(f"w{i}" for i in range(limit + 1))], model, _WordTokenizer(), store, chunk_size=limit + 1,
+        [" ".join(f"w{i}" for i in range(limit + 1))], model, WordTokenizer(), store, chunk_size=limit + 1,
         progress=False), Output([]), nothing_stored=stored) == REFUSED
     late = f'<schema name="late"><module name="m" start="{limit - 1}">far away</module></schema>'
-    assert run_cell(model, MODULES_FEATURE, lambda: PromptModuleGenerator(model, _WordTokenizer(), store, late),
+    assert run_cell(model, MODULES_FEATURE, lambda: PromptModuleGenerator(model, WordTokenizer(), store, late),
                     Output([]), nothing_stored=stored) == REFUSED

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import SCHEMA_MARKUP, word_ids
+from helpers import SCHEMA_MARKUP, WordTokenizer
 
 from kvshelf.adapters import fingerprint as fingerprint_module
 from kvshelf.adapters.fingerprint import model_fingerprint
@@ -102,16 +102,6 @@ def test_generator_never_reuses_blocks_of_the_model_before_a_weight_change(tmp_p
     assert gen.generate(prompt, max_new_tokens=2).reused_tokens == 64  # its blocks are valid again
 
 
-class _WordTokenizer:
-    pad_token_id = 0
-
-    def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
-        return {"input_ids": word_ids(text)}
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:  # noqa: ANN001
-        return " ".join(map(str, ids))
-
-
 def test_rag_and_prompt_modules_recompute_after_a_weight_change(tmp_path):
     model = tiny_llama(seed=0, layers=3)
     store = open_embedded_store(tmp_path, memory_bytes="64MiB")
@@ -119,7 +109,7 @@ def test_rag_and_prompt_modules_recompute_after_a_weight_change(tmp_path):
     chunks, question = [_prompt(12, seed=2), _prompt(9, seed=3)], _prompt(4, seed=4)
     assert rag.generate(chunks, question, max_new_tokens=2).computed_chunks == 2
     assert rag.generate(chunks, question, max_new_tokens=2).reused_chunks == 2
-    modules = PromptModuleGenerator(model, _WordTokenizer(), store, SCHEMA_MARKUP)
+    modules = PromptModuleGenerator(model, WordTokenizer(), store, SCHEMA_MARKUP)
     assert modules.precompute()["computed"] == 3
     model.load_state_dict(tiny_llama(seed=1, layers=3).state_dict())
     for mode in ("reuse", "block-attention"):

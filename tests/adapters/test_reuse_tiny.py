@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import SCHEMA_MARKUP, token_ids, word_ids
+from helpers import SCHEMA_MARKUP, WordTokenizer, token_ids
 from transformers import DynamicCache
 
 from kvshelf.adapters.generate import CachedGenerator
@@ -55,22 +55,10 @@ def test_rerotated_chunk_equals_chunk_computed_at_its_position(model, position):
     assert torch.allclose(back, k0, atol=2e-5, rtol=0)
 
 
-class _WordTokenizer:
-    """A minimal tokenizer for the tiny model (one id per word)."""
-
-    pad_token_id = 0
-
-    def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
-        return {"input_ids": word_ids(text)}
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return " ".join(map(str, ids))
-
-
 def test_prompt_module_at_position_zero_equals_full_prefill(model, tmp_path):
     store = open_embedded_store(tmp_path, memory_bytes="64MiB")
     schema = PromptSchema.from_markup(SCHEMA_MARKUP)
-    gen = PromptModuleGenerator(model, _WordTokenizer(), store, schema)
+    gen = PromptModuleGenerator(model, WordTokenizer(), store, schema)
     assert gen.precompute() == {"modules": 3, "computed": 3, "tokens": 13}
     assert gen.precompute()["computed"] == 0  # stored (and pinned) already
     assert all(store.is_pinned(gen.key(m)) for m in gen.compiled.modules)
@@ -89,7 +77,7 @@ def test_prompt_module_at_position_zero_equals_full_prefill(model, tmp_path):
 
 def test_precompute_is_resumable_and_skips_stored_chunks(model, tmp_path):
     store = open_embedded_store(tmp_path, memory_bytes="64MiB")
-    tok = _WordTokenizer()
+    tok = WordTokenizer()
     docs = [" ".join(f"w{i}" for i in range(25)), " ".join(f"v{i}" for i in range(9))]
     first = precompute(docs[:1], model, tok, store, chunk_size=10, progress=False)
     assert (first["chunks"], first["computed"], first["skipped"]) == (3, 3, 0)
@@ -155,7 +143,7 @@ def test_foreign_model_chunk_is_never_used(model, tmp_path):
     store = open_embedded_store(tmp_path, memory_bytes="64MiB")
     other = tiny_llama(seed=1, layers=4)
     chunks = [token_ids(12, 10), token_ids(12, 11)]
-    tok = _WordTokenizer()
+    tok = WordTokenizer()
     RAGGenerator(other, tok, store).chunk_blocks(chunks)  # stored for the other model
     strict = RAGGenerator(model, tok, store, on_missing="error")
     with pytest.raises(ChunkMissingError, match="stored by another model"):
@@ -171,10 +159,10 @@ def test_foreign_model_chunk_is_never_used(model, tmp_path):
 def test_front_doors_work_in_their_stores_namespace(model, tmp_path):
     """Without ``namespace=``, every front door uses its store's namespace (a remote store's is its token's)."""
     with open_embedded_store(tmp_path, memory_bytes="64MiB", namespace="team-a") as store:
-        assert RAGGenerator(model, _WordTokenizer(), store).namespace == "team-a"
-        assert PromptModuleGenerator(model, _WordTokenizer(), store, SCHEMA_MARKUP).namespace == "team-a"
+        assert RAGGenerator(model, WordTokenizer(), store).namespace == "team-a"
+        assert PromptModuleGenerator(model, WordTokenizer(), store, SCHEMA_MARKUP).namespace == "team-a"
         assert CachedGenerator(model, store=store).namespace == "team-a"
         assert CachedGenerator(model, store=store, namespace="team-b").namespace == "team-b"
         assert CachedGenerator(model).namespace == "default"
-        precompute(["one two three four five six"], model, _WordTokenizer(), store, chunk_size=4, progress=False)
+        precompute(["one two three four five six"], model, WordTokenizer(), store, chunk_size=4, progress=False)
         assert {row["namespace"] for row in store.stats()["rows"]} == {"team-a"}

@@ -107,6 +107,18 @@ def word_ids(text: str) -> list[int]:
     return [3 + (sum(map(ord, w)) % 400) for w in text.split()]
 
 
+class WordTokenizer:
+    """A minimal tokenizer for the tiny models: one id per word (``word_ids``); decodes ids as numbers."""
+
+    pad_token_id = 0
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+        return {"input_ids": word_ids(text)}
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return " ".join(map(str, ids))
+
+
 SCHEMA_MARKUP = """
 <schema name="support">
   <module name="system">you are a helpful assistant</module>
