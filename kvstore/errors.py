@@ -41,3 +41,7 @@ class ModelLoadError(KVShelfError):
 
 class TierUnavailableError(KVShelfError):
     """A tier's backing service (Redis, a remote server) cannot be reached now; the store degrades around it."""
+
+
+class WriteBehindError(KVShelfError):
+    """Blocks handed to a write-behind writer could not be written in time (a flush timed out)."""
