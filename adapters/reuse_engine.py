@@ -14,6 +14,7 @@ engine cannot drive exactly.
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from collections.abc import Iterator, Sequence
@@ -180,8 +181,10 @@ def folded_gqa_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
 
 @contextmanager
 def folded_attention(model: PreTrainedModel) -> Iterator[int | None]:
-    """Switch an ``sdpa`` model to ``folded_gqa_attention`` for the block; yields the query heads per KV head
-    (1 without grouped heads), or ``None`` when the model stays as it is (another attention implementation)."""
+    """Run an ``sdpa`` model's attention as ``folded_gqa_attention`` in the block, for the calling context only
+    (``hf.attention_implementation``: another thread using the model meanwhile keeps sdpa); yields the query
+    heads per KV head (1 without grouped heads), or ``None`` when the model stays as it is (another attention
+    implementation)."""
     config = model.config.get_text_config(decoder=True)
     groups = config.num_attention_heads // getattr(config, "num_key_value_heads", config.num_attention_heads)
     if hf.attn_implementation(model) not in ("sdpa", FOLDED):
@@ -245,6 +248,7 @@ def move_keys(keys: torch.Tensor, delta: int, rotaries: Sequence[hf.Rotary]) -> 
 
 _VERIFIED: weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple[str, str, str], str | None]] = (
     weakref.WeakKeyDictionary())
+_VERIFIED_LOCK = threading.Lock()  # threads may check one model at once: the memo is read and written under it
 PROBE_IDS = (5, 17, 29, 41, 53, 67, 79, 91)  # the self-check's prompt (ids modulo the vocabulary)
 
 
@@ -267,11 +271,16 @@ def check_engine(model: PreTrainedModel, feature: str) -> list[hf.Rotary]:
         raise refusal(model, feature, str(exc)) from None
     rotaries = ropes(model, feature)
     key = (hf.attn_implementation(model), str(model.dtype), str(model.device))
-    verified = _VERIFIED.setdefault(model, {})
-    if key not in verified:
-        verified[key] = _self_check(model)
-    if verified[key] is not None:
-        raise refusal(model, feature, verified[key])
+    with _VERIFIED_LOCK:
+        verified = _VERIFIED.setdefault(model, {})
+        known = key in verified
+        problem = verified.get(key)
+    if not known:  # outside the lock: two threads may both check a new model (same answer), none waits on it
+        problem = _self_check(model)
+        with _VERIFIED_LOCK:
+            _VERIFIED.setdefault(model, {})[key] = problem
+    if problem is not None:
+        raise refusal(model, feature, problem)
     return rotaries
 
 

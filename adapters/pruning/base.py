@@ -18,6 +18,13 @@ whole cache as ``DynamicLayer``'s ``torch.cat`` does), and a method that reads a
 model to eager attention for the prefill only: decode steps run with sdpa (the original implementation is back
 when the ``with`` block ends).
 
+Threads: a ``with method(model):`` block acts only on the calls of the context (thread) that entered it. Its hooks
+are no-ops elsewhere, and the eager/sdpa switch is per context (``hf.attention_scope``), never a switch of the
+model for every thread; several threads may each run their own method (or none) on one model at the same time.
+Work handed to a worker thread must run in a copy of the caller's context (``contextvars.copy_context().run``,
+as ``adapters.streaming`` does) to be pruned. Static methods hold no state of their own (each block has its own
+``PruningSession``), so one method object may serve several threads.
+
 Model families: a method hooks the self-attention modules of any layout ``adapters.hf`` knows (Llama-style,
 GPT-NeoX, Falcon, GPT-2) and prunes the full-attention layers only: a sliding-window layer's cache is bounded by
 its window already, and HF's sliding cache layer keeps only the window's last tokens, so pruning it (or turning it
@@ -36,6 +43,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
@@ -287,48 +295,73 @@ def _layer_inputs(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
     return cache, LayerInputs(module, hidden, *tensors, embeddings, attentions)
 
 
-@contextmanager
-def eager_prefill(model: nn.Module) -> Iterator[None]:
-    """Eager attention for prefills of an empty cache (they must return attention weights), sdpa for decode steps.
+#: the ``with method(model):`` blocks active in this context (thread): each block's hooks act only where it is
+_ACTIVE: ContextVar[frozenset[object]] = ContextVar("kvshelf_pruning_blocks", default=frozenset())
 
-    A forward pre-hook on ``model`` switches ``config._attn_implementation`` between ``"eager"`` and ``"sdpa"``
-    only (any other implementation, e.g. TokenSelect's, is left alone), and puts ``"eager"`` back on exit if it
-    switched. A model without sdpa support (or whose implementation cannot be switched: Falcon) keeps eager
-    throughout.
+
+@contextmanager
+def _active(block: object) -> Iterator[None]:
+    """Mark ``block`` active in the current context for the duration (contexts copied from it see it too)."""
+    token = _ACTIVE.set(_ACTIVE.get() | {block})
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def _is_active(block: object) -> bool:
+    return block in _ACTIVE.get()
+
+
+@contextmanager
+def eager_prefill(model: nn.Module, block: object) -> Iterator[None]:
+    """Eager attention for prefills of an empty cache (they must return attention weights), sdpa for decode steps,
+    in the contexts where ``block`` is active only (the calls of the thread that entered the ``with`` block).
+
+    A forward pre-hook on ``model`` switches between ``"eager"`` and ``"sdpa"`` only (any other implementation, e.g.
+    TokenSelect's, is left alone) with ``hf.switch_attention`` inside an ``hf.attention_scope``: for the calling
+    context only, so another thread using the model at the same time keeps its own attention; the block's exit
+    puts back what the context had. A model without sdpa support (or whose implementation cannot be switched:
+    Falcon) keeps eager throughout.
     """
     if not hf.supports_sdpa(model) or not hf.can_switch_attention(model):
         yield
         return
-    switched = False
 
     def switch(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        nonlocal switched
+        if not _is_active(block):
+            return
         cache = kwargs.get("past_key_values")
         prefill = cache is None or cache.get_seq_length() == 0
         impl = hf.attn_implementation(model)
-        if prefill and switched and impl == "sdpa":
+        if prefill and impl == "sdpa":
             hf.switch_attention(model, "eager")
-            switched = False
         elif not prefill and impl == "eager":
             hf.switch_attention(model, "sdpa")
-            switched = True
 
-    handle = model.register_forward_pre_hook(switch, with_kwargs=True)
-    try:
-        yield
-    finally:
-        handle.remove()
-        if switched and hf.attn_implementation(model) == "sdpa":
-            hf.switch_attention(model, "eager")
+    with hf.attention_scope(model):
+        handle = model.register_forward_pre_hook(switch, with_kwargs=True)
+        try:
+            yield
+        finally:
+            handle.remove()
 
 
 @contextmanager
 def hooked(model: nn.Module, method: PruningMethod) -> Iterator[PruningSession]:
-    """Hook ``model`` so that every prefill of an empty cache is pruned by ``method``; yields the session."""
+    """Hook ``model`` so that every prefill of an empty cache is pruned by ``method``; yields the session.
+
+    The hooks act only on calls made in the context (thread) that entered the block, or in contexts copied from
+    it (``contextvars.copy_context``): other threads using the model meanwhile are neither pruned nor switched to
+    eager, and blocks of different threads (each with its own method) prune only their own calls. Each block
+    removes only its own hooks, whatever order blocks exit in."""
     modules = method.check_model(model)
     session = PruningSession(method)
+    block = object()
 
     def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if not _is_active(block):
+            return
         found = _layer_inputs(module, args, kwargs, output)
         if found is None:
             return
@@ -344,7 +377,7 @@ def hooked(model: nn.Module, method: PruningMethod) -> Iterator[PruningSession]:
 
     handles = [m.register_forward_hook(hook, with_kwargs=True) for m in modules]
     try:
-        with eager_prefill(model) if method.needs_attentions else nullcontext():
+        with _active(block), eager_prefill(model, block) if method.needs_attentions else nullcontext():
             yield session
     finally:
         for handle in handles:
@@ -364,8 +397,11 @@ def scoring(model: nn.Module, methods: dict[str, PruningMethod]) -> Iterator[dic
         if method.needs_attentions:
             check_attn_implementation(model, method.name)
     kept: dict[str, dict[int, torch.Tensor]] = {name: {} for name in methods}
+    block = object()
 
     def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if not _is_active(block):
+            return
         found = _layer_inputs(module, args, kwargs, output)
         if found is None:
             return
@@ -378,7 +414,8 @@ def scoring(model: nn.Module, methods: dict[str, PruningMethod]) -> Iterator[dic
 
     handles = [m.register_forward_hook(hook, with_kwargs=True) for m in modules]
     try:
-        yield kept
+        with _active(block):
+            yield kept
     finally:
         for handle in handles:
             handle.remove()

@@ -8,7 +8,10 @@ cosine similarity of the new query to the one that made it stays >= ``similarity
 
 How it hooks transformers 5.x: a custom attention function registered in ``AttentionInterface`` (plus the
 sdpa mask in ``AttentionMaskInterface``) under ``kvshelf_tokenselect``; ``with TokenSelect(...)(model):``
-switches the model to it and back. The prefill of an empty cache runs as plain sdpa (full attention);
+switches the model to it and back for the calling context only (``hf.attention_implementation``: other threads
+using the model keep their attention), and the method each attention module selects with is found in a
+``ContextVar``, not on the module. A ``TokenSelect`` object holds its selection cache: one per thread.
+The prefill of an empty cache runs as plain sdpa (full attention);
 afterwards a single query gathers its selection, and a chunk of queries (teacher forcing) masks per query to
 the top-k of the earlier cache plus its causal part of the chunk.
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,8 +39,11 @@ from kvshelf.adapters.pruning.budget import check_budget, resolve_budget
 from kvshelf.adapters.pruning.errors import PruningError
 
 IMPLEMENTATION = "kvshelf_tokenselect"
-_STATE = "_kvshelf_tokenselect"
-_FALLBACK = "_kvshelf_tokenselect_fallback"  # the implementation the model ran with before ("sdpa", "eager")
+#: per attention module (by ``id``), in the context that entered a ``with TokenSelect(...)(model):`` block: the
+#: method selecting in it (``None``: a layer it does not select in) and the implementation the model ran with
+#: before ("sdpa", "eager"), for full attention
+_SELECTING: ContextVar[dict[int, tuple[TokenSelect | None, str]] | None] = ContextVar("kvshelf_tokenselect",
+                                                                                       default=None)
 
 
 @dataclass
@@ -136,20 +143,16 @@ class TokenSelect:
         every = hf.self_attention_modules(model)
         with hf.attention_implementation(model, IMPLEMENTATION) as previous:
             self.first_layer = min(int(m.layer_idx) for m in modules)
-            for m in modules:
-                setattr(m, _STATE, self)
-            for m in every:  # full attention (a prefill, a sliding layer) as the model ran it before
-                setattr(m, _FALLBACK, previous)
+            selecting = dict(_SELECTING.get() or {})
+            # full attention (a prefill, a sliding layer) as the model ran it before
+            selecting.update({id(m): (None, previous) for m in every})
+            selecting.update({id(m): (self, previous) for m in modules})
             self.layers.clear()
+            token = _SELECTING.set(selecting)
             try:
                 yield self
             finally:
-                for m in modules:
-                    if getattr(m, _STATE, None) is self:
-                        delattr(m, _STATE)
-                for m in every:
-                    if hasattr(m, _FALLBACK):
-                        delattr(m, _FALLBACK)
+                _SELECTING.reset(token)
 
 
 def _logits(query: torch.Tensor, key: torch.Tensor, scaling: float, softcap: float | None) -> torch.Tensor:
@@ -162,12 +165,12 @@ def _logits(query: torch.Tensor, key: torch.Tensor, scaling: float, softcap: flo
 
 def _full_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, scaling: float | None, softcap: float | None,
-                    **kwargs: Any) -> tuple[torch.Tensor, None]:
+                    fallback: str, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """Attention over the whole cache, as the model computes it without TokenSelect: sdpa, or the model's own eager
     function when it ran eager before (the same numbers in bf16) or caps its logits (Gemma 2; sdpa does not), under
     the sdpa-style mask turned additive (``[b, 1, q, n]`` bool, ``True`` = attend; ``None`` = causal, the queries
     being the last ``q`` positions). Returns ``([b, q, h_q, d], None)``."""
-    if softcap is None and getattr(module, _FALLBACK, "sdpa") != "eager":
+    if softcap is None and fallback != "eager":
         return hf.sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     q, n = query.shape[2], key.shape[2]
     if attention_mask is None:
@@ -186,7 +189,7 @@ def tokenselect_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
                           attention_mask: torch.Tensor | None, scaling: float | None = None,
                           softcap: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """The registered attention function: ``query [b, h_q, q, d]``, ``key/value [b, h_kv, n, d]`` (whole cache)."""
-    method: TokenSelect | None = getattr(module, _STATE, None)
+    method, fallback = (_SELECTING.get() or {}).get(id(module), (None, "sdpa"))
     q, n = query.shape[2], key.shape[2]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if method is not None and query.shape[0] != 1:
@@ -194,10 +197,10 @@ def tokenselect_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
     if method is None or q >= n:
         if method is not None:  # a new prefill: selections of an earlier prompt are stale
             method.layers.pop(int(module.layer_idx), None)
-        return _full_attention(module, query, key, value, attention_mask, scaling, softcap, **kwargs)
+        return _full_attention(module, query, key, value, attention_mask, scaling, softcap, fallback, **kwargs)
     if q == 1:
         if method.keep(n) >= n:
-            return _full_attention(module, query, key, value, attention_mask, scaling, softcap, **kwargs)
+            return _full_attention(module, query, key, value, attention_mask, scaling, softcap, fallback, **kwargs)
         return method.decode(module, query, key, value, scale, softcap), None
     return method.chunk(module, query, key, value, scale, softcap), None
 

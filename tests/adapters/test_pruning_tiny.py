@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache, MistralConfig, MistralForCausalLM
 
+from kvshelf.adapters import hf
 from kvshelf.adapters.model import tiny_llama
 from kvshelf.adapters.pruning import (
     H2O,
@@ -383,7 +384,7 @@ def test_attention_weight_methods_prefill_eager_and_decode_sdpa(model):
     ids = _ids(50, seed=15)
     seen: list[str] = []
     handle = model.model.layers[0].self_attn.register_forward_pre_hook(
-        lambda module, args: seen.append(model.config._attn_implementation))
+        lambda module, args: seen.append(hf.attn_implementation(model)))  # what this thread's call runs with
     model.set_attn_implementation("eager")
     try:
         with H2O(0.5)(model) as session:
