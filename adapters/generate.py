@@ -4,10 +4,32 @@ On each call: find the longest cached prefix of full blocks (chained keys), load
 let ``model.generate`` prefill only the rest, then store the prompt's new full blocks. The output equals the
 uncached run's (same model, same KV up to floating-point summation order of the suffix prefill).
 
+Batches: ``generate`` also takes a list of prompts, or a ``[B, T]`` tensor with its ``attention_mask`` (padding
+on either side is stripped per row). Each row looks up and loads its own cached prefix and prefills its own rest
+against it (one row at a time: exact, as for one prompt); the rows' caches are then joined into one left-padded
+cache ``[B, kv_heads, T_max - 1, head_dim]`` per layer and decoded together in one batched ``model.generate``
+(the 2-D ``attention_mask`` masks the pad slots; HF derives each row's positions from the mask's cumulative sum, so
+every row keeps its own). Greedy output per row equals the single-prompt run's (test_generate_batch.py, on every
+family of the architecture suite). Rows of a batch stop at their own EOS (the pad tokens HF appends after it are
+cut off). Sampling in a batch draws from one random stream for all rows, so a row's samples differ from the
+same row sampled alone with the same seed.
+
 Sliding-window and hybrid models (Mistral, Qwen2 with a window, Gemma 2/3) work the same way: a block holds every
 token of every layer (while the call runs, the sliding layers keep the tokens they would drop:
 ``hf.keep_sliding_history``), and a loaded prefix gives each layer what its cache class keeps: a sliding layer its
-last ``window - 1`` tokens, counting all of them, exactly as if it had prefilled the prefix itself.
+last ``window - 1`` tokens, counting all of them, exactly as if it had prefilled the prefix itself. In a batch, a
+row's tokens end at the last cache slot, so a window counted in cache slots is the row's own window.
+
+Storing is write-behind by default (``kvstore.write_behind.WriteBehind``): the new blocks are handed to a writer
+thread after the answer, so neither this call nor the next waits for the store; ``generate(..., wait=True)``
+stores synchronously. Reading your own writes: a lookup that misses blocks while this generator still has writes
+pending waits for them first (``flush``), so a repeated or extended prompt (the next turn of a chat) finds them.
+``close()`` (or leaving a ``with`` block, or the generator being garbage-collected, or interpreter exit) flushes.
+
+Streaming: ``streamer=`` takes a HF streamer (``TextStreamer``...), wrapped in ``streaming.FirstTokenTimer`` so
+``ttft_s`` is still measured; ``stream(prompt, ...)`` iterates the new token ids as they come
+(``streaming.TokenStream``). Sampling arguments (``do_sample``, ``temperature``, ``top_k``, ``top_p``...) go to
+``model.generate`` untouched; seed with ``torch.manual_seed`` before the call.
 
 Blocks are keyed by the model's dtype. When a lookup finds nothing, the result says how many blocks of the same
 prompt are stored for the same weights in another common dtype (``other_dtype_blocks``; see
@@ -17,8 +39,10 @@ prompt are stored for the same weights in another common dtype (``other_dtype_bl
 from __future__ import annotations
 
 import time
+import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -27,25 +51,34 @@ from kvshelf.adapters import hf
 from kvshelf.adapters.cache_bridge import blocks_from_cache, cache_from_prepared, check_supported
 from kvshelf.adapters.fingerprint import model_fingerprint, other_dtype_fingerprints
 from kvshelf.adapters.hf import BaseStreamer
-from kvshelf.adapters.prompts import Prompt, prompt_ids
+from kvshelf.adapters.prompts import Prompt, batch_prompt_ids, is_batch, prompt_ids
+from kvshelf.adapters.streaming import FirstTokenTimer, TokenStream
+from kvshelf.kvstore.block import KVBlock
 from kvshelf.kvstore.errors import ConfigError
 from kvshelf.kvstore.keys import prefix_block_spans
 from kvshelf.kvstore.protocol import BlockStore, namespace_of
+from kvshelf.kvstore.write_behind import DEFAULT_MAX_PENDING_BLOCKS, WriteBehind
 
 DEFAULT_BLOCK_SIZE = 256
+
+#: ``model.generate`` arguments the generator sets itself
+_UNSET = object()
+_MANAGED_KWARGS = ("input_ids", "inputs_embeds", "past_key_values", "return_dict_in_generate", "use_cache")
 
 
 @dataclass(frozen=True)
 class GenerationResult:
-    """What one ``generate`` call produced and what the cache saved."""
+    """What one ``generate`` call (or one row of a batch) produced and what the cache saved."""
 
     prompt_ids: list[int]
     new_ids: list[int]
     text: str | None
     reused_tokens: int  # prompt tokens whose KV came from the store
     prefilled_tokens: int  # prompt tokens computed by this call
+    # blocks handed to the store: written before returning with wait=True (or without write-behind), else queued
+    # for the writer thread (submitted; see CachedGenerator.write_behind_stats for what was written)
     stored_blocks: int
-    ttft_s: float  # call start to first new token, including the store lookup and load
+    ttft_s: float  # call start to first new token, including the store lookup and load (a batch: its first token)
     total_s: float
     logits: tuple[torch.Tensor, ...] | None = None  # per new token, [1, vocab] (when output_logits=True)
     # when nothing was reused: blocks of this prompt stored for the same weights in other dtypes (not usable: KV is
@@ -54,21 +87,15 @@ class GenerationResult:
     other_dtypes: tuple[str, ...] = ()
 
 
-class _FirstTokenTimer(BaseStreamer):
-    """Records when ``generate`` emits its first new token (its first ``put`` is the prompt itself)."""
+@dataclass
+class _Row:
+    """One prompt of a call: its ids, what was loaded for it, and its cache once prefilled."""
 
-    def __init__(self) -> None:
-        self.calls = 0
-        self.first_token_at: float | None = None
-
-    def put(self, value: torch.Tensor) -> None:
-        self.calls += 1
-        if self.calls == 2 and self.first_token_at is None:
-            self.first_token_at = time.perf_counter()
-
-    def end(self) -> None:
-        if self.first_token_at is None:
-            self.first_token_at = time.perf_counter()
+    ids: list[int]
+    reused: int = 0
+    loaded: int = 0
+    missed: bool = False
+    cache: Any = None
 
 
 class CachedGenerator:
@@ -83,6 +110,12 @@ class CachedGenerator:
         store: a ``BlockStore`` (embedded ``TieredStore``, or ``RemoteStore``); ``None`` disables reuse.
         namespace: tenant namespace of the blocks (default: the store's).
         block_size: tokens per prefix block (default 256).
+        write_behind: store new blocks from a writer thread (default); ``False``: every call stores before it
+            returns.
+        max_pending_blocks: the write-behind queue's bound (``submit`` waits beyond it: backpressure).
+
+    A generator is a context manager; ``close()`` flushes the pending writes, after which every call raises
+    ``ConfigError``. It may be shared by threads.
     """
 
     def __init__(
@@ -93,6 +126,8 @@ class CachedGenerator:
         *,
         namespace: str | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        write_behind: bool = True,
+        max_pending_blocks: int = DEFAULT_MAX_PENDING_BLOCKS,
     ) -> None:
         if block_size <= 0:
             raise ConfigError(f"block_size must be > 0, got {block_size}")
@@ -103,6 +138,49 @@ class CachedGenerator:
         self.store = store
         self.namespace = namespace_of(store, namespace)
         self.block_size = block_size
+        self._closed = False
+        self._writer: WriteBehind | None = None
+        if write_behind and store is not None:
+            self._writer = WriteBehind(store, max_pending_blocks=max_pending_blocks)
+            # a generator dropped without close() still writes what it queued (CPython: when its last reference
+            # goes; else at interpreter exit, by the writer's own hook)
+            self._finalizer = weakref.finalize(self, _close_writer, self._writer)
+
+    # -- lifecycle --------------------------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait until every block queued for writing is written (or failed: ``write_behind_stats``). Raises
+        ``WriteBehindError`` when ``timeout_s`` passes first."""
+        if self._writer is not None:
+            self._writer.flush(timeout_s)
+
+    def write_behind_stats(self) -> dict[str, Any] | None:
+        """The writer's counts (``WriteBehind.stats``: submitted, written, rejected, failed, pending blocks,
+        ``last_error``); ``None`` without write-behind."""
+        return self._writer.stats() if self._writer is not None else None
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Flush pending writes and stop the writer; the generator then refuses every call (idempotent)."""
+        self._closed = True
+        if self._writer is not None:
+            self._writer.close(timeout_s)
+
+    def __enter__(self) -> CachedGenerator:
+        self._check_open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigError("CachedGenerator is closed")
+
+    # -- keys, lookup, storing ---------------------------------------------------------------------------------
 
     @property
     def fingerprint(self) -> str:
@@ -117,22 +195,32 @@ class CachedGenerator:
         return prefix_block_spans(fingerprint, self.namespace, ids[: cacheable_prefix or len(ids)], self.block_size,
                                   partial=cacheable_prefix is not None)
 
-    def _load_prefix(self, ids: list[int], cacheable_prefix: int | None,
-                     fingerprint: str) -> tuple[int, int, Any, bool]:
-        """``(reused, loaded, cache, missed)``: the longest cached prefix as a cache of ``reused`` tokens, at most
-        ``len(ids) - 1`` (one token must be prefilled), ``loaded`` the tokens of the blocks found; ``missed``:
-        blocks were looked up and none was found."""
+    def _read_own_writes(self, keys: list[bytes]) -> None:
+        """Wait for this generator's pending writes when some of ``keys`` are not held yet (they may be among
+        them). An uncounted ``held`` probe, only while writes are pending."""
+        if self._writer is None or not keys or not self._writer.stats()["pending_blocks"]:
+            return
+        if not all(self.store.held(keys, namespace=self.namespace)):
+            self._writer.flush()
+
+    def _load_prefix(self, ids: list[int], cacheable_prefix: int | None, fingerprint: str) -> _Row:
+        """The longest cached prefix as a cache of ``reused`` tokens, at most ``len(ids) - 1`` (one token must be
+        prefilled), ``loaded`` the tokens of the blocks found; ``missed``: blocks were looked up and none was
+        found."""
+        row = _Row(ids)
         if self.store is None or len(ids) < 2:
-            return 0, 0, None, False
+            return row
         spans = self._spans(ids, cacheable_prefix, fingerprint)
         keys = [span.key for span in spans]
         tokens = [span.end - span.start for span in spans]
+        self._read_own_writes(keys)
         found = (
             self.store.lookup_prefix(keys, namespace=self.namespace, model=fingerprint, tokens=tokens)
             if keys else 0
         )
         if not found:
-            return 0, 0, None, bool(keys)
+            row.missed = bool(keys)
+            return row
         blocks = self.store.get_prepared_many(keys[:found], fingerprint=fingerprint, namespace=self.namespace,
                                               tokens=tokens[:found])
         usable = []
@@ -141,12 +229,12 @@ class CachedGenerator:
                 break
             usable.append(block)
         if not usable:
-            return 0, 0, None, False
-        loaded = sum(b.num_tokens for b in usable)
-        reused = min(loaded, len(ids) - 1)
-        cache = cache_from_prepared(usable, self.model.config, max_tokens=reused, device=self.model.device,
-                                    dtype=self.model.dtype)
-        return reused, loaded, cache, False
+            return row
+        row.loaded = sum(b.num_tokens for b in usable)
+        row.reused = min(row.loaded, len(ids) - 1)
+        row.cache = cache_from_prepared(usable, self.model.config, max_tokens=row.reused, device=self.model.device,
+                                        dtype=self.model.dtype)
+        return row
 
     def _other_dtype_blocks(self, ids: list[int], cacheable_prefix: int | None) -> tuple[int, tuple[str, ...]]:
         """Blocks of this prompt's cached prefix stored for the model's weights cast to another common dtype, and
@@ -162,16 +250,13 @@ class CachedGenerator:
                 dtypes.append(name.removeprefix("torch."))
         return count, tuple(dtypes)
 
-    def _store_prompt_blocks(self, ids: list[int], cache: Any, loaded: int, cacheable_prefix: int | None,
-                             fingerprint: str) -> int:
-        """Store the blocks of the prompt past the ``loaded`` tokens' (the blocks found need no second copy)."""
-        if self.store is None or cache is None:
-            return 0
-        limit = min(cacheable_prefix or len(ids), cache.get_seq_length())
+    def _block_entries(self, ids: list[int], cache: Any, loaded: int, limit: int, partial: bool,
+                       fingerprint: str) -> list[tuple[bytes, KVBlock]]:
+        """The blocks of ``ids[:limit]`` (``limit`` at most the cache's tokens) past the ``loaded`` tokens' (the
+        blocks found need no second copy), with the trailing partial block when ``partial``."""
+        limit = min(limit, cache.get_seq_length())
         spans = [s for s in prefix_block_spans(fingerprint, self.namespace, ids[:limit], self.block_size,
-                                               partial=cacheable_prefix is not None) if s.end > loaded]
-        if not spans:
-            return 0
+                                               partial=partial) if s.end > loaded]
         entries = []
         for start, end, key in spans:
             (block,) = blocks_from_cache(
@@ -179,53 +264,139 @@ class CachedGenerator:
                 fingerprint=fingerprint, namespace=self.namespace,
             )
             entries.append((key, block))
-        return self.store.put_many(entries)
+        return entries
+
+    def _put(self, entries: list[tuple[bytes, KVBlock]], wait: bool) -> int:
+        """Store ``entries``: queued for the writer, or now (``wait``, or no write-behind). Returns the count
+        handed over (queued, or accepted by the store)."""
+        if not entries or self.store is None:
+            return 0
+        if self._writer is not None and not wait:
+            return self._writer.submit(entries)
+        return int(self.store.put_many(entries))
+
+    # -- generation -----------------------------------------------------------------------------------------------
+
+    @overload
+    def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> GenerationResult: ...
+
+    @overload
+    def generate(self, prompt: Sequence[str] | Sequence[Sequence[int]], **kwargs: Any) -> list[GenerationResult]: ...
+
+    @overload
+    def generate(self, prompt: torch.Tensor, **kwargs: Any) -> GenerationResult | list[GenerationResult]: ...
 
     @torch.inference_mode()
     def generate(
         self,
-        prompt: Prompt,
+        prompt: Prompt | Sequence[str] | Sequence[Sequence[int]],
         *,
         max_new_tokens: int = 32,
         reuse: bool = True,
         store: bool = True,
+        wait: bool = False,
         cacheable_prefix: int | None = None,
+        store_generated: bool = False,
+        attention_mask: torch.Tensor | Sequence[Sequence[int]] | None = None,
+        streamer: BaseStreamer | None = None,
         **generate_kwargs: Any,
-    ) -> GenerationResult:
-        """Generate from ``prompt``; ``generate_kwargs`` go to ``model.generate`` (do_sample, temperature...).
+    ) -> GenerationResult | list[GenerationResult]:
+        """Generate from one prompt, or from a batch; ``generate_kwargs`` go to ``model.generate`` (do_sample,
+        temperature, top_k, top_p, eos_token_id, output_logits...).
 
-        ``reuse=False`` prefills everything (the uncached baseline); ``store=False`` stores nothing.
-        ``cacheable_prefix``: the length of the reusable context at the head of the prompt (a document before
-        its question). Only that much is stored, including its last partial block, so a later prompt with
-        the same context and another question reuses all of it. Default: the prompt's full blocks.
+        Args:
+            prompt: one prompt (a string, token ids, a tensor ``[n]``) -> one ``GenerationResult``; a batch (a list
+                of strings or of token-id lists, or a tensor ``[B, T]``, even with ``B == 1``) -> a list of them,
+                one per row, in order.
+            reuse: ``False`` prefills everything (the uncached baseline). ``store``: ``False`` stores nothing.
+            wait: store the new blocks before returning (else they are queued for the write-behind writer).
+            cacheable_prefix: the length of the reusable context at the head of the prompt (a document before
+                its question). Only that much is stored, including its last partial block, so a later prompt with
+                the same context and another question reuses all of it. Default: the prompt's full blocks. One
+                prompt only.
+            store_generated: also store the KV of the generated tokens with the prompt's (all of them but the
+                last, which never went through the model), including the last partial block: the cached sequence
+                is ``prompt_ids + new_ids[:-1]``; the next turn of a chat looks it up with
+                ``cacheable_prefix=`` its common prefix with that sequence. One prompt only.
+            attention_mask: with a tensor prompt, ``[B, T]`` (or ``[T]``): 1 for tokens, 0 for padding (on either
+                side); each row keeps its tokens where the mask is 1.
+            streamer: a HF streamer (``put`` / ``end``) fed as ``model.generate`` feeds it (``[B]`` per step for a
+                batch); TTFT is still measured.
+        Raises:
+            ConfigError: an empty prompt or batch, a batch mixing strings and token ids, a prompt too long for
+                the model, an argument the generator sets itself (``past_key_values``...), a closed generator.
         """
-        ids = self.encode(prompt)
-        if not ids:
-            raise ConfigError("the prompt is empty")
+        self._check_open()
+        for name in _MANAGED_KWARGS:
+            if name in generate_kwargs:
+                raise ConfigError(f"CachedGenerator sets {name!r} itself; it is not accepted")
+        if generate_kwargs.get("num_return_sequences", 1) != 1 or generate_kwargs.get("num_beams", 1) != 1:
+            raise ConfigError("num_return_sequences and num_beams must be 1 (one sequence per prompt)")
+        timer = FirstTokenTimer(streamer)
+        started = time.perf_counter()
+        if is_batch(prompt) or attention_mask is not None and torch.as_tensor(attention_mask).dim() == 2:
+            if cacheable_prefix is not None or store_generated:
+                raise ConfigError("cacheable_prefix and store_generated apply to one prompt, not to a batch")
+            rows = batch_prompt_ids(prompt, self.tokenizer, attention_mask=attention_mask, add_special_tokens=True)
+            for ids in rows:
+                self._check_length(ids, max_new_tokens)
+            return self._generate_batch(rows, max_new_tokens=max_new_tokens, reuse=reuse, store=store, wait=wait,
+                                        timer=timer, started=started, generate_kwargs=generate_kwargs)
+        if attention_mask is not None:
+            (ids,) = batch_prompt_ids(prompt, self.tokenizer, attention_mask=attention_mask,
+                                      add_special_tokens=True)
+        else:
+            ids = self.encode(prompt)
+        self._check_length(ids, max_new_tokens)
         if cacheable_prefix is not None and not 0 < cacheable_prefix <= len(ids):
             raise ConfigError(
                 f"cacheable_prefix must be in [1, {len(ids)}] (the prompt length), got {cacheable_prefix}"
             )
+        return self._generate_one(ids, max_new_tokens=max_new_tokens, reuse=reuse, store=store, wait=wait,
+                                  cacheable_prefix=cacheable_prefix, store_generated=store_generated, timer=timer,
+                                  started=started, generate_kwargs=generate_kwargs)
+
+    def stream(self, prompt: Prompt, **kwargs: Any) -> TokenStream[GenerationResult]:
+        """``generate(prompt, **kwargs)`` in a worker thread, iterated token by token: ``for token_id in
+        gen.stream(prompt, max_new_tokens=64): ...``; ``.texts()`` yields decoded text; ``.result`` is the
+        ``GenerationResult`` once done. One prompt only."""
+        self._check_open()
+        if "streamer" in kwargs:
+            raise ConfigError("stream() makes its own streamer; use generate(streamer=...) to pass one")
+        if is_batch(prompt):
+            raise ConfigError("stream() streams one prompt; use generate(batch, streamer=...) for a batch")
+        return TokenStream(lambda streamer: self.generate(prompt, streamer=streamer, **kwargs), self.tokenizer)
+
+    def _check_length(self, ids: list[int], max_new_tokens: int) -> None:
+        if not ids:
+            raise ConfigError("the prompt is empty")
         max_positions = getattr(self.model.config, "max_position_embeddings", None)
         if max_positions and len(ids) + max_new_tokens > max_positions:
             raise ConfigError(
                 f"prompt of {len(ids)} tokens + {max_new_tokens} new tokens exceeds the model's "
                 f"{max_positions} positions"
             )
-        if "streamer" in generate_kwargs:
-            raise ConfigError("CachedGenerator measures TTFT with its own streamer; 'streamer' is not accepted")
-        started = time.perf_counter()
+
+    def _defaults(self, generate_kwargs: dict[str, Any]) -> dict[str, Any]:
+        kwargs = dict(generate_kwargs)
+        kwargs.setdefault("do_sample", False)
+        if self.tokenizer is not None and getattr(self.tokenizer, "pad_token_id", None) is not None:
+            kwargs.setdefault("pad_token_id", self.tokenizer.pad_token_id)
+        return kwargs
+
+    def _decode(self, ids: list[int]) -> str | None:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else None
+
+    def _generate_one(self, ids: list[int], *, max_new_tokens: int, reuse: bool, store: bool, wait: bool,
+                      cacheable_prefix: int | None, store_generated: bool, timer: FirstTokenTimer, started: float,
+                      generate_kwargs: dict[str, Any]) -> GenerationResult:
         fingerprint = self.fingerprint  # this call's: blocks are looked up and stored for the model as it is now
-        reused, loaded, cache, missed = (
-            self._load_prefix(ids, cacheable_prefix, fingerprint) if reuse else (0, 0, None, False))
+        row = self._load_prefix(ids, cacheable_prefix, fingerprint) if reuse else _Row(ids)
+        cache = row.cache
         if self._sliding and store and self.store is not None:  # the blocks to store need every token
             cache = cache if cache is not None else hf.new_cache(self.model.config)
             hf.keep_sliding_history(cache)
-        timer = _FirstTokenTimer()
         input_ids = torch.tensor([ids], device=self.model.device)
-        generate_kwargs.setdefault("do_sample", False)
-        if self.tokenizer is not None and self.tokenizer.pad_token_id is not None:
-            generate_kwargs.setdefault("pad_token_id", self.tokenizer.pad_token_id)
         out = self.model.generate(
             input_ids=input_ids,
             attention_mask=torch.ones_like(input_ids),
@@ -233,21 +404,27 @@ class CachedGenerator:
             max_new_tokens=max_new_tokens,
             streamer=timer,
             return_dict_in_generate=True,
-            **generate_kwargs,
+            **self._defaults(generate_kwargs),
         )
         finished = time.perf_counter()
         new_ids = [int(t) for t in out.sequences[0, len(ids) :].tolist()]
-        stored = (self._store_prompt_blocks(ids, out.past_key_values, loaded, cacheable_prefix, fingerprint)
-                  if store else 0)
+        stored = 0
+        if store and self.store is not None and out.past_key_values is not None:
+            if store_generated:
+                entries = self._block_entries(ids + new_ids, out.past_key_values, row.loaded,
+                                              len(ids) + len(new_ids), True, fingerprint)
+            else:
+                entries = self._block_entries(ids, out.past_key_values, row.loaded, cacheable_prefix or len(ids),
+                                              cacheable_prefix is not None, fingerprint)
+            stored = self._put(entries, wait)
         # after the answer (TTFT does not pay for it): what a miss would have found in another dtype
-        other_blocks, other_dtypes = self._other_dtype_blocks(ids, cacheable_prefix) if missed else (0, ())
-        text = self.tokenizer.decode(new_ids, skip_special_tokens=True) if self.tokenizer is not None else None
+        other_blocks, other_dtypes = self._other_dtype_blocks(ids, cacheable_prefix) if row.missed else (0, ())
         return GenerationResult(
             prompt_ids=ids,
             new_ids=new_ids,
-            text=text,
-            reused_tokens=reused,
-            prefilled_tokens=len(ids) - reused,
+            text=self._decode(new_ids),
+            reused_tokens=row.reused,
+            prefilled_tokens=len(ids) - row.reused,
             stored_blocks=stored,
             ttft_s=(timer.first_token_at or finished) - started,
             total_s=finished - started,
@@ -255,3 +432,114 @@ class CachedGenerator:
             other_dtype_blocks=other_blocks,
             other_dtypes=other_dtypes,
         )
+
+    def _prefill_row(self, row: _Row) -> None:
+        """Run the row's tokens past its loaded prefix through the model into its own cache (every token: the
+        blocks to store end at the prompt's end; the batch cache takes all but the last). Sliding layers keep every
+        token (the batch cache needs the window before the last token)."""
+        cache = row.cache if row.cache is not None else hf.new_cache(self.model.config)
+        if self._sliding:
+            hf.keep_sliding_history(cache)
+        rest = torch.tensor([row.ids[row.reused:]], device=self.model.device)
+        self.model(input_ids=rest, past_key_values=cache, use_cache=True)
+        row.cache = cache
+
+    def _batch_cache(self, rows: list[_Row], width: int) -> Any:
+        """The rows' caches joined, left-padded: per layer ``[B, kv_heads, width - 1, head_dim]``, row ``i``'s
+        first ``len(ids_i) - 1`` tokens in its last slots, zeros (masked) before them; a sliding layer is filled as
+        its own prefill of ``width - 1`` tokens leaves it (``hf.fill_layer``: the last ``window - 1`` slots)."""
+        past = width - 1
+        per_row = [hf.cache_layers(row.cache) for row in rows]
+        joined = []
+        for index in range(len(per_row[0])):
+            k0, v0 = hf.layer_tensors(per_row[0][index])
+            keys = k0.new_zeros((len(rows), k0.shape[1], past, k0.shape[3]))
+            values = v0.new_zeros((len(rows), v0.shape[1], past, v0.shape[3]))
+            for b, (row, layers) in enumerate(zip(rows, per_row, strict=True)):
+                layer = layers[index]
+                k, v = hf.layer_tensors(layer)
+                first = hf.layer_start(layer)  # cache index of the layer's first held token
+                end = len(row.ids) - 1  # the last prompt token is decode's first input
+                offset = width - len(row.ids)  # left padding of this row
+                if end > first:
+                    keys[b, :, offset + first:offset + end] = k[0, :, : end - first]
+                    values[b, :, offset + first:offset + end] = v[0, :, : end - first]
+            joined.append((keys, values))
+        return hf.cache_from_tensors(joined, self.model.config)
+
+    def _generate_batch(self, rows_ids: list[list[int]], *, max_new_tokens: int, reuse: bool, store: bool,
+                        wait: bool, timer: FirstTokenTimer, started: float,
+                        generate_kwargs: dict[str, Any]) -> list[GenerationResult]:
+        fingerprint = self.fingerprint
+        rows = [self._load_prefix(ids, None, fingerprint) if reuse else _Row(ids) for ids in rows_ids]
+        for row in rows:
+            self._prefill_row(row)
+        width = max(len(row.ids) for row in rows)
+        kwargs = self._defaults(generate_kwargs)
+        pad = kwargs.get("pad_token_id")
+        pad = 0 if pad is None else int(pad)
+        input_ids = torch.full((len(rows), width), pad, dtype=torch.long, device=self.model.device)
+        mask = torch.zeros((len(rows), width), dtype=torch.long, device=self.model.device)
+        for b, row in enumerate(rows):
+            input_ids[b, width - len(row.ids):] = torch.tensor(row.ids, device=self.model.device)
+            mask[b, width - len(row.ids):] = 1
+        cache = self._batch_cache(rows, width) if width > 1 else hf.new_cache(self.model.config)
+        out = self.model.generate(
+            input_ids=input_ids,
+            attention_mask=mask,
+            past_key_values=cache,
+            max_new_tokens=max_new_tokens,
+            streamer=timer,
+            return_dict_in_generate=True,
+            **kwargs,
+        )
+        finished = time.perf_counter()
+        eos = _eos_ids(kwargs.get("eos_token_id", _UNSET), self.model)
+        logits = getattr(out, "logits", None)
+        results = []
+        for b, row in enumerate(rows):
+            new_ids = _until_eos([int(t) for t in out.sequences[b, width:].tolist()], eos)
+            stored = 0
+            if store and self.store is not None:
+                entries = self._block_entries(row.ids, row.cache, row.loaded, len(row.ids), False, fingerprint)
+                stored = self._put(entries, wait)
+            other_blocks, other_dtypes = self._other_dtype_blocks(row.ids, None) if row.missed else (0, ())
+            results.append(GenerationResult(
+                prompt_ids=row.ids,
+                new_ids=new_ids,
+                text=self._decode(new_ids),
+                reused_tokens=row.reused,
+                prefilled_tokens=len(row.ids) - row.reused,
+                stored_blocks=stored,
+                ttft_s=(timer.first_token_at or finished) - started,
+                total_s=finished - started,
+                logits=tuple(step[b:b + 1] for step in logits[:len(new_ids)]) if logits is not None else None,
+                other_dtype_blocks=other_blocks,
+                other_dtypes=other_dtypes,
+            ))
+        return results
+
+
+def _eos_ids(given: Any, model: PreTrainedModel) -> set[int]:
+    """The ids that end a row: the call's ``eos_token_id`` (``None``: none), else the generation config's."""
+    if given is _UNSET:
+        config = getattr(model, "generation_config", None)
+        given = getattr(config, "eos_token_id", None)
+    if given is None:
+        return set()
+    if isinstance(given, torch.Tensor):
+        given = given.reshape(-1).tolist()
+    return {int(given)} if isinstance(given, int) else {int(t) for t in given}
+
+
+def _until_eos(ids: list[int], eos: set[int]) -> list[int]:
+    """A row's new tokens up to its first EOS, included (HF pads a finished row until the batch ends)."""
+    for index, token in enumerate(ids):
+        if token in eos:
+            return ids[: index + 1]
+    return ids
+
+
+def _close_writer(writer: WriteBehind) -> None:
+    if not writer.closed:
+        writer.close()

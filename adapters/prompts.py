@@ -34,3 +34,67 @@ def prompt_ids(prompt: Prompt, tokenizer: PreTrainedTokenizerBase | None, *, add
             raise ConfigError(f"only batch size 1 is supported, got input of shape {tuple(prompt.shape)}")
         return [int(t) for t in prompt.reshape(-1).tolist()]
     return [int(t) for t in prompt]
+
+
+def is_batch(prompt: object) -> bool:
+    """Whether ``prompt`` is a batch: a ``[B, T]`` tensor, or a list (tuple) whose items are strings or
+    sequences (a list of ints, or an empty list, is one prompt)."""
+    if isinstance(prompt, torch.Tensor):
+        return prompt.dim() == 2
+    if isinstance(prompt, str) or not isinstance(prompt, Sequence) or not prompt:
+        return False
+    return any(isinstance(item, str | Sequence | torch.Tensor) for item in prompt)
+
+
+def batch_prompt_ids(
+    prompts: object, tokenizer: PreTrainedTokenizerBase | None, *,
+    attention_mask: torch.Tensor | Sequence[Sequence[int]] | Sequence[int] | None = None,
+    add_special_tokens: bool,
+) -> list[list[int]]:
+    """A batch as one list of token ids per row.
+
+    Args:
+        prompts: a list of strings, or a list of token-id lists (not both), or a tensor ``[B, T]`` (or ``[T]``:
+            one row).
+        attention_mask: with a tensor only, the same shape: 1 for a token, 0 for padding (left or right); a row
+            keeps its tokens where the mask is 1.
+    Raises:
+        ConfigError: an empty batch or an empty row, strings mixed with token ids, a mask of another shape or
+            with values other than 0 and 1, a mask with a list batch.
+    """
+    if isinstance(prompts, torch.Tensor):
+        ids = prompts if prompts.dim() == 2 else prompts.reshape(1, -1)
+        if prompts.dim() > 2 or ids.shape[0] == 0:
+            raise ConfigError(f"a tensor batch is [B, T] with B >= 1, got shape {tuple(prompts.shape)}")
+        if attention_mask is None:
+            rows = [[int(t) for t in row] for row in ids.tolist()]
+        else:
+            mask = torch.as_tensor(attention_mask).reshape(ids.shape) if torch.as_tensor(
+                attention_mask).numel() == ids.numel() else None
+            if mask is None:
+                raise ConfigError(f"attention_mask of shape {tuple(torch.as_tensor(attention_mask).shape)} does "
+                                  f"not match the prompt's {tuple(prompts.shape)}")
+            if not bool(((mask == 0) | (mask == 1)).all()):
+                raise ConfigError("attention_mask must hold 0 (padding) and 1 (token) only")
+            rows = [[int(t) for t, m in zip(row, keep, strict=True) if m]
+                    for row, keep in zip(ids.tolist(), mask.tolist(), strict=True)]
+    else:
+        if attention_mask is not None:
+            raise ConfigError("attention_mask goes with a tensor batch [B, T]; a list batch has no padding")
+        if isinstance(prompts, str) or not isinstance(prompts, Sequence):
+            raise ConfigError(f"a batch is a list of prompts, got {type(prompts).__name__}")
+        if not prompts:
+            raise ConfigError("the batch is empty: give at least one prompt")
+        strings = [isinstance(p, str) for p in prompts]
+        if any(strings) and not all(strings):
+            raise ConfigError("a batch mixes strings and token ids: give all rows as strings or all as ids")
+        if not all(strings):
+            for index, p in enumerate(prompts):
+                if not isinstance(p, Sequence | torch.Tensor):
+                    raise ConfigError(f"batch row {index} is a {type(p).__name__}, not token ids: a batch mixes "
+                                      "single token ids with lists of them")
+        rows = [prompt_ids(p, tokenizer, add_special_tokens=add_special_tokens) for p in prompts]
+    for index, row in enumerate(rows):
+        if not row:
+            raise ConfigError(f"batch row {index} is empty")
+    return rows

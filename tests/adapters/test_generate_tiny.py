@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
 import torch
+from helpers import WordTokenizer
 from transformers import MistralConfig, MistralForCausalLM
 
 from kvshelf.adapters.cache_bridge import blocks_from_cache, cache_from_blocks
 from kvshelf.adapters.fingerprint import model_fingerprint
 from kvshelf.adapters.generate import CachedGenerator
+from kvshelf.adapters.hf import BaseStreamer
 from kvshelf.adapters.model import tiny_llama
-from kvshelf.kvstore import KVBlock, MemoryTier, TieredStore, open_embedded_store, prefix_block_spans
+from kvshelf.kvstore import (
+    KVBlock,
+    MemoryTier,
+    TieredStore,
+    open_embedded_store,
+    prefix_block_keys,
+    prefix_block_spans,
+)
 from kvshelf.kvstore.errors import ConfigError, UnsupportedModelError
 
 
@@ -74,6 +84,25 @@ def test_cacheable_prefix_stores_and_reuses_the_partial_tail(model, tmp_path):
         gen.generate(context, cacheable_prefix=51)
 
 
+def test_sampling_with_the_same_seed_matches_plain_generate(model, tmp_path):
+    """Sampling arguments reach ``model.generate`` untouched: with a fixed seed the cached run draws what plain HF
+    ``model.generate`` draws on the same prompt, with and without a reused prefix."""
+    gen = CachedGenerator(model, store=open_embedded_store(tmp_path, memory_bytes="64MiB"), block_size=16)
+    prompt = _prompt(70)
+    sampling = {"do_sample": True, "temperature": 0.7, "top_k": 40, "top_p": 0.9, "eos_token_id": None}
+    torch.manual_seed(7)
+    with torch.inference_mode():
+        plain = model.generate(torch.tensor([prompt]), max_new_tokens=10, pad_token_id=0, **sampling)
+    want = plain[0, len(prompt):].tolist()
+    greedy = gen.generate(prompt, max_new_tokens=10, eos_token_id=None, store=False)
+    assert greedy.new_ids != want  # the sampled run is not the greedy one: the test can tell them apart
+    for expected_reuse in (0, 64):  # cold (stores), then warm
+        torch.manual_seed(7)
+        result = gen.generate(prompt, max_new_tokens=10, wait=True, **sampling)
+        assert result.reused_tokens == expected_reuse
+        assert result.new_ids == want
+
+
 def test_sampling_with_the_same_seed_matches(model, tmp_path):
     gen = CachedGenerator(model, store=open_embedded_store(tmp_path, memory_bytes="64MiB"), block_size=16)
     prompt = _prompt(70)
@@ -117,8 +146,8 @@ def test_bad_inputs(model, tmp_path):
     gen = CachedGenerator(model, store=open_embedded_store(tmp_path, memory_bytes="64MiB"), block_size=16)
     with pytest.raises(ConfigError, match="empty"):
         gen.generate([])
-    with pytest.raises(ConfigError, match="batch size 1"):
-        gen.generate(torch.ones(2, 5, dtype=torch.long))
+    with pytest.raises(ConfigError, match="attention_mask"):  # a list prompt has no padding
+        gen.generate([5, 6, 7], attention_mask=[1, 1, 1])
     with pytest.raises(ConfigError, match="tokenizer"):
         gen.generate("a string prompt")
     with pytest.raises(ConfigError, match="positions"):
@@ -178,3 +207,164 @@ def test_two_threads_generate_through_one_store(model, tmp_path):
         t.join()
     assert not errors, errors
     assert store.stats()["retrieve_hit_rate"] > 0
+
+
+# -- streaming ----------------------------------------------------------------------------------------------------
+
+
+class _Recorder(BaseStreamer):
+    """A caller's streamer: records every call (the prompt first, then one tensor per new token)."""
+
+    def __init__(self) -> None:
+        self.puts: list[list[int]] = []
+        self.ended = 0
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts.append([int(t) for t in value.reshape(-1).tolist()])
+
+    def end(self) -> None:
+        self.ended += 1
+
+
+def test_a_callers_streamer_gets_every_token_and_ttft_is_still_measured(model, tmp_path):
+    gen = CachedGenerator(model, store=open_embedded_store(tmp_path, memory_bytes="64MiB"), block_size=16)
+    prompt = _prompt(50)
+    for _ in range(2):  # cold, then with a reused prefix
+        recorder = _Recorder()
+        result = gen.generate(prompt, max_new_tokens=6, eos_token_id=None, streamer=recorder, wait=True)
+        assert recorder.puts[0] == prompt
+        assert [t for put in recorder.puts[1:] for t in put] == result.new_ids
+        assert recorder.ended == 1
+        assert 0 < result.ttft_s <= result.total_s
+    assert result.reused_tokens == 48
+    with pytest.raises(ConfigError, match="put"):
+        gen.generate(prompt, streamer=object())
+
+
+def test_batch_streamer_gets_one_token_per_row_per_step(model):
+    gen = CachedGenerator(model, block_size=16)
+    recorder = _Recorder()
+    rows = [_prompt(20, seed=5), _prompt(9, seed=6)]
+    results = gen.generate(rows, max_new_tokens=4, eos_token_id=None, streamer=recorder)
+    steps = recorder.puts[1:]
+    assert len(steps) == 4 and all(len(step) == 2 for step in steps)
+    assert [[step[b] for step in steps] for b in range(2)] == [r.new_ids for r in results]
+
+
+def test_stream_iterates_the_new_tokens(model, tmp_path):
+    gen = CachedGenerator(model, WordTokenizer(), open_embedded_store(tmp_path, memory_bytes="64MiB"),
+                          block_size=16)
+    prompt = _prompt(40)
+    stream = gen.stream(prompt, max_new_tokens=7, eos_token_id=None)
+    tokens = list(stream)
+    assert tokens == stream.result.new_ids == gen.generate(prompt, max_new_tokens=7, reuse=False, store=False,
+                                                           eos_token_id=None).new_ids
+    assert stream.result.ttft_s > 0
+    texts = "".join(gen.stream(prompt, max_new_tokens=7, eos_token_id=None).texts())
+    assert texts == " ".join(map(str, tokens))
+    with pytest.raises(ConfigError, match="one prompt"):
+        gen.stream([prompt, prompt])
+    failing = gen.stream(_prompt(4090), max_new_tokens=10)  # the worker's error reaches the consumer
+    with pytest.raises(ConfigError, match="positions"):
+        list(failing)
+
+
+# -- write-behind ---------------------------------------------------------------------------------------------
+
+
+def _held(store, gen: CachedGenerator, prompt: list[int]) -> list[bool]:  # noqa: ANN001
+    return store.held(prefix_block_keys(gen.fingerprint, gen.namespace, prompt, gen.block_size))
+
+
+class _SlowStore:
+    """A real store whose writes wait for an event (the writer thread blocks in ``put_many``)."""
+
+    def __init__(self, store, release: threading.Event) -> None:  # noqa: ANN001
+        self._store, self._release = store, release
+
+    def put_many(self, entries, *, pin=False):  # noqa: ANN001, ANN201
+        self._release.wait(30)
+        return self._store.put_many(entries, pin=pin)
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self._store, name)
+
+
+def test_write_behind_stores_after_returning_and_wait_stores_before(model, tmp_path):
+    inner = open_embedded_store(tmp_path, memory_bytes="64MiB")
+    release = threading.Event()
+    store = _SlowStore(inner, release)
+    gen = CachedGenerator(model, store=store, block_size=16, namespace="default")
+    prompt = _prompt(50)
+    queued = gen.generate(prompt, max_new_tokens=2)
+    assert queued.stored_blocks == 3  # handed to the writer...
+    assert _held(inner, gen, prompt) == [False] * 3  # ...which has not written them yet
+    assert gen.write_behind_stats()["pending_blocks"] == 3
+    release.set()
+    gen.flush()
+    assert _held(inner, gen, prompt) == [True] * 3
+    assert gen.write_behind_stats()["written_blocks"] == 3
+    other = _prompt(40, seed=9)
+    release.clear()
+    synchronous = CachedGenerator(model, store=inner, block_size=16, namespace="default").generate(
+        other, max_new_tokens=2, wait=True)
+    assert synchronous.stored_blocks == 2 and _held(inner, gen, other) == [True] * 2
+    gen.close()
+
+
+def test_the_next_call_reads_its_own_pending_writes(model, tmp_path):
+    """A lookup that misses blocks while this generator's writes are pending waits for them: a repeated prompt is
+    reused at once, without ``wait=True``."""
+    inner = open_embedded_store(tmp_path, memory_bytes="64MiB")
+    release = threading.Event()
+    gen = CachedGenerator(model, store=_SlowStore(inner, release), block_size=16, namespace="default")
+    prompt = _prompt(50)
+    cold = gen.generate(prompt, max_new_tokens=4, eos_token_id=None)
+    threading.Timer(0.2, release.set).start()  # the writer finishes while the next call waits
+    warm = gen.generate(prompt, max_new_tokens=4, eos_token_id=None)
+    assert warm.reused_tokens == 48 and warm.new_ids == cold.new_ids
+    gen.close()
+
+
+def test_write_errors_are_counted_and_logged_never_lost_silently(model, tmp_path, caplog):
+    class _FailingStore(_SlowStore):
+        def put_many(self, entries, *, pin=False):  # noqa: ANN001, ANN201
+            raise OSError("disk full")
+
+    store = _FailingStore(open_embedded_store(tmp_path, memory_bytes="64MiB"), threading.Event())
+    gen = CachedGenerator(model, store=store, block_size=16, namespace="default")
+    with caplog.at_level(logging.ERROR):
+        result = gen.generate(_prompt(50), max_new_tokens=2)
+        gen.flush()
+    assert result.stored_blocks == 3
+    stats = gen.write_behind_stats()
+    assert (stats["failed_blocks"], stats["written_blocks"]) == (3, 0)
+    assert "disk full" in stats["last_error"] and "disk full" in caplog.text
+    with pytest.raises(OSError, match="disk full"):  # wait=True: the caller sees the error itself
+        gen.generate(_prompt(50, seed=3), max_new_tokens=2, wait=True)
+
+
+def test_close_flushes_and_a_closed_generator_refuses_calls(model, tmp_path):
+    inner = open_embedded_store(tmp_path, memory_bytes="64MiB")
+    release = threading.Event()
+    prompt = _prompt(50)
+    with CachedGenerator(model, store=_SlowStore(inner, release), block_size=16, namespace="default") as gen:
+        gen.generate(prompt, max_new_tokens=2)
+        threading.Timer(0.2, release.set).start()
+    assert gen.closed and _held(inner, gen, prompt) == [True] * 3  # leaving the block flushed the writes
+    for call in (lambda: gen.generate(prompt), lambda: gen.stream(prompt), lambda: gen.__enter__()):
+        with pytest.raises(ConfigError, match="CachedGenerator is closed"):
+            call()
+    gen.close()  # idempotent
+
+
+def test_a_dropped_generator_still_writes_what_it_queued(model, tmp_path):
+    inner = open_embedded_store(tmp_path, memory_bytes="64MiB")
+    release = threading.Event()
+    prompt = _prompt(50)
+    gen = CachedGenerator(model, store=_SlowStore(inner, release), block_size=16, namespace="default")
+    gen.generate(prompt, max_new_tokens=2)
+    keys = prefix_block_keys(gen.fingerprint, gen.namespace, prompt, gen.block_size)
+    threading.Timer(0.2, release.set).start()
+    del gen  # its finalizer flushes (CPython frees it here)
+    assert inner.held(keys) == [True] * 3
