@@ -161,6 +161,25 @@ def bench_rag(
         runs=runs, model_name=model, console=console)
 
 
+@bench_app.command("serve")
+def bench_serve(
+    json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+    corpus: Annotated[Path | None, typer.Option(help="JSONL of {title, abstract}")] = None,
+    seconds: Annotated[float, typer.Option(min=1, help="length of each system's run")] = 120,
+    clients: Annotated[int, typer.Option(min=1, max=64, help="client threads (even: chat, odd: RAG)")] = 4,
+    threads: Annotated[int, typer.Option(min=1, help="torch intra-op threads (both systems)")] = 1,
+    turns: Annotated[int, typer.Option(min=0, help="chat-turns measurement: turns (0: skip it)")] = 8,
+    pool: Annotated[int, typer.Option(min=7, help="plain chunks in the RAG pool (needle chunks: half)")] = 64,
+    model: ModelOpt = "smollm2-135m",
+) -> None:
+    """Serving run, plain HF generate vs kvshelf: chat and RAG clients; requests/s, TTFT p50/p99, accuracy."""
+    from kvshelf.bench.serve import run
+
+    chosen = _corpus(corpus)
+    run(json_path=str(json_path) if json_path else None, corpus=str(chosen) if chosen else None, seconds=seconds,
+        clients=clients, threads=threads, turns=turns, pool=pool, model_name=model, console=console)
+
+
 @bench_app.command("pruning")
 def bench_pruning(
     json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,

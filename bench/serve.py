@@ -1,0 +1,578 @@
+"""``kvshelf bench serve``: a serving run on one model, plain HF ``model.generate`` vs kvshelf, several clients.
+
+Workloads (client ``i`` runs ``chat`` when ``i`` is even, ``rag`` when odd; 4 clients: two of each):
+
+* ``chat``: multi-turn conversations, one after another. Each is about one document: ``DOC_ABSTRACTS`` (4)
+  consecutive corpus abstracts (~1,300 tokens; one abstract is ~300, too short for a document one chats about),
+  with a planted sentence "The secret code is NNNN." (a random 4-digit code, its own paragraph at a random
+  sentence boundary of one abstract). Turn 1 gives the document and asks for the code; turns 2-5 are follow-up
+  questions (short answers, ``CHAT_NEW_TOKENS``); turn 6 asks for the code again. The code questions are the
+  planted-fact questions: the assistant turn opens with "The secret code is" (``kvshelf.bench.rag``'s prompt
+  design: a 135M model then answers with the code itself), and an answer is right when it starts with the code.
+* ``rag``: a question over 8 retrieved chunks, ``kvshelf bench rag``'s needle QA (its system prompt, intro,
+  question and answer opening): chunks are corpus abstracts cut to 150 tokens. Retrieval is simulated: each request
+  picks 7 chunks from a pool of plain chunks and one from a pool of needle chunks (an abstract with its own planted
+  code), the needle at a random place among the 8. Every chunk is precomputed before the run (not timed), as a
+  RAG pipeline does offline.
+
+Both systems run the identical request sequence: each client's requests come from its own seeded generator, so
+system B's client ``i`` sends what system A's client ``i`` sent, only further along when it is faster. A
+conversation's later turns carry that system's own earlier answers (greedy, so the same up to floating point).
+
+Systems (same model object, same torch thread count, the same client threads):
+
+* ``hf``: ``model.generate`` on the whole prompt every request (conversation history included).
+* ``kvshelf``: chat through the reuse path (turn n+1 reuses turn n's KV: only the new tokens are prefilled);
+  RAG through ``RAGGenerator(mode="block-attention")`` over the precomputed chunk blocks (Sun et al. 2024,
+  "Block-Attention for Efficient RAG"): only the question is prefilled.
+
+The chat prompt is built as token ids, turn on turn (``ChatFormat``): the previous prompt, the answer's tokens, then
+the chat template's text between an answer and the next user message, the user message, and the opening of the
+next assistant turn. Both systems get exactly these ids (a plain HF server keeping its conversation's ids does
+the same), so the kvshelf answers must equal the plain ones.
+
+Each system runs ``seconds`` with ``clients`` threads; a client starts no request after the deadline and finishes
+the one in flight. Reported per workload and for ``all``: requests/s (completed requests over the time until the
+last client finished), TTFT p50/p99 (request start to first new token, as the client sees it: contention
+included), and accuracy (planted-fact questions answered right / asked).
+
+Then ``chat turns``: one conversation (one client, nothing else running) whose turns add ~``TURN_USER_TOKENS`` +
+``TURN_NEW_TOKENS`` = ~300 tokens each: a ~60-token user message (a passage of an abstract and a request to discuss
+it) and 240 generated tokens (forced with ``min_new_tokens``). The kvshelf conversation runs first; then, for each
+turn, plain HF ``model.generate`` prefills the same prompt ids (the same history) for one token: TTFT at each turn
+with and without reuse.
+
+Torch threads: set once for the whole run (``threads``, default 1): with 4 clients on a 2-core CPU, one intra-op
+thread per request keeps the cores busy without oversubscribing them; recorded in the JSON. Timings on a shared
+CPU are noisy.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from tqdm import tqdm
+
+from kvshelf.bench.common import corpus_texts, machine_description, results_path, save_results
+from kvshelf.bench.rag import ANSWER, CHUNK_TOKENS, NEW_TOKENS, answer_code, plant
+from kvshelf.bench.rag import _template as rag_template
+
+SYSTEMS = ("hf", "kvshelf")
+WORKLOADS = ("chat", "rag")
+CHAT_SYSTEM = "You answer questions about the document the user gives. Answer briefly."
+DOC_ABSTRACTS = 4
+DOC_START = 100  # chat documents come from the corpus from here on; RAG chunks from its start
+CODE_QUESTION = "What is the secret code mentioned in the document?"
+FOLLOW_UPS = (
+    "What problem does the first paper address? Answer in one short sentence.",
+    "Which method does the second paper propose? Answer in one short sentence.",
+    "Name one result that the third paper reports. Answer in one short sentence.",
+    "What is the topic of the last paper? Answer in one short sentence.",
+)
+REMINDER = "Remind me: what is the secret code in the document?"
+CHAT_NEW_TOKENS = 12
+RAG_POOL = 64  # plain chunks; needle chunks: half as many
+TURN_USER_TOKENS = 60
+TURN_NEW_TOKENS = 240
+TURN_SYSTEM = "You are a helpful assistant who discusses research papers at length."
+
+
+# -- prompts -------------------------------------------------------------------------------------------------
+
+
+class Encoder:
+    """Tokenizes text inside a prompt (no special tokens added), one call at a time across client threads."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._lock = threading.Lock()
+
+    def __call__(self, text: str) -> list[int]:
+        with self._lock:
+            return [int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+    def decode(self, ids: list[int]) -> str:
+        with self._lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """The model's chat template as the text around messages: ``head`` (the system message and the first user
+    message's opening), ``to_assistant`` (a user message's end and the assistant's opening), ``to_user`` (an
+    assistant message's end and the next user's opening)."""
+
+    head: str
+    to_assistant: str
+    to_user: str
+    eos: frozenset[int]
+
+    @classmethod
+    def of(cls, tokenizer: Any, model: Any, system: str) -> ChatFormat:
+        marks = ("\x00U1\x00", "\x00A1\x00", "\x00U2\x00")
+        text = tokenizer.apply_chat_template(
+            [{"role": "system", "content": system}, {"role": "user", "content": marks[0]},
+             {"role": "assistant", "content": marks[1]}, {"role": "user", "content": marks[2]}],
+            tokenize=False, add_generation_prompt=True)
+        head, rest = text.split(marks[0])
+        to_assistant, rest = rest.split(marks[1])
+        to_user, last = rest.split(marks[2])
+        if last != to_assistant:
+            raise SystemExit("the chat template opens the assistant turn differently after a later user message")
+        eos = model.generation_config.eos_token_id
+        return cls(head, to_assistant, to_user, frozenset([eos] if isinstance(eos, int) else eos or []))
+
+    def first(self, encode: Encoder, user: str, opening: str) -> list[int]:
+        return encode(self.head + user + self.to_assistant + opening)
+
+    def next(self, encode: Encoder, prompt: list[int], answer: list[int], user: str, opening: str) -> list[int]:
+        """The next turn's prompt: the previous prompt, the answer (its end-of-turn token dropped: the template's
+        text adds it), and the next user message."""
+        while answer and answer[-1] in self.eos:
+            answer = answer[:-1]
+        return prompt + answer + encode(self.to_user + user + self.to_assistant + opening)
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One planned chat turn: the user's message, the assistant turn's opening, the planted code when the turn
+    asks for it, and the answer's token budget."""
+
+    user: str
+    opening: str
+    code: str | None
+    max_new_tokens: int
+
+
+@dataclass(frozen=True)
+class RagCase:
+    chunks: tuple[list[int], ...]  # 8 chunks' token ids
+    code: str
+
+
+def chat_documents(texts: list[str]) -> list[list[str]]:
+    """Documents of ``DOC_ABSTRACTS`` consecutive abstracts from ``DOC_START`` on (from 0 in a short corpus)."""
+    start = DOC_START if len(texts) >= DOC_START + 4 * DOC_ABSTRACTS else 0
+    rest = texts[start:]
+    return [rest[i : i + DOC_ABSTRACTS] for i in range(0, len(rest) - DOC_ABSTRACTS + 1, DOC_ABSTRACTS)]
+
+
+def conversations(documents: list[list[str]], seed: int) -> Iterator[list[Turn]]:
+    """A chat client's conversations, endless and the same for every system (seeded)."""
+    rng = random.Random(seed)
+    while True:
+        doc = list(documents[rng.randrange(len(documents))])
+        code = f"{rng.randrange(1000, 10000)}"
+        at = rng.randrange(len(doc))
+        doc[at] = plant(doc[at], code, rng)
+        text = "\n\n".join(doc)
+        turns = [Turn(f"Here is a document:\n\n{text}\n\n{CODE_QUESTION}", ANSWER, code, NEW_TOKENS)]
+        turns += [Turn(q, "", None, CHAT_NEW_TOKENS) for q in FOLLOW_UPS]
+        turns.append(Turn(REMINDER, ANSWER, code, NEW_TOKENS))
+        yield turns
+
+
+@dataclass(frozen=True)
+class RagPool:
+    prefix: list[int]  # system prompt and the documents' intro
+    question: list[int]  # question, end of the user turn, the answer's opening
+    plain: list[list[int]]
+    needles: list[tuple[list[int], str]]
+
+    @classmethod
+    def build(cls, tokenizer: Any, encode: Encoder, texts: list[str], pool: int, seed: int = 0) -> RagPool:
+        if pool < 7:
+            raise SystemExit(f"the RAG pool needs at least 7 plain chunks, got {pool}")
+        rng = random.Random(seed)
+        needles = max(1, pool // 2)
+        chosen = [texts[i % len(texts)] for i in range(pool + needles)]
+        trimmed = [tokenizer.decode(encode(t)[:CHUNK_TOKENS]).strip() for t in chosen]
+        plain = [encode(t + "\n\n") for t in trimmed[:pool]]
+        planted = []
+        for text in trimmed[pool:]:
+            code = f"{rng.randrange(1000, 10000)}"
+            planted.append((encode(plant(text, code, rng) + "\n\n"), code))
+        before, after = rag_template(tokenizer)
+        return cls(encode(before), encode(after), plain, planted)
+
+    def cases(self, seed: int) -> Iterator[RagCase]:
+        """A RAG client's requests, endless and the same for every system (seeded)."""
+        rng = random.Random(seed)
+        while True:
+            chunks = [self.plain[i] for i in rng.sample(range(len(self.plain)), 7)]
+            needle, code = self.needles[rng.randrange(len(self.needles))]
+            chunks.insert(rng.randrange(8), needle)
+            yield RagCase(tuple(chunks), code)
+
+
+# -- systems -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reply:
+    ttft_s: float
+    new_ids: list[int]
+    prompt: list[int]
+
+
+class ChatSession:
+    """One conversation: each ``send`` builds the next prompt from the previous one and its answer."""
+
+    def __init__(self, fmt: ChatFormat, encode: Encoder, generate: Callable[..., tuple[float, list[int]]]) -> None:
+        self.fmt, self.encode, self._generate = fmt, encode, generate
+        self.prompt: list[int] | None = None
+        self.answer: list[int] = []
+
+    def send(self, turn: Turn, **generate_kwargs: Any) -> Reply:
+        if self.prompt is None:
+            prompt = self.fmt.first(self.encode, turn.user, turn.opening)
+        else:
+            prompt = self.fmt.next(self.encode, self.prompt, self.answer, turn.user, turn.opening)
+        ttft, new_ids = self._generate(prompt, turn.max_new_tokens, **generate_kwargs)
+        self.prompt, self.answer = prompt, new_ids
+        return Reply(ttft, new_ids, prompt)
+
+
+class PlainHF:
+    """``model.generate`` on the whole prompt, every time."""
+
+    name = "hf"
+
+    def __init__(self, model: Any, tokenizer: Any, fmt: ChatFormat, encode: Encoder, rag: RagPool) -> None:
+        from kvshelf.adapters.streaming import FirstTokenTimer
+
+        self._timer = FirstTokenTimer
+        self.model, self.fmt, self.encode, self.pool = model, fmt, encode, rag
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(fmt.eos, default=None)
+
+    @torch.inference_mode()
+    def generate(self, prompt: list[int], max_new_tokens: int, **kwargs: Any) -> tuple[float, list[int]]:
+        started = time.perf_counter()
+        timer = self._timer()
+        ids = torch.tensor([prompt], device=self.model.device)
+        out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                  do_sample=False, pad_token_id=self.pad, streamer=timer, **kwargs)
+        finished = time.perf_counter()
+        return (timer.first_token_at or finished) - started, [int(t) for t in out[0, len(prompt):].tolist()]
+
+    def chat(self) -> ChatSession:
+        return ChatSession(self.fmt, self.encode, self.generate)
+
+    def rag(self, case: RagCase) -> Reply:
+        prompt = self.pool.prefix + [t for c in case.chunks for t in c] + self.pool.question
+        ttft, new_ids = self.generate(prompt, NEW_TOKENS)
+        return Reply(ttft, new_ids, prompt)
+
+
+class KVShelf:
+    """Chat with reuse of the conversation's KV; RAG with block attention over precomputed chunk blocks."""
+
+    name = "kvshelf"
+
+    def __init__(self, model: Any, tokenizer: Any, store: Any, fmt: ChatFormat, encode: Encoder,
+                 rag: RagPool) -> None:
+        from kvshelf.adapters.generate import CachedGenerator
+        from kvshelf.adapters.rag import RAGGenerator
+
+        self.fmt, self.encode, self.pool = fmt, encode, rag
+        self.cached = CachedGenerator(model, tokenizer, store, block_size=64)
+        self.rag_generator = RAGGenerator(model, tokenizer, store, prefix=rag.prefix, on_missing="error")
+
+    def generate(self, prompt: list[int], max_new_tokens: int, **kwargs: Any) -> tuple[float, list[int]]:
+        result = self.cached.generate(prompt, max_new_tokens=max_new_tokens, cacheable_prefix=len(prompt), **kwargs)
+        return result.ttft_s, result.new_ids
+
+    def chat(self) -> ChatSession:
+        return ChatSession(self.fmt, self.encode, self.generate)
+
+    def precompute(self, progress: bool = True) -> None:
+        """Every pool chunk's block (after the RAG prefix) into the store: the offline step, not timed."""
+        chunks = self.pool.plain + [ids for ids, _ in self.pool.needles]
+        self.rag_generator.on_missing = "recompute"
+        try:
+            for ids in tqdm(chunks, desc="precompute RAG chunk blocks", unit="chunk", disable=not progress):
+                self.rag_generator.generate([ids], self.pool.question, mode="block-attention", max_new_tokens=1)
+        finally:
+            self.rag_generator.on_missing = "error"  # a block missing in the timed run would be a bug
+
+    def rag(self, case: RagCase) -> Reply:
+        result = self.rag_generator.generate(list(case.chunks), self.pool.question, mode="block-attention",
+                                             max_new_tokens=NEW_TOKENS)
+        return Reply(result.ttft_s, result.new_ids, [])
+
+
+# -- the serving run -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Record:
+    workload: str
+    client: int
+    seq: int
+    ttft_s: float
+    correct: bool | None  # None: not a planted-fact question
+    answer: tuple[int, ...] = ()
+
+
+@dataclass
+class RunOutcome:
+    records: list[Record] = field(default_factory=list)
+    wall_s: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+
+def workload_of(client: int) -> str:
+    return WORKLOADS[client % 2]
+
+
+def serve(system: Any, documents: list[list[str]], clients: int, seconds: float, seed: int = 0) -> RunOutcome:
+    """Run ``clients`` threads against ``system`` for ``seconds``; each finishes its request in flight."""
+    outcome = RunOutcome()
+    lock = threading.Lock()
+    barrier = threading.Barrier(clients + 1)
+    start = {"t": 0.0}
+
+    def record(rec: Record) -> None:
+        with lock:
+            outcome.records.append(rec)
+
+    def chat_client(i: int) -> None:
+        seq = 0
+        for turns in conversations(documents, seed * 1000 + i):
+            session = system.chat()
+            for turn in turns:
+                if time.perf_counter() >= start["t"] + seconds:
+                    return
+                reply = session.send(turn)
+                correct = None if turn.code is None else answer_code(system.encode.decode(reply.new_ids)) == turn.code
+                record(Record("chat", i, seq, reply.ttft_s, correct, tuple(reply.new_ids)))
+                seq += 1
+
+    def rag_client(i: int) -> None:
+        for seq, case in enumerate(system.pool.cases(seed * 1000 + i)):
+            if time.perf_counter() >= start["t"] + seconds:
+                return
+            reply = system.rag(case)
+            record(Record("rag", i, seq, reply.ttft_s,
+                          answer_code(system.encode.decode(reply.new_ids)) == case.code, tuple(reply.new_ids)))
+
+    def client(i: int) -> None:
+        barrier.wait()
+        try:
+            (chat_client if workload_of(i) == "chat" else rag_client)(i)
+        except Exception as exc:  # noqa: BLE001 - reported, and the run fails after all clients stop
+            with lock:
+                outcome.errors.append(f"client {i}: {type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=client, args=(i,), name=f"bench-client-{i}") for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    start["t"] = time.perf_counter()
+    barrier.wait()
+    for thread in threads:
+        thread.join()
+    outcome.wall_s = time.perf_counter() - start["t"]
+    return outcome
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-th percentile (0-100), linear between closest ranks."""
+    data = sorted(values)
+    at = (len(data) - 1) * q / 100
+    low = math.floor(at)
+    high = min(low + 1, len(data) - 1)
+    return data[low] + (data[high] - data[low]) * (at - low)
+
+
+def summarize(name: str, outcome: RunOutcome) -> list[dict[str, Any]]:
+    rows = []
+    for workload in (*WORKLOADS, "all"):
+        recs = [r for r in outcome.records if workload in ("all", r.workload)]
+        if not recs:
+            continue
+        asked = [r.correct for r in recs if r.correct is not None]
+        ttfts = [r.ttft_s for r in recs]
+        rows.append({"system": name, "workload": workload, "requests_per_s": round(len(recs) / outcome.wall_s, 4),
+                     "ttft_p50_s": round(statistics.median(ttfts), 4), "ttft_p99_s": round(percentile(ttfts, 99), 4),
+                     "accuracy": round(statistics.fmean(asked), 4) if asked else None})
+    return rows
+
+
+def counts(outcome: RunOutcome) -> dict[str, Any]:
+    return {w: {"requests": sum(r.workload == w for r in outcome.records),
+                "asked": sum(r.workload == w and r.correct is not None for r in outcome.records)}
+            for w in WORKLOADS} | {"wall_s": round(outcome.wall_s, 2)}
+
+
+def same_request_accuracy(outcomes: dict[str, RunOutcome]) -> dict[str, Any]:
+    """Accuracy of both systems over the planted-fact requests both completed (the same requests)."""
+    keyed = {name: {(r.client, r.seq): r.correct for r in o.records if r.correct is not None}
+             for name, o in outcomes.items()}
+    common = sorted(set.intersection(*(set(k) for k in keyed.values())))
+    return {"requests": len(common)} | {
+        name: round(statistics.fmean(k[c] for c in common), 4) if common else None for name, k in keyed.items()}
+
+
+def same_answers(outcomes: dict[str, RunOutcome]) -> dict[str, dict[str, int]]:
+    """Per workload, over the requests every system completed: how many got the same answer tokens everywhere
+    (chat reuse is exact, so all of them up to floating point; block attention changes RAG's attention)."""
+    out = {}
+    for workload in WORKLOADS:
+        keyed = [{(r.client, r.seq): r.answer for r in o.records if r.workload == workload}
+                 for o in outcomes.values()]
+        common = set.intersection(*(set(k) for k in keyed)) if keyed else set()
+        same = sum(len({k[c] for k in keyed}) == 1 for c in common)
+        out[workload] = {"requests": len(common), "same": same}
+    return out
+
+
+# -- chat turns --------------------------------------------------------------------------------------------------
+
+
+def turn_messages(texts: list[str], encode: Encoder, turns: int) -> list[str]:
+    """``turns`` user messages of ~``TURN_USER_TOKENS`` tokens: a passage of an abstract and a request."""
+    ask = "\n\nDiscuss this passage in detail: what it claims, how, and why it matters."
+    budget = TURN_USER_TOKENS - len(encode(ask))
+    out = []
+    for n in range(turns):
+        passage = encode.decode(encode(texts[(n * 7) % len(texts)])[:budget]).strip()
+        out.append(passage + ask)
+    return out
+
+
+def chat_turns(model: Any, tokenizer: Any, store: Any, encode: Encoder, texts: list[str], turns: int,
+               new_tokens: int, rag: RagPool, console: Console) -> list[dict[str, Any]]:
+    """TTFT at each turn of one conversation with reuse (kvshelf) vs without (plain HF on the same prompt)."""
+    fmt = ChatFormat.of(tokenizer, model, TURN_SYSTEM)
+    kv = KVShelf(model, tokenizer, store, fmt, encode, rag)
+    hf = PlainHF(model, tokenizer, fmt, encode, rag)
+    session = kv.chat()
+    replies = []
+    for n, user in enumerate(tqdm(turn_messages(texts, encode, turns), desc="chat turns (reuse)", unit="turn")):
+        reply = session.send(Turn(user, "", None, new_tokens), min_new_tokens=new_tokens)
+        replies.append(reply)
+        console.print(f"[dim]turn {n + 1}: {len(reply.prompt)} prompt tokens, TTFT {reply.ttft_s:.3f} s[/dim]")
+    rows = []
+    for n, reply in enumerate(tqdm(replies, desc="chat turns (no reuse)", unit="turn")):
+        ttft, _ = hf.generate(reply.prompt, 1)
+        rows.append({"turn": n + 1, "context_tokens": len(reply.prompt),
+                     "added_tokens": len(reply.prompt) - (len(replies[n - 1].prompt) if n else 0),
+                     "ttft_reuse_s": round(reply.ttft_s, 4), "ttft_no_reuse_s": round(ttft, 4),
+                     "speedup": round(ttft / reply.ttft_s, 2)})
+    return rows
+
+
+# -- the benchmark ------------------------------------------------------------------------------------------------
+
+
+def run(*, json_path: str | None, corpus: str | None, seconds: float = 120, clients: int = 4, threads: int = 1,
+        turns: int = 8, turn_new_tokens: int = TURN_NEW_TOKENS, pool: int = RAG_POOL,
+        model_name: str = "smollm2-135m", console: Console | None = None, progress: bool = True) -> dict[str, Any]:
+    from kvshelf.adapters.model import load_model
+    from kvshelf.kvstore.embedded import open_embedded_store
+
+    console = console or Console()
+    torch.set_num_threads(threads)
+    model, tokenizer = load_model(model_name)
+    texts = list(corpus_texts(corpus))
+    encode = Encoder(tokenizer)
+    documents = chat_documents(texts)
+    fmt = ChatFormat.of(tokenizer, model, CHAT_SYSTEM)
+    rag = RagPool.build(tokenizer, encode, texts, pool)
+    outcomes: dict[str, RunOutcome] = {}
+    with tempfile.TemporaryDirectory(prefix="kvshelf-bench-serve-") as tmp:
+        # memory tier over LMDB; nothing is fsynced (the run's blocks are not kept)
+        store = open_embedded_store(tmp, memory_bytes="4GiB", write_policy="back", durable=False)
+        systems = {"hf": PlainHF(model, tokenizer, fmt, encode, rag),
+                   "kvshelf": KVShelf(model, tokenizer, store, fmt, encode, rag)}
+        systems["kvshelf"].precompute(progress)
+        systems["hf"].generate(list(range(10, 80)), 2)  # one-time start-up costs out of the timings
+        for name, system in systems.items():
+            console.print(f"[bold]{name}[/bold]: {clients} clients for {seconds:g} s...")
+            outcomes[name] = serve(system, documents, clients, seconds)
+            if outcomes[name].errors:
+                raise SystemExit(f"{name}: " + "; ".join(outcomes[name].errors))
+            console.print(f"[dim]{name}: {len(outcomes[name].records)} requests in {outcomes[name].wall_s:.1f} s"
+                          "[/dim]")
+        turn_rows = chat_turns(model, tokenizer, store, encode, texts, turns, turn_new_tokens, rag,
+                               console) if turns else []
+        store.close()
+    results = [row for name in SYSTEMS for row in summarize(name, outcomes[name])]
+    payload = {
+        "model": model_name,
+        "machine": machine_description(),
+        "corpus": corpus or "synthetic",
+        "settings": {"seconds": seconds, "clients": clients, "torch_threads": threads,
+                     "workloads": {str(i): workload_of(i) for i in range(clients)},
+                     "chat": {"document_abstracts": DOC_ABSTRACTS, "turns": 2 + len(FOLLOW_UPS),
+                              "code_new_tokens": NEW_TOKENS, "follow_up_new_tokens": CHAT_NEW_TOKENS},
+                     "rag": {"chunks": 8, "chunk_tokens": CHUNK_TOKENS, "pool_plain": len(rag.plain),
+                             "pool_needles": len(rag.needles), "mode": "block-attention",
+                             "new_tokens": NEW_TOKENS},
+                     "chat_turns": {"turns": turns, "user_tokens": TURN_USER_TOKENS, "new_tokens": turn_new_tokens}},
+        "requests": {name: counts(o) for name, o in outcomes.items()},
+        "accuracy_same_requests": same_request_accuracy(outcomes),
+        "same_answers": same_answers(outcomes),
+        "results": results,
+        "chat_turns": turn_rows,
+        "note": "TTFT as the clients see it, contention included; a shared 2-core CPU adds noise",
+    }
+    print_tables(console, payload)
+    save_results(json_path, payload, console)
+    return payload
+
+
+def _times(a: float | None, b: float | None) -> str:
+    return f"{a / b:.1f}x" if a and b else "-"
+
+
+def _share(a: float | None, b: float | None) -> str:
+    return f"{a / b:.0%}" if a is not None and b else "-"
+
+
+def print_tables(console: Console, payload: dict[str, Any]) -> None:
+    s = payload["settings"]
+    rows = {(r["system"], r["workload"]): r for r in payload["results"]}
+    table = Table(title=f"Serving, {payload['model']}: {s['clients']} clients x {s['seconds']:g} s, torch threads "
+                        f"{s['torch_threads']}")
+    for column in ("workload", "system", "requests/s", "TTFT p50 (s)", "TTFT p99 (s)", "accuracy"):
+        table.add_column(column, justify="right")
+    for workload in (*WORKLOADS, "all"):
+        hf, kv = rows.get(("hf", workload)), rows.get(("kvshelf", workload))
+        for r in (hf, kv):
+            if r is not None:
+                table.add_row(workload, r["system"], f"{r['requests_per_s']:.3f}", f"{r['ttft_p50_s']:.3f}",
+                              f"{r['ttft_p99_s']:.3f}", "-" if r["accuracy"] is None else f"{r['accuracy']:.1%}")
+        if hf is not None and kv is not None:
+            table.add_row(workload, "kvshelf/hf", _times(kv["requests_per_s"], hf["requests_per_s"]),
+                          f"{_times(hf['ttft_p50_s'], kv['ttft_p50_s'])} lower",
+                          f"{_times(hf['ttft_p99_s'], kv['ttft_p99_s'])} lower",
+                          _share(kv["accuracy"], hf["accuracy"]), end_section=True)
+    console.print(table)
+    same = ", ".join(f"{w} {v['same']}/{v['requests']}" for w, v in payload["same_answers"].items())
+    acc = payload["accuracy_same_requests"]
+    console.print(f"[dim]{payload['machine']}; on the requests both systems completed: same answers {same}; "
+                  f"accuracy hf {acc['hf']}, kvshelf {acc['kvshelf']} ({acc['requests']} questions)[/dim]")
+    if payload["chat_turns"]:
+        table = Table(title="Chat turns: one conversation, ~300 tokens added per turn; TTFT with vs without reuse")
+        for column in ("turn", "context tokens", "added", "TTFT reuse (s)", "TTFT no reuse (s)", "speedup"):
+            table.add_column(column, justify="right")
+        for r in payload["chat_turns"]:
+            table.add_row(str(r["turn"]), str(r["context_tokens"]), str(r["added_tokens"]),
+                          f"{r['ttft_reuse_s']:.3f}", f"{r['ttft_no_reuse_s']:.3f}", f"{r['speedup']:.1f}x")
+        console.print(table)
+
+
+if __name__ == "__main__":
+    run(json_path=str(results_path("serve.json")), corpus=None)  # $KVSHELF_CACHE/bench-results/serve.json

@@ -1,0 +1,39 @@
+"""`kvshelf bench serve` at its smallest: SmolLM2, 2 clients (one chat, one RAG) for a few seconds, both systems."""
+
+from __future__ import annotations
+
+import json
+
+from rich.console import Console
+
+from kvshelf.bench.common import default_corpus
+from kvshelf.bench.serve import run
+
+RESULT_KEYS = {"system", "workload", "requests_per_s", "ttft_p50_s", "ttft_p99_s", "accuracy"}
+
+
+def test_bench_serve_small_run_writes_its_schema(tmp_path):
+    out = tmp_path / "serve.json"
+    corpus = default_corpus()
+    payload = run(json_path=str(out), corpus=str(corpus) if corpus else None, seconds=2, clients=2, turns=2,
+                  turn_new_tokens=4, pool=7, console=Console(quiet=True), progress=False)
+    written = json.loads(out.read_text())
+    assert written["results"] == payload["results"]
+    rows = {(r["system"], r["workload"]): r for r in written["results"]}
+    assert set(rows) == {(s, w) for s in ("hf", "kvshelf") for w in ("chat", "rag", "all")}
+    for r in written["results"]:
+        assert set(r) == RESULT_KEYS, r
+        assert r["requests_per_s"] > 0 and 0 < r["ttft_p50_s"] <= r["ttft_p99_s"], r
+        assert 0.0 <= r["accuracy"] <= 1.0, r
+    for system in ("hf", "kvshelf"):  # every client finished at least the request it started before the deadline
+        counts = written["requests"][system]
+        assert counts["chat"]["requests"] >= 1 and counts["rag"]["requests"] >= 1, counts
+        assert counts["chat"]["asked"] >= 1, counts  # a conversation's first turn asks for the planted code
+    assert written["settings"]["torch_threads"] == 1 and written["settings"]["clients"] == 2
+    # chat reuse is exact: the kvshelf conversation answers as plain HF did on the same requests
+    same = written["same_answers"]["chat"]
+    assert same["requests"] >= 1 and same["same"] == same["requests"], same
+    turns = written["chat_turns"]
+    assert [t["turn"] for t in turns] == [1, 2]
+    assert turns[1]["context_tokens"] > turns[0]["context_tokens"] + 4  # the first answer is in the history
+    assert all(t["ttft_reuse_s"] > 0 and t["ttft_no_reuse_s"] > 0 for t in turns)
