@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from arch_rule import Output, assert_same, plain_generate
+from families import WINDOW, attn_implementations, family_model
 from helpers import word_ids
 
 from kvshelf.adapters.chat import Conversation
@@ -166,3 +167,17 @@ def test_bad_inputs_are_clear_errors(model):
     with pytest.raises(ConfigError, match="CachedGenerator is closed"):
         chat.send("hello", max_new_tokens=2)
     assert chat.messages == []
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2-window", "gemma2", "gemma3", "gpt2"])
+def test_turns_on_other_families(family):
+    """Sliding-window and hybrid layers keep the generated tokens' KV too (stored from a cache whose sliding layers
+    kept every token); turns longer than the window."""
+    model = family_model(family, attn=attn_implementations(family)[0])
+    chat = Conversation(_generator(model), system=_words(20, seed=0))
+    for n in range(3):
+        turn = _send(chat, _words(10, seed=n + 1))
+        _exact(model, turn)
+        assert turn.reused_tokens == (0 if n == 0 else turn.common_prefix) and turn.common_prefix == (
+            0 if n == 0 else len(turn.result.prompt_ids) - turn.prefilled_tokens)
+    assert turn.reused_tokens > WINDOW
