@@ -81,7 +81,8 @@ def cached_prefix(
     256 and the store's namespace). The prompt is tokenized as ``CachedGenerator`` does (special tokens added).
     Refuses (``UnsupportedModelError``) the models ``CachedGenerator`` refuses.
     """
-    generator = CachedGenerator(model, tokenizer, store, namespace=namespace, block_size=block_size)
+    generator = CachedGenerator(model, tokenizer, store, namespace=namespace, block_size=block_size,
+                                write_behind=False)  # reads only
     ids = generator.encode(prompt)
     if not ids:
         raise ConfigError("the prompt is empty")
