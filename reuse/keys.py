@@ -10,6 +10,7 @@ The negative markers never occur as token ids, so the three families cannot coll
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 from kvshelf.kvstore.keys import chunk_key
@@ -23,6 +24,14 @@ def rag_chunk_key(fingerprint: str, namespace: str, tokens: Sequence[int]) -> by
 
 def prefixed_block_key(fingerprint: str, namespace: str, prefix: Sequence[int], tokens: Sequence[int]) -> bytes:
     return chunk_key(fingerprint, namespace, [BLOCK, *prefix, SEP, *tokens])
+
+
+def prefix_digest(prefix: Sequence[int]) -> str:
+    """A short name of a shared prefix's token ids (16 hex digits of BLAKE2b), for messages and summaries."""
+    h = hashlib.blake2b(digest_size=8)
+    for token in prefix:
+        h.update(int(token).to_bytes(8, "little", signed=True))
+    return h.hexdigest()
 
 
 def module_key(

@@ -123,8 +123,17 @@ def precompute(
     dtype: Annotated[str, typer.Option(
         help="model dtype: float32, bfloat16 or float16 (blocks are keyed by it: generate in the same dtype)")
     ] = "float32",
+    prefix: Annotated[str | None, typer.Option(
+        help="the shared prefix the generator will have (system prompt, chat template head), as text")] = None,
+    prefix_file: Annotated[Path | None, typer.Option(help="read the shared prefix from this file")] = None,
+    modes: Annotated[str, typer.Option(
+        help="comma-separated RAG modes to prepare: reuse, reuse-blend, block-attention")
+    ] = "reuse,reuse-blend,block-attention",
+    blend_base: Annotated[str, typer.Option(help="reuse-blend's chunk KV: block (after the prefix) or chunk")
+                          ] = "block",
 ) -> None:
-    """RAG (TurboRAG): chunk documents and store each chunk's KV position-independently; resumable."""
+    """RAG: chunk documents and store what each mode reads (position-0 chunks, blocks after the prefix, the
+    prefix itself); resumable, with a progress bar; prints the summary."""
     from kvshelf.adapters.model import load_model, resolve_dtype
     from kvshelf.adapters.rag import precompute as run_precompute
     from kvshelf.kvstore.embedded import open_embedded_store
@@ -134,15 +143,28 @@ def precompute(
         raise KVShelfError(f"no such file(s): {', '.join(missing)}")
     if overlap >= chunk_size:
         raise KVShelfError(f"--overlap ({overlap}) must be smaller than --chunk-size ({chunk_size})")
+    if prefix is not None and prefix_file is not None:
+        raise KVShelfError("give the prefix as --prefix or --prefix-file, not both")
+    if prefix_file is not None:
+        if not prefix_file.is_file():
+            raise KVShelfError(f"no such prefix file: {prefix_file}")
+        prefix = prefix_file.read_text(encoding="utf-8")
+    chosen = [m.strip() for m in modes.split(",") if m.strip()]
+    allowed = ("reuse", "reuse-blend", "block-attention")
+    if not chosen or any(m not in allowed for m in chosen):
+        raise KVShelfError(f"--modes must be a comma-separated subset of {', '.join(allowed)}, got {modes!r}")
+    if blend_base not in ("block", "chunk"):
+        raise KVShelfError(f"--blend-base must be block or chunk, got {blend_base!r}")
     resolve_dtype(dtype)  # an unknown dtype is a clear error before the model loads
     loaded, tokenizer = load_model(model, dtype=dtype)
     store = open_embedded_store(data_dir)
     try:
-        summary = run_precompute(None, loaded, tokenizer, store, paths=paths, namespace=namespace,
-                                 chunk_size=chunk_size, overlap=overlap, pin=pin)
+        result = run_precompute(None, loaded, tokenizer, store, paths=paths, namespace=namespace,
+                                chunk_size=chunk_size, overlap=overlap, pin=pin, prefix=prefix, modes=chosen,
+                                blend_base=blend_base)
     finally:
         store.close()
-    console.print_json(json.dumps(summary, default=str))
+    console.print_json(json.dumps(result.summary(), default=str))
 
 
 @bench_app.command("rag")

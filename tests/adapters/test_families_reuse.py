@@ -58,6 +58,9 @@ class _Store:
     def contains_many(self, keys, **_) -> int:  # noqa: ANN001, ANN003
         return sum(k in self.blocks for k in keys)
 
+    def held(self, keys, **_) -> list[bool]:  # noqa: ANN001, ANN003
+        return [k in self.blocks for k in keys]
+
 
 # every exact limiting case is longer than the windowed families' sliding window (families.WINDOW)
 CHUNKS = [token_ids(WINDOW + 6, 21), token_ids(WINDOW - 4, 22), token_ids(11, 23)]
