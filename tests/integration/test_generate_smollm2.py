@@ -112,3 +112,37 @@ def test_corrupted_block_on_disk_is_a_miss_and_output_unchanged(smollm2, texts, 
     disk = store.stats()["tiers"][0]
     assert disk["corrupt"] == 1
     assert disk["blocks"] == 2  # the damaged value was dropped; the others stay
+
+
+def test_batch_rows_equal_single_uncached_runs(smollm2, texts, tmp_path):
+    """Rows of different lengths, one extending a cached context, one sharing its first block, one short: each
+    row's greedy tokens equal its own uncached single-row run."""
+    model, tokenizer = smollm2
+    gen = CachedGenerator(model, tokenizer, open_embedded_store(tmp_path), block_size=128)
+    context = build_context(tokenizer, texts, 400)
+    gen.generate(context, max_new_tokens=1, wait=True)  # 3 blocks of 128
+    rows = [
+        context + _question(tokenizer, "What is the main idea?"),
+        context[:200] + _question(tokenizer, "Who wrote it?"),
+        _question(tokenizer, "What is a transformer?"),
+    ]
+    results = gen.generate(rows, max_new_tokens=12, output_logits=True)
+    assert [r.reused_tokens for r in results] == [384, 128, 0]
+    for row, result in zip(rows, results, strict=True):
+        single = gen.generate(row, max_new_tokens=12, reuse=False, store=False, output_logits=True)
+        assert result.new_ids == single.new_ids
+        assert _max_diff(result.logits, single.logits) < 1e-2
+
+
+def test_stream_and_a_callers_streamer(smollm2, tmp_path):
+    from transformers import TextIteratorStreamer
+
+    model, tokenizer = smollm2
+    gen = CachedGenerator(model, tokenizer, open_embedded_store(tmp_path))
+    prompt = tokenizer("The capital of France is", add_special_tokens=False)["input_ids"]
+    stream = gen.stream(prompt, max_new_tokens=8)
+    text = "".join(stream.texts())
+    assert text == stream.result.text and stream.result.ttft_s > 0
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    result = gen.generate(prompt, max_new_tokens=8, streamer=streamer)
+    assert "".join(streamer).strip() == result.text.strip() == text.strip()
