@@ -11,9 +11,11 @@ Elsewhere in ``kvshelf.adapters``, modules import only public transformers names
 ``adapters`` imports transformers at all (``tests/adapters/test_hf_boundary.py`` checks both). When a transformers
 release changes one of the contracts below, this module is what to fix:
 
-* attention implementations: reading and switching ``config._attn_implementation``, registering attention and
-  mask functions (``AttentionInterface``, ``AttentionMaskInterface``), HF's ``sdpa_attention_forward`` and
-  ``sdpa_mask``;
+* attention implementations: reading ``config._attn_implementation``, registering attention and mask functions
+  (``AttentionInterface``, ``AttentionMaskInterface``), HF's ``sdpa_attention_forward`` and ``sdpa_mask``, and
+  switching per call: ``DISPATCH``, an implementation that looks the one to run up in a ``ContextVar`` (the calling
+  thread's choice) and otherwise runs the model's own, so one thread's switch never changes another's attention
+  (``attention_scope``, ``attention_implementation``, ``switch_attention``);
 * cache layers: the ``layers`` list of a ``DynamicCache``, ``DynamicLayer`` (``lazy_initialization``,
   ``is_initialized``, ``keys`` / ``values``), ``DynamicSlidingWindowLayer``, and ``GrowingLayer``, kvshelf's
   ``DynamicLayer`` subclass for pruned caches; ``QuantizedCache``'s layers (for the codec benchmark's anchors);

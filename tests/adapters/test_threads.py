@@ -14,13 +14,14 @@ from typing import Any
 
 import pytest
 import torch
+from families import CONFIGS, attn_implementations, family_model
 from helpers import SCHEMA_MARKUP, WordTokenizer, run_workers, token_ids
 
 from kvshelf.adapters import hf
 from kvshelf.adapters.generate import CachedGenerator
 from kvshelf.adapters.model import tiny_llama
 from kvshelf.adapters.prompt_modules import PromptModuleGenerator
-from kvshelf.adapters.pruning import H2O, SnapKV, StreamingLLM, TokenSelect
+from kvshelf.adapters.pruning import H2O, SnapKV, StreamingLLM, TokenSelect, tokenselect
 from kvshelf.adapters.rag import RAGGenerator
 from kvshelf.adapters.reuse_engine import folded_attention
 from kvshelf.kvstore import open_embedded_store
@@ -271,3 +272,29 @@ def test_overlapping_blocks_of_two_threads_exit_in_any_order(model):
     attention = model.model.layers[0].self_attn
     assert not attention._forward_hooks and not model._forward_pre_hooks  # every block removed its own hooks
     assert model.config._attn_implementation == "sdpa" and _plain(model, ids, new=8) == plain
+
+
+FAMILY_CELLS = [(family, attn) for family in CONFIGS for attn in attn_implementations(family)]
+
+
+@pytest.mark.parametrize(("family", "attn"), FAMILY_CELLS)
+def test_every_family_runs_its_own_attention_while_another_thread_switches_it(family, attn):
+    """While another thread holds the model under another attention implementation (the model's configs then name
+    kvshelf's dispatch), a plain forward and ``generate`` of this thread give bitwise the logits of the model's own
+    implementation: the dispatch runs the same attention and mask functions, in every family."""
+    model = family_model(family, attn=attn)
+    ids = torch.tensor([token_ids(30, 44)])  # longer than the windowed families' window (24)
+    with torch.inference_mode():
+        want = model(input_ids=ids).logits
+        want_new = model.generate(ids, max_new_tokens=3, do_sample=False, eos_token_id=None)
+    other = "eager" if attn == "sdpa" else "sdpa" if hf.supports_sdpa(model) else tokenselect.IMPLEMENTATION
+    tokenselect.register()
+    switched = lambda: hf.attention_implementation(model, other)  # noqa: E731
+    with _held_open(switched), torch.inference_mode():
+        dispatched = hf.can_switch_attention(model)
+        assert model.config._attn_implementation == (hf.DISPATCH if dispatched else attn)
+        assert hf.attn_implementation(model) == attn
+        got = model(input_ids=ids).logits
+        got_new = model.generate(ids, max_new_tokens=3, do_sample=False, eos_token_id=None)
+    assert torch.equal(got, want) and torch.equal(got_new, want_new)
+    assert model.config._attn_implementation == attn
