@@ -1,5 +1,6 @@
 """Prompts to token ids: the one conversion every front door uses (``CachedGenerator``, ``RAGGenerator`` and
-``rag.precompute``, ``PromptModuleGenerator``)."""
+``rag.precompute``, ``PromptModuleGenerator``); batches (``CachedGenerator.generate`` on a list of prompts or a
+padded ``[B, T]`` tensor with its attention mask) as one list of ids per row."""
 
 from __future__ import annotations
 
@@ -69,15 +70,15 @@ def batch_prompt_ids(
         if attention_mask is None:
             rows = [[int(t) for t in row] for row in ids.tolist()]
         else:
-            mask = torch.as_tensor(attention_mask).reshape(ids.shape) if torch.as_tensor(
-                attention_mask).numel() == ids.numel() else None
-            if mask is None:
-                raise ConfigError(f"attention_mask of shape {tuple(torch.as_tensor(attention_mask).shape)} does "
-                                  f"not match the prompt's {tuple(prompts.shape)}")
+            mask = torch.as_tensor(attention_mask)
+            if mask.numel() != ids.numel() or mask.dim() not in (1, 2) or mask.shape[-1] != ids.shape[-1]:
+                raise ConfigError(f"attention_mask of shape {tuple(mask.shape)} does not match the prompt's "
+                                  f"{tuple(prompts.shape)}")
+            mask = mask.reshape(ids.shape)
             if not bool(((mask == 0) | (mask == 1)).all()):
                 raise ConfigError("attention_mask must hold 0 (padding) and 1 (token) only")
-            rows = [[int(t) for t, m in zip(row, keep, strict=True) if m]
-                    for row, keep in zip(ids.tolist(), mask.tolist(), strict=True)]
+            rows = [[int(t) for t, keep in zip(row, kept, strict=True) if keep]
+                    for row, kept in zip(ids.tolist(), mask.tolist(), strict=True)]
     else:
         if attention_mask is not None:
             raise ConfigError("attention_mask goes with a tensor batch [B, T]; a list batch has no padding")
