@@ -8,7 +8,9 @@ Prompts are longer than the windowed families' sliding window (``families.WINDOW
 three prompts: the first stores its blocks from a cold prefill, the second reuses them and stores its own new
 blocks, read from a cache whose sliding layers were loaded (window only) and then kept growing, and the third
 reuses those: its output is the cell's. With ``cacheable_prefix`` a context of 85 tokens (5 full blocks and a
-partial one) is stored with one question and reused whole with another.
+partial one) is stored with one question and reused whole with another. Blocks are stored write-behind (the
+generator's default): each next prompt finds the previous one's blocks by reading its own pending writes.
+Batches (rows decoded together over a left-padded cache) are checked on every family in test_generate_batch.py.
 
 Also here: the encoder-decoder refusal (T5, not a family of the suite), loaded sliding layers keep their window,
 and the dtype features (``other_dtype_blocks``, ``kvshelf precompute --dtype``).
