@@ -22,9 +22,13 @@ conversation's later turns carry that system's own earlier answers (greedy, so t
 Systems (same model object, same torch thread count, the same client threads):
 
 * ``hf``: ``model.generate`` on the whole prompt every request (conversation history included).
-* ``kvshelf``: chat through the reuse path (turn n+1 reuses turn n's KV: only the new tokens are prefilled);
-  RAG through ``RAGGenerator(mode="block-attention")`` over the precomputed chunk blocks (Sun et al. 2024,
-  "Block-Attention for Efficient RAG"): only the question is prefilled.
+* ``kvshelf``: chat through ``CachedGenerator.generate(..., cacheable_prefix=, store_generated=True)``: each
+  finished turn's KV is stored with its generated tokens and the next turn reuses it, so only the new user message
+  (and the template's markup) is prefilled. This is ``Conversation.send``'s mechanism (``adapters/chat.py``) on
+  token ids: ``Conversation`` renders the assistant's generation prompt itself and has no answer opening, which the
+  planted-fact turns need. RAG through ``RAGGenerator(mode="block-attention")`` over chunk blocks stored by
+  ``adapters.rag.precompute(..., prefix=...)`` (Sun et al. 2024, "Block-Attention for Efficient RAG"), passed as
+  its ``ChunkHandle``s: only the question is prefilled.
 
 The chat prompt is built as token ids, turn on turn (``ChatFormat``): the previous prompt, the answer's tokens, then
 the chat template's text between an answer and the next user message, the user message, and the opening of the
@@ -38,7 +42,8 @@ included), and accuracy (planted-fact questions answered right / asked).
 
 Then ``chat turns``: one conversation (one client, nothing else running) whose turns add ~``TURN_USER_TOKENS`` +
 ``TURN_NEW_TOKENS`` = ~300 tokens each: a ~60-token user message (a passage of an abstract and a request to discuss
-it) and 240 generated tokens (forced with ``min_new_tokens``). The kvshelf conversation runs first; then, for each
+it) and 240 generated tokens (forced with ``min_new_tokens``). It is a ``Conversation`` (``adapters/chat.py``: the
+chat template re-rendered each turn, the common token prefix with the last turn's stored KV reused); then, for each
 turn, plain HF ``model.generate`` prefills the same prompt ids (the same history) for one token: TTFT at each turn
 with and without reuse.
 
@@ -105,6 +110,11 @@ class Encoder:
     def decode(self, ids: list[int]) -> str:
         with self._lock:
             return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def decode_all(self, ids: list[int]) -> str:
+        """``ids`` as text, special tokens kept (encodes back to ``ids`` for ordinary text)."""
+        with self._lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=False)
 
 
 @dataclass(frozen=True)
@@ -223,25 +233,35 @@ class RagPool:
 class Reply:
     ttft_s: float
     new_ids: list[int]
-    prompt: list[int]
+    prompt_tokens: int
+    reused_tokens: int = 0  # prompt tokens whose KV came from the store
 
 
 class ChatSession:
-    """One conversation: each ``send`` builds the next prompt from the previous one and its answer."""
+    """One conversation as token ids: each ``send`` builds the next prompt from the previous one and its answer
+    (``ChatFormat.next``), and ``generate(prompt, max_new_tokens, stored_ids)`` answers it."""
 
-    def __init__(self, fmt: ChatFormat, encode: Encoder, generate: Callable[..., tuple[float, list[int]]]) -> None:
+    def __init__(self, fmt: ChatFormat, encode: Encoder,
+                 generate: Callable[..., tuple[float, list[int], int, list[int]]]) -> None:
         self.fmt, self.encode, self._generate = fmt, encode, generate
         self.prompt: list[int] | None = None
         self.answer: list[int] = []
+        self.stored: list[int] = []  # the ids whose KV the system stored after the last turn (kvshelf)
 
     def send(self, turn: Turn, **generate_kwargs: Any) -> Reply:
         if self.prompt is None:
             prompt = self.fmt.first(self.encode, turn.user, turn.opening)
         else:
             prompt = self.fmt.next(self.encode, self.prompt, self.answer, turn.user, turn.opening)
-        ttft, new_ids = self._generate(prompt, turn.max_new_tokens, **generate_kwargs)
+        ttft, new_ids, reused, self.stored = self._generate(prompt, turn.max_new_tokens, self.stored,
+                                                            **generate_kwargs)
         self.prompt, self.answer = prompt, new_ids
-        return Reply(ttft, new_ids, prompt)
+        return Reply(ttft, new_ids, len(prompt), reused)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 class PlainHF:
@@ -267,16 +287,26 @@ class PlainHF:
         return (timer.first_token_at or finished) - started, [int(t) for t in out[0, len(prompt):].tolist()]
 
     def chat(self) -> ChatSession:
-        return ChatSession(self.fmt, self.encode, self.generate)
+        def generate(prompt: list[int], max_new_tokens: int, stored: list[int],
+                     **kwargs: Any) -> tuple[float, list[int], int, list[int]]:
+            return (*self.generate(prompt, max_new_tokens, **kwargs), 0, [])
+
+        return ChatSession(self.fmt, self.encode, generate)
 
     def rag(self, case: RagCase) -> Reply:
         prompt = self.pool.prefix + [t for c in case.chunks for t in c] + self.pool.question
         ttft, new_ids = self.generate(prompt, NEW_TOKENS)
-        return Reply(ttft, new_ids, prompt)
+        return Reply(ttft, new_ids, len(prompt))
 
 
 class KVShelf:
-    """Chat with reuse of the conversation's KV; RAG with block attention over precomputed chunk blocks."""
+    """Chat reusing each finished turn's KV (generated tokens included); RAG with block attention over
+    precomputed chunk blocks.
+
+    A chat turn is ``CachedGenerator.generate(prompt, cacheable_prefix=<common prefix with what the last turn
+    stored>, store_generated=True)``: what ``Conversation.send`` does (``adapters/chat.py``), on token ids, because
+    a planted-fact turn opens the assistant's answer ("The secret code is") and ``Conversation`` renders the
+    generation prompt itself (it has no answer opening)."""
 
     name = "kvshelf"
 
@@ -285,31 +315,48 @@ class KVShelf:
         from kvshelf.adapters.generate import CachedGenerator
         from kvshelf.adapters.rag import RAGGenerator
 
+        self.model, self.tokenizer, self.store = model, tokenizer, store
         self.fmt, self.encode, self.pool = fmt, encode, rag
-        self.cached = CachedGenerator(model, tokenizer, store, block_size=64)
-        self.rag_generator = RAGGenerator(model, tokenizer, store, prefix=rag.prefix, on_missing="error")
-
-    def generate(self, prompt: list[int], max_new_tokens: int, **kwargs: Any) -> tuple[float, list[int]]:
-        result = self.cached.generate(prompt, max_new_tokens=max_new_tokens, cacheable_prefix=len(prompt), **kwargs)
-        return result.ttft_s, result.new_ids
+        self.cached = CachedGenerator(model, tokenizer, store)
+        self.rag_generator = RAGGenerator(model, tokenizer, store, prefix=rag.prefix, on_missing="error",
+                                          chunk_size=None)
+        self.handles: dict[tuple[int, ...], Any] = {}
 
     def chat(self) -> ChatSession:
-        return ChatSession(self.fmt, self.encode, self.generate)
+        def generate(prompt: list[int], max_new_tokens: int, stored: list[int],
+                     **kwargs: Any) -> tuple[float, list[int], int, list[int]]:
+            common = common_prefix(prompt, stored)
+            result = self.cached.generate(prompt, max_new_tokens=max_new_tokens, cacheable_prefix=common or None,
+                                          store_generated=True, **kwargs)
+            return result.ttft_s, result.new_ids, result.reused_tokens, prompt + result.new_ids[:-1]
 
-    def precompute(self, progress: bool = True) -> None:
-        """Every pool chunk's block (after the RAG prefix) into the store: the offline step, not timed."""
+        return ChatSession(self.fmt, self.encode, generate)
+
+    def precompute(self, progress: bool = True) -> dict[str, Any]:
+        """Every pool chunk's block after the RAG prefix, stored (``adapters.rag.precompute``): the offline step,
+        not timed. Requests then pass the chunks' ``ChunkHandle``s."""
+        from kvshelf.adapters.rag import precompute
+
         chunks = self.pool.plain + [ids for ids, _ in self.pool.needles]
-        self.rag_generator.on_missing = "recompute"
-        try:
-            for ids in tqdm(chunks, desc="precompute RAG chunk blocks", unit="chunk", disable=not progress):
-                self.rag_generator.generate([ids], self.pool.question, mode="block-attention", max_new_tokens=1)
-        finally:
-            self.rag_generator.on_missing = "error"  # a block missing in the timed run would be a bug
+        texts = [self.encode.decode_all(ids) for ids in chunks]
+        done = precompute(texts, self.model, self.tokenizer, self.store, prefix=self.pool.prefix,
+                          modes=("block-attention",), chunk_size=max(map(len, chunks)), progress=progress)
+        for ids, handle in zip(chunks, done.chunks, strict=True):
+            if list(handle.token_ids) != ids:
+                raise SystemExit("a RAG chunk's text does not tokenize back to its ids")
+            self.handles[tuple(ids)] = handle
+        return done.summary()
 
     def rag(self, case: RagCase) -> Reply:
-        result = self.rag_generator.generate(list(case.chunks), self.pool.question, mode="block-attention",
-                                             max_new_tokens=NEW_TOKENS)
-        return Reply(result.ttft_s, result.new_ids, [])
+        result = self.rag_generator.generate([self.handles[tuple(c)] for c in case.chunks], self.pool.question,
+                                             mode="block-attention", max_new_tokens=NEW_TOKENS)
+        # on_missing="error": every block (and the prefix) came from the store; only the question was prefilled
+        reused = result.prompt_tokens - len(self.pool.question)
+        return Reply(result.ttft_s, result.new_ids, result.prompt_tokens, reused)
+
+    def close(self) -> None:
+        self.cached.close()
+        self.rag_generator.close()
 
 
 # -- the serving run -------------------------------------------------------------------------------------------
@@ -323,6 +370,8 @@ class Record:
     ttft_s: float
     correct: bool | None  # None: not a planted-fact question
     answer: tuple[int, ...] = ()
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
 
 
 @dataclass
@@ -356,7 +405,8 @@ def serve(system: Any, documents: list[list[str]], clients: int, seconds: float,
                     return
                 reply = session.send(turn)
                 correct = None if turn.code is None else answer_code(system.encode.decode(reply.new_ids)) == turn.code
-                record(Record("chat", i, seq, reply.ttft_s, correct, tuple(reply.new_ids)))
+                record(Record("chat", i, seq, reply.ttft_s, correct, tuple(reply.new_ids), reply.prompt_tokens,
+                              reply.reused_tokens))
                 seq += 1
 
     def rag_client(i: int) -> None:
@@ -364,8 +414,8 @@ def serve(system: Any, documents: list[list[str]], clients: int, seconds: float,
             if time.perf_counter() >= start["t"] + seconds:
                 return
             reply = system.rag(case)
-            record(Record("rag", i, seq, reply.ttft_s,
-                          answer_code(system.encode.decode(reply.new_ids)) == case.code, tuple(reply.new_ids)))
+            record(Record("rag", i, seq, reply.ttft_s, answer_code(system.encode.decode(reply.new_ids)) == case.code,
+                          tuple(reply.new_ids), reply.prompt_tokens, reply.reused_tokens))
 
     def client(i: int) -> None:
         barrier.wait()
@@ -410,9 +460,14 @@ def summarize(name: str, outcome: RunOutcome) -> list[dict[str, Any]]:
 
 
 def counts(outcome: RunOutcome) -> dict[str, Any]:
-    return {w: {"requests": sum(r.workload == w for r in outcome.records),
-                "asked": sum(r.workload == w and r.correct is not None for r in outcome.records)}
-            for w in WORKLOADS} | {"wall_s": round(outcome.wall_s, 2)}
+    """Per workload: requests, planted-fact questions asked, prompt tokens and those whose KV was reused."""
+    out: dict[str, Any] = {}
+    for w in WORKLOADS:
+        recs = [r for r in outcome.records if r.workload == w]
+        out[w] = {"requests": len(recs), "asked": sum(r.correct is not None for r in recs),
+                  "prompt_tokens": sum(r.prompt_tokens for r in recs),
+                  "reused_tokens": sum(r.reused_tokens for r in recs)}
+    return out | {"wall_s": round(outcome.wall_s, 2)}
 
 
 def same_request_accuracy(outcomes: dict[str, RunOutcome]) -> dict[str, Any]:
@@ -451,25 +506,30 @@ def turn_messages(texts: list[str], encode: Encoder, turns: int) -> list[str]:
     return out
 
 
-def chat_turns(model: Any, tokenizer: Any, store: Any, encode: Encoder, texts: list[str], turns: int,
-               new_tokens: int, rag: RagPool, console: Console) -> list[dict[str, Any]]:
-    """TTFT at each turn of one conversation with reuse (kvshelf) vs without (plain HF on the same prompt)."""
-    fmt = ChatFormat.of(tokenizer, model, TURN_SYSTEM)
-    kv = KVShelf(model, tokenizer, store, fmt, encode, rag)
-    hf = PlainHF(model, tokenizer, fmt, encode, rag)
-    session = kv.chat()
-    replies = []
-    for n, user in enumerate(tqdm(turn_messages(texts, encode, turns), desc="chat turns (reuse)", unit="turn")):
-        reply = session.send(Turn(user, "", None, new_tokens), min_new_tokens=new_tokens)
-        replies.append(reply)
-        console.print(f"[dim]turn {n + 1}: {len(reply.prompt)} prompt tokens, TTFT {reply.ttft_s:.3f} s[/dim]")
+def chat_turns(model: Any, tokenizer: Any, store: Any, hf: PlainHF, encode: Encoder, texts: list[str], turns: int,
+               new_tokens: int, console: Console, progress: bool = True) -> list[dict[str, Any]]:
+    """TTFT at each turn of one ``Conversation`` (reuse) vs plain HF on the same prompt ids (no reuse)."""
+    from kvshelf.adapters.chat import Conversation
+    from kvshelf.adapters.generate import CachedGenerator
+
+    done = []
+    with CachedGenerator(model, tokenizer, store) as generator:
+        conversation = Conversation(generator, system=TURN_SYSTEM)
+        for n, user in enumerate(tqdm(turn_messages(texts, encode, turns), desc="chat turns (Conversation)",
+                                      unit="turn", disable=not progress)):
+            turn = conversation.send(user, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+            done.append(turn)
+            console.print(f"[dim]turn {n + 1}: {len(turn.result.prompt_ids)} prompt tokens, {turn.reused_tokens} "
+                          f"reused, TTFT {turn.ttft_s:.3f} s[/dim]")
     rows = []
-    for n, reply in enumerate(tqdm(replies, desc="chat turns (no reuse)", unit="turn")):
-        ttft, _ = hf.generate(reply.prompt, 1)
-        rows.append({"turn": n + 1, "context_tokens": len(reply.prompt),
-                     "added_tokens": len(reply.prompt) - (len(replies[n - 1].prompt) if n else 0),
-                     "ttft_reuse_s": round(reply.ttft_s, 4), "ttft_no_reuse_s": round(ttft, 4),
-                     "speedup": round(ttft / reply.ttft_s, 2)})
+    for n, turn in enumerate(tqdm(done, desc="chat turns (plain HF)", unit="turn", disable=not progress)):
+        prompt = turn.result.prompt_ids
+        ttft, _ = hf.generate(prompt, 1)
+        rows.append({"turn": n + 1, "context_tokens": len(prompt),
+                     "added_tokens": len(prompt) - (len(done[n - 1].result.prompt_ids) if n else 0),
+                     "reused_tokens": turn.reused_tokens, "prefilled_tokens": turn.prefilled_tokens,
+                     "ttft_reuse_s": round(turn.ttft_s, 4), "ttft_no_reuse_s": round(ttft, 4),
+                     "speedup": round(ttft / turn.ttft_s, 2)})
     return rows
 
 
@@ -496,7 +556,7 @@ def run(*, json_path: str | None, corpus: str | None, seconds: float = 120, clie
         store = open_embedded_store(tmp, memory_bytes="4GiB", write_policy="back", durable=False)
         systems = {"hf": PlainHF(model, tokenizer, fmt, encode, rag),
                    "kvshelf": KVShelf(model, tokenizer, store, fmt, encode, rag)}
-        systems["kvshelf"].precompute(progress)
+        precomputed = systems["kvshelf"].precompute(progress)
         systems["hf"].generate(list(range(10, 80)), 2)  # one-time start-up costs out of the timings
         for name, system in systems.items():
             console.print(f"[bold]{name}[/bold]: {clients} clients for {seconds:g} s...")
@@ -505,8 +565,9 @@ def run(*, json_path: str | None, corpus: str | None, seconds: float = 120, clie
                 raise SystemExit(f"{name}: " + "; ".join(outcomes[name].errors))
             console.print(f"[dim]{name}: {len(outcomes[name].records)} requests in {outcomes[name].wall_s:.1f} s"
                           "[/dim]")
-        turn_rows = chat_turns(model, tokenizer, store, encode, texts, turns, turn_new_tokens, rag,
-                               console) if turns else []
+        systems["kvshelf"].close()
+        turn_rows = chat_turns(model, tokenizer, store, systems["hf"], encode, texts, turns, turn_new_tokens,
+                               console, progress) if turns else []
         store.close()
     results = [row for name in SYSTEMS for row in summarize(name, outcomes[name])]
     payload = {
@@ -519,7 +580,7 @@ def run(*, json_path: str | None, corpus: str | None, seconds: float = 120, clie
                               "code_new_tokens": NEW_TOKENS, "follow_up_new_tokens": CHAT_NEW_TOKENS},
                      "rag": {"chunks": 8, "chunk_tokens": CHUNK_TOKENS, "pool_plain": len(rag.plain),
                              "pool_needles": len(rag.needles), "mode": "block-attention",
-                             "new_tokens": NEW_TOKENS},
+                             "new_tokens": NEW_TOKENS, "precompute_s": precomputed["seconds"]},
                      "chat_turns": {"turns": turns, "user_tokens": TURN_USER_TOKENS, "new_tokens": turn_new_tokens}},
         "requests": {name: counts(o) for name, o in outcomes.items()},
         "accuracy_same_requests": same_request_accuracy(outcomes),
@@ -566,10 +627,11 @@ def print_tables(console: Console, payload: dict[str, Any]) -> None:
                   f"accuracy hf {acc['hf']}, kvshelf {acc['kvshelf']} ({acc['requests']} questions)[/dim]")
     if payload["chat_turns"]:
         table = Table(title="Chat turns: one conversation, ~300 tokens added per turn; TTFT with vs without reuse")
-        for column in ("turn", "context tokens", "added", "TTFT reuse (s)", "TTFT no reuse (s)", "speedup"):
+        for column in ("turn", "context tokens", "added", "reused", "TTFT reuse (s)", "TTFT no reuse (s)",
+                       "speedup"):
             table.add_column(column, justify="right")
         for r in payload["chat_turns"]:
-            table.add_row(str(r["turn"]), str(r["context_tokens"]), str(r["added_tokens"]),
+            table.add_row(str(r["turn"]), str(r["context_tokens"]), str(r["added_tokens"]), str(r["reused_tokens"]),
                           f"{r['ttft_reuse_s']:.3f}", f"{r['ttft_no_reuse_s']:.3f}", f"{r['speedup']:.1f}x")
         console.print(table)
 

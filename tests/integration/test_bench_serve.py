@@ -29,6 +29,9 @@ def test_bench_serve_small_run_writes_its_schema(tmp_path):
         counts = written["requests"][system]
         assert counts["chat"]["requests"] >= 1 and counts["rag"]["requests"] >= 1, counts
         assert counts["chat"]["asked"] >= 1, counts  # a conversation's first turn asks for the planted code
+    assert written["requests"]["hf"]["rag"]["reused_tokens"] == 0
+    rag = written["requests"]["kvshelf"]["rag"]  # block attention: only the question is prefilled
+    assert 0 < rag["reused_tokens"] < rag["prompt_tokens"], rag
     assert written["settings"]["torch_threads"] == 1 and written["settings"]["clients"] == 2
     # chat reuse is exact: the kvshelf conversation answers as plain HF did on the same requests
     same = written["same_answers"]["chat"]
@@ -37,3 +40,4 @@ def test_bench_serve_small_run_writes_its_schema(tmp_path):
     assert [t["turn"] for t in turns] == [1, 2]
     assert turns[1]["context_tokens"] > turns[0]["context_tokens"] + 4  # the first answer is in the history
     assert all(t["ttft_reuse_s"] > 0 and t["ttft_no_reuse_s"] > 0 for t in turns)
+    assert turns[0]["reused_tokens"] == 0 and turns[1]["reused_tokens"] > 0  # turn 1's KV
