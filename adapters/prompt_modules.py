@@ -7,6 +7,11 @@ free text are prefilled, at their positions. A prompt whose modules sit at their
 before the free text (a module at 0, or ``scope="prefix"`` modules after their predecessors) gives the same KV,
 and so the same output, as full prefill; independently encoded later modules and text after a parameter slot do
 not see what comes before them (the paper's approximation).
+
+Decoding goes through HF ``model.generate`` (``adapters.decode``): the assembled cache holds every prompt row but
+the last, and ``generate`` computes the last one at its schema position (explicit ``position_ids``, gaps
+included), so sampling arguments, logits processors and streamers work as on a plain prompt; ``stream(...)``
+iterates the new tokens.
 """
 
 from __future__ import annotations
@@ -19,10 +24,14 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from kvshelf.adapters.decode import EOS_DEFAULT, generate_from_cache
 from kvshelf.adapters.fingerprint import model_fingerprint
+from kvshelf.adapters.hf import BaseStreamer
 from kvshelf.adapters.prompts import prompt_ids
-from kvshelf.adapters.reuse_engine import Layout, check_engine, check_positions, eos_ids, greedy_decode, prefill_rows
+from kvshelf.adapters.reuse_engine import Layout, check_engine, check_positions, prefill_rows
+from kvshelf.adapters.streaming import TokenStream
 from kvshelf.kvstore.block import KVBlock
+from kvshelf.kvstore.errors import ConfigError
 from kvshelf.kvstore.protocol import BlockStore, namespace_of
 from kvshelf.reuse.errors import SchemaError
 from kvshelf.reuse.keys import module_key
@@ -41,11 +50,15 @@ class ModuleResult:
     ttft_s: float
     total_s: float
     assembly: Assembly = field(repr=False)
-    first_logits: torch.Tensor = field(repr=False)
+    first_logits: torch.Tensor = field(repr=False)  # [vocab] float32, raw (before any logits processor)
+    logits: list[torch.Tensor] | None = field(default=None, repr=False)  # all_logits=True: [vocab] per new token
 
 
 class PromptModuleGenerator:
-    """Generate from prompts assembled from a schema's cached modules plus parameters and free text."""
+    """Generate from prompts assembled from a schema's cached modules plus parameters and free text.
+
+    ``close()`` (or leaving a ``with`` block) ends the generator and drops the modules it keeps in memory; any
+    later call raises ``ConfigError``. The store is the caller's and stays open."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, store: BlockStore | None,
                  schema: PromptSchema | str, *, namespace: str | None = None) -> None:
@@ -61,6 +74,23 @@ class PromptModuleGenerator:
         # pinned modules' KV, decoded once and kept in memory (raw tensors): no store read, checksum or decode per
         # prompt; the store keeps the durable, shareable copy
         self._resident: dict[bytes, KVBlock] = {}
+        self.closed = False
+
+    def close(self) -> None:
+        """End this generator: resident modules are dropped, later calls raise ``ConfigError``."""
+        self.closed = True
+        self._resident.clear()
+
+    def __enter__(self) -> PromptModuleGenerator:
+        self._check_open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ConfigError("this PromptModuleGenerator is closed; make a new one")
 
     @property
     def fingerprint(self) -> str:
@@ -92,6 +122,7 @@ class PromptModuleGenerator:
     @torch.inference_mode()
     def module_blocks(self, names: Sequence[str], *, pin: bool = True) -> tuple[dict[str, KVBlock], int]:
         """KV of ``names`` (and their scopes), from the store or computed and stored pinned; (blocks, computed)."""
+        self._check_open()
         needed: list[str] = []
         for name in names:
             for dep in (*self._by_name[name].scope, name):
@@ -142,27 +173,54 @@ class PromptModuleGenerator:
 
     @torch.inference_mode()
     def generate(self, prompt: str | Sequence[PromptItem], *, max_new_tokens: int = 32, reuse: bool = True,
-                 eos_token_id: int | Sequence[int] | None | str = "default") -> ModuleResult:
-        """Greedy generation. ``reuse=False`` prefills every row (modules included) at the same positions."""
+                 eos_token_id: int | Sequence[int] | None | str = EOS_DEFAULT, streamer: BaseStreamer | None = None,
+                 all_logits: bool = False, **generate_kwargs: Any) -> ModuleResult:
+        """Generate from ``prompt``. ``reuse=False`` prefills every row (modules included) at the same positions.
+
+        Decoding is HF ``model.generate``'s (greedy by default): ``generate_kwargs`` (``do_sample``,
+        ``temperature``, ``top_k``, ``logits_processor``...) go to it. ``streamer`` (a HF ``BaseStreamer``)
+        receives the prompt, then each new token; TTFT is measured all the same. ``eos_token_id``: ``"default"``
+        (the model's), ``None`` or ids. ``all_logits``: keep every step's raw logits in ``ModuleResult.logits``.
+        """
+        self._check_open()
+        if max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         started = time.perf_counter()
         assembly = self.assemble(prompt, max_new_tokens)
         check_positions(self.model, check_engine(self.model, FEATURE), assembly.positions[-1] + 1 + max_new_tokens,
                         FEATURE)
         n = len(assembly.tokens)
-        layout = Layout.empty(self.model, n, zero=False)  # every row is loaded or prefilled below
+        # the cache holds every row but the last, which model.generate computes (its logits give the first token)
+        layout = Layout.empty(self.model, n - 1, zero=False)  # every row is loaded or prefilled below
         cached = [c is not None for c in assembly.cached_by] if reuse else [False] * n
+        cached[-1] = False
         if reuse:
             blocks, _ = self.module_blocks([m.name for m in assembly.modules])
             for module in assembly.modules:
-                rows = torch.tensor([i for i, c in enumerate(assembly.cached_by) if c == module.name])
+                rows = [i for i, c in enumerate(assembly.cached_by) if c == module.name]
+                keep = [k for k, row in enumerate(rows) if row < n - 1]  # a module ending the prompt: not its last
                 block = blocks[module.name]
-                layout.fill_rows(rows, block.keys, block.values)
-        cached[-1] = False  # the last row is always computed: its logits give the first new token
-        rows = [i for i in range(n) if not cached[i]]
-        first = prefill_rows(self.model, layout, [assembly.tokens[i] for i in rows],
-                             [assembly.positions[i] for i in rows], rows)
-        decoded = greedy_decode(self.model, layout.to_cache(self.model), first, assembly.positions[-1] + 1,
-                                max_new_tokens, eos=eos_ids(self.model, eos_token_id))
-        text = self.tokenizer.decode(decoded.new_ids, skip_special_tokens=True) if self.tokenizer else None
-        return ModuleResult(decoded.new_ids, text, n, n - len(rows), len(rows), decoded.first_token_at - started,
-                            decoded.finished_at - started, assembly, first)
+                if keep:
+                    layout.fill_rows(torch.tensor([rows[k] for k in keep]), block.keys[:, :, keep],
+                                     block.values[:, :, keep])
+        rows = [i for i in range(n - 1) if not cached[i]]
+        if rows:
+            prefill_rows(self.model, layout, [assembly.tokens[i] for i in rows],
+                         [assembly.positions[i] for i in rows], rows)
+        generated, _ = generate_from_cache(
+            self.model, list(assembly.tokens), list(assembly.positions), layout.to_cache(self.model) if n > 1 else None,
+            max_new_tokens=max_new_tokens, tokenizer=self.tokenizer, eos_token_id=eos_token_id, streamer=streamer,
+            all_logits=all_logits, **generate_kwargs)
+        text = self.tokenizer.decode(generated.new_ids, skip_special_tokens=True) if self.tokenizer else None
+        prefilled = len(rows) + 1  # the last row, computed by generate
+        return ModuleResult(generated.new_ids, text, n, n - prefilled, prefilled,
+                            generated.first_token_at - started, generated.finished_at - started, assembly,
+                            generated.first_logits, generated.logits)
+
+    def stream(self, prompt: str | Sequence[PromptItem], **kwargs: Any) -> TokenStream[ModuleResult]:
+        """``generate`` as an iterator of new token ids (``streaming.TokenStream``: ``.texts()``, ``.result``);
+        keyword arguments as ``generate`` (a ``streamer`` of your own is not taken here)."""
+        self._check_open()
+        if "streamer" in kwargs:
+            raise ConfigError("stream() makes its own streamer; use generate(streamer=...) to pass one")
+        return TokenStream(lambda streamer: self.generate(prompt, streamer=streamer, **kwargs), self.tokenizer)

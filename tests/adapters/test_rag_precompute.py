@@ -214,3 +214,142 @@ def test_full_mode_equals_plain_generate(model, store):
     assert result.new_ids == want.tokens
     assert result.logits is not None and len(result.logits) == 6
     assert torch.allclose(result.logits[-1], want.logits[-1], atol=1e-4)
+
+
+# -- streaming, sampling, batches ------------------------------------------------------------------------------
+
+CHUNK_IDS = [token_ids(14, 31), token_ids(11, 32), token_ids(9, 33)]
+Q_IDS, P_IDS = token_ids(6, 34), token_ids(4, 35)
+ALL_MODES = ("full", "reuse", "reuse-blend", "block-attention")
+
+
+class _Collect:
+    """A streamer recording every ``put`` (as lists) and whether ``end`` was called."""
+
+    def __init__(self) -> None:
+        self.puts: list[list[int]] = []
+        self.ended = False
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts.append([int(t) for t in value.reshape(-1).tolist()])
+
+    def end(self) -> None:
+        self.ended = True
+
+
+class _Counting:
+    """A logits processor that counts its calls (proves ``logits_processor`` reaches ``model.generate``)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return scores
+
+
+@pytest.mark.parametrize("ape", [None, (0.9, 0.8)])
+def test_streaming_yields_the_tokens_generate_gives(model, store, ape):
+    rag = RAGGenerator(model, None, store, prefix=P_IDS, ape=ape)
+    for mode in ALL_MODES:
+        want = rag.generate(CHUNK_IDS, Q_IDS, mode=mode, max_new_tokens=5, eos_token_id=None)
+        stream = rag.stream(CHUNK_IDS, Q_IDS, mode=mode, max_new_tokens=5, eos_token_id=None)
+        assert list(stream) == want.new_ids == stream.result.new_ids, mode
+        collect = _Collect()
+        result = rag.generate(CHUNK_IDS, Q_IDS, mode=mode, max_new_tokens=5, eos_token_id=None, streamer=collect)
+        prompt = P_IDS + sum(CHUNK_IDS, []) + Q_IDS
+        assert collect.puts[0] == prompt and sum(collect.puts[1:], []) == want.new_ids and collect.ended, mode
+        assert 0 < result.ttft_s <= result.total_s
+
+
+def test_sampling_goes_through_generate_and_equals_plain_sampling(model, store):
+    """Exact paths (full; one chunk without prefix under reuse; reuse-blend recomputing everything) sample the
+    same tokens as ``model.generate`` over the whole prompt under the same seed; every mode passes sampling
+    arguments and logits processors on; APE refuses them."""
+    def plain(ids: list[int]) -> list[int]:
+        torch.manual_seed(7)
+        out = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=True, temperature=0.8, top_k=50,
+                             eos_token_id=None, pad_token_id=0)
+        return out[0, len(ids):].tolist()
+
+    sampling = {"max_new_tokens": 8, "do_sample": True, "temperature": 0.8, "top_k": 50, "eos_token_id": None}
+    cases = [(RAGGenerator(model, None, store), [CHUNK_IDS[0]], "reuse"),
+             (RAGGenerator(model, None, store, prefix=P_IDS), CHUNK_IDS, "full"),
+             (RAGGenerator(model, None, store, prefix=P_IDS, recompute_ratio=1.0), CHUNK_IDS, "reuse-blend")]
+    for rag, chunks, mode in cases:
+        torch.manual_seed(7)
+        got = rag.generate(chunks, Q_IDS, mode=mode, **sampling).new_ids
+        assert got == plain(rag.prefix + sum(chunks, []) + Q_IDS), mode
+        greedy = rag.generate(chunks, Q_IDS, mode=mode, max_new_tokens=8, eos_token_id=None).new_ids
+        assert got != greedy, mode  # it did sample
+    rag = RAGGenerator(model, None, store, prefix=P_IDS)
+    for mode in ALL_MODES:
+        counting = _Counting()
+        rag.generate(CHUNK_IDS, Q_IDS, mode=mode, max_new_tokens=4, eos_token_id=None, logits_processor=[counting],
+                     do_sample=True, top_k=5)
+        assert counting.calls == 4, mode
+    with pytest.raises(ConfigError, match="do_sample"):
+        RAGGenerator(model, None, store, ape=(0.9, 0.8)).generate(CHUNK_IDS, Q_IDS, do_sample=True)
+    with pytest.raises(ConfigError, match="past_key_values"):
+        rag.generate(CHUNK_IDS, Q_IDS, past_key_values=None)
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_batch_rows_equal_single_row_runs(model, store, mode):
+    handles = precompute(DOCS, model, WordTokenizer(), store, prefix=PREFIX, chunk_size=SIZE, progress=False).chunks
+    rag = RAGGenerator(model, WordTokenizer(), store, prefix=PREFIX, chunk_size=SIZE)
+    rows = [(handles[:3], QUESTION), (DOCS[1:], "what is the last word"), (handles[3:4] + handles[:1], QUESTION)]
+    batch = rag.generate_batch(rows, mode=mode, max_new_tokens=5, eos_token_id=None)
+    single = [rag.generate(chunks, q, mode=mode, max_new_tokens=5, eos_token_id=None) for chunks, q in rows]
+    assert [r.new_ids for r in batch] == [r.new_ids for r in single]
+    for got, want in zip(batch, single, strict=True):
+        assert torch.allclose(got.first_logits, want.first_logits, atol=1e-4)
+    if mode == "full":
+        tok = WordTokenizer()
+        for (chunks, q), got in zip(rows, batch, strict=True):
+            ids = prefix_ids(tok, PREFIX) + sum(rag.split(chunks), []) + tok(q)["input_ids"]
+            assert got.new_ids == plain_generate(model, ids, 5).tokens
+    else:
+        assert [r.computed_chunks for r in batch] == [0, 0, 0]
+
+
+def test_prompt_modules_stream_sample_and_close(model, store):
+    from helpers import SCHEMA_MARKUP
+
+    from kvshelf.adapters.prompt_modules import PromptModuleGenerator
+    from kvshelf.reuse import ModuleUse
+
+    gen = PromptModuleGenerator(model, WordTokenizer(), store, SCHEMA_MARKUP)
+    exact = [ModuleUse("system"), "tell me a story now"]
+    slotted = [ModuleUse("system"), ModuleUse("manual", {"product": "x y"}), ModuleUse("faq"), "why"]
+    for prompt in (exact, slotted):
+        want = gen.generate(prompt, max_new_tokens=5, eos_token_id=None)
+        stream = gen.stream(prompt, max_new_tokens=5, eos_token_id=None)
+        assert list(stream) == want.new_ids == stream.result.new_ids
+    # positions with gaps (a parameter slot): no reuse equals HF generate over the same tokens and positions
+    assembly = gen.assemble(slotted)
+    assert list(assembly.positions) != list(range(len(assembly.tokens)))
+    cold = gen.generate(slotted, max_new_tokens=5, eos_token_id=None, reuse=False)
+    ids = torch.tensor([list(assembly.tokens)])
+    with torch.inference_mode():
+        ref = model.generate(ids, position_ids=torch.tensor([list(assembly.positions)]),
+                             attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    assert cold.new_ids == ref[0, ids.shape[1]:].tolist()
+    # sampling on the exact prompt equals plain sampling under the same seed
+    tokens = list(gen.assemble(exact).tokens)
+    torch.manual_seed(3)
+    got = gen.generate(exact, max_new_tokens=6, do_sample=True, temperature=0.9, eos_token_id=None).new_ids
+    torch.manual_seed(3)
+    plain = model.generate(torch.tensor([tokens]), max_new_tokens=6, do_sample=True, temperature=0.9,
+                           eos_token_id=None, pad_token_id=0)[0, len(tokens):].tolist()
+    assert got == plain
+    collect = _Collect()
+    gen.generate(exact, max_new_tokens=3, eos_token_id=None, streamer=collect)
+    assert collect.puts[0] == tokens and len(collect.puts) == 4 and collect.ended
+    with gen:
+        pass
+    with pytest.raises(ConfigError, match="is closed"):
+        gen.generate(exact)
+    with pytest.raises(ConfigError, match="is closed"):
+        gen.stream(exact)
