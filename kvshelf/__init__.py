@@ -35,6 +35,13 @@ _EXPORTS: dict[str, str] = {
     "RAGGenerator": "kvshelf.adapters.rag",
     "RAGResult": "kvshelf.adapters.rag",
     "precompute": "kvshelf.adapters.rag",
+    "PrecomputeResult": "kvshelf.adapters.rag",
+    "ChunkHandle": "kvshelf.adapters.rag",
+    "Conversation": "kvshelf.adapters.chat",
+    "ChatTurn": "kvshelf.adapters.chat",
+    "TokenStream": "kvshelf.adapters.streaming",
+    "cached_prefix": "kvshelf.adapters.export",
+    "CachedPrefix": "kvshelf.adapters.export",
     "PromptModuleGenerator": "kvshelf.adapters.prompt_modules",
     "ModuleResult": "kvshelf.adapters.prompt_modules",
     "PromptSchema": "kvshelf.reuse.schema",
@@ -45,6 +52,7 @@ _EXPORTS: dict[str, str] = {
     "TierSpec": "kvshelf.kvstore.store",
     "KVBlock": "kvshelf.kvstore.block",
     "RemoteStore": "kvshelf.service.client",
+    "WriteBehind": "kvshelf.kvstore.write_behind",
     # codecs
     "available_codecs": "kvshelf.kvstore.codec",
     "get_codec": "kvshelf.kvstore.codec",
@@ -66,6 +74,7 @@ _EXPORTS: dict[str, str] = {
     "ForeignBlockError": "kvshelf.kvstore.errors",
     "StoreFullError": "kvshelf.kvstore.errors",
     "TierUnavailableError": "kvshelf.kvstore.errors",
+    "WriteBehindError": "kvshelf.kvstore.errors",
     "UnsupportedModelError": "kvshelf.kvstore.errors",
     "ModelLoadError": "kvshelf.kvstore.errors",
     "ReuseError": "kvshelf.reuse.errors",
@@ -93,15 +102,16 @@ _RENAMED = {"PRUNING_METHODS": "METHODS"}
 
 __all__ = [  # the literal list static tools read; a test checks it against _EXPORTS
     "__version__", "load_model", "tiny_llama", "model_fingerprint", "CachedGenerator", "GenerationResult",
-    "RAGGenerator", "RAGResult", "precompute", "PromptModuleGenerator", "ModuleResult", "PromptSchema", "BlockStore",
-    "open_embedded_store", "TieredStore", "TierSpec", "KVBlock", "RemoteStore", "available_codecs", "get_codec",
-    "StreamingLLM", "H2O", "Keyformer", "SnapKV", "KeyNorm", "TokenSelect", "Compose", "PRUNING_METHODS",
-    "KVShelfError", "ConfigError", "UnknownCodecError", "CodecParamError", "CorruptBlockError", "ForeignBlockError",
-    "StoreFullError", "TierUnavailableError", "UnsupportedModelError", "ModelLoadError", "ReuseError", "SchemaError",
-    "UnknownModuleError", "UnknownParameterError", "MissingParameterError", "ParameterTooLongError",
-    "PromptLayoutError", "ContextTooLongError", "ChunkMissingError", "ForeignChunkError", "XQuantUnboundError",
-    "PruningError", "BudgetError", "AttentionImplementationError", "UnsupportedArchitectureError", "ServiceError",
-    "RemoteStoreError", "WireError", "ArenaUnavailable",
+    "RAGGenerator", "RAGResult", "precompute", "PrecomputeResult", "ChunkHandle", "Conversation", "ChatTurn",
+    "TokenStream", "cached_prefix", "CachedPrefix", "PromptModuleGenerator", "ModuleResult", "PromptSchema",
+    "BlockStore", "open_embedded_store", "TieredStore", "TierSpec", "KVBlock", "RemoteStore", "WriteBehind",
+    "available_codecs", "get_codec", "StreamingLLM", "H2O", "Keyformer", "SnapKV", "KeyNorm", "TokenSelect", "Compose",
+    "PRUNING_METHODS", "KVShelfError", "ConfigError", "UnknownCodecError", "CodecParamError", "CorruptBlockError",
+    "ForeignBlockError", "StoreFullError", "TierUnavailableError", "WriteBehindError", "UnsupportedModelError",
+    "ModelLoadError", "ReuseError", "SchemaError", "UnknownModuleError", "UnknownParameterError",
+    "MissingParameterError", "ParameterTooLongError", "PromptLayoutError", "ContextTooLongError", "ChunkMissingError",
+    "ForeignChunkError", "XQuantUnboundError", "PruningError", "BudgetError", "AttentionImplementationError",
+    "UnsupportedArchitectureError", "ServiceError", "RemoteStoreError", "WireError", "ArenaUnavailable",
 ]
 
 
@@ -119,6 +129,8 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what static type checkers and IDEs see
+    from kvshelf.adapters.chat import ChatTurn, Conversation
+    from kvshelf.adapters.export import CachedPrefix, cached_prefix
     from kvshelf.adapters.fingerprint import model_fingerprint
     from kvshelf.adapters.generate import CachedGenerator, GenerationResult
     from kvshelf.adapters.model import load_model, tiny_llama
@@ -131,7 +143,8 @@ if TYPE_CHECKING:  # what static type checkers and IDEs see
         PruningError,
         UnsupportedArchitectureError,
     )
-    from kvshelf.adapters.rag import RAGGenerator, RAGResult, precompute
+    from kvshelf.adapters.rag import ChunkHandle, PrecomputeResult, RAGGenerator, RAGResult, precompute
+    from kvshelf.adapters.streaming import TokenStream
     from kvshelf.compress.xquant import XQuantUnboundError
     from kvshelf.kvstore.block import KVBlock
     from kvshelf.kvstore.codec import available_codecs, get_codec
@@ -147,9 +160,11 @@ if TYPE_CHECKING:  # what static type checkers and IDEs see
         TierUnavailableError,
         UnknownCodecError,
         UnsupportedModelError,
+        WriteBehindError,
     )
     from kvshelf.kvstore.protocol import BlockStore
     from kvshelf.kvstore.store import TieredStore, TierSpec
+    from kvshelf.kvstore.write_behind import WriteBehind
     from kvshelf.reuse.errors import (
         ChunkMissingError,
         ContextTooLongError,
