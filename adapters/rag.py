@@ -245,7 +245,7 @@ def _decoded(tokenizer: PreTrainedTokenizerBase | None, ids: Sequence[int]) -> s
 
 
 def precompute(
-    documents: Iterable[str] | None,
+    documents: Iterable[Text] | None,
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     store: BlockStore,
@@ -260,7 +260,8 @@ def precompute(
     pin: bool = False,
     progress: bool = True,
 ) -> PrecomputeResult:
-    """Chunk documents (texts and/or files) by tokens and store what ``modes`` need to reuse every chunk.
+    """Chunk documents (texts or token-id lists, and/or files) by tokens and store what ``modes`` need to reuse
+    every chunk.
 
     ``reuse`` (and ``reuse-blend`` with ``blend_base="chunk"``) read each chunk's KV alone at position 0
     (TurboRAG); ``block-attention`` and ``reuse-blend`` (``blend_base="block"``, the default) read each chunk's

@@ -40,10 +40,11 @@ class ContextTooLongError(ReuseError, ConfigError):
 class ChunkMissingError(ReuseError):
     """A chunk's KV is not in the store for this model (never computed, evicted, or stored by another model).
 
-    Attributes (``None`` when not known): ``index`` (the chunk's place in the call), ``kind`` (``"chunk"``: the
-    position-0 chunk, ``"block"``: the block after the shared prefix), ``mode`` (the mode that needs it),
-    ``reason`` (``"not-precomputed"``, ``"other-kind"``: stored only as the other kind, ``"other-dtype"``: stored
-    for the same weights in another dtype, ``"unknown"``: never precomputed, evicted, or another model's)."""
+    Attributes (``None`` when not known): ``index`` (the chunk's place in the call, after splitting), ``kind``
+    (``"chunk"``: the position-0 chunk, ``"block"``: the block after the shared prefix, ``"prefix"``: the prefix's
+    own KV), ``mode`` (the mode that needs it), ``reason`` (``"other-kind"``: stored only as the other kind, i.e.
+    precomputed for other modes or another prefix; ``"other-dtype"``: stored for the same weights in another dtype;
+    ``"absent"``: never precomputed for this model and namespace, evicted, or another model's; ``"no-store"``)."""
 
     def __init__(self, message: str, *, index: int | None = None, kind: str | None = None, mode: str | None = None,
                  reason: str | None = None) -> None:

@@ -42,26 +42,60 @@ def test_rag_modes_end_to_end_and_full_equals_plain_generate(smollm2, texts, tmp
     model, tokenizer = smollm2
     store = open_embedded_store(tmp_path)
     docs = [t[:500] for t in texts[:3]]
-    summary = precompute(docs, model, tokenizer, store, chunk_size=96, progress=False)
-    assert summary["computed"] == summary["chunks"] > 3
-    assert precompute(docs, model, tokenizer, store, chunk_size=96, progress=False)["skipped"] == summary["chunks"]
-    chunks = [_enc(tokenizer, d)[:96] for d in docs]
     prefix = "<|im_start|>system\nAnswer from the documents.<|im_end|>\n<|im_start|>user\n"
+    result = precompute(docs, model, tokenizer, store, prefix=prefix, chunk_size=96, progress=False)
+    summary = result.summary()
+    assert summary["computed"] == summary["chunks"] == len(result.chunks) > 3
+    assert summary["kinds"]["prefix"]["computed"] == 1
+    again = precompute(docs, model, tokenizer, store, prefix=prefix, chunk_size=96, progress=False)
+    assert again["skipped"] == summary["chunks"] and again["computed_tokens"] == 0
+    firsts = [h for h in result.chunks if h.index == 0]  # each document's first chunk
+    assert [list(h.token_ids) for h in firsts] == [_enc(tokenizer, d)[:96] for d in docs]
     question = "\nWhich topic does the first document study?<|im_end|>\n<|im_start|>assistant\n"
-    rag = RAGGenerator(model, tokenizer, store, prefix=prefix)
-    full = rag.generate(chunks, question, mode="full", max_new_tokens=12)
-    ids = _enc(tokenizer, prefix) + [t for c in chunks for t in c] + _enc(tokenizer, question)
+    rag = RAGGenerator(model, tokenizer, store, prefix=prefix, chunk_size=96, on_missing="error")
+    full = rag.generate(firsts, question, mode="full", max_new_tokens=12)
+    ids = _enc(tokenizer, prefix) + [t for h in firsts for t in h.token_ids] + _enc(tokenizer, question)
     plain = CachedGenerator(model, tokenizer).generate(ids, max_new_tokens=12, reuse=False, store=False)
     assert full.new_ids == plain.new_ids
-    # reuse reads the position-0 chunks precomputed above; block-attention computes the blocks after the
-    # prefix on first use, and reuse-blend (over those blocks by default) then reads them
-    for mode, computed in (("reuse", 0), ("block-attention", 3), ("reuse-blend", 0)):
-        result = rag.generate(chunks, question, mode=mode, max_new_tokens=12)
-        assert result.new_ids and result.prompt_tokens == len(ids)
-        assert (result.reused_chunks, result.computed_chunks) == (3 - computed, computed)
-        print(mode, repr(result.text), "| full:", repr(full.text))
-    blend = rag.generate(chunks, question, mode="reuse-blend", max_new_tokens=1)
-    assert blend.recomputed_tokens == math.ceil(0.15 * sum(len(c) for c in chunks))
+    # after precompute with the prefix, the first query of every mode reuses every chunk (on_missing="error")
+    for mode in ("reuse", "block-attention", "reuse-blend"):
+        answer = rag.generate(firsts, question, mode=mode, max_new_tokens=12)
+        assert answer.new_ids and answer.prompt_tokens == len(ids)
+        assert (answer.reused_chunks, answer.computed_chunks) == (3, 0)
+        print(mode, repr(answer.text), "| full:", repr(full.text))
+    whole = rag.generate(docs, question, mode="block-attention", max_new_tokens=1)  # split as precompute did
+    assert (whole.chunks, whole.reused_chunks) == (len(result.chunks), len(result.chunks))
+    blend = rag.generate(firsts, question, mode="reuse-blend", max_new_tokens=1)
+    assert blend.recomputed_tokens == math.ceil(0.15 * sum(h.num_tokens for h in firsts))
+
+
+def test_rag_streams_batches_and_samples(smollm2, texts, tmp_path):
+    """Streaming gives generate's tokens; a batch of questions gives each row's single answer; sampling on an
+    exact path (one chunk, no prefix) equals HF sampling over the whole prompt under the same seed."""
+    import torch
+
+    model, tokenizer = smollm2
+    store = open_embedded_store(tmp_path)
+    prefix = "<|im_start|>system\nAnswer from the documents.<|im_end|>\n<|im_start|>user\n"
+    handles = precompute([t[:400] for t in texts[10:13]], model, tokenizer, store, prefix=prefix, chunk_size=64,
+                         modes=["block-attention"], progress=False).chunks
+    rag = RAGGenerator(model, tokenizer, store, prefix=prefix, chunk_size=64, on_missing="error")
+    questions = [f"\n{q}<|im_end|>\n<|im_start|>assistant\n" for q in ("What is studied?", "Name one method.")]
+    rows = [(handles[:4], questions[0]), (handles[2:6], questions[1])]
+    batch = rag.generate_batch(rows, mode="block-attention", max_new_tokens=8)
+    single = [rag.generate(c, q, mode="block-attention", max_new_tokens=8) for c, q in rows]
+    assert [r.new_ids for r in batch] == [r.new_ids for r in single]
+    stream = rag.stream(*rows[0], mode="block-attention", max_new_tokens=8)
+    assert "".join(stream.texts()) == single[0].text and stream.result.new_ids == single[0].new_ids
+    chunk = _enc(tokenizer, texts[14])[:100]
+    question = _enc(tokenizer, "\nIn one sentence, what does this abstract study?\nAnswer:")
+    torch.manual_seed(11)
+    got = RAGGenerator(model, tokenizer, store).generate([chunk], question, mode="reuse", max_new_tokens=10,
+                                                         do_sample=True, temperature=0.7, top_k=50)
+    torch.manual_seed(11)
+    want = model.generate(torch.tensor([chunk + question]), max_new_tokens=10, do_sample=True, temperature=0.7,
+                          top_k=50, pad_token_id=tokenizer.pad_token_id)
+    assert got.new_ids == want[0, len(chunk) + len(question):].tolist()
 
 
 def test_chunk_of_another_model_is_never_used(smollm2, tmp_path):
