@@ -75,7 +75,7 @@ def test_new_process_reuses_blocks_from_disk(smollm2, texts, tmp_path):
     model, tokenizer = smollm2
     store = open_embedded_store(tmp_path)
     prompt = build_context(tokenizer, texts, 512) + _question(tokenizer, "Summarise the first abstract.")
-    cold = CachedGenerator(model, tokenizer, store).generate(prompt, max_new_tokens=16)
+    cold = CachedGenerator(model, tokenizer, store).generate(prompt, max_new_tokens=16, wait=True)
     store.close()
     out = subprocess.run([sys.executable, "-P", "-c", _CHILD, str(tmp_path), json.dumps(prompt)],
                          capture_output=True, text=True, check=True)
@@ -95,7 +95,7 @@ def test_corrupted_block_on_disk_is_a_miss_and_output_unchanged(smollm2, texts, 
     prompt = build_context(tokenizer, texts, 768) + _question(tokenizer, "What is new here?")
     store = open_embedded_store(tmp_path)
     gen = CachedGenerator(model, tokenizer, store)
-    cold = gen.generate(prompt, max_new_tokens=16, reuse=False)
+    cold = gen.generate(prompt, max_new_tokens=16, reuse=False, wait=True)  # stored before the store closes
     second_key = prefix_block_keys(gen.fingerprint, gen.namespace, prompt, gen.block_size)[1]
     store.close()
     env = lmdb.open(str(tmp_path / "lmdb"), max_dbs=4, map_size=1 << 30)
