@@ -195,7 +195,7 @@ def run(
         measured: dict[tuple[int, str], dict] = {}
         for n, prompt in tqdm(list(zip(lengths, prompts, strict=True)), desc="full + warm-memory", unit="ctx"):
             # the first full run also stores the blocks (after its first token, so outside its TTFT)
-            first = generator.generate(prompt, max_new_tokens=new_tokens, reuse=False, store=True)
+            first = generator.generate(prompt, max_new_tokens=new_tokens, reuse=False, store=True, wait=True)
             rest = _timed_runs(generator, prompt, runs - 1, new_tokens, reuse=False, store=False)
             full = {
                 "ttft_s": median([first.ttft_s, *rest["all_ttft_s"]]),
@@ -212,7 +212,7 @@ def run(
             raw_store = open_embedded_store(raw_dir, memory_bytes=None, disk_codec="raw")
             raw_generator = CachedGenerator(model, tokenizer, raw_store, block_size=block_size)
             for prompt in tqdm(prompts, desc="raw anchor blocks", unit="ctx"):
-                raw_generator.generate(prompt, max_new_tokens=1, reuse=False, store=True)
+                raw_generator.generate(prompt, max_new_tokens=1, reuse=False, store=True, wait=True)
             raw_store.close()
             disk_runs.insert(0, (f"{disk_mode}-raw", raw_dir, "raw"))
         disk_calls: dict[tuple[int, str], list[dict]] = {}

@@ -168,7 +168,7 @@ def run_demo(
     rows = []
     for doc in tqdm(docs, desc="cold + warm-memory questions", unit="doc"):
         q0 = doc.questions[0][0]
-        cold = _ask(generator, tokenizer, doc, q0, reuse=False)  # full prefill, stores the blocks
+        cold = _ask(generator, tokenizer, doc, q0, reuse=False, wait=True)  # full prefill, stores the blocks
         again = _ask(generator, tokenizer, doc, q0)
         others = [_ask(generator, tokenizer, doc, q) for q, _ in doc.questions[1:]]
         rows.append({"doc": doc, "cold": cold, "warm": [again, *others]})
