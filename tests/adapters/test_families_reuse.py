@@ -137,6 +137,13 @@ def _rag_cell(model, path: str) -> str:  # noqa: ANN001
     for _ in range(2):  # blocks computed, then reused
         _approximate_runs(lambda: rag.generate(CHUNKS, QUESTION, mode="block-attention", max_new_tokens=NEW,
                                                eos_token_id=None))
+    # precompute with the prefix serves every mode's first query: no chunk computed (on_missing="error")
+    fresh = _Store()
+    handles = precompute(CHUNKS, model, None, fresh, prefix=PREFIX, progress=False).chunks
+    strict = RAGGenerator(model, None, fresh, prefix=PREFIX, on_missing="error")
+    for mode in ("reuse", "block-attention", "reuse-blend"):
+        result = strict.generate(handles, QUESTION, mode=mode, max_new_tokens=1, eos_token_id=None)
+        assert (result.reused_chunks, result.computed_chunks) == (len(CHUNKS), 0), mode
     return APPROXIMATE
 
 
