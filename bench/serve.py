@@ -372,6 +372,7 @@ class Record:
     answer: tuple[int, ...] = ()
     prompt_tokens: int = 0
     reused_tokens: int = 0
+    code: str | None = None  # the planted code asked for
 
 
 @dataclass
@@ -406,7 +407,7 @@ def serve(system: Any, documents: list[list[str]], clients: int, seconds: float,
                 reply = session.send(turn)
                 correct = None if turn.code is None else answer_code(system.encode.decode(reply.new_ids)) == turn.code
                 record(Record("chat", i, seq, reply.ttft_s, correct, tuple(reply.new_ids), reply.prompt_tokens,
-                              reply.reused_tokens))
+                              reply.reused_tokens, turn.code))
                 seq += 1
 
     def rag_client(i: int) -> None:
@@ -415,7 +416,7 @@ def serve(system: Any, documents: list[list[str]], clients: int, seconds: float,
                 return
             reply = system.rag(case)
             record(Record("rag", i, seq, reply.ttft_s, answer_code(system.encode.decode(reply.new_ids)) == case.code,
-                          tuple(reply.new_ids), reply.prompt_tokens, reply.reused_tokens))
+                          tuple(reply.new_ids), reply.prompt_tokens, reply.reused_tokens, case.code))
 
     def client(i: int) -> None:
         barrier.wait()
@@ -492,6 +493,13 @@ def same_answers(outcomes: dict[str, RunOutcome]) -> dict[str, dict[str, int]]:
     return out
 
 
+def misses(outcome: RunOutcome, encode: Encoder, limit: int = 20) -> list[dict[str, Any]]:
+    """The planted-fact questions answered wrong (the first ``limit``): which request, the code, the answer."""
+    wrong = [r for r in outcome.records if r.correct is False]
+    return [{"workload": r.workload, "client": r.client, "seq": r.seq, "code": r.code,
+             "answer": encode.decode(list(r.answer))} for r in sorted(wrong, key=lambda r: (r.client, r.seq))[:limit]]
+
+
 # -- chat turns --------------------------------------------------------------------------------------------------
 
 
@@ -512,24 +520,25 @@ def chat_turns(model: Any, tokenizer: Any, store: Any, hf: PlainHF, encode: Enco
     from kvshelf.adapters.chat import Conversation
     from kvshelf.adapters.generate import CachedGenerator
 
-    done = []
+    rows: list[dict[str, Any]] = []
     with CachedGenerator(model, tokenizer, store) as generator:
         conversation = Conversation(generator, system=TURN_SYSTEM)
-        for n, user in enumerate(tqdm(turn_messages(texts, encode, turns), desc="chat turns (Conversation)",
-                                      unit="turn", disable=not progress)):
+        for n, user in enumerate(tqdm(turn_messages(texts, encode, turns), desc="chat turns", unit="turn",
+                                      disable=not progress)):
+            # the turn's prompt as the conversation renders it: plain HF prefills it first (paired in time with
+            # the reuse measurement, so a burst of load on a shared machine weighs on both alike)
+            prompt = conversation.template_ids(conversation.messages + [{"role": "user", "content": user}])
+            no_reuse, _ = hf.generate(prompt, 1)
             turn = conversation.send(user, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
-            done.append(turn)
-            console.print(f"[dim]turn {n + 1}: {len(turn.result.prompt_ids)} prompt tokens, {turn.reused_tokens} "
-                          f"reused, TTFT {turn.ttft_s:.3f} s[/dim]")
-    rows = []
-    for n, turn in enumerate(tqdm(done, desc="chat turns (plain HF)", unit="turn", disable=not progress)):
-        prompt = turn.result.prompt_ids
-        ttft, _ = hf.generate(prompt, 1)
-        rows.append({"turn": n + 1, "context_tokens": len(prompt),
-                     "added_tokens": len(prompt) - (len(done[n - 1].result.prompt_ids) if n else 0),
-                     "reused_tokens": turn.reused_tokens, "prefilled_tokens": turn.prefilled_tokens,
-                     "ttft_reuse_s": round(turn.ttft_s, 4), "ttft_no_reuse_s": round(ttft, 4),
-                     "speedup": round(ttft / turn.ttft_s, 2)})
+            if turn.result.prompt_ids != prompt:
+                raise SystemExit(f"turn {n + 1}: the conversation's prompt is not its template ids")
+            rows.append({"turn": n + 1, "context_tokens": len(prompt),
+                         "added_tokens": len(prompt) - (rows[-1]["context_tokens"] if rows else 0),
+                         "reused_tokens": turn.reused_tokens, "prefilled_tokens": turn.prefilled_tokens,
+                         "ttft_reuse_s": round(turn.ttft_s, 4), "ttft_no_reuse_s": round(no_reuse, 4),
+                         "speedup": round(no_reuse / turn.ttft_s, 2)})
+            console.print(f"[dim]turn {n + 1}: {len(prompt)} prompt tokens, {turn.reused_tokens} reused, TTFT "
+                          f"{turn.ttft_s:.3f} s vs {no_reuse:.3f} s[/dim]")
     return rows
 
 
@@ -585,6 +594,7 @@ def run(*, json_path: str | None, corpus: str | None, seconds: float = 120, clie
         "requests": {name: counts(o) for name, o in outcomes.items()},
         "accuracy_same_requests": same_request_accuracy(outcomes),
         "same_answers": same_answers(outcomes),
+        "misses": {name: misses(o, encode) for name, o in outcomes.items()},
         "results": results,
         "chat_turns": turn_rows,
         "note": "TTFT as the clients see it, contention included; a shared 2-core CPU adds noise",
