@@ -181,3 +181,21 @@ def test_turns_on_other_families(family):
         assert turn.reused_tokens == (0 if n == 0 else turn.common_prefix) and turn.common_prefix == (
             0 if n == 0 else len(turn.result.prompt_ids) - turn.prefilled_tokens)
     assert turn.reused_tokens > WINDOW
+
+
+class _LossyTokenizer(ChatTokenizer):
+    """Decodes odd ids as words that tokenize to other ids: an answer the template re-tokenizes differently."""
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return " ".join(f"w{i}" if i % 2 == 0 else f"odd{i}" for i in ids)
+
+
+def test_an_answer_re_tokenized_differently_reuses_up_to_the_difference(model):
+    gen = CachedGenerator(model, _LossyTokenizer(), TieredStore([MemoryTier(64 << 20)]), block_size=BLOCK)
+    chat = Conversation(gen, system=_words(30, seed=0))
+    first = chat.send(_words(12, seed=1), max_new_tokens=24, eos_token_id=None)
+    odd = next(i for i, t in enumerate(first.new_ids[:-1]) if t % 2)  # the first answer token that changes
+    second = _send(chat, _words(5, seed=2))
+    assert second.common_prefix == len(first.result.prompt_ids) + odd
+    assert second.reused_tokens == (second.common_prefix // BLOCK) * BLOCK
+    _exact(model, second)
