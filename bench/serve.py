@@ -7,8 +7,9 @@ Workloads (client ``i`` runs ``chat`` when ``i`` is even, ``rag`` when odd; 4 cl
   with a planted sentence "The secret code is NNNN." (a random 4-digit code, its own paragraph at a random
   sentence boundary of one abstract). Turn 1 gives the document and asks for the code; turns 2-5 are follow-up
   questions (short answers, ``CHAT_NEW_TOKENS``); turn 6 asks for the code again. The code questions are the
-  planted-fact questions: the assistant turn opens with "The secret code is" (``kvshelf.bench.rag``'s prompt
-  design: a 135M model then answers with the code itself), and an answer is right when it starts with the code.
+  planted-fact questions, worded as ``kvshelf bench rag``'s (the system prompt names the task, the question asks
+  for "the secret code mentioned in the document above", and the assistant turn opens with "The secret code is":
+  a 135M model then answers with the code itself); an answer is right when it starts with the code.
 * ``rag``: a question over 8 retrieved chunks, ``kvshelf bench rag``'s needle QA (its system prompt, intro,
   question and answer opening): chunks are corpus abstracts cut to 150 tokens. Retrieval is simulated: each request
   picks 7 chunks from a pool of plain chunks and one from a pool of needle chunks (an abstract with its own planted
@@ -75,17 +76,18 @@ from kvshelf.bench.rag import _template as rag_template
 
 SYSTEMS = ("hf", "kvshelf")
 WORKLOADS = ("chat", "rag")
-CHAT_SYSTEM = "You answer questions about the document the user gives. Answer briefly."
+CHAT_SYSTEM = ("You find the secret code in the documents the user gives and answer questions about them. "
+               "Answer briefly.")
 DOC_ABSTRACTS = 4
 DOC_START = 100  # chat documents come from the corpus from here on; RAG chunks from its start
-CODE_QUESTION = "What is the secret code mentioned in the document?"
+CHAT_INTRO = "Find the secret code in this document.\n\nDocument:\n\n"
+CODE_QUESTION = "Question: What is the secret code mentioned in the document above?"
 FOLLOW_UPS = (
     "What problem does the first paper address? Answer in one short sentence.",
     "Which method does the second paper propose? Answer in one short sentence.",
     "Name one result that the third paper reports. Answer in one short sentence.",
     "What is the topic of the last paper? Answer in one short sentence.",
 )
-REMINDER = "Remind me: what is the secret code in the document?"
 CHAT_NEW_TOKENS = 12
 RAG_POOL = 64  # plain chunks; needle chunks: half as many
 TURN_USER_TOKENS = 60
@@ -187,9 +189,9 @@ def conversations(documents: list[list[str]], seed: int) -> Iterator[list[Turn]]
         at = rng.randrange(len(doc))
         doc[at] = plant(doc[at], code, rng)
         text = "\n\n".join(doc)
-        turns = [Turn(f"Here is a document:\n\n{text}\n\n{CODE_QUESTION}", ANSWER, code, NEW_TOKENS)]
+        turns = [Turn(f"{CHAT_INTRO}{text}\n\n{CODE_QUESTION}", ANSWER, code, NEW_TOKENS)]
         turns += [Turn(q, "", None, CHAT_NEW_TOKENS) for q in FOLLOW_UPS]
-        turns.append(Turn(REMINDER, ANSWER, code, NEW_TOKENS))
+        turns.append(Turn(CODE_QUESTION, ANSWER, code, NEW_TOKENS))
         yield turns
 
 
