@@ -39,14 +39,19 @@ the same), so the kvshelf answers must equal the plain ones.
 Each system runs ``seconds`` with ``clients`` threads; a client starts no request after the deadline and finishes
 the one in flight. Reported per workload and for ``all``: requests/s (completed requests over the time until the
 last client finished), TTFT p50/p99 (request start to first new token, as the client sees it: contention
-included), and accuracy (planted-fact questions answered right / asked).
+included), and accuracy (planted-fact questions answered right / asked). The faster system reaches further into
+the same sequences (later conversations and their last turns, more RAG cases), so each system's accuracy is over
+its own, larger or smaller, set of questions; the JSON adds the paired view over the requests both completed:
+``accuracy_same_requests`` and ``same_answers`` (identical answer tokens), and the wrong answers (``misses``).
+Precompute time, requests, prompt tokens and reused tokens per workload are in the JSON too.
 
-Then ``chat turns``: one conversation (one client, nothing else running) whose turns add ~``TURN_USER_TOKENS`` +
-``TURN_NEW_TOKENS`` = ~300 tokens each: a ~60-token user message (a passage of an abstract and a request to discuss
-it) and 240 generated tokens (forced with ``min_new_tokens``). It is a ``Conversation`` (``adapters/chat.py``: the
-chat template re-rendered each turn, the common token prefix with the last turn's stored KV reused); then, for each
-turn, plain HF ``model.generate`` prefills the same prompt ids (the same history) for one token: TTFT at each turn
-with and without reuse.
+Then ``chat turns``: one conversation (one client, nothing else of this benchmark running) whose turns add
+~``TURN_USER_TOKENS`` + ``TURN_NEW_TOKENS`` = ~300 tokens each: a ~60-token user message (a passage of an abstract
+and a request to discuss it) and 240 generated tokens (forced with ``min_new_tokens``). It is a ``Conversation``
+(``adapters/chat.py``: the chat template re-rendered each turn, the common token prefix with the last turn's stored
+KV reused). At each turn, plain HF ``model.generate`` first prefills the turn's prompt ids
+(``Conversation.template_ids``, the same history) for one token, then the conversation answers it: TTFT with and
+without reuse, measured back to back.
 
 Torch threads: set once for the whole run (``threads``, default 1): with 4 clients on a 2-core CPU, one intra-op
 thread per request keeps the cores busy without oversubscribing them; recorded in the JSON. Timings on a shared
