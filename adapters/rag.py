@@ -490,8 +490,9 @@ class RAGGenerator:
             if isinstance(chunk, ChunkHandle):
                 if chunk.fingerprint != fingerprint or chunk.namespace != self.namespace:
                     raise ForeignChunkError(self._foreign(n, chunk, fingerprint))
-                out.append(_Chunk(len(out), list(chunk.token_ids), f"chunk {len(out)} (document {chunk.document} chunk "
-                                                         f"{chunk.index}, {self._label(chunk.token_ids)})"))
+                label = (f"chunk {len(out)} (document {chunk.document} chunk {chunk.index}, "
+                         f"{self._label(chunk.token_ids)})")
+                out.append(_Chunk(len(out), list(chunk.token_ids), label))
                 continue
             try:
                 ids = _ids(self.tokenizer, chunk)
