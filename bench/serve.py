@@ -2,10 +2,11 @@
 
 Workloads (client ``i`` runs ``chat`` when ``i`` is even, ``rag`` when odd; 4 clients: two of each):
 
-* ``chat``: multi-turn conversations, one after another. Each is about one document: ``DOC_ABSTRACTS`` (4)
-  consecutive corpus abstracts (~1,300 tokens; one abstract is ~300, too short for a document one chats about),
-  with a planted sentence "The secret code is NNNN." (a random 4-digit code, its own paragraph at a random
-  sentence boundary of one abstract). Turn 1 gives the document and asks for the code; turns 2-5 are follow-up
+* ``chat``: multi-turn conversations, one after another, each about one of ``CHAT_DOCUMENTS`` (16) documents
+  (drawn at random): ``DOC_ABSTRACTS`` (4) consecutive corpus abstracts (~1,300 tokens; one abstract is ~300, too
+  short for a document one chats about), with a planted sentence "The secret code is NNNN." (the document's own
+  random 4-digit code, its own paragraph at a random sentence boundary of one abstract: a fact of the document, as
+  a RAG needle chunk's code is). Turn 1 gives the document and asks for the code; turns 2-5 are follow-up
   questions (short answers, ``CHAT_NEW_TOKENS``); turn 6 asks for the code again. The code questions are the
   planted-fact questions, worded as ``kvshelf bench rag``'s (the system prompt names the task, the question asks
   for "the secret code mentioned in the document above", and the assistant turn opens with "The secret code is":
@@ -25,7 +26,11 @@ Systems (same model object, same torch thread count, the same client threads):
 * ``hf``: ``model.generate`` on the whole prompt every request (conversation history included).
 * ``kvshelf``: chat through ``CachedGenerator.generate(..., cacheable_prefix=, store_generated=True)``: each
   finished turn's KV is stored with its generated tokens and the next turn reuses it, so only the new user message
-  (and the template's markup) is prefilled. This is ``Conversation.send``'s mechanism (``adapters/chat.py``) on
+  (and the template's markup) is prefilled. The documents are known in advance, so their prompt heads (system
+  prompt, intro, document) are stored before the run (not timed, like the RAG chunks: a service for chats over a
+  corpus does this offline) and a first turn reuses its document's (``precompute_documents=False``,
+  ``--no-precompute-documents``: cold documents, the first turn prefills it all). This is ``Conversation.send``'s
+  mechanism (``adapters/chat.py``) on
   token ids: ``Conversation`` renders the assistant's generation prompt itself and has no answer opening, which the
   planted-fact turns need. RAG through ``RAGGenerator(mode="block-attention")`` over chunk blocks stored by
   ``adapters.rag.precompute(..., prefix=...)`` (Sun et al. 2024, "Block-Attention for Efficient RAG"), passed as
@@ -53,14 +58,16 @@ KV reused). At each turn, plain HF ``model.generate`` first prefills the turn's 
 (``Conversation.template_ids``, the same history) for one token, then the conversation answers it: TTFT with and
 without reuse, measured back to back.
 
-Torch threads: set once for the whole run (``threads``, default 1): with 4 clients on a 2-core CPU, one intra-op
-thread per request keeps the cores busy without oversubscribing them; recorded in the JSON. Timings on a shared
+Torch threads: the offline steps (precompute) run on every core; the timed part (both systems, the chat turns) with
+``threads`` (default 1): with 4 clients on a 2-core CPU, one intra-op thread per request keeps the cores busy
+without oversubscribing them; recorded in the JSON. Timings on a shared
 CPU are noisy.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import random
 import statistics
 import tempfile
@@ -85,6 +92,7 @@ CHAT_SYSTEM = ("You find the secret code in the documents the user gives and ans
                "Answer briefly.")
 DOC_ABSTRACTS = 4
 DOC_START = 100  # chat documents come from the corpus from here on; RAG chunks from its start
+CHAT_DOCUMENTS = 16
 CHAT_INTRO = "Find the secret code in this document.\n\nDocument:\n\n"
 CODE_QUESTION = "Question: What is the secret code mentioned in the document above?"
 FOLLOW_UPS = (
@@ -150,8 +158,15 @@ class ChatFormat:
         eos = model.generation_config.eos_token_id
         return cls(head, to_assistant, to_user, frozenset([eos] if isinstance(eos, int) else eos or []))
 
-    def first(self, encode: Encoder, user: str, opening: str) -> list[int]:
-        return encode(self.head + user + self.to_assistant + opening)
+    def context(self, encode: Encoder, context: str) -> list[int]:
+        """The head of a first prompt whose user message starts with ``context`` (a document): the ids both
+        systems start that prompt with, and the prefix kvshelf can hold before any conversation."""
+        return encode(self.head + context)
+
+    def first(self, encode: Encoder, context: str, user: str, opening: str) -> list[int]:
+        """A conversation's first prompt: the user message is ``context`` + ``user``, encoded in two pieces (the
+        ids are the same for both systems; the context's are ``self.context``'s)."""
+        return self.context(encode, context) + encode(user + self.to_assistant + opening)
 
     def next(self, encode: Encoder, prompt: list[int], answer: list[int], user: str, opening: str) -> list[int]:
         """The next turn's prompt: the previous prompt, the answer (its end-of-turn token dropped: the template's
@@ -170,6 +185,7 @@ class Turn:
     opening: str
     code: str | None
     max_new_tokens: int
+    context: str = ""  # the first turn: the document, at the head of the user message
 
 
 @dataclass(frozen=True)
@@ -178,25 +194,40 @@ class RagCase:
     code: str
 
 
-def chat_documents(texts: list[str]) -> list[list[str]]:
-    """Documents of ``DOC_ABSTRACTS`` consecutive abstracts from ``DOC_START`` on (from 0 in a short corpus)."""
-    start = DOC_START if len(texts) >= DOC_START + 4 * DOC_ABSTRACTS else 0
-    rest = texts[start:]
-    return [rest[i : i + DOC_ABSTRACTS] for i in range(0, len(rest) - DOC_ABSTRACTS + 1, DOC_ABSTRACTS)]
+@dataclass(frozen=True)
+class ChatDocument:
+    text: str  # the abstracts, one with the planted sentence
+    code: str
 
 
-def conversations(documents: list[list[str]], seed: int) -> Iterator[list[Turn]]:
-    """A chat client's conversations, endless and the same for every system (seeded)."""
+def chat_documents(texts: list[str], count: int = CHAT_DOCUMENTS, seed: int = 0) -> list[ChatDocument]:
+    """``count`` documents of ``DOC_ABSTRACTS`` consecutive abstracts from ``DOC_START`` on (from 0 in a short
+    corpus), each with its own planted code: a fact of the document, as a RAG needle chunk's code is."""
     rng = random.Random(seed)
-    while True:
-        doc = list(documents[rng.randrange(len(documents))])
+    start = DOC_START if len(texts) >= DOC_START + count * DOC_ABSTRACTS else 0
+    out = []
+    for n in range(count):
+        doc = [texts[(start + n * DOC_ABSTRACTS + k) % len(texts)] for k in range(DOC_ABSTRACTS)]
         code = f"{rng.randrange(1000, 10000)}"
         at = rng.randrange(len(doc))
         doc[at] = plant(doc[at], code, rng)
-        text = "\n\n".join(doc)
-        turns = [Turn(f"{CHAT_INTRO}{text}\n\n{CODE_QUESTION}", ANSWER, code, NEW_TOKENS)]
+        out.append(ChatDocument("\n\n".join(doc), code))
+    return out
+
+
+def document_context(doc: ChatDocument) -> str:
+    """The head of a conversation's first user message: the intro and the document."""
+    return f"{CHAT_INTRO}{doc.text}\n\n"
+
+
+def conversations(documents: list[ChatDocument], seed: int) -> Iterator[list[Turn]]:
+    """A chat client's conversations, endless and the same for every system (seeded)."""
+    rng = random.Random(seed)
+    while True:
+        doc = documents[rng.randrange(len(documents))]
+        turns = [Turn(CODE_QUESTION, ANSWER, doc.code, NEW_TOKENS, context=document_context(doc))]
         turns += [Turn(q, "", None, CHAT_NEW_TOKENS) for q in FOLLOW_UPS]
-        turns.append(Turn(CODE_QUESTION, ANSWER, code, NEW_TOKENS))
+        turns.append(Turn(CODE_QUESTION, ANSWER, doc.code, NEW_TOKENS))
         yield turns
 
 
@@ -257,7 +288,7 @@ class ChatSession:
 
     def send(self, turn: Turn, **generate_kwargs: Any) -> Reply:
         if self.prompt is None:
-            prompt = self.fmt.first(self.encode, turn.user, turn.opening)
+            prompt = self.fmt.first(self.encode, turn.context, turn.user, turn.opening)
         else:
             prompt = self.fmt.next(self.encode, self.prompt, self.answer, turn.user, turn.opening)
         ttft, new_ids, reused, self.stored = self._generate(prompt, turn.max_new_tokens, self.stored,
@@ -328,10 +359,23 @@ class KVShelf:
         self.rag_generator = RAGGenerator(model, tokenizer, store, prefix=rag.prefix, on_missing="error",
                                           chunk_size=None)
         self.handles: dict[tuple[int, ...], Any] = {}
+        self.documents: list[list[int]] = []  # the precomputed documents' prompt heads
+
+    def precompute_documents(self, documents: list[ChatDocument], progress: bool = True) -> float:
+        """Store each corpus document's prompt head (system prompt, intro, document; its last partial block too),
+        as a service for chats over known documents does offline (not timed); returns the seconds it took."""
+        started = time.perf_counter()
+        for doc in tqdm(documents, desc="precompute chat documents", unit="doc", disable=not progress):
+            ids = self.fmt.context(self.encode, document_context(doc))
+            self.cached.generate(ids, max_new_tokens=1, cacheable_prefix=len(ids), wait=True)
+            self.documents.append(ids)
+        return time.perf_counter() - started
 
     def chat(self) -> ChatSession:
         def generate(prompt: list[int], max_new_tokens: int, stored: list[int],
                      **kwargs: Any) -> tuple[float, list[int], int, list[int]]:
+            if not stored:  # a first turn: the document's precomputed head, when it is one
+                stored = next((d for d in self.documents if prompt[: len(d)] == d), [])
             common = common_prefix(prompt, stored)
             result = self.cached.generate(prompt, max_new_tokens=max_new_tokens, cacheable_prefix=common or None,
                                           store_generated=True, **kwargs)
@@ -393,7 +437,7 @@ def workload_of(client: int) -> str:
     return WORKLOADS[client % 2]
 
 
-def serve(system: Any, documents: list[list[str]], clients: int, seconds: float, seed: int = 0) -> RunOutcome:
+def serve(system: Any, documents: list[ChatDocument], clients: int, seconds: float, seed: int = 0) -> RunOutcome:
     """Run ``clients`` threads against ``system`` for ``seconds``; each finishes its request in flight."""
     outcome = RunOutcome()
     lock = threading.Lock()
@@ -554,16 +598,16 @@ def chat_turns(model: Any, tokenizer: Any, store: Any, hf: PlainHF, encode: Enco
 
 def run(*, json_path: str | None, corpus: str | None, seconds: float = 120, clients: int = 4, threads: int = 1,
         turns: int = 8, turn_new_tokens: int = TURN_NEW_TOKENS, pool: int = RAG_POOL,
-        model_name: str = "smollm2-135m", console: Console | None = None, progress: bool = True) -> dict[str, Any]:
+        documents: int = CHAT_DOCUMENTS, precompute_documents: bool = True, model_name: str = "smollm2-135m",
+        console: Console | None = None, progress: bool = True) -> dict[str, Any]:
     from kvshelf.adapters.model import load_model
     from kvshelf.kvstore.embedded import open_embedded_store
 
     console = console or Console()
-    torch.set_num_threads(threads)
     model, tokenizer = load_model(model_name)
     texts = list(corpus_texts(corpus))
     encode = Encoder(tokenizer)
-    documents = chat_documents(texts)
+    docs = chat_documents(texts, documents)
     fmt = ChatFormat.of(tokenizer, model, CHAT_SYSTEM)
     rag = RagPool.build(tokenizer, encode, texts, pool)
     outcomes: dict[str, RunOutcome] = {}
@@ -572,11 +616,15 @@ def run(*, json_path: str | None, corpus: str | None, seconds: float = 120, clie
         store = open_embedded_store(tmp, memory_bytes="4GiB", write_policy="back", durable=False)
         systems = {"hf": PlainHF(model, tokenizer, fmt, encode, rag),
                    "kvshelf": KVShelf(model, tokenizer, store, fmt, encode, rag)}
+        # the offline steps, not timed, on every core; then the thread count both systems run with
+        torch.set_num_threads(os.cpu_count() or 1)
         precomputed = systems["kvshelf"].precompute(progress)
+        documents_s = systems["kvshelf"].precompute_documents(docs, progress) if precompute_documents else None
+        torch.set_num_threads(threads)
         systems["hf"].generate(list(range(10, 80)), 2)  # one-time start-up costs out of the timings
         for name, system in systems.items():
             console.print(f"[bold]{name}[/bold]: {clients} clients for {seconds:g} s...")
-            outcomes[name] = serve(system, documents, clients, seconds)
+            outcomes[name] = serve(system, docs, clients, seconds)
             if outcomes[name].errors:
                 raise SystemExit(f"{name}: " + "; ".join(outcomes[name].errors))
             console.print(f"[dim]{name}: {len(outcomes[name].records)} requests in {outcomes[name].wall_s:.1f} s"
@@ -592,8 +640,11 @@ def run(*, json_path: str | None, corpus: str | None, seconds: float = 120, clie
         "corpus": corpus or "synthetic",
         "settings": {"seconds": seconds, "clients": clients, "torch_threads": threads,
                      "workloads": {str(i): workload_of(i) for i in range(clients)},
-                     "chat": {"document_abstracts": DOC_ABSTRACTS, "turns": 2 + len(FOLLOW_UPS),
-                              "code_new_tokens": NEW_TOKENS, "follow_up_new_tokens": CHAT_NEW_TOKENS},
+                     "chat": {"documents": len(docs), "document_abstracts": DOC_ABSTRACTS,
+                              "turns": 2 + len(FOLLOW_UPS), "code_new_tokens": NEW_TOKENS,
+                              "follow_up_new_tokens": CHAT_NEW_TOKENS,
+                              "precomputed_documents": precompute_documents,
+                              "precompute_s": round(documents_s, 3) if documents_s is not None else None},
                      "rag": {"chunks": 8, "chunk_tokens": CHUNK_TOKENS, "pool_plain": len(rag.plain),
                              "pool_needles": len(rag.needles), "mode": "block-attention",
                              "new_tokens": NEW_TOKENS, "precompute_s": precomputed["seconds"]},

@@ -192,6 +192,8 @@ def bench_serve(
     threads: Annotated[int, typer.Option(min=1, help="torch intra-op threads (both systems)")] = 1,
     turns: Annotated[int, typer.Option(min=0, help="chat-turns measurement: turns (0: skip it)")] = 8,
     pool: Annotated[int, typer.Option(min=7, help="plain chunks in the RAG pool (needle chunks: half)")] = 64,
+    precompute_documents: Annotated[bool, typer.Option(
+        help="kvshelf stores the chat documents' prompt heads before the run (else first turns are cold)")] = True,
     model: ModelOpt = "smollm2-135m",
 ) -> None:
     """Serving run, plain HF generate vs kvshelf: chat and RAG clients; requests/s, TTFT p50/p99, accuracy."""
@@ -199,7 +201,8 @@ def bench_serve(
 
     chosen = _corpus(corpus)
     run(json_path=str(json_path) if json_path else None, corpus=str(chosen) if chosen else None, seconds=seconds,
-        clients=clients, threads=threads, turns=turns, pool=pool, model_name=model, console=console)
+        clients=clients, threads=threads, turns=turns, pool=pool, precompute_documents=precompute_documents,
+        model_name=model, console=console)
 
 
 @bench_app.command("pruning")

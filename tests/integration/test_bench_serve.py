@@ -16,7 +16,7 @@ def test_bench_serve_small_run_writes_its_schema(tmp_path):
     out = tmp_path / "serve.json"
     corpus = default_corpus()
     payload = run(json_path=str(out), corpus=str(corpus) if corpus else None, seconds=2, clients=2, turns=2,
-                  turn_new_tokens=4, pool=7, console=Console(quiet=True), progress=False)
+                  turn_new_tokens=4, pool=7, documents=2, console=Console(quiet=True), progress=False)
     written = json.loads(out.read_text())
     assert written["results"] == payload["results"]
     rows = {(r["system"], r["workload"]): r for r in written["results"]}
@@ -32,6 +32,8 @@ def test_bench_serve_small_run_writes_its_schema(tmp_path):
     assert written["requests"]["hf"]["rag"]["reused_tokens"] == 0
     rag = written["requests"]["kvshelf"]["rag"]  # block attention: only the question is prefilled
     assert 0 < rag["reused_tokens"] < rag["prompt_tokens"], rag
+    chat = written["requests"]["kvshelf"]["chat"]  # the first turn reuses its precomputed document
+    assert chat["reused_tokens"] > 1000 and written["settings"]["chat"]["precomputed_documents"], chat
     assert written["settings"]["torch_threads"] == 1 and written["settings"]["clients"] == 2
     # chat reuse is exact: the kvshelf conversation answers as plain HF did on the same requests
     same = written["same_answers"]["chat"]
