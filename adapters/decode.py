@@ -10,8 +10,10 @@ to the uncached token and extends them by one per new token. Sampling (``do_samp
 measured by ``streaming.FirstTokenTimer`` wrapped around the caller's streamer. The cost: the last prompt token
 is one HF decode step over the assembled cache (``DynamicCache`` appends by concatenation) instead of one more row
 of the engine's prefill, so TTFT pays about one decode step more than a first token taken from the engine
-(measured on SmolLM2, 8 chunks x 128 tokens after a chat prefix, a loaded 2-core CPU: ``reuse`` 1.20 s vs 0.71 s,
-``block-attention`` 3.6 s vs 2.4 s, ``reuse-blend`` and ``full`` unchanged within noise; the same greedy tokens).
+(measured on SmolLM2, 8 chunks x 128 tokens after a chat prefix, median of 4 on a 2-core CPU shared with other
+jobs, so noisy: ``reuse`` 1.01 s vs 0.84 s, ``block-attention`` 0.90 s vs 0.61 s, ``full`` 2.46 s vs 2.39 s; the
+same greedy tokens). Later steps decode in place (``cache_for_decoding``), where the former greedy loop copied the
+whole cache per step.
 
 Only APE's column bias (Yang et al., ICLR 2025: scaled logits on the parallel chunks' keys) cannot be expressed
 through ``generate`` (it rides on an explicit additive mask at every step): ``greedy_with_bias`` keeps a manual
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from kvshelf.adapters import hf
 from kvshelf.adapters.hf import BaseStreamer
 from kvshelf.adapters.reuse_engine import Layout, layer_windows, refusal
 from kvshelf.adapters.streaming import FirstTokenTimer, emit_prompt, emit_tokens
@@ -114,6 +117,18 @@ def generate_from_cache(
                      finished), timer
 
 
+def cache_for_decoding(model: PreTrainedModel, layout: Layout, max_new_tokens: int) -> DynamicCache:
+    """The layout as a cache to decode from. Full-attention models get ``GrowingLayer`` s (one copy of the layout,
+    then every decode step appends in place, where ``DynamicLayer`` concatenates the whole cache per step: a
+    fifth to a half of a CPU decode step at ~1k cached tokens); a model with sliding-window layers gets its own
+    layer types (``Layout.to_cache``), whose window HF keeps."""
+    if any(w is not None for w in layer_windows(model)):
+        return layout.to_cache(model)
+    headroom = max_new_tokens + 1
+    return hf.cache_of_layers([hf.GrowingLayer.of(k, v, headroom)
+                               for k, v in zip(layout.keys, layout.values, strict=True)])
+
+
 def generate_from_layout(
     model: PreTrainedModel, layout: Layout, ids: Sequence[int], positions: Sequence[int] | None = None,
     **kwargs: Any,
@@ -122,7 +137,8 @@ def generate_from_layout(
     the last token is computed by ``model.generate`` against it. Keyword arguments as ``generate_from_cache``."""
     if layout.rows != len(ids) - 1:
         raise ValueError(f"the layout must hold all but the last of the {len(ids)} prompt rows, has {layout.rows}")
-    generated, _ = generate_from_cache(model, ids, positions, layout.to_cache(model), **kwargs)
+    cache = cache_for_decoding(model, layout, int(kwargs.get("max_new_tokens", 1))) if layout.rows else None
+    generated, _ = generate_from_cache(model, ids, positions, cache, **kwargs)
     return generated
 
 

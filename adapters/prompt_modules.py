@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from kvshelf.adapters.decode import EOS_DEFAULT, generate_from_cache
+from kvshelf.adapters.decode import EOS_DEFAULT, generate_from_layout
 from kvshelf.adapters.fingerprint import model_fingerprint
 from kvshelf.adapters.hf import BaseStreamer
 from kvshelf.adapters.prompts import prompt_ids
@@ -207,10 +207,10 @@ class PromptModuleGenerator:
         if rows:
             prefill_rows(self.model, layout, [assembly.tokens[i] for i in rows],
                          [assembly.positions[i] for i in rows], rows)
-        generated, _ = generate_from_cache(
-            self.model, list(assembly.tokens), list(assembly.positions), layout.to_cache(self.model) if n > 1 else None,
-            max_new_tokens=max_new_tokens, tokenizer=self.tokenizer, eos_token_id=eos_token_id, streamer=streamer,
-            all_logits=all_logits, **generate_kwargs)
+        generated = generate_from_layout(
+            self.model, layout, list(assembly.tokens), list(assembly.positions), max_new_tokens=max_new_tokens,
+            tokenizer=self.tokenizer, eos_token_id=eos_token_id, streamer=streamer, all_logits=all_logits,
+            **generate_kwargs)
         text = self.tokenizer.decode(generated.new_ids, skip_special_tokens=True) if self.tokenizer else None
         prefilled = len(rows) + 1  # the last row, computed by generate
         return ModuleResult(generated.new_ids, text, n, n - prefilled, prefilled,

@@ -50,7 +50,14 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvshelf.adapters import hf
 from kvshelf.adapters.cache_bridge import blocks_from_cache
-from kvshelf.adapters.decode import EOS_DEFAULT, Generated, eos_set, generate_from_cache, greedy_with_bias
+from kvshelf.adapters.decode import (
+    EOS_DEFAULT,
+    Generated,
+    eos_set,
+    generate_from_cache,
+    generate_from_layout,
+    greedy_with_bias,
+)
 from kvshelf.adapters.fingerprint import model_fingerprint, other_dtype_fingerprints
 from kvshelf.adapters.hf import BaseStreamer
 from kvshelf.adapters.prompts import prompt_ids
@@ -749,7 +756,7 @@ class RAGGenerator:
                 row += block.num_tokens
             if mode == "reuse-blend":
                 recomputed = self._blend(layout, chunk_ids, q_ids[:-1])
-                generated, _ = generate_from_cache(self.model, all_ids, None, layout.to_cache(self.model), **decode)
+                generated = generate_from_layout(self.model, layout, all_ids, None, **decode)
             elif ape:
                 bias = self._apply_ape(layout, p, p + c_total)
                 q_rows = list(range(p + c_total, total))
@@ -762,7 +769,7 @@ class RAGGenerator:
                 if len(q_ids) > 1:
                     q_rows = list(range(p + c_total, total - 1))
                     prefill_rows(self.model, layout, q_ids[:-1], q_rows, q_rows)
-                generated, _ = generate_from_cache(self.model, all_ids, None, layout.to_cache(self.model), **decode)
+                generated = generate_from_layout(self.model, layout, all_ids, None, **decode)
         return self._result(mode, generated, total, reused, computed, recomputed, started, len(items))
 
     def _result(self, mode: str, generated: Generated, total: int, reused: int, computed: int, recomputed: int,
