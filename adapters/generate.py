@@ -51,6 +51,7 @@ from kvshelf.adapters import hf
 from kvshelf.adapters.cache_bridge import blocks_from_cache, cache_from_prepared, check_supported
 from kvshelf.adapters.fingerprint import model_fingerprint, other_dtype_fingerprints
 from kvshelf.adapters.hf import BaseStreamer
+from kvshelf.adapters.lifecycle import Closable
 from kvshelf.adapters.prompts import Prompt, batch_prompt_ids, is_batch, prompt_ids
 from kvshelf.adapters.streaming import FirstTokenTimer, TokenStream
 from kvshelf.kvstore.block import KVBlock
@@ -98,7 +99,7 @@ class _Row:
     cache: Any = None
 
 
-class CachedGenerator:
+class CachedGenerator(Closable):
     """Generate with a model through a kvshelf store.
 
     Args:
@@ -138,7 +139,6 @@ class CachedGenerator:
         self.store = store
         self.namespace = namespace_of(store, namespace)
         self.block_size = block_size
-        self._closed = False
         self._writer: WriteBehind | None = None
         if write_behind and store is not None:
             self._writer = WriteBehind(store, max_pending_blocks=max_pending_blocks)
@@ -147,10 +147,6 @@ class CachedGenerator:
             self._finalizer = weakref.finalize(self, _close_writer, self._writer)
 
     # -- lifecycle --------------------------------------------------------------------------------------------
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Wait until every block queued for writing is written (or failed: ``write_behind_stats``). Raises
@@ -165,20 +161,9 @@ class CachedGenerator:
 
     def close(self, timeout_s: float | None = None) -> None:
         """Flush pending writes and stop the writer; the generator then refuses every call (idempotent)."""
-        self._closed = True
+        super().close()
         if self._writer is not None:
             self._writer.close(timeout_s)
-
-    def __enter__(self) -> CachedGenerator:
-        self._check_open()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ConfigError("CachedGenerator is closed")
 
     # -- keys, lookup, storing ---------------------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from kvshelf.adapters.decode import EOS_DEFAULT, generate_from_layout
 from kvshelf.adapters.fingerprint import model_fingerprint
 from kvshelf.adapters.hf import BaseStreamer
+from kvshelf.adapters.lifecycle import Closable
 from kvshelf.adapters.prompts import prompt_ids
 from kvshelf.adapters.reuse_engine import Layout, check_engine, check_positions, prefill_rows
 from kvshelf.adapters.streaming import TokenStream
@@ -54,7 +55,7 @@ class ModuleResult:
     logits: list[torch.Tensor] | None = field(default=None, repr=False)  # all_logits=True: [vocab] per new token
 
 
-class PromptModuleGenerator:
+class PromptModuleGenerator(Closable):
     """Generate from prompts assembled from a schema's cached modules plus parameters and free text.
 
     ``close()`` (or leaving a ``with`` block) ends the generator and drops the modules it keeps in memory; any
@@ -74,23 +75,11 @@ class PromptModuleGenerator:
         # pinned modules' KV, decoded once and kept in memory (raw tensors): no store read, checksum or decode per
         # prompt; the store keeps the durable, shareable copy
         self._resident: dict[bytes, KVBlock] = {}
-        self.closed = False
 
     def close(self) -> None:
         """End this generator: resident modules are dropped, later calls raise ``ConfigError``."""
-        self.closed = True
+        super().close()
         self._resident.clear()
-
-    def __enter__(self) -> PromptModuleGenerator:
-        self._check_open()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _check_open(self) -> None:
-        if self.closed:
-            raise ConfigError("this PromptModuleGenerator is closed; make a new one")
 
     @property
     def fingerprint(self) -> str:

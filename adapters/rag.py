@@ -60,6 +60,7 @@ from kvshelf.adapters.decode import (
 )
 from kvshelf.adapters.fingerprint import model_fingerprint, other_dtype_fingerprints
 from kvshelf.adapters.hf import BaseStreamer
+from kvshelf.adapters.lifecycle import Closable
 from kvshelf.adapters.prompts import prompt_ids
 from kvshelf.adapters.reuse_engine import (
     Layout,
@@ -389,7 +390,7 @@ class _Chunk:
     label: str
 
 
-class RAGGenerator:
+class RAGGenerator(Closable):
     """Query-time assembly of cached chunks.
 
     Args:
@@ -451,24 +452,6 @@ class RAGGenerator:
         elif overlap:
             raise ConfigError("overlap needs a chunk_size")
         self.chunk_size, self.overlap = chunk_size, overlap
-        self.closed = False
-
-    # -- lifecycle ------------------------------------------------------------------------------------
-
-    def close(self) -> None:
-        """End this generator: later calls raise ``ConfigError``. The store is left open (it is the caller's)."""
-        self.closed = True
-
-    def __enter__(self) -> RAGGenerator:
-        self._check_open()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _check_open(self) -> None:
-        if self.closed:
-            raise ConfigError("this RAGGenerator is closed; make a new one")
 
     @property
     def fingerprint(self) -> str:
