@@ -86,8 +86,9 @@ def cached_prefix(
     ids = generator.encode(prompt)
     if not ids:
         raise ConfigError("the prompt is empty")
-    row = generator._load_prefix(ids, None, generator.fingerprint)  # noqa: SLF001 - TODO public
-    reused, cache = row.reused, row.cache if row.cache is not None else hf.new_cache(model.config)
+    reused, cache = generator.load_prefix(ids)
+    if cache is None:
+        cache = hf.new_cache(model.config)
     input_ids = torch.tensor([ids], device=model.device)
     prefix = CachedPrefix(cache, input_ids, torch.ones_like(input_ids), reused, ids)
     return prefix.expand(batch_size) if batch_size != 1 else prefix

@@ -188,6 +188,13 @@ class CachedGenerator(Closable):
         if not all(self.store.held(keys, namespace=self.namespace)):
             self._writer.flush()
 
+    def load_prefix(self, ids: list[int]) -> tuple[int, Any]:
+        """The longest cached prefix of ``ids`` (full blocks, as ``generate`` looks it up): ``(reused, cache)``, a
+        fresh ``DynamicCache`` of ``reused <= len(ids) - 1`` tokens, or ``(0, None)`` (``export.cached_prefix``)."""
+        self._check_open()
+        row = self._load_prefix(list(ids), None, self.fingerprint)
+        return row.reused, row.cache
+
     def _load_prefix(self, ids: list[int], cacheable_prefix: int | None, fingerprint: str) -> _Row:
         """The longest cached prefix as a cache of ``reused`` tokens, at most ``len(ids) - 1`` (one token must be
         prefilled), ``loaded`` the tokens of the blocks found; ``missed``: blocks were looked up and none was
