@@ -7,20 +7,19 @@ hidden states through the model's decoder layers, each layer writing the fresh K
 layout before attending over it with an explicit additive mask (``reuse.masks``). This one mechanism gives
 prefill of a suffix (TurboRAG), block-diagonal encoding (Block-Attention) and selective recompute (CacheBlend).
 Positions are explicit, so layouts may have gaps (Prompt Cache parameter slots). A sliding-window layer gets its
-window on top of every mask (a query at row ``r`` never sees rows ``<= r - window``, HF's sliding mask), and decoding
-from the assembled cache leaves each layer's mask to HF. ``check_engine`` refuses, before any work, the models the
+window on top of every mask (a query at row ``r`` never sees rows ``<= r - window``, HF's sliding mask); decoding
+from the assembled cache is HF ``generate``'s (``adapters.decode``). ``check_engine`` refuses, before any work, the models the
 engine cannot drive exactly.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -453,52 +452,3 @@ def prefill_rows(
     hidden = run_layers(model, layout, hidden[:, -1:], positions_t[-1:], rows_t[-1:], mask[..., -1:, :],
                         range(last, last + 1))
     return last_logits(model, hidden)
-
-
-@dataclass
-class Decoded:
-    new_ids: list[int]
-    first_logits: torch.Tensor  # [vocab] float32, the distribution of the first new token
-    first_token_at: float
-    finished_at: float
-    logits: list[torch.Tensor] = field(default_factory=list)
-
-
-def eos_ids(model: PreTrainedModel, eos_token_id: int | Sequence[int] | None | str = "default") -> set[int]:
-    if eos_token_id == "default":
-        eos_token_id = getattr(model.generation_config, "eos_token_id", None)
-    if eos_token_id is None:
-        return set()
-    return {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(t) for t in eos_token_id}
-
-
-@torch.inference_mode()
-def greedy_decode(
-    model: PreTrainedModel, cache: DynamicCache, first_logits: torch.Tensor, next_position: int,
-    max_new_tokens: int, *, eos: set[int], column_bias: torch.Tensor | None = None,
-) -> Decoded:
-    """Greedy decoding from a filled cache: the first token is ``argmax(first_logits)``; later steps run the
-    model on one token at ``next_position + i`` with an explicit (all-visible, plus ``column_bias``) mask."""
-    token = int(torch.argmax(first_logits))
-    out = Decoded([token], first_logits, time.perf_counter(), 0.0, [first_logits])
-    position = next_position
-    sliding = any(w is not None for w in layer_windows(model))
-    if sliding and column_bias is not None:
-        raise refusal(model, "a column bias (APE)", "sliding-window layers take HF's own masks when decoding")
-    while len(out.new_ids) < max_new_tokens and token not in eos:
-        kv_len = cache.get_seq_length() + 1
-        mask = None  # sliding-window layers: HF builds each layer's mask (the window) from the cache
-        if not sliding:
-            mask = torch.zeros((1, 1, 1, kv_len), dtype=model.dtype, device=model.device)
-        if column_bias is not None:
-            mask[0, 0, 0, : column_bias.shape[0]] += column_bias.to(mask)
-        result = model(input_ids=torch.tensor([[token]], device=model.device),
-                       position_ids=torch.tensor([[position]], device=model.device),
-                       attention_mask=mask, past_key_values=cache, use_cache=True)
-        logits = result.logits[0, -1].float()
-        out.logits.append(logits)
-        token = int(torch.argmax(logits))
-        out.new_ids.append(token)
-        position += 1
-    out.finished_at = time.perf_counter()
-    return out
