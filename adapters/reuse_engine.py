@@ -8,8 +8,8 @@ layout before attending over it with an explicit additive mask (``reuse.masks``)
 prefill of a suffix (TurboRAG), block-diagonal encoding (Block-Attention) and selective recompute (CacheBlend).
 Positions are explicit, so layouts may have gaps (Prompt Cache parameter slots). A sliding-window layer gets its
 window on top of every mask (a query at row ``r`` never sees rows ``<= r - window``, HF's sliding mask); decoding
-from the assembled cache is HF ``generate``'s (``adapters.decode``). ``check_engine`` refuses, before any work, the models the
-engine cannot drive exactly.
+from the assembled cache is HF ``generate``'s (``adapters.decode``). ``check_engine`` refuses, before any work, the
+models the engine cannot drive exactly.
 """
 
 from __future__ import annotations
