@@ -77,7 +77,7 @@ def test_rag_streams_batches_and_samples(smollm2, texts, tmp_path):
     model, tokenizer = smollm2
     store = open_embedded_store(tmp_path)
     prefix = "<|im_start|>system\nAnswer from the documents.<|im_end|>\n<|im_start|>user\n"
-    handles = precompute([t[:400] for t in texts[10:13]], model, tokenizer, store, prefix=prefix, chunk_size=64,
+    handles = precompute([t[:400] for t in texts[9:12]], model, tokenizer, store, prefix=prefix, chunk_size=64,
                          modes=["block-attention"], progress=False).chunks
     rag = RAGGenerator(model, tokenizer, store, prefix=prefix, chunk_size=64, on_missing="error")
     questions = [f"\n{q}<|im_end|>\n<|im_start|>assistant\n" for q in ("What is studied?", "Name one method.")]
@@ -87,7 +87,7 @@ def test_rag_streams_batches_and_samples(smollm2, texts, tmp_path):
     assert [r.new_ids for r in batch] == [r.new_ids for r in single]
     stream = rag.stream(*rows[0], mode="block-attention", max_new_tokens=8)
     assert "".join(stream.texts()) == single[0].text and stream.result.new_ids == single[0].new_ids
-    chunk = _enc(tokenizer, texts[14])[:100]
+    chunk = _enc(tokenizer, texts[4])[:100]
     question = _enc(tokenizer, "\nIn one sentence, what does this abstract study?\nAnswer:")
     torch.manual_seed(11)
     got = RAGGenerator(model, tokenizer, store).generate([chunk], question, mode="reuse", max_new_tokens=10,
