@@ -28,12 +28,7 @@ CONTEXT = _tokens(64, seed=11)  # 4 full blocks
 PROMPT = CONTEXT + _tokens(9, seed=12)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _store() -> TieredStore:

@@ -53,14 +53,7 @@ THIRD = SECOND + _tokens(18, seed=5)  # 140: reuses 112, the last 32 of them sto
 _MODELS: dict[tuple[str, str, torch.dtype], torch.nn.Module] = {}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread: the tiny models gain nothing from more, and on a shared 2-core machine a second thread
-    spinning against other processes makes the suite several times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _model(family: str, attn: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:

@@ -46,13 +46,7 @@ _MODELS: dict[tuple[str, str, torch.dtype], torch.nn.Module] = {}
 _REFERENCES: dict[tuple[str, str, torch.dtype], Output] = {}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread (several threads only synchronize, ~10x slower on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _model(family: str, attn: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
