@@ -35,6 +35,13 @@ def _store() -> TieredStore:
     return TieredStore([MemoryTier(64 << 20)])
 
 
+def _store_context(model, store: TieredStore | None = None) -> TieredStore:  # noqa: ANN001
+    """``store`` (a new one by default) holding ``CONTEXT``'s blocks, written before returning."""
+    store = store if store is not None else _store()
+    CachedGenerator(model, store=store, block_size=BLOCK).generate(CONTEXT + [7], max_new_tokens=1, wait=True)
+    return store
+
+
 def _hf_generate(model, **inputs) -> Output:  # noqa: ANN001, ANN003
     with torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0,
@@ -49,7 +56,7 @@ def test_exported_prefix_in_plain_generate_equals_plain_hf(family):
     store = _store()
 
     def run() -> Output:
-        CachedGenerator(model, store=store, block_size=BLOCK).generate(CONTEXT + [7], max_new_tokens=1)
+        _store_context(model, store)
         prefix = cached_prefix(model, store, PROMPT, block_size=BLOCK)
         assert prefix.reused_tokens == len(CONTEXT)
         return _hf_generate(model, **prefix.generate_inputs())
@@ -59,8 +66,8 @@ def test_exported_prefix_in_plain_generate_equals_plain_hf(family):
 
 
 def test_a_prefix_covering_the_whole_prompt_is_cropped_by_one_token():
-    model, store = tiny_llama(), _store()
-    CachedGenerator(model, store=store, block_size=BLOCK).generate(CONTEXT + [7], max_new_tokens=1)
+    model = tiny_llama()
+    store = _store_context(model)
     prefix = cached_prefix(model, store, CONTEXT, block_size=BLOCK)  # every token of it is stored
     assert prefix.reused_tokens == len(CONTEXT) - 1 and prefix.cache.get_seq_length() == len(CONTEXT) - 1
     run_cell(model, "prefix reuse", lambda: _hf_generate(model, **prefix.generate_inputs()),
@@ -68,8 +75,8 @@ def test_a_prefix_covering_the_whole_prompt_is_cropped_by_one_token():
 
 
 def test_the_export_is_a_copy_the_caller_may_grow():
-    model, store = tiny_llama(), _store()
-    CachedGenerator(model, store=store, block_size=BLOCK).generate(CONTEXT + [7], max_new_tokens=1)
+    model = tiny_llama()
+    store = _store_context(model)
     first = cached_prefix(model, store, PROMPT, block_size=BLOCK)
     _hf_generate(model, **first.generate_inputs())
     assert first.cache.get_seq_length() == len(PROMPT) + NEW - 1  # generate grew the caller's copy in place
@@ -80,8 +87,8 @@ def test_the_export_is_a_copy_the_caller_may_grow():
 
 
 def test_expand_gives_a_batch_of_the_prompt():
-    model, store = tiny_llama(), _store()
-    CachedGenerator(model, store=store, block_size=BLOCK).generate(CONTEXT + [7], max_new_tokens=1)
+    model = tiny_llama()
+    store = _store_context(model)
     prefix = cached_prefix(model, store, PROMPT, block_size=BLOCK)
     batch = prefix.expand(3)
     assert batch.batch_size == 3 and prefix.cache.get_seq_length() == len(CONTEXT)
