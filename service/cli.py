@@ -64,6 +64,19 @@ def serve(
     shared_memory: Annotated[bool | None, typer.Option(
         "--shared-memory/--no-shared-memory", show_default=False,
         help="same-host gets through /dev/shm arenas for loopback/Unix-socket clients (default on)")] = None,
+    tenant_streams: Annotated[int | None, _opt("streaming calls one tenant may have open at once (default 4)")
+                              ] = None,
+    idle_timeout: Annotated[float | None, _opt("seconds a stream may make no progress (default 10)")] = None,
+    min_rate: Annotated[str | None, _opt("slowest accepted upload per second, e.g. 1MiB (default 1MiB)")] = None,
+    max_inflight: Annotated[str | None, _opt("put bytes buffered at once, all tenants (default 2 x max-call)")
+                            ] = None,
+    redis_timeout: Annotated[float | None, _opt("seconds one Redis call may take (default 1)")] = None,
+    metrics_token_file: Annotated[str | None, _opt("file with the bearer token /metrics requires")] = None,
+    metrics_namespaces: Annotated[str | None, _opt("comma-separated namespaces /metrics shows (default all)")
+                                  ] = None,
+    reset_disk: Annotated[bool | None, typer.Option(
+        "--reset-disk", show_default=False,
+        help="move a damaged LMDB environment aside (kept for `kvshelf repair`) and start an empty one")] = None,
     config: Annotated[Path | None, _opt("TOML config file (or $KVSHELF_CONFIG)")] = None,
 ) -> None:
     """Run the gRPC KV service. Settings: flags > KVSHELF_* environment variables > --config TOML > defaults."""
@@ -73,7 +86,10 @@ def serve(
     flags = dict(listen=listen, data_dir=data_dir, memory=memory, max_disk=max_disk, disk_codec=disk_codec,
                  redis=redis, tokens_file=tokens_file, tls_cert=tls_cert, tls_key=tls_key, max_block=max_block,
                  max_call=max_call, quota=quota, grace=grace, workers=workers, metrics_port=metrics_port,
-                 metrics_addr=metrics_addr, history_interval=history_interval, shared_memory=shared_memory)
+                 metrics_addr=metrics_addr, history_interval=history_interval, shared_memory=shared_memory,
+                 tenant_streams=tenant_streams, idle_timeout=idle_timeout, min_rate=min_rate,
+                 max_inflight=max_inflight, redis_timeout=redis_timeout, metrics_token_file=metrics_token_file,
+                 metrics_namespaces=metrics_namespaces, reset_disk=reset_disk)
     raise typer.Exit(run_server(load_config(flags, config_file=config)))
 
 

@@ -56,6 +56,14 @@ class ServeConfig:
     metrics_addr: str = "127.0.0.1"
     history_interval: float = 10.0  # seconds between the stats-history samples `kvshelf stats --plot` draws
     shared_memory: bool = True  # same-host gets through client arenas in /dev/shm (loopback/Unix peers only)
+    tenant_streams: int = 4  # streaming calls (PutBlocks, GetBlocks) one tenant may have open at once
+    idle_timeout: float = 10.0  # seconds a stream may make no progress before the server cancels it
+    min_rate: str = "1MiB"  # slowest accepted PutBlocks upload, bytes per second (checked after idle_timeout)
+    max_inflight: str = ""  # put bytes buffered at once, all tenants together; empty: 2 x max_call
+    redis_timeout: float = 1.0  # seconds one Redis call may take before the tier counts as unreachable
+    metrics_token_file: str = ""  # file holding the bearer token /metrics requires; empty: no token
+    metrics_namespaces: str = ""  # comma-separated namespaces /metrics shows; empty: every namespace
+    reset_disk: bool = False  # a damaged LMDB environment is moved aside and a new empty one started
 
     def resolved_data_dir(self) -> Path:
         return Path(self.data_dir) if self.data_dir else default_data_dir()
@@ -125,6 +133,8 @@ def load_config(flags: Mapping[str, Any], env: Mapping[str, str] | None = None,
         raise ConfigError("TLS needs both --tls-cert and --tls-key")
     if config.grace < 0 or config.workers < 1:
         raise ConfigError("grace must be >= 0 and workers >= 1")
+    if config.tenant_streams < 1 or config.idle_timeout <= 0 or config.redis_timeout <= 0:
+        raise ConfigError("tenant_streams must be >= 1, idle_timeout and redis_timeout > 0")
     if not 0 <= config.metrics_port < 65536 or config.history_interval <= 0:
         raise ConfigError("metrics_port must be in [0, 65535] and history_interval > 0")
     return config
@@ -163,7 +173,9 @@ def serve(config: ServeConfig, *, ready: threading.Event | None = None, stop: th
     tokens = TokenTable.from_file(config.tokens_file) if config.tokens_file else None
     limits = ServerLimits(max_block_bytes=parse_size(config.max_block), max_call_bytes=parse_size(config.max_call),
                           quota_bytes=parse_size(config.quota) if config.quota else None,
-                          shared_memory=config.shared_memory)
+                          shared_memory=config.shared_memory, tenant_streams=config.tenant_streams,
+                          idle_timeout_s=config.idle_timeout, min_rate_bytes=parse_size(config.min_rate),
+                          max_inflight_bytes=parse_size(config.max_inflight) if config.max_inflight else None)
     cert = Path(config.tls_cert).read_bytes() if config.tls_cert else None
     key = Path(config.tls_key).read_bytes() if config.tls_key else None
     store = open_store(config)

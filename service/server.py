@@ -84,6 +84,10 @@ class ServerLimits:
     max_call_bytes: int = 1 << 30  # all values of one PutBlocks call (they are held until the call ends)
     quota_bytes: int | None = None  # per namespace, in the tier holding the most of it; None: unlimited
     shared_memory: bool = True  # same-host GetBlocks through client arenas in /dev/shm (service/arena.py)
+    tenant_streams: int = 4  # streaming calls one tenant may have open at once
+    idle_timeout_s: float = 10.0  # a stream making no progress this long is cancelled
+    min_rate_bytes: int = 1 << 20  # slowest accepted upload (bytes/s), checked once a put is idle_timeout_s old
+    max_inflight_bytes: int | None = None  # put bytes buffered at once, all tenants; None: 2 x max_call_bytes
 
     def __post_init__(self) -> None:
         if self.max_block_bytes <= 0 or self.max_call_bytes <= 0:
