@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvshelf.compress.container import expect_len, pack_sections, unpack_sections
+from kvshelf.compress.container import expect_len, frame_bytes, pack_sections, unpack_sections
 from kvshelf.compress.raw import tensor_bytes, tensor_from_bytes
 
 
@@ -13,6 +13,11 @@ def numel(shape: tuple[int, ...]) -> int:
     for s in shape:
         n *= int(s)
     return n
+
+
+def cast_payload_bytes(shape: tuple[int, ...]) -> int:
+    """The exact payload size of a 16-bit cast codec (``fp16``, ``bf16``) for keys and values of ``shape``."""
+    return frame_bytes(2) + 2 * numel(shape) * 2
 
 
 def cast_encode(keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype) -> list[bytes | memoryview]:

@@ -23,6 +23,11 @@ _HEAD = struct.Struct("<2sBB")
 _CRC = struct.Struct("<I")
 
 
+def frame_bytes(count: int) -> int:
+    """Bytes the frame of ``count`` sections adds around them (magic, version, count, lengths, CRC)."""
+    return _HEAD.size + 8 * count + _CRC.size
+
+
 def pack_sections(sections: Sequence[bytes | memoryview]) -> list[bytes | memoryview]:
     """Frame ``sections`` (at most 255); return buffers to concatenate (the sections are not copied)."""
     if len(sections) > 255:

@@ -7,11 +7,13 @@ plus a 30-byte frame.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from kvshelf.compress._cast import cast_decode, cast_encode
+from kvshelf.compress._cast import cast_decode, cast_encode, cast_payload_bytes
 from kvshelf.kvstore.codec import Codec, register_codec
 
 
@@ -21,6 +23,13 @@ class Fp16Codec(Codec):
     """Keys and values ``[layers, kv_heads, tokens, head_dim]`` cast to fp16; decoded back to the block dtype."""
 
     name = "fp16"
+
+    @classmethod
+    def payload_bounds(
+        cls, params: Mapping[str, Any], shape: tuple[int, int, int, int], itemsize: int
+    ) -> tuple[int, int | None]:
+        n = cast_payload_bytes(shape)
+        return n, n
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor) -> list[bytes | memoryview]:
         return cast_encode(keys, values, torch.float16)

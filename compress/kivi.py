@@ -18,14 +18,16 @@ Payload: ``bits`` bits per value plus 32 bits of fp16 ``(z, s)`` per group, in a
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from kvshelf.compress._cast import numel
 from kvshelf.compress.bitpack import half_bytes, half_from, pack_bits, packed_len, unpack_bits
-from kvshelf.compress.container import pack_sections, unpack_sections
+from kvshelf.compress.container import frame_bytes, pack_sections, unpack_sections
 from kvshelf.kvstore.codec import Codec, PreparedPayload, register_codec
 from kvshelf.kvstore.errors import CorruptBlockError
 
@@ -81,6 +83,24 @@ class KiviCodec(Codec):
     def __post_init__(self) -> None:
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
             raise ValueError(f"group_size must be a positive integer, got {self.group_size!r}")
+
+    @classmethod
+    def payload_bounds(
+        cls, params: Mapping[str, Any], shape: tuple[int, int, int, int], itemsize: int
+    ) -> tuple[int, int | None] | None:
+        """Exact: packed codes plus an fp16 zero point and scale per group, for keys and values."""
+        fields = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
+        if "group_size" not in fields:
+            return None
+        g = params.get("group_size", fields["group_size"].default)
+        if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+            return None
+        layers, heads, tokens, dim = shape
+        n = frame_bytes(6)
+        if numel(shape):
+            for rows, cols in ((layers * heads * dim, tokens), (layers * tokens, heads * dim)):
+                n += packed_len(rows * cols, cls.bits) + 2 * 2 * rows * (-(-cols // g))
+        return n, n
 
     @staticmethod
     def _key_rows(keys: torch.Tensor) -> torch.Tensor:

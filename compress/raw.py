@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from kvshelf.kvstore.codec import Codec, register_codec
+from kvshelf.kvstore.codec import Codec, numel, register_codec
 from kvshelf.kvstore.errors import CorruptBlockError
 
 
@@ -33,6 +35,13 @@ class RawCodec(Codec):
     """Keys then values, contiguous, in the model dtype. Payload bytes = 2 * L * H * T * D * itemsize."""
 
     name = "raw"
+
+    @classmethod
+    def payload_bounds(
+        cls, params: Mapping[str, Any], shape: tuple[int, int, int, int], itemsize: int
+    ) -> tuple[int, int | None]:
+        n = 2 * numel(shape) * itemsize
+        return n, n
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor) -> list[bytes | memoryview]:
         return [tensor_bytes(keys), tensor_bytes(values)]

@@ -19,15 +19,16 @@ Error bound: that of the inner codec on the kept tokens; dropped tokens decode t
 from __future__ import annotations
 
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from kvshelf.compress.bitpack import pack_bits, unpack_bits
-from kvshelf.compress.container import pack_sections, unpack_sections
+from kvshelf.compress.bitpack import pack_bits, packed_len, unpack_bits
+from kvshelf.compress.container import frame_bytes, pack_sections, unpack_sections
 from kvshelf.kvstore.block import KVBlock
-from kvshelf.kvstore.codec import Codec, get_codec, register_codec
+from kvshelf.kvstore.codec import Codec, get_codec, payload_len_bounds, register_codec
 from kvshelf.kvstore.errors import CorruptBlockError
 
 _FILLS = {"nan": float("nan"), "zero": 0.0}
@@ -87,6 +88,23 @@ class SparseCodec(Codec):
         if self.fill not in _FILLS:
             raise ValueError(f"fill must be one of {sorted(_FILLS)}, got {self.fill!r}")
         self._inner = get_codec(self.inner, self.inner_params)  # CodecParamError for a bad inner codec
+
+    @classmethod
+    def payload_bounds(
+        cls, params: Mapping[str, Any], shape: tuple[int, int, int, int], itemsize: int
+    ) -> tuple[int, int | None] | None:
+        """The head and bitmap, plus the inner codec's bounds for 0 to all tokens kept."""
+        inner = params.get("inner", "fp16")
+        inner_params = params.get("inner_params", {})
+        if inner == cls.name or not isinstance(inner, str) or not isinstance(inner_params, Mapping):
+            return None
+        layers, heads, tokens, dim = shape
+        none_kept = payload_len_bounds(inner, inner_params, (layers, heads, 0, dim), itemsize)
+        all_kept = payload_len_bounds(inner, inner_params, shape, itemsize)
+        if none_kept is None or all_kept is None:
+            return None
+        fixed = frame_bytes(3) + 16 + packed_len(tokens, 1)
+        return fixed + none_kept[0], None if all_kept[1] is None else fixed + all_kept[1]
 
     def params(self) -> dict[str, Any]:
         return {"inner": self.inner, "inner_params": dict(self.inner_params), "fill": self.fill}

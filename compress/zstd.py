@@ -13,14 +13,16 @@ keys and the ``itemsize`` planes of the values.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 import zstandard
 
 from kvshelf.compress._cast import numel
-from kvshelf.compress.container import pack_sections, unpack_sections
+from kvshelf.compress.container import frame_bytes, pack_sections, unpack_sections
 from kvshelf.compress.raw import tensor_bytes
 from kvshelf.kvstore.codec import Codec, register_codec
 from kvshelf.kvstore.errors import CorruptBlockError
@@ -68,6 +70,15 @@ class ZstdCodec(Codec):
     def __post_init__(self) -> None:
         if isinstance(self.level, bool) or not isinstance(self.level, int) or not -7 <= self.level <= 22:
             raise ValueError(f"level must be an integer in [-7, 22], got {self.level!r}")
+
+    @classmethod
+    def payload_bounds(
+        cls, params: Mapping[str, Any], shape: tuple[int, int, int, int], itemsize: int
+    ) -> tuple[int, int | None]:
+        """At most every plane stored as is (a plane is compressed only when that makes it smaller)."""
+        planes = 2 * itemsize
+        least = frame_bytes(1 + planes) + planes
+        return least, least + planes * numel(shape)
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor) -> list[bytes | memoryview]:
         compressor = zstandard.ZstdCompressor(level=self.level, write_content_size=True)

@@ -108,6 +108,15 @@ class Codec(ABC):
         With ``copy=False`` the tensors may be read-only views of ``payload``.
         """
 
+    @classmethod
+    def payload_bounds(
+        cls, params: Mapping[str, Any], shape: tuple[int, int, int, int], itemsize: int
+    ) -> tuple[int, int | None] | None:
+        """``(least, most)`` payload bytes (``most`` None: unbounded) of a block of ``shape`` whose dtype has
+        ``itemsize`` bytes, encoded with ``params`` (as a header carries them, unchecked); ``None`` when the codec
+        cannot state them. O(1): ``verify_block`` calls it for every block it checks."""
+        return None
+
     def encode_at(self, keys: torch.Tensor, values: torch.Tensor, start_pos: int) -> list[bytes | memoryview]:
         """``encode`` of a block whose first token is at position ``start_pos`` (codecs that need it override)."""
         return self.encode(keys, values)
@@ -133,6 +142,28 @@ def register_codec(cls: type[Codec]) -> type[Codec]:
     """Class decorator: make ``cls`` available under ``cls.name`` (a later registration of a name wins)."""
     _registry()[cls.name] = cls
     return cls
+
+
+def payload_len_bounds(
+    name: str, params: Mapping[str, Any], shape: tuple[int, int, int, int], itemsize: int
+) -> tuple[int, int | None] | None:
+    """``Codec.payload_bounds`` of the codec ``name`` (``None`` for an unknown codec or parameters it cannot
+    read: those fail when the block is decoded)."""
+    cls = _registry().get(name)
+    if cls is None or not isinstance(params, Mapping):
+        return None
+    try:
+        return cls.payload_bounds(params, shape, itemsize)
+    except (TypeError, ValueError, KeyError, OverflowError):
+        return None
+
+
+def numel(shape: Sequence[int]) -> int:
+    """Elements of a tensor of ``shape`` (a Python int: no overflow for any declared shape)."""
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
 
 
 def available_codecs() -> list[str]:

@@ -20,7 +20,7 @@ import torch
 import xxhash
 
 from kvshelf.kvstore.block import KVBlock, PreparedBlock
-from kvshelf.kvstore.codec import Codec, get_codec
+from kvshelf.kvstore.codec import Codec, get_codec, numel, payload_len_bounds
 from kvshelf.kvstore.errors import CorruptBlockError, ForeignBlockError, KVShelfError
 
 MAGIC = b"KVSH"
@@ -36,6 +36,7 @@ DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+ITEMSIZES: dict[torch.dtype, int] = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in DTYPES.values()}
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,12 @@ class BlockHeader:
     namespace: str
     key: bytes
     extra: dict[str, str]
+
+
+def decoded_nbytes(header: BlockHeader) -> int:
+    """Bytes the keys and values of a block with this header take once decoded (``2 x prod(shape) x itemsize``),
+    from its declared shape and dtype alone: what decoding (or re-encoding) it would allocate, known before."""
+    return 2 * numel(header.shape) * ITEMSIZES[header.dtype]
 
 
 def encode_block(block: KVBlock, key: bytes, codec_name: str = "raw", codec_params: dict | None = None) -> bytes:
@@ -115,8 +122,10 @@ def _parse_header(data: memoryview) -> tuple[BlockHeader, int]:
         )
         if header.start_pos < 0:
             raise ValueError(f"bad start_pos {header.start_pos}")
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError, AttributeError, OverflowError) as exc:
-        raise CorruptBlockError(f"unreadable block header: {exc}") from exc
+    except RecursionError as exc:  # a deeply nested JSON header
+        raise CorruptBlockError("unreadable block header: nested too deeply") from exc
+    except Exception as exc:  # noqa: BLE001 - whatever the bytes hold, a bad header is a damaged block
+        raise CorruptBlockError(f"unreadable block header: {type(exc).__name__}: {exc}"[:500]) from exc
     return header, _PREFIX.size + header_len
 
 
@@ -146,6 +155,12 @@ def verify_block(
         raise CorruptBlockError(f"payload is {body_end - payload_start} bytes, header says {header.payload_len}")
     if len(header.token_ids) != header.shape[2]:
         raise CorruptBlockError(f"{len(header.token_ids)} token ids for {header.shape[2]} tokens")
+    bounds = payload_len_bounds(header.codec, header.params, header.shape, ITEMSIZES[header.dtype])
+    if bounds is not None and not (bounds[0] <= header.payload_len and (bounds[1] is None
+                                                                        or header.payload_len <= bounds[1])):
+        expected = f"{bounds[0]}" if bounds[0] == bounds[1] else f"{bounds[0]}..{bounds[1] or ''}"
+        raise CorruptBlockError(f"{header.codec} payload is {header.payload_len} bytes, a block of shape "
+                                f"{list(header.shape)} {DTYPE_NAMES[header.dtype]} takes {expected}")
     if expected_key is not None and header.key != expected_key:
         raise ForeignBlockError(f"block was stored under key {header.key.hex()}, not {expected_key.hex()}")
     if expected_fingerprint is not None and header.fingerprint != expected_fingerprint:

@@ -23,6 +23,11 @@ class CorruptBlockError(KVShelfError):
     """An encoded block failed validation (bad magic, truncated, checksum mismatch, bad header)."""
 
 
+class BlockTooLargeError(KVShelfError):
+    """A block whose declared shape decodes to more bytes than a configured bound (max block size, a tier's
+    capacity): refused before anything is allocated for it."""
+
+
 class ForeignBlockError(KVShelfError):
     """A well-formed block that belongs to another key, namespace or model fingerprint."""
 

@@ -12,9 +12,25 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Self, TypeVar
 
 from kvshelf.kvstore.block import KVBlock, PreparedBlock
-from kvshelf.kvstore.codec import get_codec
-from kvshelf.kvstore.encoding import decode_block, encode_block, prepare_block, read_header, verify_block
-from kvshelf.kvstore.errors import ConfigError, ForeignBlockError, KVShelfError, StoreFullError, TierUnavailableError
+from kvshelf.kvstore.codec import get_codec, payload_len_bounds
+from kvshelf.kvstore.encoding import (
+    ITEMSIZES,
+    BlockHeader,
+    decode_block,
+    decoded_nbytes,
+    encode_block,
+    prepare_block,
+    read_header,
+    verify_block,
+)
+from kvshelf.kvstore.errors import (
+    BlockTooLargeError,
+    ConfigError,
+    ForeignBlockError,
+    KVShelfError,
+    StoreFullError,
+    TierUnavailableError,
+)
 from kvshelf.kvstore.keys import KEY_BYTES, check_keys
 from kvshelf.kvstore.protocol import DEFAULT_NAMESPACE, UNKNOWN_MODEL
 from kvshelf.kvstore.stats import ALL_TIERS, UNKNOWN, Counters, StoreEvent
@@ -47,6 +63,24 @@ class TierSpec:
     def same_codec(self, other: TierSpec) -> bool:
         return self.codec == other.codec and self.codec_params == other.codec_params
 
+    def stores_as_is(self, header: BlockHeader) -> bool:
+        """Whether a block with ``header`` is stored in this tier as it is (else it is re-encoded)."""
+        return header.codec == self.codec and header.params == self.codec_params
+
+    def stored_nbytes(self, header: BlockHeader, encoded_len: int) -> int:
+        """An upper bound of the bytes this tier stores for an encoded block of ``encoded_len`` bytes: the block
+        itself, or its re-encoding (the target codec's exact payload size where it can state it, else the
+        decoded size), computed from the header alone."""
+        if self.stores_as_is(header):
+            return encoded_len
+        bounds = payload_len_bounds(self.codec, self.codec_params, header.shape, ITEMSIZES[header.dtype])
+        payload = bounds[1] if bounds is not None and bounds[1] is not None else decoded_nbytes(header)
+        return encoded_len - header.payload_len + payload + _HEADER_SLACK
+
+
+#: header bytes a re-encoding may add (another codec's name and parameters, a longer payload length)
+_HEADER_SLACK = 256
+
 
 _PARALLEL_MIN_BYTES = 1 << 20
 
@@ -77,6 +111,20 @@ def _decode_all(decode: Callable[[bytes, bytes], T], keys: Sequence[bytes], valu
         return list(pool.map(one, keys, values))
 
 
+def _check_decoded_size(header: BlockHeader, key: bytes, bound: int) -> None:
+    """``BlockTooLargeError`` when a block of ``header`` decodes to more than ``bound`` bytes."""
+    need = decoded_nbytes(header)
+    if need > bound:
+        raise BlockTooLargeError(
+            f"block {header_key(key).hex()} of declared shape {list(header.shape)} decodes to {need} bytes, "
+            f"more than the limit of {bound} bytes for a block re-encoded into another codec")
+
+
+def _reencode(value: bytes, key: bytes, spec: TierSpec) -> bytes:
+    """``value`` (verified) decoded and encoded in ``spec``'s codec, its header naming the unscoped key."""
+    return encode_block(decode_block(value, copy=False), header_key(key), spec.codec, spec.codec_params)
+
+
 class TieredStore:
     """Blocks by key across ordered tiers (fastest first); a ``kvstore.protocol.BlockStore``.
 
@@ -92,7 +140,7 @@ class TieredStore:
 
     def __init__(
         self, tiers: Sequence[Tier | TierSpec], write_policy: Literal["through", "back"] = "through", *,
-        namespace: str = DEFAULT_NAMESPACE,
+        namespace: str = DEFAULT_NAMESPACE, max_decoded_bytes: int | None = None,
     ) -> None:
         if not namespace:
             raise ConfigError("namespace must be a non-empty string")
@@ -106,6 +154,9 @@ class TieredStore:
             raise ConfigError(f"tier names must be unique, got {names}")
         self.write_policy = write_policy
         self.namespace = namespace
+        #: the most bytes a stored value may decode to when a tier re-encodes it (promotion, write-down); None:
+        #: bounded by the target tier's capacity only. The service sets its max block size here.
+        self.max_decoded_bytes = max_decoded_bytes
         self.counters = Counters()
         self._listeners: list[Listener] = []
         self._pinned: set[bytes] = set()
@@ -152,27 +203,39 @@ class TieredStore:
         def encode_for(spec: TierSpec) -> list[tuple[bytes, bytes]]:
             ident = (spec.codec, tuple(sorted(spec.codec_params.items())))
             if ident not in cache:
-                cache[ident] = [(k, encode_block(b, k, spec.codec, spec.codec_params)) for k, b in entries]
+                cache[ident] = [(k, encode_block(b, header_key(k), spec.codec, spec.codec_params)) for k, b in entries]
             return cache[ident]
 
         owners = [(b.namespace, b.fingerprint) for _, b in entries]
         return self._write(encode_for, owners, [k for k, _ in entries], pin)
 
-    def put_encoded_many(self, items: Sequence[tuple[bytes, bytes]], *, pin: bool = False) -> int:
+    def write_targets(self) -> list[TierSpec]:
+        """The tiers a put writes: every tier (write-through) or the first (write-back)."""
+        return self.specs if self.write_policy == "through" else self.specs[:1]
+
+    def put_encoded_many(
+        self, items: Sequence[tuple[bytes, bytes]], *, pin: bool = False, max_decoded_bytes: int | None = None
+    ) -> int:
         """Store already-encoded values (from a remote client, say); each is verified first.
 
         Raises ``CorruptBlockError`` / ``ForeignBlockError`` (nothing stored) if any value is damaged or was
-        encoded under another key. Values are re-encoded only for tiers configured with another codec.
+        encoded under another key. Values are re-encoded only for tiers configured with another codec; with
+        ``max_decoded_bytes``, a value some tier would re-encode whose declared shape decodes to more is refused
+        with ``BlockTooLargeError`` before anything is decoded or stored.
         """
         items = list(items)
         check_keys((k for k, _ in items), scoped=True)
         headers = [verify_block(value, expected_key=header_key(key)) for key, value in items]
+        if max_decoded_bytes is not None:
+            for (key, _), header in zip(items, headers, strict=True):
+                if any(not spec.stores_as_is(header) for spec in self.write_targets()):
+                    _check_decoded_size(header, key, max_decoded_bytes)
 
         def encode_for(spec: TierSpec) -> list[tuple[bytes, bytes]]:
             out = []
             for (key, value), header in zip(items, headers, strict=True):
-                if header.codec != spec.codec or header.params != spec.codec_params:
-                    value = encode_block(decode_block(value, copy=False), key, spec.codec, spec.codec_params)
+                if not spec.stores_as_is(header):
+                    value = _reencode(value, key, spec)
                 out.append((key, value))
             return out
 
@@ -185,7 +248,7 @@ class TieredStore:
             return 0
         if pin:  # before the write, so that making room for these never evicts them
             self._pin_all(keys)
-        targets = self.specs if self.write_policy == "through" else self.specs[:1]
+        targets = self.write_targets()
         accepted, full_error = 0, None
         for n, spec in enumerate(targets):
             encoded = encode_for(spec)
@@ -238,12 +301,24 @@ class TieredStore:
         if self.write_policy == "back" and index + 1 < len(self.specs):
             self._write_down(index, key, value)
 
+    def _reencode_bound(self, spec: TierSpec) -> int | None:
+        """The most bytes a stored value may decode to for a re-encode into ``spec``'s tier: the store's bound
+        and the tier's byte capacity, when either is set."""
+        bounds = [b for b in (self.max_decoded_bytes, getattr(spec.tier, "capacity_bytes", None))
+                  if isinstance(b, int)]
+        return min(bounds) if bounds else None
+
     def _write_down(self, index: int, key: bytes, value: bytes) -> None:
         lower = self.specs[index + 1]
         if not lower.same_codec(self.specs[index]):
             try:
-                value = encode_block(decode_block(value, expected_key=key), key, lower.codec, lower.codec_params)
-            except KVShelfError:
+                header = verify_block(value, expected_key=header_key(key))
+                bound = self._reencode_bound(lower)
+                if bound is not None:
+                    _check_decoded_size(header, key, bound)
+                value = _reencode(value, key, lower)
+            except KVShelfError as exc:
+                log.warning("tier %s: block %s not written down: %s", lower.tier.name, key.hex(), exc)
                 return
         if lower.tier.put_many([(key, value)]):
             header = read_header(value)
@@ -391,11 +466,15 @@ class TieredStore:
         headers = [read_header(v) for _, v in hits]
         owners = [(h.namespace, h.fingerprint) for h in headers]
         for spec in self.specs[:found_in]:
-            if spec.same_codec(source):
-                encoded = hits
-            else:
-                encoded = [(k, encode_block(decode_block(v, copy=False), k, spec.codec, spec.codec_params))
-                           for k, v in hits]
+            encoded, spec_owners = hits, owners
+            if not spec.same_codec(source):
+                bound = self._reencode_bound(spec)
+                # never decode a value for a tier it cannot fit in (or past the store's bound): skip its promotion
+                fits = [i for i, h in enumerate(headers) if bound is None or decoded_nbytes(h) <= bound]
+                encoded = [(hits[i][0], _reencode(hits[i][1], hits[i][0], spec)) for i in fits]
+                spec_owners = [owners[i] for i in fits]
+                if not encoded:
+                    continue
             try:
                 stored = spec.tier.put_many(encoded)
             except StoreFullError:
@@ -403,7 +482,7 @@ class TieredStore:
             except TierUnavailableError as exc:
                 self._unavailable(spec, exc)
                 continue
-            self._count_writes(spec, encoded, owners, stored)
+            self._count_writes(spec, encoded, spec_owners, stored)
 
     def _unavailable(self, spec: TierSpec, exc: TierUnavailableError) -> None:
         """An unreachable tier is skipped (reads miss, writes go to the other tiers) and counted."""
