@@ -48,5 +48,10 @@ class TierUnavailableError(KVShelfError):
     """A tier's backing service (Redis, a remote server) cannot be reached now; the store degrades around it."""
 
 
+class TierDamagedError(TierUnavailableError):
+    """A tier's storage is structurally damaged (an LMDB file cut short, a garbage page): the tier is skipped
+    like an unreachable one (reads miss, writes go to the other tiers) until it is repaired or reset."""
+
+
 class WriteBehindError(KVShelfError):
     """Blocks handed to a write-behind writer could not be written in time (a flush timed out)."""

@@ -2,19 +2,29 @@
 
 Writes of a batch are one transaction (all or nothing). The map starts small and doubles when full, up to
 ``max_map_bytes``; past that a put raises ``StoreFullError`` and nothing already stored is lost.
+
+Damage: LMDB trusts its file (a file cut short is a SIGBUS, a garbage leaf an assertion abort), so before
+``mdb_env_open`` the file is judged with plain reads (``kvstore.lmdb_file``: both meta pages, the file size
+against the last page they name, then every branch and leaf page of every tree) and a damaged environment
+raises ``TierDamagedError`` naming the path and the recovery (``kvshelf repair --data-dir DIR`` or
+``kvshelf serve --reset-disk``). Damage found later (any ``lmdb.Error`` but a full or resized map) marks the
+tier damaged: that call and every later one raise the same ``TierDamagedError`` without touching the file,
+and the ``TieredStore`` skips the tier as it does an unreachable one.
 """
 
 from __future__ import annotations
 
 import os
 import struct
+import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
 import lmdb
 
-from kvshelf.kvstore.errors import ConfigError, StoreFullError
+from kvshelf.kvstore.errors import ConfigError, StoreFullError, TierDamagedError, TierUnavailableError
+from kvshelf.kvstore.lmdb_file import check_file, verify_tree
 from kvshelf.kvstore.rwlock import RWLock
 from kvshelf.kvstore.tier import Tier, TierUsage
 
@@ -23,10 +33,62 @@ _TOTAL = b"total_bytes"
 _U64 = struct.Struct("<Q")
 MiB = 1 << 20
 GiB = 1 << 30
+MIN_MAP_BYTES = MiB  # LMDB's own pages (2 meta, the trees' roots) take a few; below 1 MiB no KV block fits
+_RESIZE_RETRIES = 100
+# errors of the moment, not of the file: the call fails (the tier counts as unavailable) and the next may work
+_TRANSIENT = (lmdb.ReadersFullError, lmdb.DiskError, lmdb.MemoryError, lmdb.TlsFullError)
+
+
+def recovery_hint(path: Path) -> str:
+    """How to recover from a damaged environment at ``path`` (the ``lmdb`` folder of a data directory)."""
+    return (f"recover with `kvshelf repair --data-dir {path.parent}` (keeps every readable block), or start "
+            f"with `kvshelf serve --reset-disk` (moves it aside to {path.name}.damaged-<time>, starts empty)")
+
+
+def damaged_error(path: Path, what: str) -> TierDamagedError:
+    return TierDamagedError(f"LMDB environment {path} is damaged: {what}; {recovery_hint(path)}")
+
+
+def check_file_fits(path: Path) -> None:
+    """Raise ``TierDamagedError`` if ``path/data.mdb`` is not a file LMDB can safely map: bad meta pages, or a
+    file shorter than the pages they name (mapping it would SIGBUS). Reads the file, never maps it."""
+    data = path / "data.mdb"
+    if not data.exists():
+        return
+    try:
+        check = check_file(data)
+        if check.problems:  # a file being created by another process this instant: look once more
+            time.sleep(0.05)
+            check = check_file(data)
+    except OSError as exc:
+        raise ConfigError(f"cannot read LMDB tier file {data}: {exc}") from exc
+    if check.problems:
+        raise damaged_error(path, "; ".join(check.problems))
+
+
+def check_trees(path: Path, env: lmdb.Environment) -> None:
+    """Raise ``TierDamagedError`` if a branch or leaf page of the environment's current trees is damaged (or a
+    value's overflow pages lie past the file), read from the file (never through the map) under a read
+    transaction, so that no writer of another process reuses the pages being read."""
+    data = path / "data.mdb"
+    for _ in range(5):
+        with env.begin() as txn, open(data, "rb") as f:
+            check = check_file(data)
+            meta = next((m for m in check.metas if m.txnid == txn.id()), None)
+            if meta is None:  # the meta page of this snapshot was already rewritten by later commits
+                continue
+            problems = verify_tree(f.fileno(), meta)
+            if problems:
+                raise damaged_error(path, "; ".join(problems))
+            return
 
 
 class LMDBTier(Tier):
-    """Encoded blocks in an LMDB environment under ``path`` (a directory, created if missing)."""
+    """Encoded blocks in an LMDB environment under ``path`` (a directory, created if missing).
+
+    ``verify``: judge the file before opening it and its trees before using them (``check_file_fits``,
+    ``check_trees``; on by default: reads every branch and leaf page once, not the values).
+    """
 
     def __init__(
         self,
@@ -36,47 +98,109 @@ class LMDBTier(Tier):
         max_map_bytes: int = 1024 * GiB,
         durable: bool = True,
         name: str = "disk",
+        verify: bool = True,
     ) -> None:
         if initial_map_bytes <= 0 or max_map_bytes <= 0:
             raise ConfigError(
                 f"LMDB map sizes must be positive (initial={initial_map_bytes}, max={max_map_bytes})"
             )
+        if max_map_bytes < MIN_MAP_BYTES:
+            raise ConfigError(f"the LMDB size limit {max_map_bytes} bytes is below the minimum of {MIN_MAP_BYTES} "
+                              f"bytes (1MiB) LMDB needs for its own pages and one block")
         if initial_map_bytes > max_map_bytes:
             raise ConfigError(f"initial_map_bytes {initial_map_bytes} exceeds max_map_bytes {max_map_bytes}")
         self.name = name
         self.path = Path(path)
         self.max_map_bytes = max_map_bytes
+        self._damaged: TierDamagedError | None = None
+        self._lock = RWLock()
         try:
             self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot open LMDB tier at {self.path}: {exc}") from exc
+        if verify:
+            check_file_fits(self.path)
+        try:
             self._env = lmdb.open(
                 str(self.path),
-                map_size=initial_map_bytes,
+                map_size=max(initial_map_bytes, MIN_MAP_BYTES),
                 max_dbs=4,
                 readahead=True,  # values are large runs of overflow pages: a cold read wants the kernel's readahead
                 sync=durable,
                 metasync=durable,
                 max_readers=512,
             )
+        except (lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError, lmdb.PageNotFoundError) as exc:
+            raise damaged_error(self.path, f"{type(exc).__name__}: {exc}") from exc
         except (OSError, lmdb.Error) as exc:
             raise ConfigError(f"cannot open LMDB tier at {self.path}: {exc}") from exc
-        if self._env.info()["map_size"] < initial_map_bytes:  # another process opened it smaller
-            self._env.set_mapsize(initial_map_bytes)
-        self._blocks = self._env.open_db(b"blocks")
-        self._meta = self._env.open_db(b"meta")
-        self._lock = RWLock()
+        try:
+            if verify:
+                self._check_trees()
+            self._blocks, self._meta = self._open_dbs(initial_map_bytes)
+        except BaseException:
+            self._env.close()
+            raise
+
+    def _check_trees(self) -> None:
+        for _ in range(_RESIZE_RETRIES):
+            try:
+                return check_trees(self.path, self._env)
+            except lmdb.MapResizedError:
+                self._env.set_mapsize(0)
+            except OSError as exc:
+                raise ConfigError(f"cannot read LMDB tier file {self.path / 'data.mdb'}: {exc}") from exc
+
+    def _open_dbs(self, initial_map_bytes: int) -> tuple[lmdb._Database, lmdb._Database]:
+        """The two named databases; another process growing the map meanwhile is waited out (retried)."""
+        for _ in range(_RESIZE_RETRIES):
+            try:
+                if self._env.info()["map_size"] < initial_map_bytes:  # another process opened it smaller
+                    self._env.set_mapsize(initial_map_bytes)
+                return self._env.open_db(b"blocks"), self._env.open_db(b"meta")
+            except lmdb.MapResizedError:
+                self._env.set_mapsize(0)  # take the size another process set
+            except lmdb.MapFullError as exc:
+                raise ConfigError(f"LMDB tier {self.path}: the map of {self._env.info()['map_size']} bytes cannot "
+                                  f"hold LMDB's own pages; raise the size limit") from exc
+            except _TRANSIENT as exc:
+                raise ConfigError(f"cannot open LMDB tier at {self.path}: {exc}") from exc
+            except lmdb.Error as exc:
+                raise damaged_error(self.path, f"{type(exc).__name__}: {exc}") from exc
+        raise ConfigError(f"cannot open LMDB tier at {self.path}: its map was resized {_RESIZE_RETRIES} times "
+                          "while opening it")
 
     # -- transaction plumbing -------------------------------------------------------------------------
 
+    @property
+    def damaged(self) -> bool:
+        """Whether a call found the environment damaged (every later call fails fast)."""
+        return self._damaged is not None
+
+    def _fail(self, exc: lmdb.Error) -> TierUnavailableError:
+        """The error to raise for an LMDB error of a call; marks the tier damaged unless it is transient."""
+        if isinstance(exc, _TRANSIENT):
+            return TierUnavailableError(f"LMDB tier {self.path}: {type(exc).__name__}: {exc}")
+        if self._damaged is None:
+            self._damaged = damaged_error(self.path, f"{type(exc).__name__}: {exc}")
+        return self._damaged
+
     def _read(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         while True:
+            if self._damaged is not None:
+                raise self._damaged
             try:
                 with self._lock.read(), self._env.begin(db=self._blocks, buffers=True) as txn:
                     return fn(txn)
             except lmdb.MapResizedError:
                 self._adopt_resize()
+            except lmdb.Error as exc:
+                raise self._fail(exc) from exc
 
     def _write(self, fn: Callable[[lmdb.Transaction], T], needed: int = 0) -> T:
         while True:
+            if self._damaged is not None:
+                raise self._damaged
             try:
                 with self._lock.read(), self._env.begin(db=self._blocks, write=True, buffers=True) as txn:
                     return fn(txn)
@@ -84,6 +208,8 @@ class LMDBTier(Tier):
                 self._grow(needed)
             except lmdb.MapResizedError:
                 self._adopt_resize()
+            except lmdb.Error as exc:
+                raise self._fail(exc) from exc
 
     def _adopt_resize(self) -> None:
         with self._lock.write():
