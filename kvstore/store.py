@@ -29,6 +29,7 @@ from kvshelf.kvstore.errors import (
     ForeignBlockError,
     KVShelfError,
     StoreFullError,
+    TierDamagedError,
     TierUnavailableError,
 )
 from kvshelf.kvstore.keys import KEY_BYTES, check_keys
@@ -161,6 +162,7 @@ class TieredStore:
         self._listeners: list[Listener] = []
         self._pinned: set[bytes] = set()
         self._lock = threading.Lock()
+        self._damaged_logged: set[str] = set()
         for index, spec in enumerate(self.specs):
             spec.tier.set_eviction_callback(lambda k, v, i=index: self._on_evict(i, k, v))
             spec.tier.pin(self._pinned)
@@ -277,7 +279,11 @@ class TieredStore:
         """Count and announce what ``spec``'s tier stored; return the ``(key, value)`` pairs it rejected."""
         name = spec.tier.name
         # a tier that stored fewer than offered rejected the rest (too large, or room only by evicting pins)
-        present = spec.tier.get_many([k for k, _ in encoded]) if stored < len(encoded) else None
+        try:
+            present = spec.tier.get_many([k for k, _ in encoded]) if stored < len(encoded) else None
+        except TierUnavailableError as exc:  # it stopped answering: count none of them stored
+            self._unavailable(spec, exc)
+            present = [None] * len(encoded)
         rejected = []
         for i, ((key, value), (ns, model)) in enumerate(zip(encoded, owners, strict=True)):
             if present is not None and present[i] is None:
@@ -320,7 +326,12 @@ class TieredStore:
             except KVShelfError as exc:
                 log.warning("tier %s: block %s not written down: %s", lower.tier.name, key.hex(), exc)
                 return
-        if lower.tier.put_many([(key, value)]):
+        try:
+            stored = lower.tier.put_many([(key, value)])
+        except TierUnavailableError as exc:  # unreachable or damaged: the block leaves the store, counted
+            self._unavailable(lower, exc)
+            return
+        if stored:
             header = read_header(value)
             self.counters.add(lower.tier.name, header.namespace, header.fingerprint, "blocks_written")
             self.counters.add(lower.tier.name, header.namespace, header.fingerprint, "bytes_written", len(value))
@@ -442,7 +453,10 @@ class TieredStore:
                 except KVShelfError as exc:
                     log.warning("tier %s: dropping damaged block %s: %s", name, keys[j].hex(), exc)
                     self.counters.add(name, namespace, model, "corrupt")
-                    self._delete_from(spec, [keys[j]])
+                    try:
+                        self._delete_from(spec, [keys[j]])
+                    except TierUnavailableError as exc:
+                        self._unavailable(spec, exc)
                     missed.append(j)
                     continue
                 self.counters.add(name, namespace, model, "bytes_read", len(value))
@@ -485,8 +499,13 @@ class TieredStore:
             self._count_writes(spec, encoded, spec_owners, stored)
 
     def _unavailable(self, spec: TierSpec, exc: TierUnavailableError) -> None:
-        """An unreachable tier is skipped (reads miss, writes go to the other tiers) and counted."""
-        log.warning("tier %s unavailable: %s", spec.tier.name, exc)
+        """An unreachable or damaged tier is skipped (reads miss, writes go to the other tiers) and counted as
+        ``unavailable``; a damaged one is logged once (every later call fails fast with the same error)."""
+        if not isinstance(exc, TierDamagedError):
+            log.warning("tier %s unavailable: %s", spec.tier.name, exc)
+        elif spec.tier.name not in self._damaged_logged:
+            self._damaged_logged.add(spec.tier.name)
+            log.error("tier %s is damaged, skipped until repaired (the other tiers serve): %s", spec.tier.name, exc)
         self.counters.add(spec.tier.name, UNKNOWN, UNKNOWN, "unavailable")
 
     # -- management -----------------------------------------------------------------------------------
@@ -576,6 +595,7 @@ class TieredStore:
                     "name": name,
                     "codec": spec.codec,
                     "available": usage is not None,
+                    "damaged": bool(getattr(spec.tier, "damaged", False)),
                     "blocks": usage.blocks if usage else None,
                     "bytes": usage.bytes if usage else None,
                     "capacity_bytes": usage.capacity_bytes if usage else None,
