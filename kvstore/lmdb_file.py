@@ -106,10 +106,12 @@ def read_meta(fd: int, index: int, page_size: int | None = None) -> Meta:
 
 @dataclass
 class FileCheck:
-    """What ``check_file`` found: the meta pages that are usable (newest first) and what is wrong."""
+    """What ``check_file`` found: the meta pages that parse (``parsed``) and those whose pages all lie in the
+    file (``metas``), newest first; and what is wrong."""
 
     size: int
     metas: list[Meta] = field(default_factory=list)
+    parsed: list[Meta] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -160,6 +162,7 @@ def check_file(path: str | os.PathLike[str]) -> FileCheck:
             else:
                 check.problems.append(problem)
         check.metas.sort(key=lambda m: m.txnid, reverse=True)
+        check.parsed = sorted(candidates, key=lambda m: m.txnid, reverse=True)
         return check
 
 
@@ -319,3 +322,26 @@ def verify_tree(fd: int, meta: Meta, *, limit: int = 8) -> list[str]:
                 break
         problems.extend(f"{name} db: page {pgno}: {why}" for pgno, why in report.unreadable.items())
     return problems[:limit]
+
+
+def scan_leaf_pages(fd: int, page_size: int, *, chunk_pages: int = 4096) -> Iterator[tuple[int, bytes]]:
+    """Every page of the file that looks like a leaf page (its header names its own number, leaf flags, sane
+    lower/upper), in file order, whatever tree (or free list) it belongs to: ``(pgno, raw page)``. For salvaging
+    what a damaged tree no longer reaches; such pages may hold stale versions (freed by later transactions)."""
+    file_pages = os.fstat(fd).st_size // page_size
+    pgno = 2
+    while pgno < file_pages:
+        count = min(chunk_pages, file_pages - pgno)
+        chunk = _read(fd, pgno * page_size, count * page_size)
+        i = 0
+        while i < len(chunk) // page_size:
+            number, _, flags, lower, upper = PAGE_HEADER.unpack_from(chunk, i * page_size)
+            if number == pgno + i and flags & P_OVERFLOW:  # skip its data pages (a garbage count: one page)
+                (pages,) = struct.unpack_from("<I", chunk, i * page_size + 12)
+                i += pages if 1 <= pages <= file_pages else 1
+                continue
+            if (number == pgno + i and flags & (P_LEAF | P_BRANCH | P_META | P_LEAF2) == P_LEAF
+                    and PAGE_HEADER_BYTES <= lower <= upper <= page_size):
+                yield pgno + i, chunk[i * page_size : (i + 1) * page_size]
+            i += 1
+        pgno += i

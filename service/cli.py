@@ -93,6 +93,34 @@ def serve(
     raise typer.Exit(run_server(load_config(flags, config_file=config)))
 
 
+@app.command()
+def repair(
+    data_dir: Annotated[Path | None, typer.Option(
+        help="store directory whose lmdb/ environment to repair (default: $KVSHELF_DATA_DIR or the cache)")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="only report what would be kept and dropped")] = False,
+) -> None:
+    """Salvage a damaged disk tier (LMDB): keep every readable block that verifies, drop the rest.
+
+    Recovery when `kvshelf serve` refuses a damaged data directory, or its health reports the disk tier damaged:
+    stop the server, run `kvshelf repair --data-dir DIR --dry-run` to see what would be kept, then
+    `kvshelf repair --data-dir DIR`. The kept blocks are copied byte for byte into a new environment; the damaged
+    one is kept as DIR/lmdb.damaged-<UTC time> (never deleted). Dropped blocks are recomputed by the model on
+    their next miss. To start empty instead: `kvshelf serve --reset-disk`. Exit 0 when DIR/lmdb is usable.
+    """
+    from rich.progress import Progress
+
+    from kvshelf.kvstore.embedded import default_data_dir
+    from kvshelf.kvstore.lmdb_repair import repair as run_repair
+
+    path = (data_dir or default_data_dir()) / "lmdb"
+    err = Console(stderr=True)
+    with Progress(console=err, transient=True, disable=not err.is_terminal) as progress:
+        task = progress.add_task("reading blocks", total=None)
+        report = run_repair(path, dry_run=dry_run, total=lambda n: progress.update(task, total=n),
+                            advance=lambda n: progress.advance(task, n))
+    print(report.summary())
+
+
 @bench_app.command("ttft")
 def bench_ttft(
     json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
@@ -429,7 +457,7 @@ def main() -> None:
     try:
         app()
     except KVShelfError as exc:
-        Console(stderr=True).print(f"[bold red]error:[/bold red] {exc}", highlight=False)
+        Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/bold red] {exc}", highlight=False)
         sys.exit(2)
 
 

@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvshelf.kvstore.embedded import default_data_dir, open_embedded_store, parse_size
-from kvshelf.kvstore.errors import ConfigError
+from kvshelf.kvstore.embedded import MIN_DISK_BYTES, default_data_dir, open_embedded_store, parse_size
+from kvshelf.kvstore.errors import ConfigError, TierDamagedError
+from kvshelf.kvstore.lmdb_repair import move_aside
 from kvshelf.kvstore.store import TieredStore, TierSpec
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,22 @@ class ServeConfig:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(ServeConfig)}
+# the size settings and the least each accepts; quota and max_inflight may also be "" (unset)
+SIZE_SETTINGS = {"memory": 0, "max_disk": MIN_DISK_BYTES, "max_block": 1, "max_call": 1, "quota": 1, "min_rate": 0,
+                 "max_inflight": 1}
+_UNSET_ALLOWED = ("quota", "max_inflight")
+
+
+def size_setting(name: str, value: Any, label: str | None = None) -> int | None:
+    """The size setting ``name`` in bytes (None when unset and allowed); a ``ConfigError`` starting with
+    ``label`` (default ``--name``) when it is not a size or below the least the setting accepts."""
+    label = label or f"--{name.replace('_', '-')}"
+    if name in _UNSET_ALLOWED and str(value).strip() == "":
+        return None
+    size = parse_size(value if isinstance(value, int | float) and not isinstance(value, bool) else str(value), label)
+    if size < SIZE_SETTINGS[name]:
+        raise ConfigError(f"{label}: {value!r} is too small (at least {SIZE_SETTINGS[name]} bytes)")
+    return size
 
 
 def _coerce(name: str, value: Any, source: str) -> Any:
@@ -90,6 +107,8 @@ def _coerce(name: str, value: Any, source: str) -> Any:
             return int(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{source}: {name} must be a number, got {value!r}") from None
+    if name in SIZE_SETTINGS:
+        size_setting(name, value, source if source.startswith(("--", "$")) else f"{source}: {name}")
     return str(value)
 
 
@@ -142,9 +161,18 @@ def load_config(flags: Mapping[str, Any], env: Mapping[str, str] | None = None,
 
 def open_store(config: ServeConfig) -> TieredStore:
     """CPU memory + LMDB under the data directory, plus Redis when ``config.redis`` is set."""
-    memory = parse_size(config.memory)
-    store = open_embedded_store(config.resolved_data_dir(), memory_bytes=memory or None,
-                                disk_codec=config.disk_codec, max_disk_bytes=config.max_disk)
+    memory = size_setting("memory", config.memory)
+    try:
+        store = open_embedded_store(config.resolved_data_dir(), memory_bytes=memory or None,
+                                    disk_codec=config.disk_codec, max_disk_bytes=config.max_disk)
+    except TierDamagedError as exc:
+        if not config.reset_disk:
+            raise
+        moved = move_aside(config.resolved_data_dir() / "lmdb")
+        log.warning("--reset-disk: the damaged LMDB environment was moved to %s (kept, never deleted) and a new "
+                    "empty one started; the damage: %s", moved, str(exc).split("; recover with", 1)[0])
+        store = open_embedded_store(config.resolved_data_dir(), memory_bytes=memory or None,
+                                    disk_codec=config.disk_codec, max_disk_bytes=config.max_disk)
     if not config.redis:
         return store
     if not config.redis.startswith(("redis://", "rediss://", "redis+cluster://")):
@@ -171,11 +199,11 @@ def serve(config: ServeConfig, *, ready: threading.Event | None = None, stop: th
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tokens = TokenTable.from_file(config.tokens_file) if config.tokens_file else None
-    limits = ServerLimits(max_block_bytes=parse_size(config.max_block), max_call_bytes=parse_size(config.max_call),
-                          quota_bytes=parse_size(config.quota) if config.quota else None,
-                          shared_memory=config.shared_memory, tenant_streams=config.tenant_streams,
-                          idle_timeout_s=config.idle_timeout, min_rate_bytes=parse_size(config.min_rate),
-                          max_inflight_bytes=parse_size(config.max_inflight) if config.max_inflight else None)
+    sizes = {name: size_setting(name, getattr(config, name)) for name in SIZE_SETTINGS}
+    limits = ServerLimits(max_block_bytes=sizes["max_block"], max_call_bytes=sizes["max_call"],
+                          quota_bytes=sizes["quota"], shared_memory=config.shared_memory,
+                          tenant_streams=config.tenant_streams, idle_timeout_s=config.idle_timeout,
+                          min_rate_bytes=sizes["min_rate"], max_inflight_bytes=sizes["max_inflight"])
     cert = Path(config.tls_cert).read_bytes() if config.tls_cert else None
     key = Path(config.tls_key).read_bytes() if config.tls_key else None
     store = open_store(config)
