@@ -342,6 +342,30 @@ def bench_chaos(
         raise typer.Exit(1)
 
 
+@bench_app.command("abuse")
+def bench_abuse(
+    json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+    seconds: Annotated[float, typer.Option(min=4, help="length of the run (half alone, half under abuse)")] = 60,
+    max_block: Annotated[str, typer.Option(help="the server's --max-block")] = "4MiB",
+    max_call: Annotated[str, typer.Option(help="the server's --max-call (the per-call limit of the figures)")
+                        ] = "32MiB",
+    quota: Annotated[str, typer.Option(help="the server's per-namespace --quota")] = "16MiB",
+    max_inflight: Annotated[str | None, _opt("the server's --max-inflight (default: the server's)")] = None,
+    tenant_streams: Annotated[int | None, _opt("the server's --tenant-streams (default: the server's)")] = None,
+    idle_timeout: Annotated[float | None, _opt("the server's --idle-timeout (default: the server's)")] = None,
+    idle_streams: Annotated[int, typer.Option(min=0, help="idle PutBlocks streams the abuser holds open")] = 16,
+) -> None:
+    """Fairness: an honest tenant's p50/p99 alone and while another tenant abuses the server; RSS, INTERNALs."""
+    from kvshelf.bench.abuse import AbuseSettings, run
+
+    settings = AbuseSettings(seconds=seconds, max_block=max_block, max_call=max_call, quota=quota,
+                             max_inflight=max_inflight, tenant_streams=tenant_streams, idle_timeout=idle_timeout,
+                             idle_streams=idle_streams)
+    result = run(json_path=str(json_path) if json_path else None, settings=settings, console=console)
+    if not result["ok"]:
+        raise typer.Exit(1)
+
+
 def _corpus(corpus: Path | None) -> Path | None:
     """The corpus to use: the given file (which must exist), else ../shared/data/abstracts.jsonl when present."""
     from kvshelf.bench.common import default_corpus

@@ -1,0 +1,546 @@
+"""``kvshelf bench abuse``: one honest tenant's latency with and without an abusive tenant on the same server.
+
+A real ``kvshelf serve`` runs on loopback over a fresh data directory, with a tokens file of two tenants and
+small limits (``--max-block 4MiB``, ``--max-call 32MiB``, ``--quota 16MiB`` by default; the fairness settings
+``--tenant-streams`` / ``--idle-timeout`` at the server's defaults unless given). Two phases of ``seconds / 2``:
+
+- ``alone``: the honest tenant's loop through ``RemoteStore``: put 4 real encoded blocks of 256 KiB (one
+  PutBlocks call), get them back (one GetBlocks call) and compare the bytes, every ``honest_interval_s``;
+  every call has a deadline of ``HONEST_TIMEOUT_S`` and a failed call counts under its status code (its
+  latency counts too: the tenant waited for it).
+- ``under_abuse``: the same loop while the abusive tenant (``bench/abuser.py``, a process of its own with its
+  own token) holds idle and slow streams, sends oversized, bomb, malformed and over-quota puts.
+
+Per phase: the honest tenant's p50/p99 latency, errors by status code of each tenant, ``internal_errors``
+(INTERNAL or UNKNOWN statuses anyone saw), ``wrong_blocks`` (gets returning other bytes than were put), the
+server's RSS growth (peak during the phase minus the phase's start, sampled every 50 ms from /proc). The run
+checks the issue's figures: honest p99 under abuse <= 2x alone, RSS growth under abuse <= 2x the per-call
+limit, no INTERNAL, no wrong block; and that the server survived, the honest tenant saw no error under abuse,
+no abuse was accepted and the abuser never held more than its quota.
+
+The run always ends: every call has a deadline, the abuser ends by itself and is killed if late, and the
+server is killed at the end (or as soon as its RSS grows by ``SAFETY_RSS_GROWTH``: a decompression bomb must
+not take the machine down with it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import queue
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from kvshelf.bench.abuser import CALL_TIMEOUT_S, EXPECTED, MUST_REFUSE
+from kvshelf.bench.common import machine_description, save_results
+from kvshelf.kvstore import KVBlock, encode_block
+from kvshelf.kvstore.embedded import parse_size
+from kvshelf.kvstore.errors import ConfigError, KVShelfError, TierUnavailableError
+
+HONEST_TOKEN, ABUSER_TOKEN = "honest-tenant-token", "abusive-tenant-token"
+HONEST_NS, ABUSER_NS = "honest", "abuser"
+HONEST_TIMEOUT_S = 5.0
+HONEST_KEYS, HONEST_BATCH = 32, 4
+SAFETY_RSS_GROWTH = 3 << 30
+START_TIMEOUT_S = 60.0
+INTERNAL_CODES = ("INTERNAL", "UNKNOWN")
+
+
+@dataclass(frozen=True)
+class AbuseSettings:
+    """The server's limits and the abuser's shape (sizes as ``kvshelf serve`` takes them)."""
+
+    seconds: float = 60.0
+    max_block: str = "4MiB"
+    max_call: str = "32MiB"
+    quota: str = "16MiB"
+    max_inflight: str | None = None  # None: the server's default
+    tenant_streams: int | None = None  # None: the server's default
+    idle_timeout: float | None = None  # None: the server's default (10 s)
+    idle_streams: int = 16  # idle PutBlocks streams the abuser keeps open (the server's default worker count)
+    slow_streams: int = 2
+    honest_interval_s: float = 0.05
+    pace_s: float = 0.02  # the abuser's pause between two calls of one thread
+
+    def serve_args(self, data_dir: Path, tokens: Path) -> list[str]:
+        args = ["--listen", "127.0.0.1:0", "--data-dir", str(data_dir), "--memory", "256MiB", "--max-disk", "2GiB",
+                "--tokens-file", str(tokens), "--max-block", self.max_block, "--max-call", self.max_call,
+                "--quota", self.quota, "--grace", "1"]
+        for flag, value in (("--max-inflight", self.max_inflight), ("--tenant-streams", self.tenant_streams),
+                            ("--idle-timeout", self.idle_timeout)):
+            if value is not None:
+                args += [flag, str(value)]
+        return args
+
+
+# -- the server -----------------------------------------------------------------------------------------
+
+
+class ServerProcess:
+    """A ``kvshelf serve`` subprocess whose output is always drained (a flood of log lines never blocks it),
+    counted (lines, tracebacks) and kept (the last 40 lines)."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-P", "-c", "from kvshelf.service.cli import main; main()", "serve", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+        )
+        self.address: str | None = None
+        self.lines = 0
+        self.tracebacks = 0
+        self.tail: deque[str] = deque(maxlen=40)
+        self.killed_for: str | None = None
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        threading.Thread(target=self._drain, name="abuse-server-output", daemon=True).start()
+
+    def _drain(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._lock:
+                self.lines += 1
+                self.tracebacks += "Traceback" in line
+                self.tail.append(line.rstrip("\n"))
+            if self.address is None and "kvshelf serving on " in line:
+                self.address = line.split("kvshelf serving on ", 1)[1].split()[0]
+                self._ready.set()
+        self._ready.set()
+
+    def wait_ready(self) -> str:
+        if not self._ready.wait(START_TIMEOUT_S) or self.address is None:
+            self.kill()
+            raise ConfigError(f"kvshelf serve did not start: {' | '.join(list(self.tail)[-8:])}")
+        return self.address
+
+    def counts(self) -> tuple[int, int]:
+        with self._lock:
+            return self.lines, self.tracebacks
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def rss(self) -> int | None:
+        """The server's resident set (VmRSS) in bytes, None once it has exited."""
+        try:
+            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            pass
+        return None
+
+    def kill(self, reason: str | None = None) -> None:
+        if self.proc.poll() is None:
+            if reason:
+                self.killed_for = reason
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+
+class RssSampler:
+    """Samples the server's RSS every ``interval_s``; per phase, the start value and the peak since. Kills the
+    server when it grows past ``limit`` bytes above the run's first sample."""
+
+    def __init__(self, server: ServerProcess, *, interval_s: float = 0.05, limit: int = SAFETY_RSS_GROWTH) -> None:
+        self.server = server
+        self.interval_s = interval_s
+        self.limit = limit
+        self.first = server.rss() or 0
+        self.start = self.peak = self.first
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="abuse-rss", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            rss = self.server.rss()
+            if rss is None:
+                return
+            with self._lock:
+                self.peak = max(self.peak, rss)
+            if rss - self.first > self.limit:
+                self.server.kill(f"RSS grew by {rss - self.first} bytes (> safety limit {self.limit})")
+                return
+
+    def mark(self) -> None:
+        """Start a phase: its baseline is the RSS now."""
+        rss = self.server.rss() or 0
+        with self._lock:
+            self.start = self.peak = rss
+
+    def phase(self) -> tuple[int, int]:
+        """``(start, peak)`` of the current phase."""
+        rss = self.server.rss()
+        with self._lock:
+            if rss is not None:
+                self.peak = max(self.peak, rss)
+            return self.start, self.peak
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+# -- the abuser process ----------------------------------------------------------------------------------
+
+
+class AbuserProcess:
+    """``python -m kvshelf.bench.abuser SPEC``: ready line, a go line on stdin, one JSON report line at the end."""
+
+    def __init__(self, spec: dict[str, Any], stderr_path: Path) -> None:
+        self._stderr = stderr_path.open("w")
+        self.stderr_path = stderr_path
+        self.proc = subprocess.Popen([sys.executable, "-P", "-m", "kvshelf.bench.abuser", json.dumps(spec)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True)
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, name="abuser-output", daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line.strip())
+        self._lines.put(None)
+
+    def _next(self, timeout: float) -> str | None:
+        try:
+            return self._lines.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def wait_ready(self) -> None:
+        if self._next(START_TIMEOUT_S) != "ready":
+            self.kill()
+            raise ConfigError(f"the abuser process did not start: {self.error_tail()}")
+
+    def go(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+    def report(self, timeout: float) -> dict[str, Any] | None:
+        line = self._next(timeout)
+        try:
+            return json.loads(line) if line else None
+        except json.JSONDecodeError:
+            return None
+
+    def error_tail(self) -> str:
+        self._stderr.flush()
+        return " | ".join(self.stderr_path.read_text(errors="replace").strip().splitlines()[-5:])
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        self._stderr.close()
+
+
+# -- the honest tenant -----------------------------------------------------------------------------------
+
+
+@dataclass
+class HonestLog:
+    """What the honest tenant saw in one phase."""
+
+    put_ms: list[float] = field(default_factory=list)
+    get_ms: list[float] = field(default_factory=list)
+    errors: Counter[str] = field(default_factory=Counter)
+    wrong: int = 0
+    misses: int = 0
+    verified: int = 0
+
+
+def honest_values(namespace: str = HONEST_NS) -> list[tuple[bytes, tuple[bytes, bytes]]]:
+    """``HONEST_KEYS`` keys, each with two versions of a real encoded fp16 block of 256 KiB."""
+    out = []
+    for i in range(HONEST_KEYS):
+        key = hashlib.blake2b(f"abuse-honest:{i}".encode(), digest_size=16).digest()
+        versions = []
+        for version in range(2):
+            gen = torch.Generator().manual_seed(i * 2 + version)
+            shape = (4, 2, 128, 64)
+            block = KVBlock(torch.randn(shape, generator=gen).half(), torch.randn(shape, generator=gen).half(),
+                            tuple(range(128)), 0, "h" * 32, namespace)
+            versions.append(encode_block(block, key))
+        out.append((key, (versions[0], versions[1])))
+    return out
+
+
+def error_code(exc: KVShelfError) -> str:
+    """The gRPC status code name behind a ``RemoteStore`` error (the type's name when there is none)."""
+    code = getattr(exc, "code", None)
+    if code is not None and hasattr(code, "name"):
+        return str(code.name)
+    if isinstance(exc, TierUnavailableError):
+        match = re.search(r"unavailable: ([A-Z_]+):", str(exc))
+        return match.group(1) if match else "UNAVAILABLE"
+    return type(exc).__name__
+
+
+def _timed(times: list[float], log: HonestLog, fn: Callable[[], Any]) -> tuple[bool, Any]:
+    started = time.perf_counter()
+    try:
+        result = fn()
+        ok = True
+    except KVShelfError as exc:
+        log.errors[error_code(exc)] += 1
+        result, ok = None, False
+    times.append((time.perf_counter() - started) * 1000)
+    return ok, result
+
+
+def honest_loop(store: Any, values: list[tuple[bytes, tuple[bytes, bytes]]], seconds: float,
+                interval_s: float, offset: int = 0) -> tuple[HonestLog, int]:
+    """Put a batch, get it back, compare, every ``interval_s`` for ``seconds``; return the log and the next offset.
+
+    Batches cycle through the keys; each cycle writes the other version, so a stale value is a wrong block.
+    A get is checked only after its put was acknowledged.
+    """
+    log = HonestLog()
+    end = time.monotonic() + seconds
+    n = offset
+    while time.monotonic() < end:
+        began = time.monotonic()
+        picks = [(n * HONEST_BATCH + j) % len(values) for j in range(HONEST_BATCH)]
+        version = (n * HONEST_BATCH // len(values)) % 2
+        items = [(values[p][0], values[p][1][version]) for p in picks]
+        n += 1
+        put_ok, _ = _timed(log.put_ms, log, lambda items=items: store.put_encoded_many(items))
+        if put_ok:
+            get_ok, got = _timed(log.get_ms, log, lambda items=items: store.get_encoded_many([k for k, _ in items]))
+            if get_ok:
+                for value, (_, want) in zip(got, items, strict=True):
+                    log.verified += 1
+                    log.misses += value is None
+                    log.wrong += value is not None and value != want
+        time.sleep(max(0.0, min(began + interval_s, end) - time.monotonic()))
+    return log, n
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (0.0 for no values)."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return float(ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)])
+
+
+# -- the run ---------------------------------------------------------------------------------------------
+
+
+def _abuse_summary(report: dict[str, Any] | None) -> dict[str, Any]:
+    """Per kind: codes, the ones outside what is expected, and accepted abuse (OK where a refusal is due)."""
+    if report is None:
+        return {"ran": False, "calls": 0, "calls_per_s": 0.0, "kinds": {}, "unexpected": {}, "accepted": 0,
+                "max_held_bytes": 0}
+    kinds: dict[str, dict[str, int]] = report["kinds"]
+    unexpected = {kind: {c: n for c, n in codes.items() if c not in EXPECTED.get(kind, frozenset())}
+                  for kind, codes in kinds.items()}
+    return {**report, "ran": True, "unexpected": {k: v for k, v in unexpected.items() if v},
+            "accepted": sum(codes.get("OK", 0) for kind, codes in kinds.items() if kind in MUST_REFUSE)}
+
+
+def _phase_result(name: str, log: HonestLog, seconds: float, rss: tuple[int, int], logs: tuple[int, int],
+                  server: ServerProcess, settings: AbuseSettings, abuse: dict[str, Any] | None) -> dict[str, Any]:
+    latencies = log.put_ms + log.get_ms
+    abuser_codes: Counter[str] = Counter()
+    for codes in (abuse or {}).get("kinds", {}).values():
+        abuser_codes.update({c: n for c, n in codes.items() if c not in ("OK", "HELD")})
+    internal = sum(log.errors.get(c, 0) + abuser_codes.get(c, 0) for c in INTERNAL_CODES)
+    result: dict[str, Any] = {
+        "phase": name,
+        "p50_ms": round(percentile(latencies, 50), 3),
+        "p99_ms": round(percentile(latencies, 99), 3),
+        "internal_errors": internal,
+        "wrong_blocks": log.wrong,
+        "server_rss_growth_bytes": max(0, rss[1] - rss[0]),
+        "per_call_limit_bytes": parse_size(settings.max_call, "--max-call"),
+        "seconds": round(seconds, 3),
+        "honest_calls": len(latencies),
+        "put_p50_ms": round(percentile(log.put_ms, 50), 3), "put_p99_ms": round(percentile(log.put_ms, 99), 3),
+        "get_p50_ms": round(percentile(log.get_ms, 50), 3), "get_p99_ms": round(percentile(log.get_ms, 99), 3),
+        "max_ms": round(max(latencies, default=0.0), 3),
+        "honest_errors": dict(sorted(log.errors.items())),
+        "abuser_errors": dict(sorted(abuser_codes.items())),
+        "honest_blocks_verified": log.verified,
+        "honest_misses": log.misses,
+        "server_rss_start_bytes": rss[0],
+        "server_rss_peak_bytes": rss[1],
+        "server_alive": server.alive(),
+        "server_killed_for": server.killed_for,
+        "server_log_lines": logs[0],
+        "server_tracebacks": logs[1],
+        "max_block_bytes": parse_size(settings.max_block, "--max-block"),
+        "quota_bytes": parse_size(settings.quota, "--quota"),
+        "settings": asdict(settings),
+        "machine": machine_description(),
+    }
+    if abuse is not None:
+        result["abuser"] = abuse
+    return result
+
+
+def _run_phase(name: str, seconds: float, store: Any, values: list[tuple[bytes, tuple[bytes, bytes]]],
+               server: ServerProcess, sampler: RssSampler, settings: AbuseSettings, offset: int,
+               abuser: AbuserProcess | None) -> tuple[dict[str, Any], int]:
+    sampler.mark()
+    lines0, tracebacks0 = server.counts()
+    started = time.monotonic()
+    if abuser is not None:
+        abuser.go()
+    log, offset = honest_loop(store, values, seconds, settings.honest_interval_s, offset)
+    elapsed = time.monotonic() - started
+    abuse = None
+    if abuser is not None:
+        abuse = _abuse_summary(abuser.report(timeout=max(0.0, seconds - elapsed) + CALL_TIMEOUT_S + 5))
+        if not abuse["ran"]:
+            abuse["error"] = abuser.error_tail()
+    rss = sampler.phase()
+    lines1, tracebacks1 = server.counts()
+    return _phase_result(name, log, elapsed, rss, (lines1 - lines0, tracebacks1 - tracebacks0), server, settings,
+                         abuse), offset
+
+
+def checks(results: list[dict[str, Any]]) -> list[tuple[str, bool, str]]:
+    """The issue's figures (and the run's sanity): ``(what, passed, detail)``."""
+    alone, under = results
+    abuse = under.get("abuser", {})
+    limit = under["per_call_limit_bytes"]
+    growth = under["server_rss_growth_bytes"]
+    internal = sum(r["internal_errors"] for r in results)
+    wrong = sum(r["wrong_blocks"] for r in results)
+    held, quota = abuse.get("max_held_bytes", 0), under["quota_bytes"]
+    return [
+        ("honest p99 under abuse <= 2 x alone", under["p99_ms"] <= 2 * alone["p99_ms"] and under["honest_calls"] > 0,
+         f"{under['p99_ms']:.1f} ms vs 2 x {alone['p99_ms']:.1f} ms"),
+        ("server RSS growth under abuse <= 2 x per-call limit", growth <= 2 * limit,
+         f"{growth / 2**20:.1f} MiB vs 2 x {limit / 2**20:.0f} MiB"),
+        ("0 INTERNAL statuses", internal == 0, str(internal)),
+        ("0 wrong blocks", wrong == 0, str(wrong)),
+        ("honest calls under abuse all succeeded", not under["honest_errors"], str(under["honest_errors"] or "")),
+        ("server alive at the end", under["server_alive"], under["server_killed_for"] or ""),
+        ("the abuser ran and no abuse was accepted", abuse.get("ran", False) and abuse.get("accepted", 0) == 0,
+         f"{abuse.get('accepted', 0)} accepted" if abuse.get("ran") else abuse.get("error", "did not run")),
+        ("the abuser never held more than its quota", held <= quota, f"{held / 2**20:.1f} MiB of {quota / 2**20:.0f}"),
+    ]
+
+
+def _print(results: list[dict[str, Any]], verdicts: list[tuple[str, bool, str]], console: Console) -> None:
+    table = Table(title=f"abuse: honest tenant alone vs under abuse ({results[0]['machine']})")
+    table.add_column("")
+    for r in results:
+        table.add_column(r["phase"], justify="right")
+    rows: list[tuple[str, Callable[[dict[str, Any]], Any]]] = [
+        ("seconds", lambda r: f"{r['seconds']:.1f}"),
+        ("honest calls", lambda r: r["honest_calls"]),
+        ("honest p50 / p99 ms", lambda r: f"{r['p50_ms']:.1f} / {r['p99_ms']:.1f}"),
+        ("  put p50 / p99 ms", lambda r: f"{r['put_p50_ms']:.1f} / {r['put_p99_ms']:.1f}"),
+        ("  get p50 / p99 ms", lambda r: f"{r['get_p50_ms']:.1f} / {r['get_p99_ms']:.1f}"),
+        ("honest max ms", lambda r: f"{r['max_ms']:.1f}"),
+        ("honest errors", lambda r: _codes(r["honest_errors"])),
+        ("honest blocks verified / misses", lambda r: f"{r['honest_blocks_verified']} / {r['honest_misses']}"),
+        ("wrong blocks", lambda r: r["wrong_blocks"]),
+        ("abuser calls (calls/s)", lambda r: (f"{r['abuser']['calls']} ({r['abuser']['calls_per_s']:.0f}/s)"
+                                              if "abuser" in r else "-")),
+        ("abuser errors", lambda r: _codes(r["abuser_errors"])),
+        ("INTERNAL / UNKNOWN", lambda r: r["internal_errors"]),
+        ("server RSS start MiB", lambda r: f"{r['server_rss_start_bytes'] / 2**20:.0f}"),
+        ("server RSS growth MiB", lambda r: f"{r['server_rss_growth_bytes'] / 2**20:.1f}"),
+        ("server log lines / tracebacks", lambda r: f"{r['server_log_lines']} / {r['server_tracebacks']}"),
+        ("server alive", lambda r: "yes" if r["server_alive"] else f"NO {r['server_killed_for'] or ''}"),
+    ]
+    for label, cell in rows:
+        table.add_row(label, *(str(cell(r)) for r in results))
+    console.print(table)
+    abuse = results[1].get("abuser", {})
+    if abuse.get("kinds"):
+        kinds = Table(title=f"abuse calls by kind ({abuse['calls']} calls in {abuse['seconds']:.1f} s, "
+                            f"{abuse['calls_per_s']:.0f}/s; HELD: open until the abuser let go)")
+        kinds.add_column("kind")
+        kinds.add_column("status codes")
+        kinds.add_column("unexpected")
+        for kind, codes in abuse["kinds"].items():
+            odd = abuse["unexpected"].get(kind, {})
+            kinds.add_row(kind, _codes(codes), f"[red]{_codes(odd)}[/red]" if odd else "")
+        console.print(kinds)
+    for what, passed, detail in verdicts:
+        mark = "[green]PASS[/green]" if passed else "[red]FAIL[/red]"
+        console.print(f"  {mark} {what}: {detail}", highlight=False)
+
+
+def _codes(codes: dict[str, int]) -> str:
+    return ", ".join(f"{c} {n}" for c, n in codes.items()) or "-"
+
+
+def run(*, json_path: str | None, settings: AbuseSettings | None = None,
+        console: Console | None = None) -> dict[str, Any]:
+    """Run both phases; print the tables and the figures; write ``{"results": [...]}`` to ``json_path``.
+
+    Returns ``{"results": [...], "checks": [...], "ok": bool}``.
+    """
+    from kvshelf.service.client import RemoteStore
+
+    settings = settings or AbuseSettings()
+    console = console or Console()
+    for name, value in (("--max-block", settings.max_block), ("--max-call", settings.max_call),
+                        ("--quota", settings.quota)):
+        parse_size(value, name)
+    half = settings.seconds / 2
+    results: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="kvshelf-abuse-") as tmp:
+        tokens = Path(tmp) / "tokens.toml"
+        tokens.write_text(f'[tokens]\n"{HONEST_TOKEN}" = "{HONEST_NS}"\n"{ABUSER_TOKEN}" = "{ABUSER_NS}"\n')
+        server = ServerProcess(settings.serve_args(Path(tmp) / "data", tokens))
+        sampler: RssSampler | None = None
+        store: RemoteStore | None = None
+        abuser: AbuserProcess | None = None
+        try:
+            address = server.wait_ready()
+            values = honest_values()
+            store = RemoteStore(address, token=HONEST_TOKEN, namespace=HONEST_NS, timeout_s=HONEST_TIMEOUT_S,
+                                connect_timeout_s=10)
+            honest_loop(store, values, 1.0, settings.honest_interval_s)  # warm-up: connections, arenas, tiers
+            sampler = RssSampler(server)
+            console.print(f"phase alone: {half:g} s of the honest tenant on {address}")
+            alone, offset = _run_phase("alone", half, store, values, server, sampler, settings, 0, None)
+            results.append(alone)
+            spec = {"address": address, "token": ABUSER_TOKEN, "namespace": ABUSER_NS, "seconds": half,
+                    "max_block": results[0]["max_block_bytes"], "max_call": results[0]["per_call_limit_bytes"],
+                    "quota": results[0]["quota_bytes"], "idle_streams": settings.idle_streams,
+                    "slow_streams": settings.slow_streams, "pace_s": settings.pace_s,
+                    "hold_s": (settings.idle_timeout if settings.idle_timeout is not None else 10.0) + 2.0,
+                    "gap_s": 2.0}
+            abuser = AbuserProcess(spec, Path(tmp) / "abuser.err")
+            abuser.wait_ready()
+            console.print(f"phase under_abuse: {half:g} s of the honest tenant while the abuser attacks")
+            under, _ = _run_phase("under_abuse", half, store, values, server, sampler, settings, offset, abuser)
+            results.append(under)
+        finally:
+            if abuser is not None:
+                abuser.kill()
+            if store is not None:
+                store.close()
+            if sampler is not None:
+                sampler.stop()
+            server.kill()
+    verdicts = checks(results)
+    _print(results, verdicts, console)
+    ok = all(passed for _, passed, _ in verdicts)
+    console.print("[green]OK[/green]: the honest tenant kept its latency" if ok else "[red]FAILED[/red]: see above")
+    save_results(json_path, {"results": results}, console)
+    return {"results": results, "checks": [{"what": w, "passed": p, "detail": d} for w, p, d in verdicts], "ok": ok}

@@ -1,0 +1,410 @@
+"""The abusive tenant of ``kvshelf bench abuse``: one process (``python -m kvshelf.bench.abuser SPEC_JSON``).
+
+Protocol over its pipes (JSON, no pickle), like ``bench/store_worker.py``: it connects and builds its payloads,
+prints ``ready``, waits for one line on stdin (the common start), attacks for ``spec["seconds"]`` and prints one
+JSON object (``Tally.report``). Every call has a deadline and every stream is ended by the window it belongs to,
+so the process ends on time whatever the server does.
+
+Two threads of calls, plus one holding streams (the abuse the issue lists):
+
+- holder: windows of ``hold_s`` seconds (``gap_s`` apart) during which it keeps ``idle_streams`` PutBlocks
+  streams open that send one chunk and then nothing (``idle_stream``; more than the per-tenant stream cap), and
+  ``slow_streams`` uploads trickling 1 KiB every 0.25 s (``slowloris``). A refused stream is reopened 0.2 s
+  later; a stream still open when its window ends is cancelled and counted ``HELD`` (the server let it live).
+- bad input: blocks declaring more than ``--max-block`` (``oversized_declared``), larger undeclared ones
+  (``oversized_undeclared``), one call carrying more than ``--max-call`` (``oversized_call``), one gRPC message
+  over the message limit (``oversized_message``), a tiny ``sparse`` block declaring a 128 MiB shape (``bomb``),
+  garbage and truncated protobuf (``malformed``), keys of the wrong length (``wrong_key``), a block header of
+  100,000 nested JSON arrays (``nested_header``) and a raw block whose payload does not match its shape
+  (``bad_payload``).
+- quota: clears its namespace, puts new blocks until the quota refuses them (``over_quota``), then one large put
+  while over quota (``over_quota_big``); then holds tiny blocks and overwrites them with large ones
+  (``overwrite_quota``), reading its usage from Stats after each round (``max_held_bytes``).
+
+Each call is counted by kind and by the status code the server ended it with (``OK`` when accepted).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import struct
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import torch
+import xxhash
+
+from kvshelf.kvstore import KVBlock, encode_block
+from kvshelf.proto import kvshelf_pb2 as pb
+from kvshelf.service.server import CHUNK_BYTES, MAX_MESSAGE_BYTES, iter_chunks
+
+KiB, MiB = 1 << 10, 1 << 20
+METHOD = "/kvshelf.v1.KVShelf/"
+CALL_TIMEOUT_S = 10.0
+#: Codes a stream the abuser holds open (idle or slow) may end with: the stream cap, the idle timeout, the
+#: minimum upload rate. ``HELD``: still open when its window ended (cancelled by the abuser).
+STREAM_CODES = frozenset({"RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED", "CANCELLED", "ABORTED", "HELD"})
+#: What the server may answer each kind of abuse with. PutBlocks kinds may also meet the per-tenant stream cap
+#: (RESOURCE_EXHAUSTED) while the holder's streams fill it.
+EXPECTED: dict[str, frozenset[str]] = {
+    "idle_stream": STREAM_CODES,
+    "slowloris": STREAM_CODES,
+    "oversized_declared": frozenset({"RESOURCE_EXHAUSTED"}),
+    "oversized_undeclared": frozenset({"RESOURCE_EXHAUSTED"}),
+    "oversized_call": frozenset({"RESOURCE_EXHAUSTED"}),
+    "oversized_message": frozenset({"RESOURCE_EXHAUSTED"}),
+    "bomb": frozenset({"RESOURCE_EXHAUSTED", "INVALID_ARGUMENT"}),
+    "malformed": frozenset({"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}),
+    "wrong_key": frozenset({"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}),
+    "nested_header": frozenset({"DATA_LOSS", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}),
+    "bad_payload": frozenset({"DATA_LOSS", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}),
+    "over_quota": frozenset({"OK", "RESOURCE_EXHAUSTED"}),
+    "over_quota_big": frozenset({"RESOURCE_EXHAUSTED"}),
+    "overwrite_quota": frozenset({"OK", "RESOURCE_EXHAUSTED"}),
+    "clear": frozenset({"OK", "RESOURCE_EXHAUSTED"}),
+    "stats": frozenset({"OK", "RESOURCE_EXHAUSTED"}),
+}
+#: Kinds that must never be accepted (``OK``): the abuse itself.
+MUST_REFUSE = frozenset(k for k, codes in EXPECTED.items() if "OK" not in codes)
+
+
+@dataclass
+class Tally:
+    """Calls per kind and status code, and the most bytes the abuser's namespace was seen holding."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    kinds: dict[str, Counter[str]] = field(default_factory=dict)
+    max_held_bytes: int = 0
+
+    def record(self, kind: str, code: str) -> None:
+        with self.lock:
+            self.kinds.setdefault(kind, Counter())[code] += 1
+
+    def held(self, nbytes: int) -> None:
+        with self.lock:
+            self.max_held_bytes = max(self.max_held_bytes, nbytes)
+
+    def report(self, seconds: float) -> dict[str, Any]:
+        with self.lock:
+            kinds = {k: dict(sorted(c.items())) for k, c in sorted(self.kinds.items())}
+        calls = sum(n for codes in kinds.values() for code, n in codes.items() if code != "HELD")
+        return {"seconds": round(seconds, 3), "calls": calls, "calls_per_s": round(calls / max(seconds, 1e-9), 1),
+                "kinds": kinds, "max_held_bytes": self.max_held_bytes}
+
+
+def code_of(exc: grpc.RpcError) -> str:
+    code = exc.code() if hasattr(exc, "code") else None
+    return code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
+
+
+def block_key(label: str) -> bytes:
+    return hashlib.blake2b(label.encode(), digest_size=16).digest()
+
+
+def _block(shape: tuple[int, int, int, int], namespace: str, dtype: torch.dtype = torch.float16) -> KVBlock:
+    keys = torch.ones(shape, dtype=dtype)
+    return KVBlock(keys, keys.clone(), tuple(range(shape[2])), 0, "a" * 32, namespace)
+
+
+def _reframe(encoded: bytes, edit: Callable[[dict[str, Any]], Any]) -> bytes:
+    """``encoded`` with its JSON header edited by ``edit`` (which may return new header bytes), re-checksummed:
+    a block that passes the checksum but says something else."""
+    prefix = struct.Struct("<4sHI")
+    magic, version, header_len = prefix.unpack_from(encoded, 0)
+    header = json.loads(encoded[prefix.size : prefix.size + header_len])
+    replaced = edit(header)
+    raw = replaced if isinstance(replaced, bytes) else json.dumps(header, separators=(",", ":")).encode()
+    body = prefix.pack(magic, version, len(raw)) + raw + encoded[prefix.size + header_len : -8]
+    return body + xxhash.xxh3_64_digest(body)
+
+
+def bomb_block(key: bytes, namespace: str, head_dim: int = 1 << 24) -> bytes:
+    """A ~350-byte ``sparse`` block with 0 kept tokens, ``fill: zero`` and declared shape (1, 1, 1, head_dim)
+    float32: decoding it allocates ``2 x 4 x head_dim`` bytes (128 MiB by default)."""
+    block = _block((1, 1, 1, 8), namespace, torch.float32)
+    dropped = KVBlock(torch.full_like(block.keys, float("nan")), torch.full_like(block.values, float("nan")),
+                      block.token_ids, 0, block.fingerprint, namespace)
+    encoded = encode_block(dropped, key, "sparse", {"fill": "zero"})
+    return _reframe(encoded, lambda h: h.__setitem__("shape", [1, 1, 1, head_dim]))
+
+
+def nested_header_block(key: bytes, namespace: str, depth: int = 100_000) -> bytes:
+    """A checksummed block whose header is ``depth`` nested JSON arrays (a RecursionError for a naive parser)."""
+    encoded = encode_block(_block((1, 1, 1, 8), namespace), key)
+    return _reframe(encoded, lambda h: b'{"codec":' + b"[" * depth + b"]" * depth + b"}")
+
+
+def bad_payload_block(key: bytes, namespace: str) -> bytes:
+    """A checksummed ``raw`` block whose header declares twice the tokens its payload holds."""
+    encoded = encode_block(_block((1, 1, 2, 8), namespace), key)
+
+    def edit(h: dict[str, Any]) -> None:
+        h["shape"] = [1, 1, 4, 8]
+        h["token_ids"] = [0, 1, 2, 3]
+
+    return _reframe(encoded, edit)
+
+
+def put_messages(values: Iterable[tuple[bytes, bytes]], namespace: str, *, declare: bool = True) -> Iterator[bytes]:
+    """Serialised PutBlocks requests for ``(key, value)`` pairs, chunked as ``RemoteStore`` does."""
+    first = True
+    for key, value in values:
+        for n, (data, last) in enumerate(iter_chunks(value, CHUNK_BYTES)):
+            chunk = pb.Chunk(data=bytes(data), last=last)
+            if n == 0:
+                chunk.key = key
+                if declare:
+                    chunk.total_size = len(value)
+            request = pb.PutBlocksRequest(chunk=chunk)
+            if first:
+                request.namespace, first = namespace, False
+            yield request.SerializeToString()
+
+
+def _first_chunk(namespace: str, key: bytes, data: bytes, total: int = 0) -> bytes:
+    return pb.PutBlocksRequest(namespace=namespace, chunk=pb.Chunk(key=key, data=data, total_size=total)
+                               ).SerializeToString()
+
+
+class Abuser:
+    """The abusive tenant's calls over one raw channel (requests and responses as bytes)."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.namespace: str = spec["namespace"]
+        self.max_block: int = spec["max_block"]
+        self.max_call: int = spec["max_call"]
+        self.quota: int = spec["quota"]
+        self.metadata = (("authorization", f"Bearer {spec['token']}"),)
+        self.channel = grpc.insecure_channel(spec["address"], options=[
+            ("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+        grpc.channel_ready_future(self.channel).result(timeout=10)
+        self.put = self.channel.stream_unary(f"{METHOD}PutBlocks", request_serializer=None, response_deserializer=None)
+        self.get = self.channel.unary_stream(f"{METHOD}GetBlocks", request_serializer=None, response_deserializer=None)
+        self.unary = {name: self.channel.unary_unary(f"{METHOD}{name}", request_serializer=None,
+                                                     response_deserializer=None)
+                      for name in ("Contains", "Stats", "Clear")}
+        self.tally = Tally()
+        self.stop = threading.Event()
+        self.serial = itertools.count()
+        # payloads built once: a large block's tensors (only the key changes per put) and the fixed attacks
+        self.big_shape = (4, 2, max(1, (self.max_block * 7 // 8) // (4 * 2 * 128 * 2 * 2)), 128)
+        self.big_template = _block(self.big_shape, self.namespace)
+        self.tiny_template = _block((1, 1, 1, 8), self.namespace)
+        self.garbage = bytes(range(256)) * (CHUNK_BYTES // 256)
+
+    def _key(self, label: str) -> bytes:
+        return block_key(f"abuser:{label}:{next(self.serial)}:{os.getpid()}")
+
+    def _big(self, key: bytes) -> bytes:
+        return encode_block(self.big_template, key)
+
+    # -- calls ----------------------------------------------------------------------------------------
+
+    def call_put(self, kind: str, messages: Iterable[bytes]) -> str:
+        try:
+            self.put(iter(messages), timeout=CALL_TIMEOUT_S, metadata=self.metadata)
+            code = "OK"
+        except grpc.RpcError as exc:
+            code = code_of(exc)
+        self.tally.record(kind, code)
+        return code
+
+    def call_unary(self, kind: str, method: str, request: bytes) -> tuple[str, bytes | None]:
+        try:
+            response = self.unary[method](request, timeout=CALL_TIMEOUT_S, metadata=self.metadata)
+            code = "OK"
+        except grpc.RpcError as exc:
+            code, response = code_of(exc), None
+        self.tally.record(kind, code)
+        return code, response
+
+    def call_get(self, kind: str, request: bytes) -> str:
+        try:
+            for _ in self.get(request, timeout=CALL_TIMEOUT_S, metadata=self.metadata):
+                pass
+            code = "OK"
+        except grpc.RpcError as exc:
+            code = code_of(exc)
+        self.tally.record(kind, code)
+        return code
+
+    # -- bad input ------------------------------------------------------------------------------------
+
+    def bad_input_round(self) -> None:
+        ns, pace = self.namespace, self.spec["pace_s"]
+        key = self._key("bad")
+        truncated = _first_chunk(ns, key, b"x" * 1024)
+        attacks: list[Callable[[], object]] = [
+            lambda: self.call_put("oversized_declared", [_first_chunk(ns, key, b"x" * KiB, self.max_block + 1)]),
+            lambda: self.call_put("malformed", [b"\xff" * 64]),
+            lambda: self.call_put("malformed", [truncated[: len(truncated) // 2]]),
+            lambda: self.call_put("malformed", [b"\x0a\xff\xff\xff\x0f"]),
+            lambda: self.call_unary("malformed", "Contains", b"\xff" * 64),
+            lambda: self.call_put("oversized_undeclared", self._undeclared(key)),
+            lambda: self.call_put("wrong_key", [_first_chunk(ns, b"short", b"x", 0)]),
+            lambda: self.call_unary("wrong_key", "Contains",
+                                    pb.KeysRequest(namespace=ns, keys=[b"abc"]).SerializeToString()),
+            lambda: self.call_get("wrong_key", pb.GetBlocksRequest(namespace=ns, keys=[b"k" * 20]).SerializeToString()),
+            lambda: self.call_put("bomb", put_messages([(key, bomb_block(key, ns))], ns)),
+            lambda: self.call_put("nested_header", put_messages([(key, nested_header_block(key, ns))], ns)),
+            lambda: self.call_put("bad_payload", put_messages([(key, bad_payload_block(key, ns))], ns)),
+            lambda: self.call_put("oversized_message", [_first_chunk(ns, key, self.garbage * 2)]),
+            lambda: self.call_put("oversized_call", self._over_call()),
+        ]
+        for attack in attacks:
+            if self.stop.is_set():
+                return
+            attack()
+            time.sleep(pace)
+
+    def _undeclared(self, key: bytes) -> Iterator[bytes]:
+        """One value of max_block + 1 MiB, no total_size: the server can only tell by counting."""
+        sent, first = 0, True
+        while sent <= self.max_block:
+            chunk = pb.Chunk(data=self.garbage[: MiB], last=False)
+            if first:
+                chunk.key = key
+            yield pb.PutBlocksRequest(namespace=self.namespace if first else "", chunk=chunk).SerializeToString()
+            sent, first = sent + MiB, False
+
+    def _over_call(self) -> Iterator[bytes]:
+        """Values under max_block each, more than max_call in all (garbage: refused before any verification)."""
+        size = min(self.max_block - KiB, CHUNK_BYTES)
+        for n in range(self.max_call // size + 2):
+            chunk = pb.Chunk(key=self._key("call"), data=self.garbage[:size], last=True, total_size=size)
+            yield pb.PutBlocksRequest(namespace=self.namespace if n == 0 else "", chunk=chunk).SerializeToString()
+
+    # -- quota ----------------------------------------------------------------------------------------
+
+    def _held_bytes(self) -> None:
+        code, raw = self.call_unary("stats", "Stats", pb.StatsRequest(namespace=self.namespace).SerializeToString())
+        if code == "OK" and raw is not None:
+            usage = json.loads(pb.StatsResponse.FromString(raw).json).get("usage", {})
+            self.tally.held(int(usage.get("bytes", 0)))
+
+    def quota_round(self) -> None:
+        ns, pace = self.namespace, self.spec["pace_s"]
+        per_call = max(1, min(self.max_call, self.quota) * 2 // 3 // (self.max_block * 7 // 8))
+        self.call_unary("clear", "Clear", pb.ClearRequest(namespace=ns).SerializeToString())
+        refused = False
+        for _ in range(4):
+            if self.stop.is_set():
+                return
+            values = [(k, self._big(k)) for k in (self._key("quota") for _ in range(per_call))]
+            refused = self.call_put("over_quota", put_messages(values, ns)) != "OK"
+            time.sleep(pace)
+            if refused:
+                break
+        self._held_bytes()
+        if refused and not self.stop.is_set():  # over quota: one call as large as allowed, still refused
+            count = max(1, (self.max_call - MiB) // (self.max_block * 7 // 8))
+            self.call_put("over_quota_big", put_messages([(k, self._big(k)) for k in
+                                                          (self._key("big") for _ in range(count))], ns))
+        # overwrite attack: hold small blocks, then replace them with large ones (must count at their new size)
+        self.call_unary("clear", "Clear", pb.ClearRequest(namespace=ns).SerializeToString())
+        keys = [block_key(f"abuser:overwrite:{i}") for i in range(max(2, 2 * self.quota // (self.max_block * 7 // 8)))]
+        self.call_put("overwrite_quota", put_messages([(k, encode_block(self.tiny_template, k)) for k in keys], ns))
+        for start in range(0, len(keys), 2):
+            if self.stop.is_set():
+                return
+            self.call_put("overwrite_quota", put_messages([(k, self._big(k)) for k in keys[start : start + 2]], ns))
+            time.sleep(pace)
+        self._held_bytes()
+
+    # -- held streams ---------------------------------------------------------------------------------
+
+    def _open(self, kind: str, requests: Callable[[threading.Event], Iterator[bytes]]
+              ) -> tuple[str, grpc.Future, threading.Event]:
+        release = threading.Event()
+        future = self.put.future(requests(release), timeout=CALL_TIMEOUT_S + self.spec["hold_s"],
+                                 metadata=self.metadata)
+        future.add_done_callback(lambda _f: release.set())
+        return kind, future, release
+
+    def _idle(self, release: threading.Event) -> Iterator[bytes]:
+        yield _first_chunk(self.namespace, self._key("idle"), b"i" * KiB, 4 * KiB)
+        release.wait()
+
+    def _slow(self, release: threading.Event) -> Iterator[bytes]:
+        yield _first_chunk(self.namespace, self._key("slow"), b"s" * KiB, 2 * MiB)
+        while not release.wait(0.25):
+            yield pb.PutBlocksRequest(chunk=pb.Chunk(data=b"s" * KiB)).SerializeToString()
+
+    def _finish(self, kind: str, future: grpc.Future) -> None:
+        try:
+            future.result(timeout=0)
+            self.tally.record(kind, "OK")
+        except grpc.RpcError as exc:
+            self.tally.record(kind, code_of(exc))
+        except Exception:  # noqa: BLE001 - a future that cannot say: count it, never crash the abuser
+            self.tally.record(kind, "CLIENT_ERROR")
+
+    def hold_window(self, end: float) -> None:
+        """Keep the idle and slow streams open until ``end``: reopen those the server ends, 0.2 s later."""
+        wanted = {"idle_stream": (self.spec["idle_streams"], self._idle),
+                  "slowloris": (self.spec["slow_streams"], self._slow)}
+        active: list[tuple[str, grpc.Future, threading.Event]] = []
+        while time.monotonic() < end and not self.stop.is_set():
+            for kind, (count, requests) in wanted.items():
+                for _ in range(count - sum(1 for k, _, _ in active if k == kind)):
+                    active.append(self._open(kind, requests))
+            time.sleep(0.2)
+            for entry in [e for e in active if e[1].done()]:
+                active.remove(entry)
+                self._finish(entry[0], entry[1])
+        for kind, future, release in active:
+            if future.cancel():
+                self.tally.record(kind, "HELD")
+            else:
+                self._finish(kind, future)
+            release.set()
+
+    # -- run ------------------------------------------------------------------------------------------
+
+    def run(self, seconds: float) -> dict[str, Any]:
+        started = time.monotonic()
+        end = started + seconds
+
+        def loop(round_fn: Callable[[], None]) -> None:
+            while time.monotonic() < end and not self.stop.is_set():
+                round_fn()
+
+        def holder() -> None:
+            while time.monotonic() < end and not self.stop.is_set():
+                self.hold_window(min(end, time.monotonic() + self.spec["hold_s"]))
+                self.stop.wait(min(self.spec["gap_s"], max(0.0, end - time.monotonic())))
+
+        threads = [threading.Thread(target=fn, daemon=True) for fn in
+                   (holder, lambda: loop(self.bad_input_round), lambda: loop(self.quota_round))]
+        for t in threads:
+            t.start()
+        self.stop.wait(max(0.0, end - time.monotonic()))
+        self.stop.set()
+        for t in threads:
+            t.join(timeout=CALL_TIMEOUT_S + 2)
+        report = self.tally.report(time.monotonic() - started)
+        self.channel.close()
+        return report
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(argv[1])
+    abuser = Abuser(spec)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    print(json.dumps(abuser.run(spec["seconds"])), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
