@@ -155,8 +155,9 @@ class TieredStore:
             raise ConfigError(f"tier names must be unique, got {names}")
         self.write_policy = write_policy
         self.namespace = namespace
-        #: the most bytes a stored value may decode to when a tier re-encodes it (promotion, write-down); None:
-        #: bounded by the target tier's capacity only. The service sets its max block size here.
+        #: the most bytes a value may decode to when a tier re-encodes it (``put_encoded_many``, promotion,
+        #: write-down); None: unbounded (promotion and write-down: the target tier's capacity). The service sets
+        #: its max block size here.
         self.max_decoded_bytes = max_decoded_bytes
         self.counters = Counters()
         self._listeners: list[Listener] = []
@@ -215,23 +216,21 @@ class TieredStore:
         """The tiers a put writes: every tier (write-through) or the first (write-back)."""
         return self.specs if self.write_policy == "through" else self.specs[:1]
 
-    def put_encoded_many(
-        self, items: Sequence[tuple[bytes, bytes]], *, pin: bool = False, max_decoded_bytes: int | None = None
-    ) -> int:
+    def put_encoded_many(self, items: Sequence[tuple[bytes, bytes]], *, pin: bool = False) -> int:
         """Store already-encoded values (from a remote client, say); each is verified first.
 
         Raises ``CorruptBlockError`` / ``ForeignBlockError`` (nothing stored) if any value is damaged or was
         encoded under another key. Values are re-encoded only for tiers configured with another codec; with
-        ``max_decoded_bytes``, a value some tier would re-encode whose declared shape decodes to more is refused
-        with ``BlockTooLargeError`` before anything is decoded or stored.
+        ``max_decoded_bytes`` set, a value some tier would re-encode whose declared shape decodes to more is
+        refused with ``BlockTooLargeError`` before anything is decoded or stored.
         """
         items = list(items)
         check_keys((k for k, _ in items), scoped=True)
         headers = [verify_block(value, expected_key=header_key(key)) for key, value in items]
-        if max_decoded_bytes is not None:
+        if self.max_decoded_bytes is not None:
             for (key, _), header in zip(items, headers, strict=True):
                 if any(not spec.stores_as_is(header) for spec in self.write_targets()):
-                    _check_decoded_size(header, key, max_decoded_bytes)
+                    _check_decoded_size(header, key, self.max_decoded_bytes)
 
         def encode_for(spec: TierSpec) -> list[tuple[bytes, bytes]]:
             out = []

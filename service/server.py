@@ -23,8 +23,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvshelf.kvstore.codec import get_codec
-from kvshelf.kvstore.encoding import verify_block
+from kvshelf.kvstore.encoding import DTYPE_NAMES, BlockHeader, decoded_nbytes, verify_block
 from kvshelf.kvstore.errors import (
+    BlockTooLargeError,
     ConfigError,
     CorruptBlockError,
     ForeignBlockError,
@@ -34,7 +35,7 @@ from kvshelf.kvstore.errors import (
 )
 from kvshelf.kvstore.keys import KEY_BYTES
 from kvshelf.kvstore.stats import ALL_TIERS, TIER_METRICS, StoreEvent
-from kvshelf.kvstore.store import TieredStore
+from kvshelf.kvstore.store import TieredStore, TierSpec
 from kvshelf.proto import kvshelf_pb2 as pb
 from kvshelf.service.arena import ArenaWriter
 from kvshelf.service.auth import MAX_NAMESPACE_CHARS, SCOPE_BYTES, TokenTable, scope_tag
@@ -116,17 +117,28 @@ def _status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNAVAILABLE, f"store unavailable: {exc}"
     if isinstance(exc, StoreFullError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, f"store full: {exc}"
+    if isinstance(exc, BlockTooLargeError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, CorruptBlockError):
+        return grpc.StatusCode.DATA_LOSS, f"damaged block: {exc}"
+    if isinstance(exc, MemoryError):
+        log.error("out of memory in a kvshelf call")
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, "the server is out of memory for this call; retry smaller"
     if isinstance(exc, KVShelfError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     log.exception("unexpected error in a kvshelf call")
     return grpc.StatusCode.INTERNAL, f"internal server error: {type(exc).__name__}"
 
 
+#: bytes per tier: what a put will store in each tier, or what it has reserved there
+TierBytes = dict[str, int]
+
+
 class NamespaceUsage:
     """Bytes and blocks each namespace holds per tier, from a one-time scan per namespace plus store events.
 
-    Used for the per-namespace quota and per-namespace stats. Puts in flight are reserved so concurrent
-    puts cannot together overshoot a quota.
+    Used for the per-namespace quota and per-namespace stats. Puts in flight are reserved per tier so concurrent
+    puts cannot together overshoot a quota; an overwrite counts what it adds to the size held now.
     """
 
     def __init__(self, store: TieredStore) -> None:
@@ -134,7 +146,7 @@ class NamespaceUsage:
         self._lock = threading.Lock()
         self._sizes: dict[bytes, dict[str, dict[bytes, int]]] = {}  # tag -> tier -> tier key -> bytes
         self._totals: dict[bytes, dict[str, int]] = {}
-        self._pending: dict[bytes, int] = {}
+        self._pending: dict[bytes, TierBytes] = {}
         self._unsubscribe = store.subscribe(self._on_event)
 
     def _scan(self, tag: bytes) -> None:
@@ -183,28 +195,93 @@ class NamespaceUsage:
             self._ensure(tag)
             return max(self._totals[tag].values(), default=0)
 
-    def reserve(self, tag: bytes, namespace: str, items: Sequence[tuple[bytes, int]], quota: int) -> int:
-        """Reserve room for ``(tier key, bytes)`` puts under ``quota`` (keys already held count 0); return the
-        reserved amount for ``release``. Raises ``_Abort(RESOURCE_EXHAUSTED)`` naming the quota when over it."""
+    def reserve(self, tag: bytes, namespace: str, items: Sequence[tuple[bytes, int | TierBytes]], quota: int,
+                *, replacing: TierBytes | None = None) -> TierBytes:
+        """Reserve room under ``quota`` for ``(tier key, size)`` puts, ``size`` in bytes per tier (or one size for
+        every tier the store writes); return the reservation per tier, for ``release``.
+
+        A key already held counts what it adds: ``max(0, new size - size held now)`` in each tier. The quota
+        holds in every tier: held + reserved by puts in flight + this put. ``replacing``: a reservation of the
+        caller's that this one replaces (released if this one succeeds). Raises ``_Abort(RESOURCE_EXHAUSTED)``
+        naming the quota when over it (``replacing`` then stays reserved).
+        """
+        tiers = [spec.tier.name for spec in self._store.write_targets()]
         with self._lock:
             self._ensure(tag)
-            held_keys = set().union(*(held.keys() for held in self._sizes[tag].values()))
-            adding = sum(size for key, size in dict(items).items() if key not in held_keys)
-            held = max(self._totals[tag].values(), default=0)
-            pending = self._pending.get(tag, 0)
-            if held + pending + adding > quota:
-                _fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                      f"namespace {namespace!r} quota of {quota} bytes exceeded: it holds {held} bytes"
-                      f"{f' (+{pending} being written)' if pending else ''} and this put adds {adding}")
-            self._pending[tag] = pending + adding
+            sizes = self._sizes[tag]
+            per_key: dict[bytes, TierBytes] = {}
+            for key, size in items:
+                new = {t: size for t in tiers} if isinstance(size, int) else size
+                old = per_key.setdefault(key, {})
+                for tier, n in new.items():
+                    old[tier] = max(old.get(tier, 0), n)
+            adding: TierBytes = {}
+            for key, new in per_key.items():
+                for tier, n in new.items():
+                    adding[tier] = adding.get(tier, 0) + max(0, n - sizes.get(tier, {}).get(key, 0))
+            pending = dict(self._pending.get(tag, {}))
+            for tier, n in (replacing or {}).items():
+                pending[tier] = pending.get(tier, 0) - n
+            totals = self._totals[tag]
+            for tier, n in adding.items():
+                held, waiting = totals.get(tier, 0), pending.get(tier, 0)
+                if held + waiting + n > quota:
+                    _fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"namespace {namespace!r} quota of {quota} bytes exceeded: it holds {held} bytes"
+                          f"{f' (+{waiting} being written)' if waiting else ''} and this put adds {n}"
+                          f"{f' in tier {tier}' if len(tiers) > 1 else ''}")
+            for tier, n in adding.items():
+                pending[tier] = pending.get(tier, 0) + n
+            self._pending[tag] = pending
             return adding
 
-    def release(self, tag: bytes, amount: int) -> None:
+    def release(self, tag: bytes, amount: TierBytes) -> None:
         with self._lock:
-            self._pending[tag] = self._pending.get(tag, 0) - amount
+            pending = self._pending.setdefault(tag, {})
+            for tier, n in amount.items():
+                pending[tier] = pending.get(tier, 0) - n
 
     def close(self) -> None:
         self._unsubscribe()
+
+
+class InflightBudget:
+    """Put bytes buffered at once: at most ``total`` over all tenants and ``per_tenant`` for one tenant's puts
+    together. A put that cannot get budget is refused at once (RESOURCE_EXHAUSTED naming the budget): never a
+    wait that a slow or hostile tenant could make last forever."""
+
+    def __init__(self, total: int, per_tenant: int) -> None:
+        self.total, self.per_tenant = total, per_tenant
+        self._lock = threading.Lock()
+        self._used = 0
+        self._by_tenant: dict[bytes, int] = {}
+
+    def take(self, tag: bytes, namespace: str, nbytes: int) -> None:
+        with self._lock:
+            mine = self._by_tenant.get(tag, 0)
+            if mine + nbytes > self.per_tenant:
+                _fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      f"namespace {namespace!r}: its puts in flight may buffer at most {self.per_tenant} bytes "
+                      f"together (the per-call limit); {mine} are buffered and this put needs {nbytes} more")
+            if self._used + nbytes > self.total:
+                _fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      f"the server's in-flight put budget of {self.total} bytes is in use ({self._used} buffered); "
+                      f"retry later")
+            self._used += nbytes
+            self._by_tenant[tag] = mine + nbytes
+
+    def give(self, tag: bytes, nbytes: int) -> None:
+        with self._lock:
+            self._used -= nbytes
+            left = self._by_tenant.get(tag, 0) - nbytes
+            if left > 0:
+                self._by_tenant[tag] = left
+            else:
+                self._by_tenant.pop(tag, None)
+
+    def used(self) -> int:
+        with self._lock:
+            return self._used
 
 
 def tier_keys(tier: Any, tag: bytes) -> list[bytes]:
@@ -214,6 +291,124 @@ def tier_keys(tier: Any, tag: bytes) -> list[bytes]:
     except (NotImplementedError, TierUnavailableError):
         return []
     return [k for k in keys if len(k) == SCOPE_BYTES + KEY_BYTES and k.startswith(tag)]
+
+
+class _PutCall:
+    """The values of one PutBlocks call as they arrive, and the in-flight budget and quota they hold.
+
+    Each value's buffer is allocated once from its declared ``total_size`` (already bounded by the max block
+    size) and filled in place; budget and quota for it are taken at its first chunk, before its data is buffered
+    (values without a declared size take them chunk by chunk). ``close`` gives everything back.
+    """
+
+    def __init__(self, servicer: KVShelfServicer, namespace: str) -> None:
+        self.servicer, self.limits = servicer, servicer.limits
+        self.namespace, self.tag = namespace, scope_tag(namespace)
+        self._done: list[tuple[bytes, bytes]] = []
+        self._key: bytes | None = None
+        self._buf: bytearray | None = None  # the current value (None: its one chunk is kept as sent)
+        self._data: bytes = b""
+        self._filled = 0
+        self._declared = 0  # the current value's total_size (0: not declared)
+        self._call_bytes = 0  # bytes of the finished values plus what the current one holds
+        self._value_held = 0  # bytes the current value holds (its declared size, else what arrived)
+        self._budget = 0  # in-flight budget taken
+        self._quota: TierBytes = {}  # quota reserved (the finished values, then the current one)
+        self._value_quota: TierBytes = {}
+
+    def add(self, chunk: pb.Chunk) -> None:
+        limits = self.limits
+        if chunk.in_arena:
+            _fail(grpc.StatusCode.INVALID_ARGUMENT, "PutBlocks chunks carry their data: in_arena is GetBlocks-only")
+        data = chunk.data
+        if self._key is None:
+            if not chunk.key:
+                _fail(grpc.StatusCode.INVALID_ARGUMENT, "the first chunk of a value must carry its key")
+            self.servicer.check_keys([chunk.key])
+            if chunk.total_size > limits.max_block_bytes:
+                _fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      f"a block of {chunk.total_size} bytes exceeds the max block size {limits.max_block_bytes}")
+            self._key, self._declared, self._filled = chunk.key, chunk.total_size, 0
+            self._value_quota, self._value_held = {}, 0
+            self._hold(self._declared or len(data))
+            # a value in one chunk is kept as sent; a longer one is assembled in one buffer of its declared size
+            self._buf = None if chunk.last else bytearray(self._declared or len(data))
+        elif chunk.key and chunk.key != self._key:
+            _fail(grpc.StatusCode.INVALID_ARGUMENT,
+                  f"chunk for key {chunk.key.hex()} before the value of {self._key.hex()} ended (no last=true)")
+        end = self._filled + len(data)
+        if self._declared and end > self._declared:
+            _fail(grpc.StatusCode.INVALID_ARGUMENT,
+                  f"value of key {self._key.hex()} is longer than its declared total_size of {self._declared} bytes")
+        if end > limits.max_block_bytes:
+            _fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                  f"block {self._key.hex()} exceeds the max block size of {limits.max_block_bytes} bytes")
+        if self._buf is None:
+            self._data = data
+        else:
+            if not self._declared:
+                self._hold(end)
+                if end > len(self._buf):
+                    self._buf.extend(bytes(end - len(self._buf)))
+            memoryview(self._buf)[self._filled : end] = data
+        self._filled = end
+        if chunk.last:
+            if self._declared and self._filled != self._declared:
+                _fail(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"value of key {self._key.hex()} ended after {self._filled} bytes; its declared total_size "
+                      f"is {self._declared}")
+            value = self._data if self._buf is None else bytes(self._buf)
+            self._buf, self._data = None, b""
+            self._done.append((self._key, value))
+            self._key = None
+
+    def _hold(self, size: int) -> None:
+        """Make the current value hold budget and quota for ``size`` bytes (its declared or received size)."""
+        grow = size - self._value_held
+        if grow <= 0:
+            return
+        if self._call_bytes + grow > self.limits.max_call_bytes:
+            _fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                  f"one PutBlocks call may carry at most {self.limits.max_call_bytes} bytes; split it")
+        if self.limits.quota_bytes is not None:
+            assert self._key is not None
+            usage = self.servicer.usage
+            new = usage.reserve(self.tag, self.namespace, [(self.tag + self._key, size)], self.limits.quota_bytes,
+                                replacing=self._value_quota)
+            _add(self._quota, new, self._value_quota)
+            self._value_quota = new
+        self.servicer.inflight.take(self.tag, self.namespace, grow)
+        self._budget += grow
+        self._call_bytes += grow
+        self._value_held = size
+
+    def values(self) -> list[tuple[bytes, bytes]]:
+        if self._key is not None:
+            _fail(grpc.StatusCode.INVALID_ARGUMENT,
+                  f"the stream ended inside the value of key {self._key.hex()} (no chunk with last=true); "
+                  "nothing stored")
+        return self._done
+
+    def reserve_exact(self, sizes: Sequence[tuple[bytes, int | TierBytes]]) -> None:
+        """Replace the quota held since the first chunks by the exact sizes each tier will store."""
+        if self.limits.quota_bytes is None:
+            return
+        self._quota = self.servicer.usage.reserve(self.tag, self.namespace, sizes, self.limits.quota_bytes,
+                                                  replacing=self._quota)
+
+    def close(self) -> None:
+        if self._quota:
+            self.servicer.usage.release(self.tag, self._quota)
+            self._quota = {}
+        if self._budget:
+            self.servicer.inflight.give(self.tag, self._budget)
+            self._budget = 0
+
+
+def _add(total: TierBytes, new: TierBytes, old: TierBytes) -> None:
+    """``total += new - old``, per tier."""
+    for tier in set(new) | set(old):
+        total[tier] = total.get(tier, 0) + new.get(tier, 0) - old.get(tier, 0)
 
 
 class KVShelfServicer:
@@ -226,10 +421,15 @@ class KVShelfServicer:
         self.tokens = tokens
         self.limits = limits or ServerLimits()
         self.usage = NamespaceUsage(store)
+        self.inflight = InflightBudget(self.limits.max_inflight_bytes or 2 * self.limits.max_call_bytes,
+                                       self.limits.max_call_bytes)
+        if store.max_decoded_bytes is None or store.max_decoded_bytes > self.limits.max_block_bytes:
+            store.max_decoded_bytes = self.limits.max_block_bytes  # bounds promotion and write-down re-encodes
         self.health = health.HealthServicer()
         self._stop = threading.Event()
         self._prober: threading.Thread | None = None
         self._down: list[str] = []
+        self.damaged_tiers: list[str] = []
 
     # -- plumbing -------------------------------------------------------------------------------------
 
@@ -307,15 +507,17 @@ class KVShelfServicer:
     # -- health ---------------------------------------------------------------------------------------
 
     def refresh_health(self) -> list[str]:
-        """Probe the tiers; set the health statuses; return the names of unreachable tiers."""
-        down = [t["name"] for t in self.store.stats()["tiers"] if not t["available"]]
+        """Probe the tiers; set the health statuses; return the names of unreachable (or damaged) tiers."""
+        tiers = self.store.stats()["tiers"]
+        down = [t["name"] for t in tiers if not t["available"]]
+        self.damaged_tiers = [t["name"] for t in tiers if t.get("damaged")]
         serving = health_pb2.HealthCheckResponse.SERVING
         self.health.set("", serving)
         self.health.set(SERVICE_NAME, serving)  # the local tiers serve even when a shared tier is down
         self.health.set(TIERS_HEALTH_NAME, health_pb2.HealthCheckResponse.NOT_SERVING if down else serving)
         if down != self._down:
             if down:
-                log.warning("degraded: unreachable tiers %s (the other tiers serve)", ", ".join(down))
+                log.warning("degraded: unreachable or damaged tiers %s (the other tiers serve)", ", ".join(down))
             else:
                 log.warning("all tiers reachable again")
             self._down = down
@@ -343,70 +545,56 @@ class KVShelfServicer:
     # -- RPCs -----------------------------------------------------------------------------------------
 
     def PutBlocks(self, requests: Iterable[pb.PutBlocksRequest], context: grpc.ServicerContext) -> Message:
-        namespace: str | None = None
-        pin = False
-        values: list[tuple[bytes, bytes]] = []
-        key: bytes | None = None
-        buf = bytearray()
-        call_bytes = 0
-        limits = self.limits
-        for req in requests:
-            if namespace is None:
-                namespace = self.namespace(context, req.namespace)
-                pin = req.pin
-            elif req.namespace and req.namespace != namespace:
-                _fail(grpc.StatusCode.INVALID_ARGUMENT, "the namespace may only be set on the first message")
-            if not req.HasField("chunk"):
-                _fail(grpc.StatusCode.INVALID_ARGUMENT, "malformed PutBlocks message: no chunk")
-            chunk = req.chunk
-            if chunk.in_arena:
-                _fail(grpc.StatusCode.INVALID_ARGUMENT, "PutBlocks chunks carry their data: in_arena is GetBlocks-only")
-            if key is None:
-                if not chunk.key:
-                    _fail(grpc.StatusCode.INVALID_ARGUMENT, "the first chunk of a value must carry its key")
-                self.check_keys([chunk.key])
-                if chunk.total_size > limits.max_block_bytes:
-                    _fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"a block of {chunk.total_size} bytes exceeds the max block size {limits.max_block_bytes}")
-                key, buf = chunk.key, bytearray()
-            elif chunk.key and chunk.key != key:
-                _fail(grpc.StatusCode.INVALID_ARGUMENT,
-                      f"chunk for key {chunk.key.hex()} before the value of {key.hex()} ended (no last=true)")
-            buf += chunk.data
-            call_bytes += len(chunk.data)
-            if len(buf) > limits.max_block_bytes:
-                _fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                      f"block {key.hex()} exceeds the max block size of {limits.max_block_bytes} bytes")
-            if call_bytes > limits.max_call_bytes:
-                _fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                      f"one PutBlocks call may carry at most {limits.max_call_bytes} bytes; split it")
-            if chunk.last:
-                values.append((key, bytes(buf)))
-                key, buf = None, bytearray()
-        if namespace is None:  # an empty stream: still authenticate
-            self.namespace(context, "")
-            return pb.PutBlocksResponse(received=0, stored=0)
-        if key is not None:
-            _fail(grpc.StatusCode.INVALID_ARGUMENT,
-                  f"the stream ended inside the value of key {key.hex()} (no chunk with last=true); nothing stored")
-        for key, value in values:
-            self._verify(namespace, key, value)
-        tag = scope_tag(namespace)
-        items = [(tag + key, value) for key, value in values]
-        reserved = 0
-        if limits.quota_bytes is not None:
-            reserved = self.usage.reserve(tag, namespace, [(k, len(v)) for k, v in items], limits.quota_bytes)
+        """Buffer the call's values as they arrive (each into a buffer of its declared size), holding in-flight
+        budget and quota for them from each value's first chunk, so an over-quota or over-budget put is refused
+        before its data is buffered; then verify, bound the re-encodes, reserve the exact sizes, store."""
+        call: _PutCall | None = None
         try:
+            for req in requests:
+                if call is None:
+                    call = _PutCall(self, self.namespace(context, req.namespace))
+                    pin = req.pin
+                elif req.namespace and req.namespace != call.namespace:
+                    _fail(grpc.StatusCode.INVALID_ARGUMENT, "the namespace may only be set on the first message")
+                if not req.HasField("chunk"):
+                    _fail(grpc.StatusCode.INVALID_ARGUMENT, "malformed PutBlocks message: no chunk")
+                call.add(req.chunk)
+            if call is None:  # an empty stream: still authenticate
+                self.namespace(context, "")
+                return pb.PutBlocksResponse(received=0, stored=0)
+            values = call.values()
+            headers = [self._verify(call.namespace, key, value) for key, value in values]
+            targets = self.store.write_targets()
+            items = [(call.tag + key, value) for key, value in values]
+            sizes: list[tuple[bytes, int | TierBytes]] = []
+            for (key, value), header in zip(items, headers, strict=True):
+                self._check_reencode(key, header, len(value), targets)
+                sizes.append((key, {spec.tier.name: spec.stored_nbytes(header, len(value)) for spec in targets}))
+            call.reserve_exact(sizes)
             if not context.is_active():
                 _fail(grpc.StatusCode.CANCELLED, "the call was cancelled; nothing stored")
-            stored = self.store.put_encoded_many(items, pin=pin)
+            stored = self.store.put_encoded_many(items, pin=pin)  # re-encodes bounded by store.max_decoded_bytes
+            return pb.PutBlocksResponse(received=len(items), stored=stored)
         finally:
-            if reserved:
-                self.usage.release(tag, reserved)
-        return pb.PutBlocksResponse(received=len(items), stored=stored)
+            if call is not None:
+                call.close()
 
-    @staticmethod
-    def _verify(namespace: str, key: bytes, value: bytes) -> None:
+    def _check_reencode(self, tier_key: bytes, header: BlockHeader, nbytes: int, targets: Sequence[TierSpec]) -> None:
+        """RESOURCE_EXHAUSTED when a tier that re-encodes the block would decode or store more than the max block
+        size: from the declared shape and dtype, before anything is allocated."""
+        reencoding = [spec for spec in targets if not spec.stores_as_is(header)]
+        if not reencoding:
+            return
+        limit = self.limits.max_block_bytes
+        need = max(decoded_nbytes(header), *(spec.stored_nbytes(header, nbytes) for spec in reencoding))
+        if need > limit:
+            _fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                  f"block {tier_key[SCOPE_BYTES:].hex()} of declared shape {list(header.shape)} "
+                  f"{DTYPE_NAMES[header.dtype]} decodes to {need} bytes for tier(s) "
+                  f"{', '.join(s.tier.name for s in reencoding)} (codec {header.codec} re-encoded), "
+                  f"over the max block size of {limit} bytes")
+
+    def _verify(self, namespace: str, key: bytes, value: bytes) -> BlockHeader:
         try:
             header = verify_block(value, expected_key=key)
         except CorruptBlockError as exc:
@@ -420,6 +608,7 @@ class KVShelfServicer:
             get_codec(header.codec, header.params)
         except ConfigError as exc:
             _fail(grpc.StatusCode.INVALID_ARGUMENT, f"block {key.hex()}: {exc}")
+        return header
 
     def _arena(self, req: pb.GetBlocksRequest, context: grpc.ServicerContext) -> ArenaWriter | None:
         """The request's shared-memory arena when allowed and usable (local peer, our file, right token)."""
@@ -530,7 +719,8 @@ class KVShelfServicer:
             "rows": rows,
             "pinned": sum(1 for key in self.store.pinned_keys() if key.startswith(tag)),
             "usage": {"bytes": max((b for _, b in held.values()), default=0), "quota_bytes": self.limits.quota_bytes},
-            "health": {"status": "degraded" if down else "serving", "unavailable_tiers": down},
+            "health": {"status": "degraded" if down else "serving", "unavailable_tiers": down,
+                       "damaged_tiers": self.damaged_tiers},
         }
         if self.tokens is None:  # dev mode: the whole store (every namespace) and its history for the admin tool
             out["store"] = full
