@@ -17,7 +17,7 @@ class MemoryTier(Tier):
     """
 
     def __init__(self, capacity_bytes: int, name: str = "memory") -> None:
-        if not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
             raise ConfigError(f"memory tier capacity must be a positive number of bytes, got {capacity_bytes!r}")
         self.name = name
         self.capacity_bytes = capacity_bytes
