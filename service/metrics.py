@@ -4,20 +4,42 @@
 double bookkeeping): per tier, namespace and model hits, misses, bytes, evictions, corrupt and foreign
 misses; bytes and blocks held per tier; lookup and retrieve hit counts in blocks and in tokens.
 ``LatencyInterceptor`` adds a request latency histogram per gRPC method.
+
+Access: the rows name every tenant's namespace and model, so ``serve_metrics`` binds to ``127.0.0.1`` by
+default, can require ``Authorization: Bearer <token>`` (others get 401) and can export only some namespaces
+(the others are not even named). Binding to an address other than loopback without a token is refused with a
+``ConfigError``: put the token in a file (``--metrics-token-file``) and give it to Prometheus
+(``authorization: {credentials_file: ...}``). Served by ``prometheus_client.make_wsgi_app`` under a small
+WSGI wrapper (the token check) in a ``wsgiref`` server on a daemon thread.
 """
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
+import logging
+import re
+import socket
+import stat
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import grpc
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
+from kvshelf.kvstore.errors import ConfigError
 from kvshelf.kvstore.stats import ALL_TIERS, STORE_METRICS, TIER_METRICS
+
+log = logging.getLogger(__name__)
+_TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*")  # RFC 6750 b64token: what a Bearer header can carry
 
 _HELP = {
     "hits": "blocks served by this tier",
@@ -42,14 +64,18 @@ _HELP = {
 
 
 class StoreCollector(Collector):
-    """Reads ``store.counters`` and ``store.stats()`` on every scrape."""
+    """Reads ``store.counters`` and ``store.stats()`` on every scrape; with ``namespaces``, only the rows of
+    those namespaces (the per-tier totals, which name no namespace, are always exported)."""
 
-    def __init__(self, store: Any, prefix: str = "kvshelf") -> None:
+    def __init__(self, store: Any, prefix: str = "kvshelf", namespaces: Collection[str] | None = None) -> None:
         self.store = store
         self.prefix = prefix
+        self.namespaces = frozenset(namespaces) if namespaces is not None else None
 
     def collect(self) -> Iterator[Any]:
         rows = self.store.counters.rows()
+        if self.namespaces is not None:
+            rows = [row for row in rows if row["namespace"] in self.namespaces]
         tier_families = {
             m: CounterMetricFamily(f"{self.prefix}_tier_{m}", _HELP[m], labels=["tier", "namespace", "model"])
             for m in TIER_METRICS
@@ -123,10 +149,135 @@ class LatencyInterceptor(grpc.ServerInterceptor):
         return handler
 
 
-def serve_metrics(store: Any, port: int, addr: str = "127.0.0.1") -> tuple[CollectorRegistry, LatencyInterceptor]:
-    """Start the ``/metrics`` HTTP endpoint; return the registry and the interceptor to give the gRPC server."""
+def is_loopback(addr: str) -> bool:
+    """Whether ``addr`` (an IP address or a host name) only reaches this machine."""
+    if addr == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(addr.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(addr, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
+
+
+def read_token_file(path: str | Path) -> str:
+    """The bearer token in ``path`` (surrounding whitespace ignored); a ``ConfigError`` naming what is wrong."""
+    path = Path(path)
+    try:
+        token = path.read_text(encoding="ascii").strip()
+        mode = path.stat().st_mode
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--metrics-token-file: cannot read {path}: {exc}") from None
+    if not token:
+        raise ConfigError(f"--metrics-token-file: {path} is empty")
+    if _TOKEN.fullmatch(token) is None:
+        raise ConfigError(f"--metrics-token-file: {path} must hold one token of letters, digits and -._~+/ "
+                          "(no spaces)")
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        log.warning("metrics token file %s is readable by other users (chmod 600 it)", path)
+    return token
+
+
+def parse_namespaces(text: str) -> frozenset[str] | None:
+    """``"a, b"`` -> ``{"a", "b"}``; ``""`` -> None (every namespace)."""
+    if not text.strip():
+        return None
+    names = frozenset(n.strip() for n in text.split(",") if n.strip())
+    if not names:
+        raise ConfigError(f"--metrics-namespaces: no namespace in {text!r}")
+    return names
+
+
+def check_metrics_access(addr: str, token: str | None) -> None:
+    """Refuse an unauthenticated endpoint on an address other than loopback (it would list every tenant)."""
+    if token is None and not is_loopback(addr):
+        raise ConfigError(
+            f"--metrics-addr {addr!r} is not a loopback address and /metrics names every tenant's namespace and "
+            "model: set --metrics-token-file (Prometheus: authorization.credentials_file) or bind to 127.0.0.1"
+        )
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No access log line per scrape on stderr."""
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base class's name)
+        pass
+
+
+def _require_token(app: Callable, token: str) -> Callable:
+    """``app`` behind ``Authorization: Bearer <token>`` (compared in constant time); others get 401."""
+    expected = token.encode()
+
+    def guarded(environ: dict[str, Any], start_response: Callable) -> Iterable[bytes]:
+        scheme, _, given = str(environ.get("HTTP_AUTHORIZATION", "")).strip().partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("utf-8", "replace"), expected):
+            return app(environ, start_response)
+        start_response("401 Unauthorized", [("Content-Type", "text/plain; charset=utf-8"),
+                                            ("WWW-Authenticate", 'Bearer realm="kvshelf metrics"')])
+        return [b"401: /metrics needs the header Authorization: Bearer <token>\n"]
+
+    return guarded
+
+
+@dataclass
+class MetricsEndpoint:
+    """A started ``/metrics`` endpoint: give ``interceptor`` to the gRPC server; ``close`` stops it."""
+
+    registry: CollectorRegistry
+    interceptor: LatencyInterceptor
+    host: str
+    port: int
+    token_required: bool
+    namespaces: frozenset[str] | None
+    _server: Any = field(repr=False, default=None)
+    _thread: threading.Thread | None = field(repr=False, default=None)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def describe(self) -> str:
+        """``http://127.0.0.1:9100/metrics (bearer token; namespaces a, b)`` for the start-up line."""
+        access = "bearer token" if self.token_required else "no token: loopback only"
+        scope = f"namespaces {', '.join(sorted(self.namespaces))}" if self.namespaces is not None else "all namespaces"
+        return f"{self.url} ({access}; {scope})"
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+def serve_metrics(store: Any, port: int, addr: str = "127.0.0.1", *, token: str | None = None,
+                  namespaces: Collection[str] | None = None) -> MetricsEndpoint:
+    """Start the ``/metrics`` HTTP endpoint on ``addr:port`` (port 0: a free one) in a daemon thread.
+
+    ``token``: requests need ``Authorization: Bearer <token>``; ``namespaces``: only their rows are exported.
+    A non-loopback ``addr`` without a token is a ``ConfigError`` (``check_metrics_access``).
+    """
+    check_metrics_access(addr, token)
     registry = CollectorRegistry()
-    registry.register(StoreCollector(store))
+    registry.register(StoreCollector(store, namespaces=namespaces))
     interceptor = LatencyInterceptor(registry)
-    start_http_server(port, addr=addr, registry=registry)
-    return registry, interceptor
+    app = make_wsgi_app(registry)
+    if token is not None:
+        app = _require_token(app, token)
+
+    class _Server(ThreadingWSGIServer):
+        address_family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+
+    try:
+        server = make_server(addr.strip("[]"), port, app, server_class=_Server, handler_class=_QuietHandler)
+    except OSError as exc:
+        raise ConfigError(f"--metrics-port: cannot listen on {addr}:{port}: {exc.strerror or exc}") from None
+    thread = threading.Thread(target=server.serve_forever, name="kvshelf-metrics", daemon=True)
+    thread.start()
+    host, bound_port = server.server_address[:2]
+    return MetricsEndpoint(registry, interceptor, host, bound_port, token is not None,
+                           frozenset(namespaces) if namespaces is not None else None, server, thread)

@@ -194,7 +194,7 @@ def serve(config: ServeConfig, *, ready: threading.Event | None = None, stop: th
     """
     from kvshelf.service.auth import TokenTable
     from kvshelf.service.history import StatsHistory
-    from kvshelf.service.metrics import serve_metrics
+    from kvshelf.service.metrics import check_metrics_access, parse_namespaces, read_token_file, serve_metrics
     from kvshelf.service.server import ServerLimits, start_server
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -206,16 +206,24 @@ def serve(config: ServeConfig, *, ready: threading.Event | None = None, stop: th
                           min_rate_bytes=sizes["min_rate"], max_inflight_bytes=sizes["max_inflight"])
     cert = Path(config.tls_cert).read_bytes() if config.tls_cert else None
     key = Path(config.tls_key).read_bytes() if config.tls_key else None
+    metrics_token = read_token_file(config.metrics_token_file) if config.metrics_token_file else None
+    metrics_namespaces = parse_namespaces(config.metrics_namespaces)
+    if config.metrics_port:
+        check_metrics_access(config.metrics_addr, metrics_token)  # before anything is opened
     store = open_store(config)
     history = StatsHistory(store, interval_s=config.history_interval).start()
+    metrics = None
     try:
         interceptors = []
         if config.metrics_port:
-            _, latency = serve_metrics(store, config.metrics_port, config.metrics_addr)
-            interceptors.append(latency)
+            metrics = serve_metrics(store, config.metrics_port, config.metrics_addr, token=metrics_token,
+                                    namespaces=metrics_namespaces)
+            interceptors.append(metrics.interceptor)
         running = start_server(store, config.listen, tokens=tokens, limits=limits, tls_cert=cert, tls_key=key,
                                max_workers=config.workers, interceptors=interceptors, history=history)
     except BaseException:
+        if metrics is not None:
+            metrics.close()
         history.stop()
         store.close()
         raise
@@ -225,14 +233,16 @@ def serve(config: ServeConfig, *, ready: threading.Event | None = None, stop: th
             signal.signal(sig, lambda *_: stop.set())
     host = config.listen.rsplit(":", 1)[0]
     mode = "tokens" if tokens else "dev mode: no tokens file, namespaces from requests"
-    metrics = f"; metrics on {config.metrics_addr}:{config.metrics_port}" if config.metrics_port else ""
+    metrics_line = f"; metrics on {metrics.describe()}" if metrics is not None else ""
     print(f"kvshelf serving on {host}:{running.port} ({'TLS' if cert else 'plaintext'}; {mode}; "
-          f"data {config.resolved_data_dir()}{metrics})", flush=True)
+          f"data {config.resolved_data_dir()}{metrics_line})", flush=True)
     if ready is not None:
         ready.set()
     stop.wait()
     print(f"kvshelf: stopping (draining in-flight calls for up to {config.grace:g} s)", flush=True)
     running.stop(config.grace)
+    if metrics is not None:
+        metrics.close()
     history.stop()
     store.close()
     print("kvshelf: stopped", flush=True)
