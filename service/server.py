@@ -40,6 +40,7 @@ from kvshelf.proto import kvshelf_pb2 as pb
 from kvshelf.service.arena import ArenaWriter
 from kvshelf.service.auth import MAX_NAMESPACE_CHARS, SCOPE_BYTES, TokenTable, scope_tag
 from kvshelf.service.errors import ArenaUnavailable
+from kvshelf.service.fairness import StreamGate, StreamRefusedError, reserved_workers
 from kvshelf.service.history import StatsHistory
 from kvshelf.service.wire import encode_arena_response, encode_chunk_response, encode_miss_response
 
@@ -113,6 +114,11 @@ def _fail(code: grpc.StatusCode, message: str) -> NoReturn:
 def _status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, _Abort):
         return exc.code, exc.message
+    if isinstance(exc, grpc.RpcError):  # the call was cancelled (by its client, or ended by the stream watchdog)
+        log.debug("call ended while the server read it: %r", exc)
+        return grpc.StatusCode.CANCELLED, "the call was cancelled"
+    if isinstance(exc, StreamRefusedError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, TierUnavailableError):
         return grpc.StatusCode.UNAVAILABLE, f"store unavailable: {exc}"
     if isinstance(exc, StoreFullError):
@@ -415,12 +421,16 @@ class KVShelfServicer:
     """Handlers of ``kvshelf.v1.KVShelf`` (requests are parsed here, so malformed bytes are INVALID_ARGUMENT)."""
 
     def __init__(self, store: TieredStore, *, tokens: TokenTable | None = None,
-                 limits: ServerLimits | None = None, history: StatsHistory | None = None) -> None:
+                 limits: ServerLimits | None = None, history: StatsHistory | None = None,
+                 max_workers: int = 16) -> None:
         self.store = store
         self.history = history
         self.tokens = tokens
         self.limits = limits or ServerLimits()
         self.usage = NamespaceUsage(store)
+        self.streams = StreamGate(tenant_streams=self.limits.tenant_streams,
+                                  slots=max_workers - reserved_workers(max_workers),
+                                  idle_timeout_s=self.limits.idle_timeout_s, min_rate_bytes=self.limits.min_rate_bytes)
         self.inflight = InflightBudget(self.limits.max_inflight_bytes or 2 * self.limits.max_call_bytes,
                                        self.limits.max_call_bytes)
         if store.max_decoded_bytes is None or store.max_decoded_bytes > self.limits.max_block_bytes:
@@ -444,15 +454,31 @@ class KVShelfServicer:
 
             return grpc.unary_unary_rpc_method_handler(handler, response_serializer=_serialize)
 
+        # streams take a slot of self.streams (service/fairness.py) and count against their tenant's cap as soon
+        # as its namespace is known; the watchdog ends them when idle or too slow
         def get_stream(raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
             try:
-                yield from self.GetBlocks(_parse(raw, pb.GetBlocksRequest), context)
+                req = _parse(raw, pb.GetBlocksRequest)
+                with self.streams.open(context, "GetBlocks") as ticket:
+                    ticket.admit(self.namespace(context, req.namespace))
+                    yield from ticket.sent(self.GetBlocks(req, context))
             except Exception as exc:
                 context.abort(*_status_of(exc))
 
         def put_stream(raws: Iterator[bytes], context: grpc.ServicerContext) -> Message:
             try:
-                return self.PutBlocks((_parse(raw, pb.PutBlocksRequest) for raw in raws), context)
+                with self.streams.open(context, "PutBlocks", check_rate=True) as ticket:
+                    if self.tokens is not None:  # the token names the tenant: admit before any message
+                        ticket.admit(self.namespace(context, ""))
+
+                    def requests() -> Iterator[pb.PutBlocksRequest]:
+                        for raw in ticket.received(raws):
+                            req = _parse(raw, pb.PutBlocksRequest)
+                            if ticket.namespace is None:  # dev mode: the first message names the namespace
+                                ticket.admit(self.namespace(context, req.namespace))
+                            yield req
+
+                    return self.PutBlocks(requests(), context)
             except Exception as exc:
                 context.abort(*_status_of(exc))
                 raise
@@ -541,6 +567,7 @@ class KVShelfServicer:
         self._stop.set()
         self.health.enter_graceful_shutdown()
         self.usage.close()
+        self.streams.close()
 
     # -- RPCs -----------------------------------------------------------------------------------------
 
@@ -772,7 +799,7 @@ def start_server(
     """Serve ``store`` on ``listen`` (``host:port``; port 0 picks a free one). TLS when cert and key are given."""
     if (tls_cert is None) != (tls_key is None):
         raise ConfigError("TLS needs both a certificate and a key")
-    servicer = KVShelfServicer(store, tokens=tokens, limits=limits, history=history)
+    servicer = KVShelfServicer(store, tokens=tokens, limits=limits, history=history, max_workers=max_workers)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvshelf-rpc"),
         interceptors=list(interceptors),
