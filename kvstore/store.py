@@ -26,6 +26,7 @@ from kvshelf.kvstore.encoding import (
 from kvshelf.kvstore.errors import (
     BlockTooLargeError,
     ConfigError,
+    CorruptBlockError,
     ForeignBlockError,
     KVShelfError,
     StoreFullError,
@@ -122,8 +123,17 @@ def _check_decoded_size(header: BlockHeader, key: bytes, bound: int) -> None:
 
 
 def _reencode(value: bytes, key: bytes, spec: TierSpec) -> bytes:
-    """``value`` (verified) decoded and encoded in ``spec``'s codec, its header naming the unscoped key."""
-    return encode_block(decode_block(value, copy=False), header_key(key), spec.codec, spec.codec_params)
+    """``value`` (verified) decoded and encoded in ``spec``'s codec, its header naming the unscoped key.
+
+    A payload that passed its checksum but does not decode is ``CorruptBlockError``, whatever the codec raised.
+    """
+    try:
+        block = decode_block(value, copy=False)
+    except (KVShelfError, MemoryError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - a crafted payload can trip a codec's array code anywhere
+        raise CorruptBlockError(f"block {header_key(key).hex()} does not decode: {type(exc).__name__}: {exc}") from exc
+    return encode_block(block, header_key(key), spec.codec, spec.codec_params)
 
 
 class TieredStore:
@@ -483,9 +493,16 @@ class TieredStore:
             if not spec.same_codec(source):
                 bound = self._reencode_bound(spec)
                 # never decode a value for a tier it cannot fit in (or past the store's bound): skip its promotion
-                fits = [i for i, h in enumerate(headers) if bound is None or decoded_nbytes(h) <= bound]
-                encoded = [(hits[i][0], _reencode(hits[i][1], hits[i][0], spec)) for i in fits]
-                spec_owners = [owners[i] for i in fits]
+                encoded, spec_owners = [], []
+                for i, ((key, value), header) in enumerate(zip(hits, headers, strict=True)):
+                    if bound is not None and decoded_nbytes(header) > bound:
+                        continue
+                    try:
+                        encoded.append((key, _reencode(value, key, spec)))
+                    except KVShelfError as exc:  # served from the lower tier all the same
+                        log.warning("tier %s: block %s not promoted: %s", spec.tier.name, key.hex(), exc)
+                        continue
+                    spec_owners.append(owners[i])
                 if not encoded:
                     continue
             try:
