@@ -133,15 +133,15 @@ class ServerProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def rss(self) -> int | None:
-        """The server's resident set (VmRSS) in bytes, None once it has exited."""
+    def memory(self) -> tuple[int, int] | None:
+        """The server's resident set (VmRSS) and its anonymous part (RssAnon: heap, not mapped files or shared
+        memory) in bytes; None once it has exited."""
         try:
-            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        except (OSError, ValueError, IndexError):
-            pass
-        return None
+            fields = dict(line.split(":", 1) for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines()
+                          if ":" in line)
+            return int(fields["VmRSS"].split()[0]) * 1024, int(fields["RssAnon"].split()[0]) * 1024
+        except (OSError, ValueError, IndexError, KeyError):
+            return None
 
     def kill(self, reason: str | None = None) -> None:
         if self.proc.poll() is None:
@@ -152,43 +152,50 @@ class ServerProcess:
 
 
 class RssSampler:
-    """Samples the server's RSS every ``interval_s``; per phase, the start value and the peak since. Kills the
-    server when it grows past ``limit`` bytes above the run's first sample."""
+    """Samples the server's memory every ``interval_s``; per phase, the start values and the peaks since. Kills
+    the server when its RSS grows past ``limit`` bytes above the run's first sample.
+
+    Two measures: VmRSS (the figure) and RssAnon (allocations only: mapped LMDB pages, shared-memory arenas and
+    library pages dropped and faulted back in under the machine's memory pressure do not count).
+    """
 
     def __init__(self, server: ServerProcess, *, interval_s: float = 0.05, limit: int = SAFETY_RSS_GROWTH) -> None:
         self.server = server
         self.interval_s = interval_s
         self.limit = limit
-        self.first = server.rss() or 0
-        self.start = self.peak = self.first
+        self.first = (server.memory() or (0, 0))[0]
+        self.start = self.peak = server.memory() or (0, 0)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="abuse-rss", daemon=True)
         self._thread.start()
 
+    def _sample(self) -> tuple[int, int] | None:
+        now = self.server.memory()
+        if now is not None:
+            with self._lock:
+                self.peak = (max(self.peak[0], now[0]), max(self.peak[1], now[1]))
+        return now
+
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
-            rss = self.server.rss()
-            if rss is None:
+            now = self._sample()
+            if now is None:
                 return
-            with self._lock:
-                self.peak = max(self.peak, rss)
-            if rss - self.first > self.limit:
-                self.server.kill(f"RSS grew by {rss - self.first} bytes (> safety limit {self.limit})")
+            if now[0] - self.first > self.limit:
+                self.server.kill(f"RSS grew by {now[0] - self.first} bytes (> safety limit {self.limit})")
                 return
 
     def mark(self) -> None:
-        """Start a phase: its baseline is the RSS now."""
-        rss = self.server.rss() or 0
+        """Start a phase: its baselines are the values now."""
+        now = self.server.memory() or (0, 0)
         with self._lock:
-            self.start = self.peak = rss
+            self.start = self.peak = now
 
-    def phase(self) -> tuple[int, int]:
-        """``(start, peak)`` of the current phase."""
-        rss = self.server.rss()
+    def phase(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """``((rss, anon) at the start, (rss, anon) peaks)`` of the current phase."""
+        self._sample()
         with self._lock:
-            if rss is not None:
-                self.peak = max(self.peak, rss)
             return self.start, self.peak
 
     def stop(self) -> None:
@@ -355,7 +362,8 @@ def _abuse_summary(report: dict[str, Any] | None) -> dict[str, Any]:
             "accepted": sum(codes.get("OK", 0) for kind, codes in kinds.items() if kind in MUST_REFUSE)}
 
 
-def _phase_result(name: str, log: HonestLog, seconds: float, rss: tuple[int, int], logs: tuple[int, int],
+def _phase_result(name: str, log: HonestLog, seconds: float, memory: tuple[tuple[int, int], tuple[int, int]],
+                  logs: tuple[int, int],
                   server: ServerProcess, settings: AbuseSettings, abuse: dict[str, Any] | None) -> dict[str, Any]:
     latencies = log.put_ms + log.get_ms
     abuser_codes: Counter[str] = Counter()
@@ -368,7 +376,7 @@ def _phase_result(name: str, log: HonestLog, seconds: float, rss: tuple[int, int
         "p99_ms": round(percentile(latencies, 99), 3),
         "internal_errors": internal,
         "wrong_blocks": log.wrong,
-        "server_rss_growth_bytes": max(0, rss[1] - rss[0]),
+        "server_rss_growth_bytes": max(0, memory[1][0] - memory[0][0]),
         "per_call_limit_bytes": parse_size(settings.max_call, "--max-call"),
         "seconds": round(seconds, 3),
         "honest_calls": len(latencies),
@@ -379,8 +387,9 @@ def _phase_result(name: str, log: HonestLog, seconds: float, rss: tuple[int, int
         "abuser_errors": dict(sorted(abuser_codes.items())),
         "honest_blocks_verified": log.verified,
         "honest_misses": log.misses,
-        "server_rss_start_bytes": rss[0],
-        "server_rss_peak_bytes": rss[1],
+        "server_rss_start_bytes": memory[0][0],
+        "server_rss_peak_bytes": memory[1][0],
+        "server_anon_growth_bytes": max(0, memory[1][1] - memory[0][1]),
         "server_alive": server.alive(),
         "server_killed_for": server.killed_for,
         "server_log_lines": logs[0],
@@ -410,9 +419,9 @@ def _run_phase(name: str, seconds: float, store: Any, values: list[tuple[bytes, 
         abuse = _abuse_summary(abuser.report(timeout=max(0.0, seconds - elapsed) + CALL_TIMEOUT_S + 5))
         if not abuse["ran"]:
             abuse["error"] = abuser.error_tail()
-    rss = sampler.phase()
+    memory = sampler.phase()
     lines1, tracebacks1 = server.counts()
-    return _phase_result(name, log, elapsed, rss, (lines1 - lines0, tracebacks1 - tracebacks0), server, settings,
+    return _phase_result(name, log, elapsed, memory, (lines1 - lines0, tracebacks1 - tracebacks0), server, settings,
                          abuse), offset
 
 
@@ -461,6 +470,7 @@ def _print(results: list[dict[str, Any]], verdicts: list[tuple[str, bool, str]],
         ("INTERNAL / UNKNOWN", lambda r: r["internal_errors"]),
         ("server RSS start MiB", lambda r: f"{r['server_rss_start_bytes'] / 2**20:.0f}"),
         ("server RSS growth MiB", lambda r: f"{r['server_rss_growth_bytes'] / 2**20:.1f}"),
+        ("  of it anonymous (RssAnon) MiB", lambda r: f"{r['server_anon_growth_bytes'] / 2**20:.1f}"),
         ("server log lines / tracebacks", lambda r: f"{r['server_log_lines']} / {r['server_tracebacks']}"),
         ("server alive", lambda r: "yes" if r["server_alive"] else f"NO {r['server_killed_for'] or ''}"),
     ]

@@ -1,0 +1,76 @@
+"""``kvshelf bench abuse``: a short real run (a `kvshelf serve` subprocess, an abusive tenant's process, an
+honest tenant) writes the JSON of the issue, and the server refuses every abuse with the right status code:
+never INTERNAL, never a wrong block, never an accepted bomb or oversized block.
+
+Latency and RSS figures are not asserted here (timing on a shared machine); the run's own checks print them.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from service_helpers import kvshelf_cli
+
+pytestmark = pytest.mark.slow
+
+PHASE_FIELDS = {"phase": str, "p50_ms": float, "p99_ms": float, "internal_errors": int, "wrong_blocks": int,
+                "server_rss_growth_bytes": int, "per_call_limit_bytes": int}
+
+
+@pytest.fixture(scope="module")
+def abuse_run(tmp_path_factory):
+    path = tmp_path_factory.mktemp("abuse") / "abuse.json"
+    result = kvshelf_cli("bench", "abuse", "--seconds", "8", "--idle-timeout", "2", "--tenant-streams", "4",
+                         "--json", str(path))
+    return result, path
+
+
+def test_runs_and_writes_the_issue_schema(abuse_run):
+    result, path = abuse_run
+    assert result.returncode in (0, 1), result.stdout + result.stderr  # 1: a latency/RSS figure missed
+    assert "Traceback" not in result.stdout + result.stderr
+    data = json.loads(path.read_text())
+    assert list(data) == ["results"]
+    assert [r["phase"] for r in data["results"]] == ["alone", "under_abuse"]
+    for phase in data["results"]:
+        for name, kind in PHASE_FIELDS.items():
+            assert isinstance(phase[name], kind), (name, phase[name])
+        assert phase["per_call_limit_bytes"] == 32 << 20
+        assert phase["honest_calls"] > 0 and phase["honest_blocks_verified"] > 0
+
+
+def test_no_internal_error_no_wrong_block(abuse_run):
+    _, path = abuse_run
+    for phase in json.loads(path.read_text())["results"]:
+        assert phase["internal_errors"] == 0, phase
+        assert phase["wrong_blocks"] == 0, phase
+        assert phase["server_alive"], phase["server_killed_for"]
+
+
+def test_every_abuse_was_made_and_refused_with_its_code(abuse_run):
+    _, path = abuse_run
+    abuse = json.loads(path.read_text())["results"][1]["abuser"]
+    kinds = abuse["kinds"]
+    assert abuse["ran"] and abuse["calls"] > 0
+    assert abuse["accepted"] == 0, kinds  # no bomb, oversized or malformed put was ever stored
+    # codes outside each kind's expected set: at most a client deadline on a loaded machine
+    assert all(set(codes) <= {"DEADLINE_EXCEEDED"} for codes in abuse["unexpected"].values()), abuse["unexpected"]
+    for kind in ("oversized_declared", "oversized_undeclared", "oversized_call", "oversized_message", "bomb",
+                 "over_quota_big"):
+        assert kinds[kind].get("RESOURCE_EXHAUSTED", 0) > 0, (kind, kinds[kind])
+    for kind in ("malformed", "wrong_key"):
+        assert kinds[kind].get("INVALID_ARGUMENT", 0) > 0, (kind, kinds[kind])
+    assert kinds["over_quota"].get("RESOURCE_EXHAUSTED", 0) > 0, kinds["over_quota"]
+    assert abuse["max_held_bytes"] <= 16 << 20  # the quota, overwrites included
+
+
+def test_streams_beyond_the_tenant_cap_are_refused_and_idle_ones_cut(abuse_run):
+    _, path = abuse_run
+    kinds = json.loads(path.read_text())["results"][1]["abuser"]["kinds"]
+    idle = kinds["idle_stream"]
+    # 16 idle streams against a cap of 4: the extra ones are refused at once
+    assert idle.get("RESOURCE_EXHAUSTED", 0) >= 12, idle
+    # the server ends idle (2 s) and slow streams itself: not all of them are still open when the abuser lets go
+    ended = {c: n for c, n in (*idle.items(), *kinds["slowloris"].items()) if c not in ("HELD", "RESOURCE_EXHAUSTED")}
+    assert ended, (idle, kinds["slowloris"])
