@@ -613,13 +613,14 @@ class KVShelfServicer:
         if not reencoding:
             return
         limit = self.limits.max_block_bytes
-        need = max(decoded_nbytes(header), *(spec.stored_nbytes(header, nbytes) for spec in reencoding))
-        if need > limit:
+        decoded = decoded_nbytes(header)
+        stored = max(spec.stored_nbytes(header, nbytes) for spec in reencoding)
+        if max(decoded, stored) > limit:
             _fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
                   f"block {tier_key[SCOPE_BYTES:].hex()} of declared shape {list(header.shape)} "
-                  f"{DTYPE_NAMES[header.dtype]} decodes to {need} bytes for tier(s) "
-                  f"{', '.join(s.tier.name for s in reencoding)} (codec {header.codec} re-encoded), "
-                  f"over the max block size of {limit} bytes")
+                  f"{DTYPE_NAMES[header.dtype]} decodes to {decoded} bytes (up to {stored} stored) to be re-encoded "
+                  f"from {header.codec} for tier(s) {', '.join(s.tier.name for s in reencoding)}: over the max block "
+                  f"size of {limit} bytes")
 
     def _verify(self, namespace: str, key: bytes, value: bytes) -> BlockHeader:
         try:
