@@ -14,8 +14,13 @@ Safety:
   (``kvshelf serve --no-shared-memory`` turns it off); a value that does not fit, or any error opening or
   writing the arena, falls back to the wire for that value: the path is an optimisation, never a failure;
 - ``pwrite``/``pread`` (not ``mmap``) so a full ``/dev/shm`` is an ``OSError`` (fallback), never ``SIGBUS``;
-- one request at a time per arena (the client keeps a pool), and arenas of dead client processes are swept
-  when a new one is created.
+- one request at a time per arena (the client keeps a pool); the server only holds an arena open for the
+  request that names it;
+- arenas of dead clients (a client SIGKILLed before it could unlink its arena, whose plaintext blocks would
+  otherwise stay in ``/dev/shm``) are removed by ``sweep_dead_arenas``: when a client creates an arena, and
+  in ``kvshelf serve`` at start and every ``--arena-sweep-interval`` seconds (``ArenaSweeper``). A creator is
+  dead when its pid is gone, is a zombie, or now belongs to a newer process (the creator's start time, from
+  ``/proc/<pid>/stat``, is kept in the arena header).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import os
 import re
 import secrets
 import stat
+import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +42,9 @@ log = logging.getLogger(__name__)
 ARENA_DIR = Path("/dev/shm")
 MAGIC = b"KVSHARENA1\0\0\0\0\0\0"  # 16 bytes
 TOKEN_BYTES = 16
-HEADER_BYTES = 64  # magic, token, padding: values start here
+HEADER_BYTES = 64  # magic, token, creator start time, padding: values start here
+_START_AT = len(MAGIC) + TOKEN_BYTES  # 8 bytes: the creating process's start time (clock ticks since boot)
+DEFAULT_SWEEP_INTERVAL_S = 30.0
 DEFAULT_ARENA_BYTES = 256 << 20  # sparse: tmpfs pages are only taken as values are written
 _NAME = re.compile(r"kvshelf-arena-(\d+)-[0-9a-f]{32}")
 
@@ -46,18 +54,115 @@ def shared_memory_supported() -> bool:
     return ARENA_DIR.is_dir() and os.access(ARENA_DIR, os.W_OK)
 
 
-def _sweep_dead_arenas() -> None:
-    """Remove arenas whose creating process no longer exists (a client killed before it could clean up)."""
-    for path in ARENA_DIR.glob("kvshelf-arena-*"):
+def _process_start(pid: int) -> int | None:
+    """Start time of the live process ``pid`` (clock ticks since boot; 0 where ``/proc`` cannot tell); None
+    when there is no such process or it is a zombie (dead, not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
+    except FileNotFoundError:
+        return None
+    except OSError:  # no /proc: fall back on signal 0
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except (PermissionError, OverflowError):
+            pass
+        return 0
+    if fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])  # field 22 of proc(5): starttime
+
+
+def _creator_alive(path: Path, pid: int) -> bool:
+    """Whether the process that created the arena at ``path`` still runs (unsure: True, the arena is kept)."""
+    if pid <= 0 or pid > 1 << 22:  # outside Linux's pid range: not a process of ours, leave the file alone
+        return True
+    started = _process_start(pid)
+    if started is None:
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return True
+    try:
+        recorded = os.pread(fd, 8, _START_AT)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    if len(recorded) != 8 or started == 0:
+        return True
+    creator_start = struct.unpack("<Q", recorded)[0]
+    return creator_start in (0, started)  # 0: an arena written before start times were recorded
+
+
+def sweep_dead_arenas(directory: Path | None = None) -> list[str]:
+    """Remove the arenas (regular files of this user named like an arena) whose creating process is dead;
+    return their names. Never raises: a file that cannot be checked or removed is left alone."""
+    removed = []
+    directory = directory or ARENA_DIR
+    try:
+        paths = list(directory.glob("kvshelf-arena-*"))
+    except OSError:
+        return removed
+    for path in paths:
         match = _NAME.fullmatch(path.name)
         if match is None:
             continue
         try:
-            os.kill(int(match.group(1)), 0)
-        except ProcessLookupError:
-            path.unlink(missing_ok=True)
-        except (PermissionError, OverflowError):
+            info = path.lstat()
+        except OSError:
             continue
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+            continue
+        if _creator_alive(path, int(match.group(1))):
+            continue
+        try:
+            path.unlink()
+        except OSError:
+            continue
+        removed.append(path.name)
+    if removed:
+        log.info("removed %d arena(s) of dead clients from %s", len(removed), directory)
+    return removed
+
+
+class ArenaSweeper:
+    """``sweep_dead_arenas`` now and every ``interval_s`` seconds in a daemon thread, until ``stop``."""
+
+    def __init__(self, interval_s: float = DEFAULT_SWEEP_INTERVAL_S, directory: Path | None = None) -> None:
+        if not interval_s > 0:
+            raise ValueError(f"arena sweep interval must be > 0 seconds, got {interval_s!r}")
+        self.interval_s = interval_s
+        self.directory = directory
+        self.removed = 0  # arenas removed so far
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def sweep(self) -> list[str]:
+        names = sweep_dead_arenas(self.directory)
+        self.removed += len(names)
+        return names
+
+    def start(self) -> ArenaSweeper:
+        self.sweep()
+        self._thread = threading.Thread(target=self._loop, name="kvshelf-arena-sweep", daemon=True)
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.sweep()
+            except Exception:  # noqa: BLE001 (a sweep must never end the loop)
+                log.exception("arena sweep failed")
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
 
 
 class ClientArena:
@@ -66,7 +171,7 @@ class ClientArena:
     def __init__(self, capacity: int = DEFAULT_ARENA_BYTES) -> None:
         if capacity <= HEADER_BYTES:
             raise ValueError(f"arena capacity must exceed {HEADER_BYTES} bytes, got {capacity}")
-        _sweep_dead_arenas()
+        sweep_dead_arenas()
         self.name = f"kvshelf-arena-{os.getpid()}-{secrets.token_hex(16)}"
         self.token = secrets.token_bytes(TOKEN_BYTES)
         self.capacity = capacity
@@ -74,7 +179,7 @@ class ClientArena:
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
             os.ftruncate(self._fd, capacity)  # sparse: no memory taken until written
-            os.pwrite(self._fd, MAGIC + self.token, 0)
+            os.pwrite(self._fd, MAGIC + self.token + struct.pack("<Q", _process_start(os.getpid()) or 0), 0)
         except OSError:
             self.close()
             raise

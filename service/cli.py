@@ -77,6 +77,8 @@ def serve(
     reset_disk: Annotated[bool | None, typer.Option(
         "--reset-disk", show_default=False,
         help="move a damaged LMDB environment aside (kept for `kvshelf repair`) and start an empty one")] = None,
+    arena_sweep_interval: Annotated[float | None, _opt(
+        "seconds between sweeps of dead clients' /dev/shm arenas (default 30)")] = None,
     config: Annotated[Path | None, _opt("TOML config file (or $KVSHELF_CONFIG)")] = None,
 ) -> None:
     """Run the gRPC KV service. Settings: flags > KVSHELF_* environment variables > --config TOML > defaults."""
@@ -89,7 +91,8 @@ def serve(
                  metrics_addr=metrics_addr, history_interval=history_interval, shared_memory=shared_memory,
                  tenant_streams=tenant_streams, idle_timeout=idle_timeout, min_rate=min_rate,
                  max_inflight=max_inflight, redis_timeout=redis_timeout, metrics_token_file=metrics_token_file,
-                 metrics_namespaces=metrics_namespaces, reset_disk=reset_disk)
+                 metrics_namespaces=metrics_namespaces, reset_disk=reset_disk,
+                 arena_sweep_interval=arena_sweep_interval)
     raise typer.Exit(run_server(load_config(flags, config_file=config)))
 
 

@@ -65,6 +65,7 @@ class ServeConfig:
     metrics_token_file: str = ""  # file holding the bearer token /metrics requires; empty: no token
     metrics_namespaces: str = ""  # comma-separated namespaces /metrics shows; empty: every namespace
     reset_disk: bool = False  # a damaged LMDB environment is moved aside and a new empty one started
+    arena_sweep_interval: float = 30.0  # seconds between sweeps of dead clients' /dev/shm arenas (shared_memory)
 
     def resolved_data_dir(self) -> Path:
         return Path(self.data_dir) if self.data_dir else default_data_dir()
@@ -156,6 +157,8 @@ def load_config(flags: Mapping[str, Any], env: Mapping[str, str] | None = None,
         raise ConfigError("tenant_streams must be >= 1, idle_timeout and redis_timeout > 0")
     if not 0 <= config.metrics_port < 65536 or config.history_interval <= 0:
         raise ConfigError("metrics_port must be in [0, 65535] and history_interval > 0")
+    if not 0 < config.arena_sweep_interval < float("inf"):
+        raise ConfigError(f"arena_sweep_interval must be > 0 seconds, got {config.arena_sweep_interval!r}")
     return config
 
 
@@ -192,6 +195,7 @@ def serve(config: ServeConfig, *, ready: threading.Event | None = None, stop: th
 
     Prints ``kvshelf serving on HOST:PORT`` once it accepts calls (the real port when ``listen`` ends in :0).
     """
+    from kvshelf.service.arena import ArenaSweeper, shared_memory_supported
     from kvshelf.service.auth import TokenTable
     from kvshelf.service.history import StatsHistory
     from kvshelf.service.metrics import check_metrics_access, parse_namespaces, read_token_file, serve_metrics
@@ -227,6 +231,9 @@ def serve(config: ServeConfig, *, ready: threading.Event | None = None, stop: th
         history.stop()
         store.close()
         raise
+    sweeper = None
+    if config.shared_memory and shared_memory_supported():  # arenas of killed clients: now and periodically
+        sweeper = ArenaSweeper(config.arena_sweep_interval).start()
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -241,6 +248,8 @@ def serve(config: ServeConfig, *, ready: threading.Event | None = None, stop: th
     stop.wait()
     print(f"kvshelf: stopping (draining in-flight calls for up to {config.grace:g} s)", flush=True)
     running.stop(config.grace)
+    if sweeper is not None:
+        sweeper.stop()
     if metrics is not None:
         metrics.close()
     history.stop()
