@@ -15,6 +15,20 @@ is in place. A value whose chunks are missing (evicted by Redis, or a write cut 
 ``contains_many`` reports it absent; the next put of that key repairs it. Integrity of the bytes themselves
 is the value's own checksum (``kvstore.encoding``), which the ``TieredStore`` verifies on every read.
 
+Damage. Redis is shared, so its keys may be damaged or planted by anything with access to it. A manifest is
+checked before any chunk is read: the header must be ours and consistent (a chunked value of ``chunks`` chunks
+and ``total`` bytes must have been cut by some chunk size in [``MIN_CHUNK_BYTES``, ``MAX_CHUNK_BYTES``], and
+``total`` is at most ``max_value_bytes``), so a forged header costs one command, never a pipeline of millions
+of GETs or a large allocation. Chunks are read in rounds of bounded size and a read stops at the first
+missing chunk. A damaged value -- a key of the wrong type (``WRONGTYPE``) at a manifest or chunk name, a header
+that contradicts itself, an inline value of the wrong length, chunks that do not add up to the total -- reads
+as ``b""`` (present but empty: the store's verification counts it a ``corrupt`` miss) and is removed from Redis
+then and there, by a script that deletes it only if it is still the damaged thing that was read. ``contains_many``
+reports a damaged value absent (and removes it too), so Delete, Clear and the next put of the key all clear it;
+a put replaces a key of any type. A damaged usage hash (wrong type, fields that are not integers) is rebuilt
+with ``recount()`` and a warning. No data error of Redis ever escapes as anything but a miss or a
+``TierUnavailableError``.
+
 Eviction. Redis evicts by itself; kvshelf never does. Configure the Redis server with::
 
     maxmemory <bytes>
@@ -30,9 +44,14 @@ Usage. ``usage()`` is cheap: ``blocks`` and ``bytes`` are counters in one Redis 
 Redis's ``maxmemory`` (summed over Cluster primaries; ``None`` when unlimited). Values Redis evicts on its
 own are not subtracted, so under eviction the counters over-count; ``recount()`` rebuilds them with a SCAN.
 
-Availability. The client connects lazily: constructing the tier never fails because Redis is down. Any
+Availability. The client connects lazily: constructing the tier never fails because Redis is down. Every
+command is bounded by ``socket_timeout`` (connect and each read; a timed-out command is not retried), and a
 connection error or timeout raises ``TierUnavailableError``, which the ``TieredStore`` turns into a counted
-miss (reads) or skip (writes). ``healthy()`` is a PING.
+miss (reads) or skip (writes). A circuit breaker keeps a hung or dead Redis from costing every call a timeout:
+after a call fails so, the tier is *down* for a backoff (1 s, doubling up to 30 s) during which every call
+raises ``TierUnavailableError`` at once without touching the socket; the first call after the backoff (one
+call; the others still fail at once) tries again, and a success closes the breaker. ``healthy()`` is a PING
+that always tries (it ignores the backoff) and opens or closes the breaker by its outcome.
 """
 
 from __future__ import annotations
@@ -43,6 +62,7 @@ import os
 import re
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
@@ -58,7 +78,7 @@ from kvshelf.kvstore.tier import Tier, TierUsage
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-MiB = 1 << 20
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 Client = redis.Redis | redis.cluster.RedisCluster
 
@@ -66,6 +86,18 @@ Client = redis.Redis | redis.cluster.RedisCluster
 _HEADER = struct.Struct("<4sB8sIQ")
 _MAGIC = b"kvR1"
 _INLINE, _CHUNKED = 0, 1
+
+#: the chunk sizes a writer may use (``chunk_bytes``); a manifest implying chunks outside them is damaged
+MIN_CHUNK_BYTES = 1 * KiB
+MAX_CHUNK_BYTES = 512 * MiB  # Redis's largest string (proto-max-bulk-len)
+#: the largest value a tier stores and reads by default (``max_value_bytes``)
+DEFAULT_MAX_VALUE_BYTES = 1 * GiB
+#: one round trip of chunk reads: at most this many commands and about this many bytes
+_ROUND_COMMANDS = 256
+_ROUND_BYTES = 64 * MiB
+#: the circuit breaker's backoff after a failure: first, and the most it doubles to
+BACKOFF_FIRST_S = 1.0
+BACKOFF_MAX_S = 30.0
 
 #: what "Redis cannot be reached now" looks like from redis-py (connection, timeout, cluster down/unroutable)
 _UNAVAILABLE: tuple[type[BaseException], ...] = (
@@ -79,6 +111,36 @@ _UNAVAILABLE: tuple[type[BaseException], ...] = (
     OSError,
 )
 
+#: deletes KEYS[1] only if it is still the damaged thing a reader saw: ARGV[1] "type": a key of a type other than
+#: string; "bytes": a string starting with ARGV[2]. Returns 1 when it deleted.
+_DROP_DAMAGED = """
+local t = redis.call('TYPE', KEYS[1])['ok']
+if t == 'none' then return 0 end
+if ARGV[1] == 'type' then
+  if t == 'string' then return 0 end
+elseif t ~= 'string' or redis.call('GETRANGE', KEYS[1], 0, #ARGV[2] - 1) ~= ARGV[2] then
+  return 0
+end
+return redis.call('DEL', KEYS[1])
+"""
+
+
+def _is_data_error(reply: object) -> bool:
+    """Whether ``reply`` is an error Redis gave because of what a key holds (not because it is down or refusing):
+    a key of the wrong type, a counter that is not an integer or would overflow."""
+    if not isinstance(reply, rex.ResponseError) or isinstance(reply, _UNAVAILABLE):
+        return False
+    text = str(reply)
+    return text.startswith("WRONGTYPE") or "not an integer" in text or "overflow" in text
+
+
+def _readable(reply: T) -> T:
+    """A pipeline reply (``raise_on_error=False``) as data: data errors are returned for the caller to treat as
+    damage; any other error (unreachable, refused) is raised."""
+    if isinstance(reply, BaseException) and not _is_data_error(reply):
+        raise reply
+    return reply
+
 
 class _Manifest:
     """The decoded manifest header of one value."""
@@ -88,30 +150,146 @@ class _Manifest:
     def __init__(self, kind: int, generation: bytes, chunks: int, total: int) -> None:
         self.kind, self.generation, self.chunks, self.total = kind, generation, chunks, total
 
-    @classmethod
-    def parse(cls, raw: bytes | None) -> _Manifest | None:
-        """The header of ``raw`` (a manifest or its first bytes), ``None`` if absent or not ours."""
-        if raw is None or len(raw) < _HEADER.size:
-            return None
-        magic, kind, generation, chunks, total = _HEADER.unpack_from(raw)
-        if magic != _MAGIC or kind not in (_INLINE, _CHUNKED):
-            return None
-        return cls(kind, generation, chunks, total)
-
     def pack(self) -> bytes:
         return _HEADER.pack(_MAGIC, self.kind, self.generation, self.chunks, self.total)
+
+    @property
+    def chunk_size(self) -> int:
+        """The smallest chunk size that cuts ``total`` into ``chunks`` chunks (a chunked manifest)."""
+        return -(-self.total // self.chunks)
+
+
+class _Damage:
+    """A damaged manifest or value, and what was seen of it (so that only that is removed)."""
+
+    __slots__ = ("manifest", "reason", "seen")
+
+    def __init__(self, reason: str, seen: bytes | None, manifest: _Manifest | None = None) -> None:
+        self.reason = reason
+        self.seen = seen  # the manifest's first bytes; None: the manifest key is of the wrong type
+        self.manifest = manifest  # a sound manifest whose chunks are damaged
+
+
+def read_manifest(raw: bytes | BaseException | None, max_value_bytes: int, *,
+                  whole: bool) -> _Manifest | _Damage | None:
+    """The manifest in ``raw`` (a GET or GETRANGE reply: ``whole`` says whether an inline value follows the
+    header in full), ``None`` when absent, or ``_Damage`` saying why it cannot be ours."""
+    if raw is None:
+        return None
+    if isinstance(raw, BaseException):
+        return _Damage(f"manifest key: {raw}", None)
+    seen = bytes(raw[:_HEADER.size])
+    if len(raw) < _HEADER.size:
+        return _Damage(f"manifest of {len(raw)} bytes, shorter than its {_HEADER.size}-byte header", seen)
+    magic, kind, generation, chunks, total = _HEADER.unpack_from(raw)
+    if magic != _MAGIC or kind not in (_INLINE, _CHUNKED):
+        return _Damage(f"not a kvshelf manifest (magic {magic!r}, kind {kind})", seen)
+    if total > max_value_bytes:
+        return _Damage(f"declares {total} bytes, over the {max_value_bytes}-byte value limit", seen)
+    manifest = _Manifest(kind, generation, chunks, total)
+    if kind == _INLINE:
+        if chunks != 0:
+            return _Damage(f"inline value declaring {chunks} chunks", seen)
+        if whole and len(raw) - _HEADER.size != total:
+            return _Damage(f"inline value of {len(raw) - _HEADER.size} bytes, its header says {total}", seen)
+        return manifest
+    # a chunked value is longer than the writer's chunk size c, cut into ceil(total / c) non-empty chunks:
+    # the sizes c that give `chunks` chunks are [ceil(total / chunks), ceil(total / (chunks - 1)) - 1]
+    if chunks < 2 or total < chunks:
+        return _Damage(f"chunked value of {total} bytes in {chunks} chunks", seen)
+    low, high = -(-total // chunks), -(-total // (chunks - 1)) - 1
+    if max(low, MIN_CHUNK_BYTES) > min(high, MAX_CHUNK_BYTES):
+        return _Damage(f"{total} bytes cannot be cut into {chunks} chunks of {MIN_CHUNK_BYTES} to "
+                       f"{MAX_CHUNK_BYTES} bytes", seen)
+    return manifest
 
 
 def _glob_escape(text: str) -> str:
     return re.sub(r"([*?\[\]\\])", r"\\\1", text)
 
 
+class _Breaker:
+    """Closed (calls go through) until a call finds Redis unreachable; then open for a backoff (doubling from
+    ``first_s`` to ``max_s`` with each failure in a row), during which calls are refused at once. After the
+    backoff one call (the trial) goes through; its success closes the breaker, its failure opens it again."""
+
+    def __init__(self, name: str, first_s: float = BACKOFF_FIRST_S, max_s: float = BACKOFF_MAX_S) -> None:
+        self.name = name
+        self.first_s, self.max_s = first_s, max_s
+        self._lock = threading.Lock()
+        self._backoff = 0.0  # 0: closed
+        self._until = 0.0
+        self._trial = False
+        self._reason = ""
+
+    def admit(self, *, probe: bool = False) -> str | None:
+        """``None`` if a call may go ahead now, else why not."""
+        with self._lock:
+            if not self._backoff or probe:
+                return None
+            left = self._until - time.monotonic()
+            if left > 0:
+                return f"down for another {left:.1f} s after {self._reason}"
+            if self._trial:
+                return f"down (a retry is in flight) after {self._reason}"
+            self._trial = True
+            return None
+
+    def succeeded(self) -> None:
+        with self._lock:
+            was_down = bool(self._backoff)
+            self._backoff, self._trial = 0.0, False
+        if was_down:
+            log.warning("Redis tier %s is reachable again", self.name)
+
+    def failed(self, reason: str) -> None:
+        with self._lock:
+            was_down = bool(self._backoff)
+            self._backoff = min(max(2 * self._backoff, self.first_s), self.max_s)
+            self._until = time.monotonic() + self._backoff
+            self._trial = False
+            self._reason = reason
+            backoff = self._backoff
+        if not was_down:
+            log.warning("Redis tier %s is unreachable (%s): calls fail at once for %.1f s, then retry",
+                        self.name, reason, backoff)
+
+    def abandon(self) -> None:
+        """A trial that ended without telling whether Redis is reachable."""
+        with self._lock:
+            self._trial = False
+
+    @property
+    def is_open(self) -> bool:
+        with self._lock:
+            return bool(self._backoff)
+
+
+class _ChunkRead:
+    """The chunks of one value being read (``GET``) or measured (``STRLEN``) round by round."""
+
+    __slots__ = ("done", "got", "keys", "manifest", "next", "parts", "result")
+
+    def __init__(self, keys: Callable[[int], str], manifest: _Manifest) -> None:
+        self.keys = keys
+        self.manifest = manifest
+        self.next = 0  # the next chunk to ask for
+        self.got = 0  # bytes (or lengths) received so far
+        self.parts: list[bytes] = []
+        self.done = False
+        self.result: Any = None
+
+    def finish(self, result: Any) -> None:
+        self.done, self.result, self.parts = True, result, []
+
+
 class RedisTier(Tier):
     """Encoded blocks in Redis (standalone or Cluster), chunked, under one hash tag per value.
 
     Build it with :meth:`from_url`; ``connect`` is any zero-argument function returning a redis-py client
-    (``redis.Redis`` or ``redis.cluster.RedisCluster``, with ``decode_responses=False``); it is called on
-    first use, and again after a failed attempt.
+    (``redis.Redis`` or ``redis.cluster.RedisCluster``, with ``decode_responses=False``, and bounded socket
+    timeouts); it is called on first use, and again after a failed attempt. ``max_value_bytes``: the largest value
+    stored (larger ones are not: ``put_many`` counts them out) and read (a manifest declaring more is damaged).
     """
 
     def __init__(
@@ -122,19 +300,27 @@ class RedisTier(Tier):
         prefix: str = "kvshelf:",
         chunk_bytes: int = 4 * MiB,
         where: str = "redis",
+        max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
     ) -> None:
-        if not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+        if not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or chunk_bytes <= 0:
             raise ConfigError(f"Redis chunk_bytes must be a positive number of bytes, got {chunk_bytes!r}")
+        if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ConfigError(f"Redis chunk_bytes must be between {MIN_CHUNK_BYTES} and {MAX_CHUNK_BYTES} bytes, "
+                              f"got {chunk_bytes}")
+        if not isinstance(max_value_bytes, int) or isinstance(max_value_bytes, bool) or max_value_bytes <= 0:
+            raise ConfigError(f"Redis max_value_bytes must be a positive number of bytes, got {max_value_bytes!r}")
         if "{" in prefix or "}" in prefix:
             raise ConfigError(f"Redis key prefix must not contain '{{' or '}}' (they delimit hash tags): {prefix!r}")
         self.name = name
         self.prefix = prefix
         self.chunk_bytes = chunk_bytes
+        self.max_value_bytes = max_value_bytes
         self.where = where
         self._connect = connect
         self._client: Client | None = None
         self._lock = threading.Lock()
         self._usage_key = f"{{{prefix}#usage}}"
+        self._breaker = _Breaker(name)
 
     @classmethod
     def from_url(
@@ -144,10 +330,14 @@ class RedisTier(Tier):
         name: str = "redis",
         prefix: str = "kvshelf:",
         chunk_bytes: int = 4 * MiB,
-        socket_timeout: float = 5.0,
+        socket_timeout: float = 1.0,
+        max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
     ) -> RedisTier:
         """A tier on ``redis://[:password@]host:port/db`` (standalone) or ``redis+cluster://host:port`` (a seed
-        node of a Redis Cluster). Nothing is connected until first use."""
+        node of a Redis Cluster). Nothing is connected until first use. ``socket_timeout``: seconds a connect or a
+        read may take before Redis counts as unreachable (a timed-out command is not retried)."""
+        if isinstance(socket_timeout, bool) or not isinstance(socket_timeout, int | float) or not socket_timeout > 0:
+            raise ConfigError(f"Redis socket_timeout must be a positive number of seconds, got {socket_timeout!r}")
         parts = urlsplit(url)
         scheme = parts.scheme.lower()
         if scheme not in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
@@ -168,16 +358,18 @@ class RedisTier(Tier):
             "socket_timeout": socket_timeout,
             "socket_connect_timeout": socket_timeout,
             "decode_responses": False,
-            # a few quick retries: a shared tier that is down must cost a request milliseconds, not seconds
-            "retry": Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.1), retries=2),
         }
+        # a few quick retries of a dropped connection (milliseconds), never of a timeout: a hung server must cost
+        # a call one timeout, not three
+        backoff = ExponentialWithJitterBackoff(base=0.01, cap=0.1)
         where = f"{scheme}://{host}:{port}"
         if scheme.endswith("+cluster"):
             if parts.path.strip("/") not in ("", "0"):
                 raise ConfigError(f"Redis Cluster has only database 0, got {url!r}")
 
             def connect() -> Client:
-                return redis.cluster.RedisCluster(**options)
+                # the cluster client retries (after refreshing its slot map) on its own; once is enough
+                return redis.cluster.RedisCluster(retry=Retry(backoff, retries=1), **options)
 
         else:
             db_text = parts.path.strip("/") or "0"
@@ -186,24 +378,42 @@ class RedisTier(Tier):
             where += f"/{db_text}"
 
             def connect() -> Client:
-                return redis.Redis(db=int(db_text), health_check_interval=30, **options)
+                retry = Retry(backoff, retries=2, supported_errors=(rex.ConnectionError,))
+                return redis.Redis(db=int(db_text), health_check_interval=30, retry=retry, **options)
 
-        return cls(connect, name=name, prefix=prefix, chunk_bytes=chunk_bytes, where=where)
+        return cls(connect, name=name, prefix=prefix, chunk_bytes=chunk_bytes, where=where,
+                   max_value_bytes=max_value_bytes)
 
     # -- plumbing -------------------------------------------------------------------------------------
 
-    def _run(self, what: str, fn: Callable[[Client], T]) -> T:
-        """``fn(client)``, with every "cannot reach Redis" error turned into ``TierUnavailableError``."""
+    def _unavailable(self, what: str, reason: str) -> TierUnavailableError:
+        return TierUnavailableError(f"Redis tier {self.name!r} at {self.where} is unavailable ({what}): {reason}")
+
+    def _run(self, what: str, fn: Callable[[Client], T], *, probe: bool = False) -> T:
+        """``fn(client)`` through the circuit breaker, with every "cannot reach Redis" error turned into
+        ``TierUnavailableError`` (and opening the breaker), and any other error Redis answers with (refused, no
+        permission...) into ``TierUnavailableError`` too."""
+        refused = self._breaker.admit(probe=probe)
+        if refused is not None:
+            raise self._unavailable(what, refused)
         try:
             with self._lock:
                 if self._client is None:
                     self._client = self._connect()
                 client = self._client
-            return fn(client)
+            result = fn(client)
         except _UNAVAILABLE as exc:
-            raise TierUnavailableError(
-                f"Redis tier {self.name!r} at {self.where} is unavailable ({what}): {type(exc).__name__}: {exc}"
-            ) from exc
+            reason = f"{type(exc).__name__}: {exc}"
+            self._breaker.failed(reason)
+            raise self._unavailable(what, reason) from exc
+        except rex.RedisError as exc:  # Redis answered, with an error no data of ours explains
+            self._breaker.succeeded()
+            raise self._unavailable(what, f"Redis refused: {type(exc).__name__}: {exc}") from exc
+        except BaseException:
+            self._breaker.abandon()
+            raise
+        self._breaker.succeeded()
+        return result
 
     def _tag(self, key: bytes) -> str:
         return f"{{{self.prefix}{key.hex()}}}"
@@ -211,19 +421,121 @@ class RedisTier(Tier):
     def _manifest_key(self, key: bytes) -> str:
         return self._tag(key) + ":m"
 
-    def _chunk_keys(self, key: bytes, manifest: _Manifest) -> list[str]:
-        if manifest.kind != _CHUNKED:
-            return []
+    def _chunk_key_fn(self, key: bytes, manifest: _Manifest) -> Callable[[int], str]:
         base = f"{self._tag(key)}:{manifest.generation.hex()}:"
-        return [base + str(i) for i in range(manifest.chunks)]
+        return lambda i: base + str(i)
+
+    def _chunk_keys(self, key: bytes, manifest: _Manifest) -> Iterator[str]:
+        """The chunk keys of a sound manifest, lazily (a damaged one's chunk count is never trusted)."""
+        if manifest.kind != _CHUNKED:
+            return iter(())
+        name = self._chunk_key_fn(key, manifest)
+        return (name(i) for i in range(manifest.chunks))
+
+    def _manifest(self, raw: bytes | BaseException | None, *, whole: bool) -> _Manifest | _Damage | None:
+        return read_manifest(_readable(raw), self.max_value_bytes, whole=whole)
 
     @staticmethod
     def _pipeline(client: Client) -> Any:
         return client.pipeline(transaction=False)
 
+    def _execute(self, client: Client, commands: Iterable[Callable[[Any], Any]], batch: int = 4096) -> list[Any]:
+        """Run ``commands`` (each queues one command on a pipeline) in pipelines of at most ``batch``; the
+        replies, errors included."""
+        out: list[Any] = []
+        pipe, queued = self._pipeline(client), 0
+        for command in commands:
+            command(pipe)
+            queued += 1
+            if queued == batch:
+                out.extend(pipe.execute(raise_on_error=False))
+                pipe, queued = self._pipeline(client), 0
+        if queued:
+            out.extend(pipe.execute(raise_on_error=False))
+        return out
+
+    def _read_chunks(self, client: Client, values: Sequence[tuple[bytes, _Manifest]], *, lengths: bool) -> list[Any]:
+        """Each chunked value's chunks, in rounds of at most ``_ROUND_COMMANDS`` commands and about
+        ``_ROUND_BYTES`` bytes: with ``lengths``, ``STRLEN`` (the value's chunk lengths add up: ``True``), else
+        ``GET`` (the value's bytes). ``None`` where a chunk is missing (the read of that value stops there);
+        ``_Damage`` where a chunk is of the wrong type, empty, or the chunks do not add up."""
+        reads = [_ChunkRead(self._chunk_key_fn(key, manifest), manifest) for key, manifest in values]
+        active = list(reads)
+        while active:
+            pipe = self._pipeline(client)
+            plan: list[tuple[_ChunkRead, int]] = []
+            budget_bytes = _ROUND_BYTES
+            for read in active:
+                chunk = read.manifest.chunk_size
+                while read.next < read.manifest.chunks and len(plan) < _ROUND_COMMANDS and (
+                        not plan or lengths or budget_bytes >= chunk):
+                    name = read.keys(read.next)
+                    pipe.strlen(name) if lengths else pipe.get(name)
+                    plan.append((read, read.next))
+                    read.next += 1
+                    budget_bytes -= chunk
+                if len(plan) >= _ROUND_COMMANDS or (not lengths and budget_bytes < chunk):
+                    break
+            for (read, index), reply in zip(plan, pipe.execute(raise_on_error=False), strict=True):
+                if read.done:
+                    continue
+                reply = _readable(reply)
+                if isinstance(reply, BaseException):
+                    read.finish(_Damage(f"chunk {index}: {reply}", None, read.manifest))
+                elif reply is None or (lengths and reply == 0):
+                    read.finish(None)  # missing: evicted, or a write cut short
+                elif not lengths and len(reply) == 0:
+                    read.finish(_Damage(f"chunk {index} is empty", None, read.manifest))
+                else:
+                    read.got += int(reply) if lengths else len(reply)
+                    if read.got > read.manifest.total:
+                        read.finish(_Damage(f"chunks longer than the {read.manifest.total} bytes declared", None,
+                                            read.manifest))
+                    elif not lengths:
+                        read.parts.append(reply)
+            for read in active:
+                if not read.done and read.next == read.manifest.chunks:
+                    if read.got != read.manifest.total:
+                        read.finish(_Damage(f"chunks of {read.got} bytes, {read.manifest.total} declared", None,
+                                            read.manifest))
+                    else:
+                        read.finish(True if lengths else b"".join(read.parts))
+            active = [read for read in active if not read.done]
+        return [read.result for read in reads]
+
+    def _heal(self, client: Client, damaged: Sequence[tuple[bytes, _Damage]]) -> None:
+        """Remove damaged values, each only if it is still what was read (a put may have replaced it since)."""
+        blocks, size = 0, 0
+        for key, damage in damaged:
+            name = self._manifest_key(key)
+            manifest = damage.manifest
+            seen = manifest.pack() if manifest is not None else damage.seen
+            try:
+                if seen is None:
+                    dropped = client.eval(_DROP_DAMAGED, 1, name, "type", "")
+                else:
+                    dropped = client.eval(_DROP_DAMAGED, 1, name, "bytes", seen)
+            except rex.ResponseError as exc:
+                if isinstance(exc, _UNAVAILABLE):
+                    raise
+                log.warning("Redis tier %s: cannot remove damaged value %s (%s): %s", self.name, key.hex(),
+                            damage.reason, exc)
+                continue
+            if not dropped:
+                continue
+            log.warning("Redis tier %s: removed damaged value %s: %s", self.name, key.hex(), damage.reason)
+            if manifest is not None:  # a sound manifest: its chunks are known, and it was counted when written
+                self._execute(client, (lambda p, c=c: p.delete(c) for c in self._chunk_keys(key, manifest)))
+                blocks, size = blocks - 1, size - manifest.total
+        if blocks or size:
+            pipe = self._pipeline(client)
+            self._count(pipe, blocks, size)
+            pipe.execute(raise_on_error=False)
+
     # -- Tier -----------------------------------------------------------------------------------------
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """The values of ``keys``: ``None`` where absent or a chunk is missing, ``b""`` where damaged (removed)."""
         if not keys:
             return []
 
@@ -231,30 +543,31 @@ class RedisTier(Tier):
             pipe = self._pipeline(client)
             for key in keys:
                 pipe.get(self._manifest_key(key))
-            raws = pipe.execute()
+            raws = pipe.execute(raise_on_error=False)
             out: list[bytes | None] = [None] * len(keys)
-            wanted: list[tuple[int, _Manifest, list[str]]] = []
+            wanted: list[tuple[int, bytes, _Manifest]] = []
+            damaged: list[tuple[bytes, _Damage]] = []
             for i, (key, raw) in enumerate(zip(keys, raws, strict=True)):
-                manifest = _Manifest.parse(raw)
+                manifest = self._manifest(raw, whole=True)
                 if manifest is None:
                     continue
-                if manifest.kind == _INLINE:
-                    data = raw[_HEADER.size:]
-                    out[i] = data if len(data) == manifest.total else None
+                if isinstance(manifest, _Damage):
+                    out[i] = b""
+                    damaged.append((key, manifest))
+                elif manifest.kind == _INLINE:
+                    out[i] = raw[_HEADER.size:]
                 else:
-                    wanted.append((i, manifest, self._chunk_keys(key, manifest)))
+                    wanted.append((i, key, manifest))
             if wanted:
-                pipe = self._pipeline(client)
-                for _, _, chunk_keys in wanted:
-                    for chunk_key in chunk_keys:
-                        pipe.get(chunk_key)
-                chunks = iter(pipe.execute())
-                for i, manifest, chunk_keys in wanted:
-                    parts = [next(chunks) for _ in chunk_keys]
-                    if any(part is None for part in parts):
-                        continue  # a chunk was evicted or the write was cut short: a miss, never partial data
-                    value = b"".join(parts)
-                    out[i] = value if len(value) == manifest.total else None
+                values = self._read_chunks(client, [(key, m) for _, key, m in wanted], lengths=False)
+                for (i, key, _), value in zip(wanted, values, strict=True):
+                    if isinstance(value, _Damage):
+                        out[i] = b""
+                        damaged.append((key, value))
+                    else:
+                        out[i] = value
+            if damaged:
+                self._heal(client, damaged)
             return out
 
         return self._run("get", fn)
@@ -262,42 +575,62 @@ class RedisTier(Tier):
     def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> int:
         """Write each value's chunks, then its manifest (with ``SET ... GET`` to learn the value it replaces),
         then drop the replaced value's chunks and update the usage counters. Returns how many Redis took
-        (a value Redis refuses, e.g. OOM under ``noeviction``, is not stored)."""
+        (a value Redis refuses, e.g. OOM under ``noeviction``, or one over ``max_value_bytes``, is not stored).
+        A key of another type at the manifest's name is replaced."""
         if not items:
             return 0
+        too_large = sum(1 for _, value in items if len(value) > self.max_value_bytes)
+        if too_large:
+            log.warning("Redis tier %s: %d values over the %d-byte value limit not stored", self.name, too_large,
+                        self.max_value_bytes)
+            items = [(key, value) for key, value in items if len(value) <= self.max_value_bytes]
+            if not items:
+                return 0
 
         def fn(client: Client) -> int:
             pipe = self._pipeline(client)
-            plan: list[tuple[bytes, int, list[str], int]] = []  # key, value size, new chunk keys, commands
+            # key, value size, new chunk keys, commands, the manifest as written
+            plan: list[tuple[bytes, int, list[str], int, bytes | memoryview]] = []
             for key, value in items:
                 size = len(value)
                 if size <= self.chunk_bytes:
                     manifest = _Manifest(_INLINE, os.urandom(8), 0, size)
-                    pipe.set(self._manifest_key(key), manifest.pack() + value, get=True)
-                    plan.append((key, size, [], 1))
+                    payload = manifest.pack() + value
+                    pipe.set(self._manifest_key(key), payload, get=True)
+                    plan.append((key, size, [], 1, payload))
                     continue
                 count = -(-size // self.chunk_bytes)
                 manifest = _Manifest(_CHUNKED, os.urandom(8), count, size)
-                chunk_keys = self._chunk_keys(key, manifest)
+                chunk_keys = list(self._chunk_keys(key, manifest))
                 view = memoryview(value)
                 for n, chunk_key in enumerate(chunk_keys):
                     pipe.set(chunk_key, view[n * self.chunk_bytes:(n + 1) * self.chunk_bytes])
-                pipe.set(self._manifest_key(key), manifest.pack(), get=True)  # last: the value is now visible
-                plan.append((key, size, chunk_keys, count + 1))
+                payload = manifest.pack()
+                pipe.set(self._manifest_key(key), payload, get=True)  # last: the value is now visible
+                plan.append((key, size, chunk_keys, count + 1, payload))
             results = iter(pipe.execute(raise_on_error=False))
 
             stored, blocks_delta, bytes_delta = 0, 0, 0
             cleanup = self._pipeline(client)
+            replace: list[tuple[bytes, int, list[str], bytes | memoryview]] = []
             refused: BaseException | None = None
-            for key, size, chunk_keys, commands in plan:
+            for key, size, chunk_keys, commands, payload in plan:
                 replies = [next(results) for _ in range(commands)]
                 errors = [r for r in replies if isinstance(r, BaseException)]
                 for error in errors:
                     if isinstance(error, _UNAVAILABLE):
                         raise error
-                    refused = error
+                if errors and len(errors) == 1 and _is_data_error(replies[-1]):
+                    # SET ... GET on a key of another type sets nothing: replace that key below
+                    replace.append((key, size, chunk_keys, payload))
+                    continue
+                if errors:
+                    refused = errors[0]
                 old_raw = replies[-1]
-                old = None if isinstance(old_raw, BaseException) else _Manifest.parse(old_raw)
+                old = None if isinstance(old_raw, BaseException) else read_manifest(
+                    old_raw, self.max_value_bytes, whole=True)
+                if isinstance(old, _Damage):
+                    old = None  # it was not a value of ours: nothing of it to drop or count out
                 if errors:
                     for chunk_key in chunk_keys:  # this write's own generation: nobody else uses these keys
                         cleanup.delete(chunk_key)
@@ -315,10 +648,29 @@ class RedisTier(Tier):
                     blocks_delta += 1
                     bytes_delta += size
                 stored += 1
+            if replace:
+                pipe = self._pipeline(client)
+                for key, _, _, payload in replace:
+                    pipe.delete(self._manifest_key(key))
+                    pipe.set(self._manifest_key(key), payload)
+                replies = iter(pipe.execute(raise_on_error=False))
+                for key, size, chunk_keys, _ in replace:
+                    _, reply = next(replies), next(replies)
+                    if isinstance(reply, _UNAVAILABLE):
+                        raise reply
+                    if isinstance(reply, BaseException):
+                        refused = reply
+                        for chunk_key in chunk_keys:
+                            cleanup.delete(chunk_key)
+                        continue
+                    log.warning("Redis tier %s: replaced a key of the wrong type at value %s", self.name, key.hex())
+                    blocks_delta += 1
+                    bytes_delta += size
+                    stored += 1
             if refused is not None:
                 log.warning("Redis tier %s refused a write (set maxmemory-policy allkeys-lru): %s", self.name, refused)
             self._count(cleanup, blocks_delta, bytes_delta)
-            cleanup.execute(raise_on_error=False)
+            cleanup.execute(raise_on_error=False)  # a damaged usage hash is rebuilt by the next usage()
             return stored
 
         return self._run("put", fn)
@@ -329,46 +681,45 @@ class RedisTier(Tier):
         if size:
             pipe.hincrby(self._usage_key, "bytes", size)
 
-    def _headers(self, client: Client, keys: Sequence[bytes]) -> list[_Manifest | None]:
+    def _headers(self, client: Client, keys: Sequence[bytes]) -> list[_Manifest | _Damage | None]:
         """The manifest headers of ``keys`` (``GETRANGE``: the inline data is not transferred)."""
-        pipe = self._pipeline(client)
-        for key in keys:
-            pipe.getrange(self._manifest_key(key), 0, _HEADER.size - 1)
-        return [_Manifest.parse(raw) for raw in pipe.execute()]
+        replies = self._execute(client, (lambda p, k=key: p.getrange(self._manifest_key(k), 0, _HEADER.size - 1)
+                                         for key in keys))
+        return [self._manifest(raw, whole=False) for raw in replies]
 
     def contains_many(self, keys: Sequence[bytes]) -> int:
-        """The leading run of ``keys`` whose manifest is present and whose chunks add up to the value's length
-        (``STRLEN`` of each chunk: no chunk data is transferred)."""
+        """The leading run of ``keys`` whose manifest is present and sound and whose chunks add up to the value's
+        length (``STRLEN`` of each chunk: no chunk data is transferred). A damaged value found is removed."""
         if not keys:
             return 0
 
         def fn(client: Client) -> int:
-            headers = self._headers(client, keys)
-            run = next((i for i, m in enumerate(headers) if m is None), len(keys))
-            pipe = self._pipeline(client)
-            owners: list[int] = []
-            for i in range(run):
-                manifest = headers[i]
-                assert manifest is not None
-                for chunk_key in self._chunk_keys(keys[i], manifest):
-                    pipe.strlen(chunk_key)
-                    owners.append(i)
-            if not owners:
-                return run
-            lengths: dict[int, int] = {}
-            for i, length in zip(owners, pipe.execute(), strict=True):
-                lengths[i] = lengths.get(i, 0) + int(length)
-            for i in range(run):
-                manifest = headers[i]
-                assert manifest is not None
-                if manifest.kind == _CHUNKED and lengths.get(i, 0) != manifest.total:
-                    return i  # a chunk is missing (evicted, or a write cut short): the value is absent
+            damaged: list[tuple[bytes, _Damage]] = []
+            sound: list[_Manifest] = []
+            for key, manifest in zip(keys, self._headers(client, keys), strict=True):
+                if not isinstance(manifest, _Manifest):
+                    if manifest is not None:
+                        damaged.append((key, manifest))
+                    break
+                sound.append(manifest)
+            run = len(sound)
+            chunked = [i for i, manifest in enumerate(sound) if manifest.kind == _CHUNKED]
+            if chunked:
+                results = self._read_chunks(client, [(keys[i], sound[i]) for i in chunked], lengths=True)
+                for i, result in zip(chunked, results, strict=True):
+                    if isinstance(result, _Damage):
+                        damaged.append((keys[i], result))
+                    if result is not True:
+                        run = min(run, i)  # a chunk is missing or damaged: the value is absent
+            if damaged:
+                self._heal(client, damaged)
             return run
 
         return self._run("contains", fn)
 
     def delete(self, keys: Iterable[bytes]) -> int:
-        """Remove manifests first (the values vanish at once), then their chunks; return how many existed.
+        """Remove manifests first (the values vanish at once), then their chunks; return how many existed
+        (keys of another type at a manifest's name included: they are removed too).
 
         ``GETDEL`` removes each manifest and returns the one it removed in one atomic step, so a put racing the
         delete of the same key is wholly before or after it: its chunks and the usage counters stay right.
@@ -381,20 +732,28 @@ class RedisTier(Tier):
             pipe = self._pipeline(client)
             for key in keys:
                 pipe.getdel(self._manifest_key(key))
-            deleted = pipe.execute()
-            pipe = self._pipeline(client)
-            removed, removed_bytes = 0, 0
+            deleted = pipe.execute(raise_on_error=False)
+            removed, removed_bytes, counted = 0, 0, 0
+            chunk_keys: list[Iterator[str]] = []
+            damaged: list[tuple[bytes, _Damage]] = []
             for key, raw in zip(keys, deleted, strict=True):
-                if raw is None:
+                manifest = self._manifest(raw, whole=True)
+                if manifest is None:
                     continue
                 removed += 1
-                manifest = _Manifest.parse(raw)
-                if manifest is not None:
-                    removed_bytes += manifest.total
-                    for chunk_key in self._chunk_keys(key, manifest):
-                        pipe.delete(chunk_key)
-            self._count(pipe, -removed, -removed_bytes)
-            pipe.execute()
+                if isinstance(manifest, _Damage):
+                    if manifest.seen is None:  # GETDEL refused a key of another type: remove it so
+                        damaged.append((key, manifest))
+                    continue
+                counted += 1
+                removed_bytes += manifest.total
+                chunk_keys.append(self._chunk_keys(key, manifest))
+            if damaged:
+                self._heal(client, damaged)
+            self._execute(client, (lambda p, c=c: p.delete(c) for names in chunk_keys for c in names))
+            pipe = self._pipeline(client)
+            self._count(pipe, -counted, -removed_bytes)
+            pipe.execute(raise_on_error=False)  # a damaged usage hash is rebuilt by the next usage()
             return removed
 
         return self._run("delete", fn)
@@ -404,58 +763,81 @@ class RedisTier(Tier):
             return client.scan_iter(match=match, count=1000, target_nodes=redis.cluster.RedisCluster.PRIMARIES)
         return client.scan_iter(match=match, count=1000)
 
-    def keys(self) -> list[bytes]:
-        """Every key with a manifest (SCAN by prefix; on Cluster, every primary). May be slow on large tiers."""
+    def _keys(self, client: Client) -> list[bytes]:
         pattern = "{" + _glob_escape(self.prefix) + "*}:m"
         start = 1 + len(self.prefix.encode())
+        out = []
+        for name in self._scan(client, pattern):
+            hex_key = name[start:-3].decode("ascii", "replace")
+            try:
+                out.append(bytes.fromhex(hex_key))
+            except ValueError:
+                continue  # not one of ours (a prefix that is a prefix of another tier's)
+        return out
 
-        def fn(client: Client) -> list[bytes]:
-            out = []
-            for name in self._scan(client, pattern):
-                hex_key = name[start:-3].decode("ascii", "replace")
-                try:
-                    out.append(bytes.fromhex(hex_key))
-                except ValueError:
-                    continue  # not one of ours (a prefix that is a prefix of another tier's)
-            return out
+    def keys(self) -> list[bytes]:
+        """Every key with a manifest (SCAN by prefix; on Cluster, every primary). May be slow on large tiers."""
+        return self._run("keys", self._keys)
 
-        return self._run("keys", fn)
+    def _counters(self, client: Client) -> tuple[int, int] | str:
+        """``(blocks, bytes)`` from the usage hash, or why it is damaged."""
+        try:
+            counters = client.hgetall(self._usage_key)
+        except rex.ResponseError as exc:
+            if not _is_data_error(exc):
+                raise
+            return str(exc)
+        values = []
+        for field in (b"blocks", b"bytes"):
+            try:
+                value = int(counters.get(field, 0))
+            except ValueError:
+                return f"{field.decode()} is {counters[field][:40]!r}, not an integer"
+            if not -(1 << 63) <= value < 1 << 63:
+                return f"{field.decode()} is out of range"
+            values.append(max(value, 0))
+        return values[0], values[1]
+
+    def _recount(self, client: Client) -> tuple[int, int]:
+        keys = self._keys(client)
+        present = [m for m in self._headers(client, keys) if isinstance(m, _Manifest)]
+        blocks, size = len(present), sum(m.total for m in present)
+        pipe = self._pipeline(client)
+        pipe.delete(self._usage_key)
+        pipe.hset(self._usage_key, mapping={"blocks": blocks, "bytes": size})
+        for reply in pipe.execute(raise_on_error=False):
+            if isinstance(reply, BaseException):
+                raise reply
+        return blocks, size
 
     def usage(self) -> TierUsage:
-        """Counters (``HGETALL`` of the usage hash) and ``maxmemory`` (``INFO memory``): two cheap commands."""
+        """Counters (``HGETALL`` of the usage hash) and ``maxmemory`` (``INFO memory``): two cheap commands. A
+        damaged usage hash is rebuilt (``recount``) with a warning."""
 
         def fn(client: Client) -> TierUsage:
-            counters = client.hgetall(self._usage_key)
+            counters = self._counters(client)
+            if isinstance(counters, str):
+                log.warning("Redis tier %s: the usage counters at %s are damaged (%s): rebuilding them with a "
+                            "recount", self.name, self._usage_key, counters)
+                counters = self._recount(client)
             info = client.info("memory", target_nodes=redis.cluster.RedisCluster.PRIMARIES) if isinstance(
                 client, redis.cluster.RedisCluster) else client.info("memory")
             nodes = info.values() if isinstance(client, redis.cluster.RedisCluster) else [info]
             capacity = sum(int(node.get("maxmemory", 0)) for node in nodes)
-            return TierUsage(
-                blocks=max(int(counters.get(b"blocks", 0)), 0),
-                bytes=max(int(counters.get(b"bytes", 0)), 0),
-                capacity_bytes=capacity or None,
-            )
+            return TierUsage(blocks=counters[0], bytes=counters[1], capacity_bytes=capacity or None)
 
         return self._run("usage", fn)
 
     def recount(self) -> TierUsage:
         """Rebuild the usage counters from what Redis holds now (a SCAN and one GETRANGE per value)."""
-
-        def fn(client: Client) -> None:
-            keys = self.keys()
-            headers = self._headers(client, keys) if keys else []
-            present = [m for m in headers if m is not None]
-            pipe = self._pipeline(client)
-            pipe.hset(self._usage_key, mapping={"blocks": len(present), "bytes": sum(m.total for m in present)})
-            pipe.execute()
-
-        self._run("recount", fn)
+        self._run("recount", self._recount)
         return self.usage()
 
     def healthy(self) -> bool:
-        """Whether Redis answers a PING now."""
+        """Whether Redis answers a PING now (tried even while the breaker is open; its outcome opens or closes
+        the breaker)."""
         try:
-            return bool(self._run("ping", lambda client: client.ping()))
+            return bool(self._run("ping", lambda client: client.ping(), probe=True))
         except TierUnavailableError:
             return False
 

@@ -6,6 +6,8 @@ Import the fixtures into a test module (``from redis_servers import redis_server
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -19,7 +21,7 @@ import redis.cluster
 from kvshelf.bench.servers import HOST, MISSING, START_TIMEOUT_S, RedisProcess, binary, free_port
 from kvshelf.kvstore.errors import ConfigError
 
-__all__ = ["HOST", "MISSING", "RedisProcess", "free_port"]
+__all__ = ["HOST", "MISSING", "PausableRedis", "RedisProcess", "free_port"]
 
 
 def _binary(name: str) -> str:
@@ -130,3 +132,47 @@ def restartable_cluster(tmp_path: Path) -> Iterator[RedisClusterProcesses]:
     cluster = start_cluster(tmp_path / "cluster")
     yield cluster
     cluster.stop()
+
+
+class PausableRedis:
+    """A standalone ``redis-server`` of one test that the test may freeze (SIGSTOP: it accepts connections and
+    never answers, like a hung server) and thaw (SIGCONT). The fixture always thaws it before killing it."""
+
+    def __init__(self, server: RedisProcess) -> None:
+        self.server = server
+        self.paused = False
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def client(self) -> redis.Redis:
+        return self.server.client()
+
+    def _signal(self, sig: signal.Signals) -> None:
+        assert self.server.proc is not None and self.server.proc.poll() is None, "redis-server is not running"
+        os.kill(self.server.proc.pid, sig)
+
+    def pause(self) -> None:
+        self._signal(signal.SIGSTOP)
+        self.paused = True
+
+    def resume(self) -> None:
+        if self.paused:
+            self._signal(signal.SIGCONT)
+            self.paused = False
+
+
+@pytest.fixture
+def pausable_redis(tmp_path: Path) -> Iterator[PausableRedis]:
+    """A standalone server of this test alone, which it may ``pause()`` (SIGSTOP) and ``resume()`` (SIGCONT)."""
+    server = RedisProcess(free_port(), tmp_path / "redis-pausable")
+    server.start()
+    handle = PausableRedis(server)
+    try:
+        yield handle
+    finally:
+        try:
+            handle.resume()
+        finally:
+            server.stop()
