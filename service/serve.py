@@ -182,11 +182,19 @@ def open_store(config: ServeConfig) -> TieredStore:
         store.close()
         raise ConfigError(f"--redis must be a redis:// or redis+cluster:// URL, got {config.redis!r}")
     try:
-        from kvshelf.kvstore.redis_tier import RedisTier
+        from kvshelf.kvstore.redis_tier import DEFAULT_MAX_VALUE_BYTES, RedisTier
     except ImportError as exc:
         store.close()
         raise ConfigError(f"--redis needs the Redis tier (kvstore.redis_tier): {exc}") from exc
-    redis = RedisTier.from_url(config.redis)
+    try:
+        # every Redis call bounded by --redis-timeout; values up to 4 blocks' worth (a block re-encoded by the
+        # tier's codec may grow), at least 1 GiB: larger manifests are damage
+        max_block = size_setting("max_block", config.max_block) or 0
+        redis = RedisTier.from_url(config.redis, socket_timeout=config.redis_timeout,
+                                   max_value_bytes=max(DEFAULT_MAX_VALUE_BYTES, 4 * max_block))
+    except ConfigError:
+        store.close()
+        raise
     return TieredStore([*store.specs, TierSpec(redis, config.disk_codec)], write_policy=store.write_policy)
 
 
