@@ -18,7 +18,6 @@ Payload: ``bits`` bits per value plus 32 bits of fp16 ``(z, s)`` per group, in a
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -89,10 +88,7 @@ class KiviCodec(Codec):
         cls, params: Mapping[str, Any], shape: tuple[int, int, int, int], itemsize: int
     ) -> tuple[int, int | None] | None:
         """Exact: packed codes plus an fp16 zero point and scale per group, for keys and values."""
-        fields = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
-        if "group_size" not in fields:
-            return None
-        g = params.get("group_size", fields["group_size"].default)
+        g = params.get("group_size", getattr(cls, "group_size", None))  # a dataclass field's default
         if isinstance(g, bool) or not isinstance(g, int) or g < 1:
             return None
         layers, heads, tokens, dim = shape

@@ -5,10 +5,13 @@ real LMDB in tmp_path)."""
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers import FINGERPRINT, key_of, make_block
 
+from kvshelf.compress.sparse import mark_dropped
 from kvshelf.kvstore import LMDBTier, MemoryTier, TieredStore, TierSpec, encode_block, open_embedded_store
-from kvshelf.kvstore.encoding import decoded_nbytes, read_header
+from kvshelf.kvstore.codec import payload_len_bounds
+from kvshelf.kvstore.encoding import decoded_nbytes, read_header, verify_block
 from kvshelf.kvstore.errors import BlockTooLargeError
 from kvshelf.service.auth import scope_tag
 from kvshelf.service.client import RemoteStore
@@ -136,3 +139,24 @@ def test_server_bounds_promotion_by_max_block(tmp_path):
     finally:
         running.stop(0)
         store.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("codec,params", [
+    ("raw", {}), ("fp16", {}), ("bf16", {}), ("int8", {}), ("int4", {"group_size": 5}), ("int2", {}), ("zstd", {}),
+    ("sparse", {}), ("sparse", {"inner": "int8"}), ("sparse", {"inner": "zstd", "fill": "zero"}), ("cachegen", {}),
+])
+def test_payload_bounds_hold_for_real_blocks(codec, params, dtype):
+    """The payload-size check in ``verify_block`` never rejects a real block (0 to many tokens, dropped ones)."""
+    for tokens in (0, 1, 3, 33):
+        block = make_block(tokens, dtype=dtype) if tokens else make_block([], dtype=dtype)
+        if codec == "sparse" and tokens > 1:
+            block = mark_dropped(block, [0, tokens - 1])
+        value = encode_block(block, key_of(block), codec, params)
+        header = verify_block(value)
+        bounds = payload_len_bounds(codec, header.params, header.shape, block.keys.element_size())
+        if codec == "cachegen":
+            assert bounds is None
+        else:
+            assert bounds is not None and bounds[0] <= header.payload_len
+            assert bounds[1] is None or header.payload_len <= bounds[1]
