@@ -20,7 +20,8 @@ Safety:
   otherwise stay in ``/dev/shm``) are removed by ``sweep_dead_arenas``: when a client creates an arena, and
   in ``kvshelf serve`` at start and every ``--arena-sweep-interval`` seconds (``ArenaSweeper``). A creator is
   dead when its pid is gone, is a zombie, or now belongs to a newer process (the creator's start time, from
-  ``/proc/<pid>/stat``, is kept in the arena header).
+  ``/proc/<pid>/stat``, is kept in the arena header); an arena created in another pid namespace (a client in
+  another container sharing ``/dev/shm``) is left alone, as the server cannot check its pid.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ log = logging.getLogger(__name__)
 ARENA_DIR = Path("/dev/shm")
 MAGIC = b"KVSHARENA1\0\0\0\0\0\0"  # 16 bytes
 TOKEN_BYTES = 16
-HEADER_BYTES = 64  # magic, token, creator start time, padding: values start here
-_START_AT = len(MAGIC) + TOKEN_BYTES  # 8 bytes: the creating process's start time (clock ticks since boot)
+HEADER_BYTES = 64  # magic, token, creator start time and pid namespace, padding: values start here
+_START_AT = len(MAGIC) + TOKEN_BYTES  # 8 + 8 bytes: the creator's start time (clock ticks since boot), pid namespace
 DEFAULT_SWEEP_INTERVAL_S = 30.0
 DEFAULT_ARENA_BYTES = 256 << 20  # sparse: tmpfs pages are only taken as values are written
 _NAME = re.compile(r"kvshelf-arena-(\d+)-[0-9a-f]{32}")
@@ -75,27 +76,41 @@ def _process_start(pid: int) -> int | None:
     return int(fields[19])  # field 22 of proc(5): starttime
 
 
+def _pid_namespace() -> int:
+    """Inode of this process's pid namespace (0 where ``/proc`` cannot tell): pids of another namespace (a
+    client in another container sharing ``/dev/shm``) mean nothing here."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _creator_header() -> bytes:
+    """What a client records after magic and token: its start time and pid namespace (8 bytes each)."""
+    return struct.pack("<QQ", _process_start(os.getpid()) or 0, _pid_namespace())
+
+
 def _creator_alive(path: Path, pid: int) -> bool:
     """Whether the process that created the arena at ``path`` still runs (unsure: True, the arena is kept)."""
     if pid <= 0 or pid > 1 << 22:  # outside Linux's pid range: not a process of ours, leave the file alone
         return True
-    started = _process_start(pid)
-    if started is None:
-        return False
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return True
     try:
-        recorded = os.pread(fd, 8, _START_AT)
+        recorded = os.pread(fd, 16, _START_AT)
     except OSError:
         return True
     finally:
         os.close(fd)
-    if len(recorded) != 8 or started == 0:
-        return True
-    creator_start = struct.unpack("<Q", recorded)[0]
-    return creator_start in (0, started)  # 0: an arena written before start times were recorded
+    creator_start, creator_ns = struct.unpack("<QQ", recorded) if len(recorded) == 16 else (0, 0)
+    if creator_ns and creator_ns != _pid_namespace():
+        return True  # created in another pid namespace: its pid cannot be checked from here
+    started = _process_start(pid)
+    if started is None:
+        return False
+    return started == 0 or creator_start in (0, started)  # 0: unknown, or an arena of an older client
 
 
 def sweep_dead_arenas(directory: Path | None = None) -> list[str]:
@@ -179,7 +194,7 @@ class ClientArena:
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
             os.ftruncate(self._fd, capacity)  # sparse: no memory taken until written
-            os.pwrite(self._fd, MAGIC + self.token + struct.pack("<Q", _process_start(os.getpid()) or 0), 0)
+            os.pwrite(self._fd, MAGIC + self.token + _creator_header(), 0)
         except OSError:
             self.close()
             raise

@@ -140,26 +140,39 @@ def test_dead_clients_arena_is_swept_at_server_start(serving):
     assert not path.exists()  # removed by the start-up sweep, before the server accepted calls
 
 
-def test_zombie_and_reused_pid_count_as_dead_live_arenas_stay(tmp_path):
+def _crafted_arena(pid: int, start: int, pid_namespace: int) -> Path:
+    """An arena file as a client of ``pid`` would leave it, with the given creator start time and namespace."""
+    path = ARENA_DIR / f"kvshelf-arena-{pid}-{os.urandom(16).hex()}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    os.pwrite(fd, MAGIC + bytes(16) + struct.pack("<QQ", start, pid_namespace), 0)
+    os.ftruncate(fd, 1 << 16)
+    os.close(fd)
+    return path
+
+
+def test_zombie_and_reused_pid_count_as_dead_live_and_foreign_arenas_stay():
+    our_ns = os.stat("/proc/self/ns/pid").st_ino
     live = ClientArena(1 << 20)  # this process: alive, same start time
     zombie, zombie_name = _client(BARE_CLIENT)
     _kill(zombie, reap=False)  # killed, not yet reaped: its pid still exists
-    # an arena naming this (live) process but recorded by an earlier process with the same pid
-    reused = ARENA_DIR / f"kvshelf-arena-{os.getpid()}-{'cd' * 16}"
-    fd = os.open(reused, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    os.pwrite(fd, MAGIC + bytes(16) + struct.pack("<Q", 1), 0)
-    os.close(fd)
+    gone = subprocess.Popen(["true"])  # a pid that is gone (exited and reaped)
+    gone.wait(30)
+    reused = _crafted_arena(os.getpid(), 1, our_ns)  # names this live process, made by an earlier one
+    dead = _crafted_arena(gone.pid, 1, our_ns)
+    foreign = _crafted_arena(gone.pid, 1, our_ns + 1)  # another pid namespace: cannot be judged, kept
     try:
         deadline = time.monotonic() + 30
         removed: list[str] = []
         while zombie_name not in removed and time.monotonic() < deadline:  # SIGKILL lands asynchronously
             removed += sweep_dead_arenas()
             time.sleep(0.05)
-        assert zombie_name in removed and reused.name in removed
-        assert (ARENA_DIR / live.name).exists() and live.name not in removed
+        assert {zombie_name, reused.name, dead.name} <= set(removed)
+        assert live.name not in removed and (ARENA_DIR / live.name).exists()
+        assert foreign.name not in removed and foreign.exists()
     finally:
         zombie.wait(30)
-        reused.unlink(missing_ok=True)
+        for path in (reused, dead, foreign):
+            path.unlink(missing_ok=True)
         live.close()
 
 
