@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import FINGERPRINT, key_of, make_block
+from service_helpers import ServeProcess
 
 from kvshelf.compress.sparse import mark_dropped
 from kvshelf.kvstore import LMDBTier, MemoryTier, TieredStore, TierSpec, encode_block, open_embedded_store
@@ -160,3 +161,25 @@ def test_payload_bounds_hold_for_real_blocks(codec, params, dtype):
         else:
             assert bounds is not None and bounds[0] <= header.payload_len
             assert bounds[1] is None or header.payload_len <= bounds[1]
+
+
+def test_kvshelf_serve_disk_codec_int8_serves_after_a_restart(tmp_path):
+    """The issue's reproduction: `kvshelf serve --disk-codec int8`, a raw client, a restart (SIGKILL): 0 hits
+    before the fix."""
+    pairs = _blocks()
+    keys = [k for k, _ in pairs]
+    args = ("--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "data"), "--disk-codec", "int8")
+    server = ServeProcess(*args)
+    try:
+        with RemoteStore(server.address, namespace="default") as remote:
+            assert remote.put_many(pairs) == 4
+    finally:
+        server.stop()
+    server = ServeProcess(*args)
+    try:
+        with RemoteStore(server.address, namespace="default") as remote:
+            assert sum(b is not None for b in remote.get_many(keys, fingerprint=FINGERPRINT)) == 4
+            disk = next(t for t in remote.stats()["tiers"] if t["name"] == "disk")
+            assert disk["foreign"] == 0 and disk["hits"] == 4
+    finally:
+        server.stop()
