@@ -4,6 +4,7 @@ bad setting, and every size flag of ``kvshelf serve`` ends in one ``error:`` lin
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 from service_helpers import kvshelf_cli
@@ -114,3 +115,28 @@ def test_serve_rejects_bad_sizes_with_one_error_line(tmp_path, args):
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     assert flag in lines[0], lines[0]
     assert not (tmp_path / "data").exists()  # nothing opened
+
+
+def test_sizes_from_environment_and_config_file_name_their_source(tmp_path):
+    from kvshelf.service.serve import load_config
+
+    with pytest.raises(ConfigError, match=r"^\$KVSHELF_QUOTA: .*negative"):
+        load_config({}, env={"KVSHELF_QUOTA": "-1GiB"})
+    config_file = tmp_path / "serve.toml"
+    config_file.write_text("memory = 1.5\n")
+    with pytest.raises(ConfigError, match=r"serve\.toml: memory: .*whole number of bytes"):
+        load_config({}, env={}, config_file=config_file)
+    config_file.write_text("max_block = true\n")
+    with pytest.raises(ConfigError, match=r"serve\.toml: max_block: "):
+        load_config({}, env={}, config_file=config_file)
+
+
+def test_serve_checks_a_config_built_in_python(tmp_path):
+    from kvshelf.service.serve import ServeConfig, serve
+
+    config = ServeConfig(listen="127.0.0.1:0", data_dir=str(tmp_path / "data"), max_inflight="1.5")
+    stop = threading.Event()
+    stop.set()  # were it to start, it would stop at once
+    with pytest.raises(ConfigError, match="^--max-inflight: "):
+        serve(config, stop=stop)
+    assert not (tmp_path / "data").exists()
