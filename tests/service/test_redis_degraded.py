@@ -86,3 +86,54 @@ def test_hung_redis_degrades_like_a_dead_one_and_recovers(pausable_redis: Pausab
         channel.close()
         running.stop(0)
         store.close()
+
+
+def test_poisoned_redis_keys_are_counted_misses_never_internal(pausable_redis: PausableRedis, tmp_path: Path) -> None:
+    """Keys of the wrong type at a value's manifest and at the usage hash (issue 20, item 7): the tenant's reads
+    are counted corrupt misses, Stats answers, Delete removes the key and the next put replaces it."""
+    store = open_store(ServeConfig(data_dir=str(tmp_path / "data"), memory="64MiB", max_disk="64MiB",
+                                   redis=pausable_redis.url))
+    running = start_server(store, "127.0.0.1:0")
+    raw = pausable_redis.client()
+    blocks = [make_block(4 + i) for i in range(2)]
+    keys = [key_of(block) for block in blocks]
+    fingerprint = blocks[0].fingerprint
+    try:
+        with RemoteStore(f"127.0.0.1:{running.port}", namespace="default", timeout_s=30) as remote:
+            assert remote.put_many(list(zip(keys, blocks, strict=True))) == 2
+            tier_keys = store.specs[0].tier.keys()
+            manifests = sorted(raw.scan_iter(match="{kvshelf:*}:m"))
+            assert len(manifests) == 2
+
+            def poison() -> None:
+                for spec in store.specs[:2]:  # only Redis holds them now
+                    spec.tier.delete(tier_keys)
+                for name, push in zip(manifests, (raw.rpush, raw.sadd), strict=True):
+                    raw.delete(name)
+                    push(name, b"x")
+                raw.delete("{kvshelf:#usage}")
+                raw.set("{kvshelf:#usage}", b"not a hash")
+
+            poison()
+            assert remote.get_many(keys, fingerprint=fingerprint) == [None, None]  # was INTERNAL
+            assert remote.lookup_prefix(keys) == 0
+            stats = remote.stats()  # was INTERNAL for every tenant
+            redis_row = next(t for t in stats["tiers"] if t["name"] == "redis")
+            assert redis_row["available"] is True and redis_row["corrupt"] == 2
+            assert raw.exists(*manifests) == 0  # removed on sight
+
+            poison()
+            assert remote.delete(keys) == 0  # nothing readable was held ...
+            assert raw.exists(*manifests) == 0  # ... and the poisoned keys are gone
+            poison()
+            assert remote.put_many(list(zip(keys, blocks, strict=True))) == 2  # a put replaces them
+            for spec in store.specs[:2]:
+                spec.tier.delete(tier_keys)
+            out = remote.get_many(keys, fingerprint=fingerprint)
+            assert_same_block(out[0], blocks[0])
+            assert_same_block(out[1], blocks[1])
+            assert store.specs[2].tier.usage().blocks == 2  # the usage hash rebuilt
+    finally:
+        raw.close()
+        running.stop(0)
+        store.close()
