@@ -43,7 +43,7 @@ from kvshelf.proto import kvshelf_pb2 as pb
 from kvshelf.service.arena import ArenaWriter
 from kvshelf.service.auth import MAX_NAMESPACE_CHARS, SCOPE_BYTES, TokenTable, scope_tag
 from kvshelf.service.errors import ArenaUnavailable
-from kvshelf.service.fairness import StreamGate, StreamRefusedError, reserved_workers
+from kvshelf.service.fairness import RequestWatch, StreamGate, StreamRefusedError, reserved_workers
 from kvshelf.service.history import StatsHistory
 from kvshelf.service.wire import encode_arena_response, encode_chunk_response, encode_miss_response
 
@@ -341,7 +341,7 @@ class _PutCall:
             self._value_quota, self._value_held = {}, 0
             self._hold(self._declared or len(data))
             # a value in one chunk is kept as sent; a longer one is assembled in one buffer of its declared size
-            self._buf = None if chunk.last else bytearray(self._declared or len(data))
+            self._buf = None if chunk.last else bytearray(self._declared)
         elif chunk.key and chunk.key != self._key:
             _fail(grpc.StatusCode.INVALID_ARGUMENT,
                   f"chunk for key {chunk.key.hex()} before the value of {self._key.hex()} ended (no last=true)")
@@ -354,12 +354,11 @@ class _PutCall:
                   f"block {self._key.hex()} exceeds the max block size of {limits.max_block_bytes} bytes")
         if self._buf is None:
             self._data = data
-        else:
-            if not self._declared:
-                self._hold(end)
-                if end > len(self._buf):
-                    self._buf.extend(bytes(end - len(self._buf)))
+        elif self._declared:
             memoryview(self._buf)[self._filled : end] = data
+        else:  # no declared size: budget and quota grow with what arrives
+            self._hold(end)
+            self._buf += data
         self._filled = end
         if chunk.last:
             if self._declared and self._filled != self._declared:
@@ -497,6 +496,13 @@ class KVShelfServicer:
             "Stats": unary(self.Stats, pb.StatsRequest),
             "Clear": unary(self.Clear, pb.ClearRequest),
         })
+
+    def tenant_of(self, metadata: Sequence[tuple[str, Any]] | None) -> str | None:
+        """The namespace a call's bearer token names (None: dev mode, no token or an unknown one)."""
+        if self.tokens is None:
+            return None
+        auth = next((v for k, v in metadata or () if k.lower() == "authorization" and isinstance(v, str)), "")
+        return self.tokens.namespace_of(auth[7:].strip()) if auth.startswith("Bearer ") else None
 
     def namespace(self, context: grpc.ServicerContext, requested: str) -> str:
         """The caller's namespace: its token's (a differing ``requested`` is PERMISSION_DENIED), or in dev
@@ -806,7 +812,8 @@ def start_server(
     servicer = KVShelfServicer(store, tokens=tokens, limits=limits, history=history, max_workers=max_workers)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvshelf-rpc"),
-        interceptors=list(interceptors),
+        # first (outermost): unary requests are read under the stream watchdog (service/fairness.py)
+        interceptors=[RequestWatch(servicer.streams, servicer.tenant_of, SERVICE_NAME), *interceptors],
         options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                  ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                  ("grpc.so_reuseport", 0)],

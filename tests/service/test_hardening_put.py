@@ -219,7 +219,7 @@ def test_an_overwrite_of_the_same_size_at_the_quota_is_accepted(serve):
 
 
 def _counting_requests(key: bytes, total: int, pulled: list[int], namespace: str = "default",
-                       gate: threading.Event | None = None):
+                       gate: threading.Event | None = None, declare: bool = True):
     """A put of ``total`` junk bytes in full chunks, counting the chunks gRPC pulled; waits on ``gate`` (if
     given) after the first chunk."""
     for n, start in enumerate(range(0, total, CHUNK_BYTES)):
@@ -228,11 +228,12 @@ def _counting_requests(key: bytes, total: int, pulled: list[int], namespace: str
         pulled.append(n)
         chunk = pb.Chunk(data=bytes(min(CHUNK_BYTES, total - start)), last=start + CHUNK_BYTES >= total)
         if n == 0:
-            chunk.key, chunk.total_size = key, total
+            chunk.key, chunk.total_size = key, total if declare else 0
         yield pb.PutBlocksRequest(namespace=namespace if n == 0 else "", chunk=chunk)
 
 
-def test_an_over_quota_tenant_is_refused_at_the_first_chunk(serve):
+@pytest.mark.parametrize("declare", [True, False])
+def test_an_over_quota_tenant_is_refused_at_the_first_chunk(serve, declare):
     """A 64 MiB put by a tenant already at its quota: refused before the server buffers it (the old server
     consumed all 16 chunks, then refused)."""
     running, store = serve(quota_bytes=MiB, max_block_bytes=128 * MiB)
@@ -243,7 +244,7 @@ def test_an_over_quota_tenant_is_refused_at_the_first_chunk(serve):
     channel, stub = _stub(running.port)
     pulled: list[int] = []
     with pytest.raises(grpc.RpcError) as excinfo:
-        stub.PutBlocks(_counting_requests(b"\x42" * 16, 64 * MiB, pulled), timeout=60)
+        stub.PutBlocks(_counting_requests(b"\x42" * 16, 64 * MiB, pulled, declare=declare), timeout=60)
     assert len(pulled) <= 4, f"the client sent {len(pulled)} of 16 chunks before the refusal"
     assert excinfo.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "quota" in excinfo.value.details()
