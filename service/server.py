@@ -85,9 +85,9 @@ def is_local_peer(peer: str) -> bool:
 class ServerLimits:
     """Size limits and quotas of one server."""
 
-    max_block_bytes: int = 256 << 20  # one encoded value
-    max_call_bytes: int = 1 << 30  # all values of one PutBlocks call (they are held until the call ends)
-    quota_bytes: int | None = None  # per namespace, in the tier holding the most of it; None: unlimited
+    max_block_bytes: int = 256 << 20  # one encoded value, and what one may decode to when a tier re-encodes it
+    max_call_bytes: int = 1 << 30  # one PutBlocks call (held until it ends); also one tenant's puts in flight together
+    quota_bytes: int | None = None  # per namespace, in each tier (overwrites count what they add); None: unlimited
     shared_memory: bool = True  # same-host GetBlocks through client arenas in /dev/shm (service/arena.py)
     tenant_streams: int = 4  # streaming calls one tenant may have open at once
     idle_timeout_s: float = 10.0  # a stream making no progress this long is cancelled
