@@ -59,7 +59,8 @@ def serve(
     grace: Annotated[float | None, _opt("seconds to drain in-flight calls on SIGTERM (default 10)")] = None,
     workers: Annotated[int | None, _opt("RPC worker threads (default 16)")] = None,
     metrics_port: Annotated[int | None, _opt("serve Prometheus /metrics on this port (default off)")] = None,
-    metrics_addr: Annotated[str | None, _opt("address of the metrics endpoint (default 127.0.0.1)")] = None,
+    metrics_addr: Annotated[str | None, _opt(
+        "address of the metrics endpoint (default 127.0.0.1; any other needs --metrics-token-file)")] = None,
     history_interval: Annotated[float | None, _opt("seconds between stats-history samples (default 10)")] = None,
     shared_memory: Annotated[bool | None, typer.Option(
         "--shared-memory/--no-shared-memory", show_default=False,
@@ -357,13 +358,19 @@ def bench_abuse(
     tenant_streams: Annotated[int | None, _opt("the server's --tenant-streams (default: the server's)")] = None,
     idle_timeout: Annotated[float | None, _opt("the server's --idle-timeout (default: the server's)")] = None,
     idle_streams: Annotated[int, typer.Option(min=0, help="idle PutBlocks streams the abuser holds open")] = 16,
+    attacks: Annotated[str, typer.Option(help="the abuser's attacks, comma-separated: streams (idle and slow), "
+                                              "bad (oversized, bomb, malformed), quota")] = "streams,bad,quota",
 ) -> None:
     """Fairness: an honest tenant's p50/p99 alone and while another tenant abuses the server; RSS, INTERNALs."""
     from kvshelf.bench.abuse import AbuseSettings, run
+    from kvshelf.bench.abuser import ATTACKS
 
+    chosen = tuple(a.strip() for a in attacks.split(",") if a.strip())
+    if not chosen or not set(chosen) <= set(ATTACKS):
+        raise KVShelfError(f"--attacks must be a comma-separated subset of {', '.join(ATTACKS)}, got {attacks!r}")
     settings = AbuseSettings(seconds=seconds, max_block=max_block, max_call=max_call, quota=quota,
                              max_inflight=max_inflight, tenant_streams=tenant_streams, idle_timeout=idle_timeout,
-                             idle_streams=idle_streams)
+                             idle_streams=idle_streams, attacks=chosen)
     result = run(json_path=str(json_path) if json_path else None, settings=settings, console=console)
     if not result["ok"]:
         raise typer.Exit(1)
