@@ -45,7 +45,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from kvshelf.bench.abuser import CALL_TIMEOUT_S, EXPECTED, MUST_REFUSE
+from kvshelf.bench.abuser import ATTACKS, CALL_TIMEOUT_S, EXPECTED, MUST_REFUSE
 from kvshelf.bench.common import machine_description, save_results
 from kvshelf.kvstore import KVBlock, encode_block
 from kvshelf.kvstore.embedded import parse_size
@@ -75,6 +75,15 @@ class AbuseSettings:
     slow_streams: int = 2
     honest_interval_s: float = 0.05
     pace_s: float = 0.02  # the abuser's pause between two calls of one thread
+    attacks: tuple[str, ...] = ATTACKS  # the abuser's threads to run (to tell which abuse costs what)
+
+    def hold_windows(self) -> dict[str, float]:
+        """The abuser's stream-holding windows: long enough for the server's idle timeout to end its streams
+        (``hold_s``), with gaps (``gap_s``, a third of it) in which its other abuse meets a free stream cap."""
+        from kvshelf.service.serve import ServeConfig
+
+        hold = (self.idle_timeout if self.idle_timeout is not None else ServeConfig().idle_timeout) + 2.0
+        return {"hold_s": hold, "gap_s": max(2.0, hold / 3)}
 
     def serve_args(self, data_dir: Path, tokens: Path) -> list[str]:
         args = ["--listen", "127.0.0.1:0", "--data-dir", str(data_dir), "--memory", "256MiB", "--max-disk", "2GiB",
@@ -353,8 +362,8 @@ def percentile(values: list[float], q: float) -> float:
 def _abuse_summary(report: dict[str, Any] | None) -> dict[str, Any]:
     """Per kind: codes, the ones outside what is expected, and accepted abuse (OK where a refusal is due)."""
     if report is None:
-        return {"ran": False, "calls": 0, "calls_per_s": 0.0, "kinds": {}, "unexpected": {}, "accepted": 0,
-                "max_held_bytes": 0}
+        return {"ran": False, "calls": 0, "calls_per_s": 0.0, "kinds": {}, "refused_at_admission": {},
+                "unexpected": {}, "accepted": 0, "max_held_bytes": 0}
     kinds: dict[str, dict[str, int]] = report["kinds"]
     unexpected = {kind: {c: n for c, n in codes.items() if c not in EXPECTED.get(kind, frozenset())}
                   for kind, codes in kinds.items()}
@@ -483,10 +492,12 @@ def _print(results: list[dict[str, Any]], verdicts: list[tuple[str, bool, str]],
                             f"{abuse['calls_per_s']:.0f}/s; HELD: open until the abuser let go)")
         kinds.add_column("kind")
         kinds.add_column("status codes")
+        kinds.add_column("at admission", justify="right")
         kinds.add_column("unexpected")
         for kind, codes in abuse["kinds"].items():
             odd = abuse["unexpected"].get(kind, {})
-            kinds.add_row(kind, _codes(codes), f"[red]{_codes(odd)}[/red]" if odd else "")
+            kinds.add_row(kind, _codes(codes), str(abuse["refused_at_admission"].get(kind, "")),
+                          f"[red]{_codes(odd)}[/red]" if odd else "")
         console.print(kinds)
     for what, passed, detail in verdicts:
         mark = "[green]PASS[/green]" if passed else "[red]FAIL[/red]"
@@ -530,11 +541,10 @@ def run(*, json_path: str | None, settings: AbuseSettings | None = None,
             alone, offset = _run_phase("alone", half, store, values, server, sampler, settings, 0, None)
             results.append(alone)
             spec = {"address": address, "token": ABUSER_TOKEN, "namespace": ABUSER_NS, "seconds": half,
-                    "max_block": results[0]["max_block_bytes"], "max_call": results[0]["per_call_limit_bytes"],
-                    "quota": results[0]["quota_bytes"], "idle_streams": settings.idle_streams,
-                    "slow_streams": settings.slow_streams, "pace_s": settings.pace_s,
-                    "hold_s": (settings.idle_timeout if settings.idle_timeout is not None else 10.0) + 2.0,
-                    "gap_s": 2.0}
+                    "max_block": alone["max_block_bytes"], "max_call": alone["per_call_limit_bytes"],
+                    "quota": alone["quota_bytes"], "idle_streams": settings.idle_streams,
+                    "slow_streams": settings.slow_streams, "pace_s": settings.pace_s, "attacks": list(settings.attacks),
+                    **settings.hold_windows()}
             abuser = AbuserProcess(spec, Path(tmp) / "abuser.err")
             abuser.wait_ready()
             console.print(f"phase under_abuse: {half:g} s of the honest tenant while the abuser attacks")

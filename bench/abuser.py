@@ -5,7 +5,7 @@ prints ``ready``, waits for one line on stdin (the common start), attacks for ``
 JSON object (``Tally.report``). Every call has a deadline and every stream is ended by the window it belongs to,
 so the process ends on time whatever the server does.
 
-Two threads of calls, plus one holding streams (the abuse the issue lists):
+Two threads of calls, plus one holding streams (the abuse the issue lists; ``spec["attacks"]`` may pick some):
 
 - holder: windows of ``hold_s`` seconds (``gap_s`` apart) during which it keeps ``idle_streams`` PutBlocks
   streams open that send one chunk and then nothing (``idle_stream``; more than the per-tenant stream cap), and
@@ -30,6 +30,7 @@ import hashlib
 import itertools
 import json
 import os
+import re
 import struct
 import sys
 import threading
@@ -73,8 +74,13 @@ EXPECTED: dict[str, frozenset[str]] = {
     "clear": frozenset({"OK", "RESOURCE_EXHAUSTED"}),
     "stats": frozenset({"OK", "RESOURCE_EXHAUSTED"}),
 }
+#: The abuser's threads: held streams, bad input, quota abuse (``--attacks`` picks some).
+ATTACKS = ("streams", "bad", "quota")
 #: Kinds that must never be accepted (``OK``): the abuse itself.
 MUST_REFUSE = frozenset(k for k, codes in EXPECTED.items() if "OK" not in codes)
+#: A RESOURCE_EXHAUSTED refusal at admission (the tenant's stream cap, or no stream slot left), before the
+#: server looked at what the call carries: counted apart, so a bomb refused only for the cap is told apart.
+ADMISSION = re.compile(r"stream slots|streaming calls open|tenant-streams", re.IGNORECASE)
 
 
 @dataclass
@@ -83,11 +89,21 @@ class Tally:
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     kinds: dict[str, Counter[str]] = field(default_factory=dict)
+    admission: Counter[str] = field(default_factory=Counter)
     max_held_bytes: int = 0
 
-    def record(self, kind: str, code: str) -> None:
+    def record(self, kind: str, code: str, details: str = "") -> None:
         with self.lock:
             self.kinds.setdefault(kind, Counter())[code] += 1
+            if code == "RESOURCE_EXHAUSTED" and ADMISSION.search(details):
+                self.admission[kind] += 1
+
+    def failed(self, kind: str, exc: grpc.RpcError) -> str:
+        """Count a refused call; return its code."""
+        code = code_of(exc)
+        details = exc.details() if hasattr(exc, "details") else ""
+        self.record(kind, code, details if isinstance(details, str) else "")
+        return code
 
     def held(self, nbytes: int) -> None:
         with self.lock:
@@ -96,9 +112,10 @@ class Tally:
     def report(self, seconds: float) -> dict[str, Any]:
         with self.lock:
             kinds = {k: dict(sorted(c.items())) for k, c in sorted(self.kinds.items())}
+            admission = dict(sorted(self.admission.items()))
         calls = sum(n for codes in kinds.values() for code, n in codes.items() if code != "HELD")
         return {"seconds": round(seconds, 3), "calls": calls, "calls_per_s": round(calls / max(seconds, 1e-9), 1),
-                "kinds": kinds, "max_held_bytes": self.max_held_bytes}
+                "kinds": kinds, "refused_at_admission": admission, "max_held_bytes": self.max_held_bytes}
 
 
 def code_of(exc: grpc.RpcError) -> str:
@@ -213,30 +230,27 @@ class Abuser:
     def call_put(self, kind: str, messages: Iterable[bytes]) -> str:
         try:
             self.put(iter(messages), timeout=CALL_TIMEOUT_S, metadata=self.metadata)
-            code = "OK"
         except grpc.RpcError as exc:
-            code = code_of(exc)
-        self.tally.record(kind, code)
-        return code
+            return self.tally.failed(kind, exc)
+        self.tally.record(kind, "OK")
+        return "OK"
 
     def call_unary(self, kind: str, method: str, request: bytes) -> tuple[str, bytes | None]:
         try:
             response = self.unary[method](request, timeout=CALL_TIMEOUT_S, metadata=self.metadata)
-            code = "OK"
         except grpc.RpcError as exc:
-            code, response = code_of(exc), None
-        self.tally.record(kind, code)
-        return code, response
+            return self.tally.failed(kind, exc), None
+        self.tally.record(kind, "OK")
+        return "OK", response
 
     def call_get(self, kind: str, request: bytes) -> str:
         try:
             for _ in self.get(request, timeout=CALL_TIMEOUT_S, metadata=self.metadata):
                 pass
-            code = "OK"
         except grpc.RpcError as exc:
-            code = code_of(exc)
-        self.tally.record(kind, code)
-        return code
+            return self.tally.failed(kind, exc)
+        self.tally.record(kind, "OK")
+        return "OK"
 
     # -- bad input ------------------------------------------------------------------------------------
 
@@ -345,7 +359,7 @@ class Abuser:
             future.result(timeout=0)
             self.tally.record(kind, "OK")
         except grpc.RpcError as exc:
-            self.tally.record(kind, code_of(exc))
+            self.tally.failed(kind, exc)
         except Exception:  # noqa: BLE001 - a future that cannot say: count it, never crash the abuser
             self.tally.record(kind, "CLIENT_ERROR")
 
@@ -384,8 +398,10 @@ class Abuser:
                 self.hold_window(min(end, time.monotonic() + self.spec["hold_s"]))
                 self.stop.wait(min(self.spec["gap_s"], max(0.0, end - time.monotonic())))
 
-        threads = [threading.Thread(target=fn, daemon=True) for fn in
-                   (holder, lambda: loop(self.bad_input_round), lambda: loop(self.quota_round))]
+        groups: dict[str, Callable[[], None]] = {"streams": holder, "bad": lambda: loop(self.bad_input_round),
+                                                 "quota": lambda: loop(self.quota_round)}
+        threads = [threading.Thread(target=fn, daemon=True) for name, fn in groups.items()
+                   if name in self.spec.get("attacks", ATTACKS)]
         for t in threads:
             t.start()
         self.stop.wait(max(0.0, end - time.monotonic()))

@@ -21,7 +21,8 @@ PHASE_FIELDS = {"phase": str, "p50_ms": float, "p99_ms": float, "internal_errors
 @pytest.fixture(scope="module")
 def abuse_run(tmp_path_factory):
     path = tmp_path_factory.mktemp("abuse") / "abuse.json"
-    result = kvshelf_cli("bench", "abuse", "--seconds", "8", "--idle-timeout", "2", "--tenant-streams", "4",
+    # 5 s under abuse: streams held for 3 s (idle timeout 1 s + 2), then a 2 s gap with the stream cap free
+    result = kvshelf_cli("bench", "abuse", "--seconds", "10", "--idle-timeout", "1", "--tenant-streams", "4",
                          "--json", str(path))
     return result, path
 
@@ -56,13 +57,18 @@ def test_every_abuse_was_made_and_refused_with_its_code(abuse_run):
     assert abuse["accepted"] == 0, kinds  # no bomb, oversized or malformed put was ever stored
     # codes outside each kind's expected set: at most a client deadline on a loaded machine
     assert all(set(codes) <= {"DEADLINE_EXCEEDED"} for codes in abuse["unexpected"].values()), abuse["unexpected"]
+    admission = abuse["refused_at_admission"]  # refused for the stream cap, before the server read the call
     for kind in ("oversized_declared", "oversized_undeclared", "oversized_call", "oversized_message", "bomb",
                  "over_quota_big"):
-        assert kinds[kind].get("RESOURCE_EXHAUSTED", 0) > 0, (kind, kinds[kind])
+        assert kinds[kind].get("RESOURCE_EXHAUSTED", 0) > admission.get(kind, 0), (kind, kinds[kind], admission)
     for kind in ("malformed", "wrong_key"):
         assert kinds[kind].get("INVALID_ARGUMENT", 0) > 0, (kind, kinds[kind])
     assert kinds["over_quota"].get("RESOURCE_EXHAUSTED", 0) > 0, kinds["over_quota"]
     assert abuse["max_held_bytes"] <= 16 << 20  # the quota, overwrites included
+
+
+def abuse_admission(path):
+    return json.loads(path.read_text())["results"][1]["abuser"]["refused_at_admission"]
 
 
 def test_streams_beyond_the_tenant_cap_are_refused_and_idle_ones_cut(abuse_run):
@@ -71,6 +77,7 @@ def test_streams_beyond_the_tenant_cap_are_refused_and_idle_ones_cut(abuse_run):
     idle = kinds["idle_stream"]
     # 16 idle streams against a cap of 4: the extra ones are refused at once
     assert idle.get("RESOURCE_EXHAUSTED", 0) >= 12, idle
-    # the server ends idle (2 s) and slow streams itself: not all of them are still open when the abuser lets go
+    assert abuse_admission(path)["idle_stream"] >= 12
+    # the server ends idle (1 s) and slow streams itself: not all of them are still open when the abuser lets go
     ended = {c: n for c, n in (*idle.items(), *kinds["slowloris"].items()) if c not in ("HELD", "RESOURCE_EXHAUSTED")}
     assert ended, (idle, kinds["slowloris"])
