@@ -36,6 +36,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvshelf.kvstore.errors import ConfigError
 from kvshelf.service.errors import ArenaUnavailable
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ def _process_start(pid: int) -> int | None:
     when there is no such process or it is a zombie (dead, not yet reaped)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
+            fields = f.read().rsplit(b")", 1)[-1].split()  # after "pid (comm)": state, ppid, ...
     except FileNotFoundError:
         return None
     except OSError:  # no /proc: fall back on signal 0
@@ -71,9 +72,12 @@ def _process_start(pid: int) -> int | None:
         except (PermissionError, OverflowError):
             pass
         return 0
-    if fields[0] in (b"Z", b"X"):
-        return None
-    return int(fields[19])  # field 22 of proc(5): starttime
+    try:
+        if fields[0] in (b"Z", b"X"):
+            return None
+        return int(fields[19])  # field 22 of proc(5): starttime
+    except (IndexError, ValueError):  # a format this code does not know: cannot tell
+        return 0
 
 
 def _pid_namespace() -> int:
@@ -149,7 +153,7 @@ class ArenaSweeper:
 
     def __init__(self, interval_s: float = DEFAULT_SWEEP_INTERVAL_S, directory: Path | None = None) -> None:
         if not interval_s > 0:
-            raise ValueError(f"arena sweep interval must be > 0 seconds, got {interval_s!r}")
+            raise ConfigError(f"arena sweep interval must be > 0 seconds, got {interval_s!r}")
         self.interval_s = interval_s
         self.directory = directory
         self.removed = 0  # arenas removed so far
