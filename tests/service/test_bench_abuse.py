@@ -12,8 +12,6 @@ import json
 import pytest
 from service_helpers import kvshelf_cli
 
-pytestmark = pytest.mark.slow
-
 PHASE_FIELDS = {"phase": str, "p50_ms": float, "p99_ms": float, "internal_errors": int, "wrong_blocks": int,
                 "server_rss_growth_bytes": int, "per_call_limit_bytes": int}
 
@@ -27,6 +25,7 @@ def abuse_run(tmp_path_factory):
     return result, path
 
 
+@pytest.mark.slow
 def test_runs_and_writes_the_issue_schema(abuse_run):
     result, path = abuse_run
     assert result.returncode in (0, 1), result.stdout + result.stderr  # 1: a latency/RSS figure missed
@@ -41,6 +40,7 @@ def test_runs_and_writes_the_issue_schema(abuse_run):
         assert phase["honest_calls"] > 0 and phase["honest_blocks_verified"] > 0
 
 
+@pytest.mark.slow
 def test_no_internal_error_no_wrong_block(abuse_run):
     _, path = abuse_run
     for phase in json.loads(path.read_text())["results"]:
@@ -49,6 +49,7 @@ def test_no_internal_error_no_wrong_block(abuse_run):
         assert phase["server_alive"], phase["server_killed_for"]
 
 
+@pytest.mark.slow
 def test_every_abuse_was_made_and_refused_with_its_code(abuse_run):
     _, path = abuse_run
     abuse = json.loads(path.read_text())["results"][1]["abuser"]
@@ -71,6 +72,7 @@ def abuse_admission(path):
     return json.loads(path.read_text())["results"][1]["abuser"]["refused_at_admission"]
 
 
+@pytest.mark.slow
 def test_streams_beyond_the_tenant_cap_are_refused_and_idle_ones_cut(abuse_run):
     _, path = abuse_run
     kinds = json.loads(path.read_text())["results"][1]["abuser"]["kinds"]
@@ -81,3 +83,14 @@ def test_streams_beyond_the_tenant_cap_are_refused_and_idle_ones_cut(abuse_run):
     # the server ends idle (1 s) and slow streams itself: not all of them are still open when the abuser lets go
     ended = {c: n for c, n in (*idle.items(), *kinds["slowloris"].items()) if c not in ("HELD", "RESOURCE_EXHAUSTED")}
     assert ended, (idle, kinds["slowloris"])
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--attacks", "streams,nope"], "--attacks must be a comma-separated subset"),
+    (["--max-block", "lots"], "--max-block"),
+    (["--quota", "-1MiB"], "--quota"),
+])
+def test_bad_options_are_one_error_line(args, message):
+    result = kvshelf_cli("bench", "abuse", *args)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
