@@ -397,6 +397,12 @@ class _PutCall:
                   "nothing stored")
         return self._done
 
+    def hold_more(self, nbytes: int) -> None:
+        """Take ``nbytes`` more in-flight budget (the copies a re-encode makes) until the call ends."""
+        if nbytes > 0:
+            self.servicer.inflight.take(self.tag, self.namespace, nbytes)
+            self._budget += nbytes
+
     def reserve_exact(self, sizes: Sequence[tuple[bytes, int | TierBytes]]) -> None:
         """Replace the quota held since the first chunks by the exact sizes each tier will store."""
         if self.limits.quota_bytes is None:
@@ -603,10 +609,15 @@ class KVShelfServicer:
             targets = self.store.write_targets()
             items = [(call.tag + key, value) for key, value in values]
             sizes: list[tuple[bytes, int | TierBytes]] = []
+            reencoded: TierBytes = {}  # per tier: the re-encoded copies it is handed at once
             for (key, value), header in zip(items, headers, strict=True):
                 self._check_reencode(key, header, len(value), targets)
                 sizes.append((key, {spec.tier.name: spec.stored_nbytes(header, len(value)) for spec in targets}))
+                for spec in targets:
+                    if not spec.stores_as_is(header):
+                        reencoded[spec.tier.name] = reencoded.get(spec.tier.name, 0) + sizes[-1][1][spec.tier.name]
             call.reserve_exact(sizes)
+            call.hold_more(max(reencoded.values(), default=0))  # in-flight budget for the re-encoded copies
             if not context.is_active():
                 _fail(grpc.StatusCode.CANCELLED, "the call was cancelled; nothing stored")
             stored = self.store.put_encoded_many(items, pin=pin)  # re-encodes bounded by store.max_decoded_bytes

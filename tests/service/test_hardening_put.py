@@ -368,3 +368,20 @@ def test_a_value_longer_than_its_declared_size_is_refused(serve):
     assert stub.PutBlocks(undeclared(), timeout=30).stored == 1
     assert running.servicer.inflight.used() == 0
     channel.close()
+
+
+def test_reencoded_copies_of_a_call_count_against_the_in_flight_budget(serve):
+    """Small int2 blocks re-encoded to raw for the tiers: 16x what was sent. The copies a call's re-encode holds
+    at once count against the tenant's share (max call), so a call cannot make the server allocate 16 x max call."""
+    running, store = serve(max_call_bytes=MiB, max_block_bytes=MiB)
+    blocks = [make_block(list(range(i * 16, i * 16 + 16)), head_dim=400) for i in range(8)]  # 200 KiB raw each
+    items = [(key_of(b), encode_block(b, key_of(b), "int2")) for b in blocks]
+    assert sum(len(v) for _, v in items) < MiB // 4
+    with RemoteStore(f"127.0.0.1:{running.port}", namespace="default") as remote:
+        with pytest.raises(RemoteStoreError) as excinfo:
+            remote.put_encoded_many(items)
+        assert excinfo.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "in flight" in str(excinfo.value)
+        assert _held(store) == 0
+        assert remote.put_encoded_many(items[:2]) == 2  # within the share
+    assert running.servicer.inflight.used() == 0
