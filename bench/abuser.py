@@ -212,6 +212,8 @@ class Abuser:
                       for name in ("Contains", "Stats", "Clear")}
         self.tally = Tally()
         self.stop = threading.Event()
+        self._calls: set[Any] = set()
+        self._calls_lock = threading.Lock()
         self.serial = itertools.count()
         # payloads built once: a large block's tensors (only the key changes per put) and the fixed attacks
         self.big_shape = (4, 2, max(1, (self.max_block * 7 // 8) // (4 * 2 * 128 * 2 * 2)), 128)
@@ -227,30 +229,44 @@ class Abuser:
 
     # -- calls ----------------------------------------------------------------------------------------
 
-    def call_put(self, kind: str, messages: Iterable[bytes]) -> str:
+    def _tracked(self, call: Any) -> Any:
+        """Register a call in flight: ``run`` cancels those still running when the time is up."""
+        with self._calls_lock:
+            self._calls.add(call)
+        if self.stop.is_set():
+            call.cancel()
+        return call
+
+    def _done(self, call: Any) -> None:
+        with self._calls_lock:
+            self._calls.discard(call)
+
+    def _outcome(self, kind: str, wait: Callable[[], Any], call: Any) -> tuple[str, Any]:
+        """Wait for ``call``; count its code, except for a call cancelled by the end of the run (not counted)."""
         try:
-            self.put(iter(messages), timeout=CALL_TIMEOUT_S, metadata=self.metadata)
+            result = wait()
+        except grpc.FutureCancelledError:
+            return "CANCELLED", None
         except grpc.RpcError as exc:
-            return self.tally.failed(kind, exc)
+            if self.stop.is_set() and code_of(exc) == "CANCELLED":
+                return "CANCELLED", None
+            return self.tally.failed(kind, exc), None
+        finally:
+            self._done(call)
         self.tally.record(kind, "OK")
-        return "OK"
+        return "OK", result
+
+    def call_put(self, kind: str, messages: Iterable[bytes]) -> str:
+        future = self._tracked(self.put.future(iter(messages), timeout=CALL_TIMEOUT_S, metadata=self.metadata))
+        return self._outcome(kind, future.result, future)[0]
 
     def call_unary(self, kind: str, method: str, request: bytes) -> tuple[str, bytes | None]:
-        try:
-            response = self.unary[method](request, timeout=CALL_TIMEOUT_S, metadata=self.metadata)
-        except grpc.RpcError as exc:
-            return self.tally.failed(kind, exc), None
-        self.tally.record(kind, "OK")
-        return "OK", response
+        future = self._tracked(self.unary[method].future(request, timeout=CALL_TIMEOUT_S, metadata=self.metadata))
+        return self._outcome(kind, future.result, future)
 
     def call_get(self, kind: str, request: bytes) -> str:
-        try:
-            for _ in self.get(request, timeout=CALL_TIMEOUT_S, metadata=self.metadata):
-                pass
-        except grpc.RpcError as exc:
-            return self.tally.failed(kind, exc)
-        self.tally.record(kind, "OK")
-        return "OK"
+        call = self._tracked(self.get(request, timeout=CALL_TIMEOUT_S, metadata=self.metadata))
+        return self._outcome(kind, lambda: sum(1 for _ in call), call)[0]
 
     # -- bad input ------------------------------------------------------------------------------------
 
@@ -365,8 +381,9 @@ class Abuser:
 
     def hold_window(self, end: float) -> None:
         """Keep the idle and slow streams open until ``end``: reopen those the server ends, 0.2 s later."""
-        wanted = {"idle_stream": (self.spec["idle_streams"], self._idle),
-                  "slowloris": (self.spec["slow_streams"], self._slow)}
+        # slow streams first: they take stream slots before the idle ones fill the tenant's cap
+        wanted = {"slowloris": (self.spec["slow_streams"], self._slow),
+                  "idle_stream": (self.spec["idle_streams"], self._idle)}
         active: list[tuple[str, grpc.Future, threading.Event]] = []
         while time.monotonic() < end and not self.stop.is_set():
             for kind, (count, requests) in wanted.items():
@@ -406,8 +423,13 @@ class Abuser:
             t.start()
         self.stop.wait(max(0.0, end - time.monotonic()))
         self.stop.set()
+        with self._calls_lock:
+            in_flight = list(self._calls)
+        for call in in_flight:  # time is up: nothing waits on a slow server
+            call.cancel()
+        deadline = time.monotonic() + 5.0
         for t in threads:
-            t.join(timeout=CALL_TIMEOUT_S + 2)
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
         report = self.tally.report(time.monotonic() - started)
         self.channel.close()
         return report
