@@ -120,20 +120,30 @@ class FileCheck:
 
 
 def _meta_problem(meta: Meta, file_size: int) -> str | None:
-    """Why LMDB cannot safely use ``meta`` on a file of ``file_size`` bytes (None: it can)."""
-    needed = (meta.last_pgno + 1) * meta.page_size
-    if meta.last_pgno < 1 or needed > file_size:
-        return (f"meta page {meta.index} (txn {meta.txnid}) names pages up to {meta.last_pgno} "
-                f"({needed} bytes) but the file holds {file_size} bytes: it was cut short")
+    """Why LMDB cannot safely use ``meta`` on a file of ``file_size`` bytes (None: it can).
+
+    The file may legitimately end before ``last_pgno`` (pages a transaction allocated and freed again are
+    never written), so what must lie in the file is what the trees reference: their roots here, every other
+    page in ``verify_tree``.
+    """
+    file_pages = file_size // meta.page_size
+    if meta.last_pgno < 1:
+        return f"meta page {meta.index} (txn {meta.txnid}) names an impossible last page {meta.last_pgno}"
     for name, db in (("free", meta.free_db), ("main", meta.main_db)):
-        if db.root != P_INVALID and not 2 <= db.root <= meta.last_pgno:
+        if db.root == P_INVALID:
+            continue
+        if not 2 <= db.root <= meta.last_pgno:
             return f"meta page {meta.index} (txn {meta.txnid}): the {name} db's root page {db.root} is out of range"
+        if db.root >= file_pages:
+            return (f"meta page {meta.index} (txn {meta.txnid}): the {name} db's root page {db.root} lies past the "
+                    f"end of the file ({file_size} bytes, {file_pages} pages, where its pages go up to "
+                    f"{meta.last_pgno}): it was cut short")
     return None
 
 
 def check_file(path: str | os.PathLike[str]) -> FileCheck:
-    """Judge ``data.mdb`` at ``path`` without mapping it: both meta pages parsed and checked against the file
-    size. ``FileCheck.problems`` empty: LMDB may open it (the pages it names all exist in the file)."""
+    """Judge ``data.mdb`` at ``path`` without mapping it: both meta pages parsed, their trees' roots checked
+    against the file size. ``FileCheck.problems`` empty: LMDB may open it (``verify_tree`` checks the rest)."""
     path = Path(path)
     with open(path, "rb") as f:
         fd = f.fileno()
@@ -202,8 +212,11 @@ class PageReader:
     def page(self, pgno: int, *kinds: int) -> bytes:
         """Page ``pgno``, its header checked (number, flags one of ``kinds``, lower/upper); raises
         ``LMDBFileError``."""
-        if not 2 <= pgno <= self.last_pgno or pgno >= self.file_pages:
+        if not 2 <= pgno <= self.last_pgno:
             raise LMDBFileError(f"page number {pgno} is out of range")
+        if pgno >= self.file_pages:
+            raise LMDBFileError(f"page {pgno} lies past the end of the file ({self.file_pages} pages): "
+                                "it was cut short")
         raw = _read(self.fd, pgno * self.page_size, self.page_size)
         if len(raw) < self.page_size:
             raise LMDBFileError(f"page {pgno} is cut off")

@@ -50,8 +50,8 @@ def damaged_error(path: Path, what: str) -> TierDamagedError:
 
 
 def check_file_fits(path: Path) -> None:
-    """Raise ``TierDamagedError`` if ``path/data.mdb`` is not a file LMDB can safely map: bad meta pages, or a
-    file shorter than the pages they name (mapping it would SIGBUS). Reads the file, never maps it."""
+    """Raise ``TierDamagedError`` if ``path/data.mdb`` is not a file LMDB can safely open: bad meta pages, or a
+    file cut short before the roots of its trees (using it would SIGBUS). Reads the file, never maps it."""
     data = path / "data.mdb"
     if not data.exists():
         return
@@ -121,15 +121,7 @@ class LMDBTier(Tier):
         if verify:
             check_file_fits(self.path)
         try:
-            self._env = lmdb.open(
-                str(self.path),
-                map_size=max(initial_map_bytes, MIN_MAP_BYTES),
-                max_dbs=4,
-                readahead=True,  # values are large runs of overflow pages: a cold read wants the kernel's readahead
-                sync=durable,
-                metasync=durable,
-                max_readers=512,
-            )
+            self._env = self._open_env(max(initial_map_bytes, MIN_MAP_BYTES), durable)
         except (lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError, lmdb.PageNotFoundError) as exc:
             raise damaged_error(self.path, f"{type(exc).__name__}: {exc}") from exc
         except (OSError, lmdb.Error) as exc:
@@ -141,6 +133,24 @@ class LMDBTier(Tier):
         except BaseException:
             self._env.close()
             raise
+
+    def _open_env(self, map_size: int, durable: bool) -> lmdb.Environment:
+        """``lmdb.open`` (it begins a transaction: another process growing the map meanwhile is retried)."""
+        for attempt in range(_RESIZE_RETRIES):
+            try:
+                return lmdb.open(
+                    str(self.path),
+                    map_size=map_size,
+                    max_dbs=4,
+                    readahead=True,  # values are large runs of overflow pages: a cold read wants the kernel's readahead
+                    sync=durable,
+                    metasync=durable,
+                    max_readers=512,
+                )
+            except lmdb.MapResizedError:
+                if attempt == _RESIZE_RETRIES - 1:
+                    raise
+        raise AssertionError("unreachable")
 
     def _check_trees(self) -> None:
         for _ in range(_RESIZE_RETRIES):

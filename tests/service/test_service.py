@@ -333,7 +333,8 @@ def test_unreachable_tier_at_start_degrades(tmp_path):
     try:
         remote = RemoteStore(f"127.0.0.1:{running.port}")
         stats = remote.stats()
-        assert stats["health"] == {"status": "degraded", "unavailable_tiers": ["shared"]}
+        assert stats["health"] == {"status": "degraded", "unavailable_tiers": ["shared"],
+                                   "damaged_tiers": []}
         assert [t["available"] for t in stats["tiers"]] == [True, True, False]
         channel = grpc.insecure_channel(f"127.0.0.1:{running.port}")
         check = health_pb2_grpc.HealthStub(channel).Check
@@ -474,7 +475,7 @@ def test_serve_with_unreachable_redis_starts_degraded(tmp_path):
     try:
         with RemoteStore(proc.address) as remote:
             stats = remote.stats()
-            assert stats["health"] == {"status": "degraded", "unavailable_tiers": ["redis"]}
+            assert stats["health"] == {"status": "degraded", "unavailable_tiers": ["redis"], "damaged_tiers": []}
             _still_serving(remote)
         proc.proc.send_signal(signal.SIGTERM)
         assert proc.proc.wait(timeout=60) == 0
