@@ -18,6 +18,15 @@ streams takes every thread and every other tenant's calls end in ``DEADLINE_EXCE
 
 Time the server spends working (reading or writing the store) never counts as idle: only time waiting on the
 client does.
+
+* **Request messages.** The sync server reads a unary call's request message on a worker thread before any
+  handler runs, so a client that sends a call's headers and never its message (raw HTTP/2; no token needed)
+  would hold a thread forever. ``RequestWatch``, a server interceptor, serves every unary-request method
+  (ours, health, reflection's are streams already) as a request-streaming one that reads the one message under
+  the gate: a call still waiting for it after ``grace_s`` counts as a stream (slot and tenant cap, its bucket
+  being its bearer token's namespace, or ``(anonymous)``; over them it is ended at once with
+  RESOURCE_EXHAUSTED) and is ended after ``idle_timeout_s``. Honest calls carry their message with their
+  headers and never wait that long. Stream-request methods of other services (reflection) take a slot.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -63,11 +72,14 @@ def end_call(context: grpc.ServicerContext, code: grpc.StatusCode, details: str)
 class StreamTicket:
     """One open stream as the gate sees it; methods are called from the stream's handler thread."""
 
-    def __init__(self, gate: StreamGate, context: grpc.ServicerContext, method: str, check_rate: bool) -> None:
+    def __init__(self, gate: StreamGate, context: grpc.ServicerContext, method: str, check_rate: bool,
+                 awaiting: str | None = None) -> None:
         self._gate = gate
         self.context = context
         self.method = method
         self.check_rate = check_rate
+        self.awaiting = awaiting  # a unary call waiting for its request message: its bucket (tenant or anonymous)
+        self.late_at = 0.0  # for those: when a request message still not read makes the call count as a stream
         self.namespace: str | None = None
         self.started = time.monotonic()
         self.waiting_since: float | None = self.started  # waiting on the client since; None while working
@@ -99,7 +111,7 @@ class StreamTicket:
                 break
             finally:
                 self.waiting_since = None
-            self.progress(len(raw))
+            self.progress(_size(raw))
             yield raw
         self.receiving = False
 
@@ -133,14 +145,18 @@ class StreamGate:
         self.slots = max(1, slots)
         self.idle_timeout_s = idle_timeout_s
         self.min_rate_bytes = min_rate_bytes
-        self.tick_s = tick_s if tick_s is not None else min(1.0, max(0.05, idle_timeout_s / 5))
+        self.tick_s = tick_s if tick_s is not None else min(0.25, max(0.05, idle_timeout_s / 5))
+        self.grace_s = min(0.5, idle_timeout_s / 2)  # how long a request message may be late before it counts
+        self.short_grace_s = 0.02  # the same when its bucket already holds its cap (it has shown it stalls)
         self._lock = threading.Lock()
         self._open: set[StreamTicket] = set()
+        self._awaiting: set[StreamTicket] = set()  # unary calls reading their request message
         self._by_namespace: dict[str, int] = {}
         self.refused = 0
         self.ended_idle = 0
         self.ended_slow = 0
-        self._stop = threading.Event()
+        self._wake = threading.Condition(self._lock)
+        self._stopped = False
         self._thread: threading.Thread | None = None
 
     # -- admission ------------------------------------------------------------------------------------
@@ -158,12 +174,36 @@ class StreamGate:
             self._ensure_watchdog()
         return ticket
 
+    def read_request(self, context: grpc.ServicerContext, method: str, requests: Iterator[Any],
+                     bucket: str | None) -> Any:
+        """The request message of a unary call (None if the client sent none), read under the watchdog."""
+        ticket = StreamTicket(self, context, method, False, awaiting=bucket or ANONYMOUS)
+        with self._lock:
+            self._awaiting.add(ticket)
+            self._ensure_watchdog()
+            if self._by_namespace.get(ticket.awaiting, 0) >= self.cap(ticket.awaiting) or \
+                    len(self._open) >= self.slots:
+                ticket.late_at = ticket.started + self.short_grace_s
+                self._wake.notify()
+            else:
+                ticket.late_at = ticket.started + self.grace_s
+        try:
+            return next(requests, None)
+        finally:
+            ticket.close()
+
+    def cap(self, bucket: str) -> int:
+        """Streams (and late unary calls) one bucket may hold: ``tenant_streams``, never more than the slots; half
+        that for anonymous calls (no token: health, reflection, stalled unauthenticated calls)."""
+        cap = min(self.tenant_streams, self.slots)
+        return max(1, cap // 2) if bucket == ANONYMOUS else cap
+
     def _admit(self, ticket: StreamTicket, namespace: str) -> None:
         with self._lock:
             if ticket.namespace is not None:
                 return
             held = self._by_namespace.get(namespace, 0)
-            cap = min(self.tenant_streams, self.slots)
+            cap = self.cap(namespace)
             if held >= cap:
                 self.refused += 1
                 raise StreamRefusedError(
@@ -174,6 +214,7 @@ class StreamGate:
 
     def _release(self, ticket: StreamTicket) -> None:
         with self._lock:
+            self._awaiting.discard(ticket)
             self._open.discard(ticket)
             if ticket.namespace is not None:
                 left = self._by_namespace.get(ticket.namespace, 1) - 1
@@ -192,12 +233,20 @@ class StreamGate:
     # -- watchdog -------------------------------------------------------------------------------------
 
     def _ensure_watchdog(self) -> None:
-        if self._thread is None and not self._stop.is_set():
+        if self._thread is None and not self._stopped:
             self._thread = threading.Thread(target=self._watch, name="kvshelf-stream-watchdog", daemon=True)
             self._thread.start()
 
     def _watch(self) -> None:
-        while not self._stop.wait(self.tick_s):
+        while True:
+            with self._wake:
+                if self._stopped:
+                    return
+                now = time.monotonic()
+                due = [t.late_at - now for t in self._awaiting if t.namespace is None and not t.ended]
+                self._wake.wait(max(0.0, min([self.tick_s, *due])))
+                if self._stopped:
+                    return
             try:
                 self.check(time.monotonic())
             except Exception:  # the watchdog must outlive any surprise
@@ -205,20 +254,45 @@ class StreamGate:
 
     def check(self, now: float) -> list[tuple[StreamTicket, str]]:
         """End the streams idle or slow at ``now``; return them with the reason given to their clients."""
+        ended = []
+        for ticket, reason in self._late_requests(now):
+            log.debug("refused a %s call of %s: %s", ticket.method, _who(ticket), reason)
+            end_call(ticket.context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{ticket.method} refused: {reason}")
+            ended.append((ticket, reason))
         with self._lock:
             tickets = list(self._open)
-        ended = []
         for ticket in tickets:
             reason = self._verdict(ticket, now)
             if reason is None:
                 continue
             ticket.ended = True
-            who = f"namespace {ticket.namespace!r}" if ticket.namespace is not None else f"peer {_peer(ticket)}"
-            log.warning("ended a %s stream of %s: %s", ticket.method, who, reason)
+            log.warning("ended a %s call of %s: %s", ticket.method, _who(ticket), reason)
             details = f"{ticket.method} ended by the server: {reason}"
             end_call(ticket.context, grpc.StatusCode.DEADLINE_EXCEEDED, details)
             ended.append((ticket, reason))
         return ended
+
+    def _late_requests(self, now: float) -> list[tuple[StreamTicket, str]]:
+        """Count unary calls whose request message is later than ``grace_s`` as streams; return those refused."""
+        refused = []
+        with self._lock:
+            late = sorted((t for t in self._awaiting if t.namespace is None and not t.ended and now >= t.late_at),
+                          key=lambda t: t.started)
+            for ticket in late:
+                bucket = ticket.awaiting or ANONYMOUS
+                held = self._by_namespace.get(bucket, 0)
+                cap = self.cap(bucket)
+                if len(self._open) >= self.slots or held >= cap:
+                    ticket.ended = True
+                    self.refused += 1
+                    why = (f"all {self.slots} stream slots are in use" if held < cap else
+                           f"{bucket} already has {held} streams or late calls open (cap {cap}, --tenant-streams)")
+                    refused.append((ticket, f"no request message after {now - ticket.started:.1f} s and {why}"))
+                    continue
+                self._open.add(ticket)
+                self._by_namespace[bucket] = held + 1
+                ticket.namespace = bucket
+        return refused
 
     def _verdict(self, ticket: StreamTicket, now: float) -> str | None:
         if ticket.ended:
@@ -226,7 +300,8 @@ class StreamGate:
         since = ticket.waiting_since
         if since is not None and now - since > self.idle_timeout_s:
             self.ended_idle += 1
-            what = "no message received" if ticket.method == "PutBlocks" else "the client took no message"
+            what = ("no request message received" if ticket.awaiting is not None else
+                    "no message received" if ticket.method == "PutBlocks" else "the client took no message")
             return f"{what} for {now - since:.1f} s (idle timeout {self.idle_timeout_s:g} s, --idle-timeout)"
         age = now - ticket.started
         if ticket.check_rate and ticket.receiving and age > self.idle_timeout_s:
@@ -239,13 +314,113 @@ class StreamGate:
 
     def close(self) -> None:
         """Stop the watchdog (open streams are left to the server's shutdown)."""
-        self._stop.set()
+        with self._wake:
+            self._stopped = True
+            self._wake.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=5)
 
 
-def _peer(ticket: StreamTicket) -> Any:
+def _size(message: Any) -> int:
+    """Bytes of a received message: raw bytes, or a parsed protobuf message (other services' methods)."""
+    if isinstance(message, bytes | bytearray | memoryview):
+        return len(message)
+    byte_size = getattr(message, "ByteSize", None)
+    return int(byte_size()) if callable(byte_size) else 0
+
+
+ANONYMOUS = "(anonymous)"  # the bucket of calls whose tenant is not known before their first message
+
+
+def _who(ticket: StreamTicket) -> str:
+    if ticket.namespace is not None and ticket.namespace != ANONYMOUS:
+        return f"namespace {ticket.namespace!r}"
     try:
-        return ticket.context.peer()
+        return f"peer {ticket.context.peer()}"
     except Exception:  # noqa: BLE001 - only for a log line
-        return "?"
+        return "an unknown peer"
+
+
+class RequestWatch(grpc.ServerInterceptor):
+    """Serves unary-request methods as request-streaming ones whose message is read under ``gate`` (see the
+    module doc); other services' request-streaming methods (reflection) take a stream slot.
+
+    ``tenant_of(metadata)``: the namespace a call's bearer token names, or None (no tokens, unknown token).
+    ``own_service``: the service whose streams take their slots themselves (``KVShelfServicer``).
+    """
+
+    def __init__(self, gate: StreamGate, tenant_of: Callable[[Any], str | None], own_service: str) -> None:
+        self.gate = gate
+        self.tenant_of = tenant_of
+        self.own_prefix = f"/{own_service}/"
+
+    def intercept_service(self, continuation: Callable, handler_call_details: Any) -> Any:
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        full_method = handler_call_details.method
+        method = full_method.rsplit("/", 1)[-1]
+        gate = self.gate
+        if handler.request_streaming:
+            if full_method.startswith(self.own_prefix):
+                return handler
+            return _slotted(handler, gate, method)
+        bucket = self.tenant_of(handler_call_details.invocation_metadata)
+        options = dict(request_deserializer=handler.request_deserializer,
+                       response_serializer=handler.response_serializer)
+
+        def read(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            request = gate.read_request(context, method, requests, bucket)
+            if request is None:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method} requires exactly one request message")
+            return request
+
+        if handler.unary_unary is not None:
+            unary = handler.unary_unary
+            return grpc.stream_unary_rpc_method_handler(lambda requests, context: unary(read(requests, context),
+                                                                                        context), **options)
+        stream = handler.unary_stream
+        if getattr(stream, "experimental_non_blocking", False):  # health's Watch: answers through a callback
+            def non_blocking(requests: Iterator[Any], context: grpc.ServicerContext, send: Callable) -> Any:
+                return stream(read(requests, context), context, send)
+
+            non_blocking.experimental_non_blocking = True  # type: ignore[attr-defined]
+            return grpc.stream_stream_rpc_method_handler(non_blocking, **options)
+        return grpc.stream_stream_rpc_method_handler(lambda requests, context: stream(read(requests, context),
+                                                                                      context), **options)
+
+
+def _slotted(handler: grpc.RpcMethodHandler, gate: StreamGate, method: str) -> grpc.RpcMethodHandler:
+    """A request-streaming handler of another service that holds a stream slot (anonymous) while it runs."""
+    options = dict(request_deserializer=handler.request_deserializer,
+                   response_serializer=handler.response_serializer)
+
+    def admitted(context: grpc.ServicerContext) -> StreamTicket:
+        try:
+            ticket = gate.open(context, method)
+            try:
+                ticket.admit(ANONYMOUS)
+            except StreamRefusedError:
+                ticket.close()
+                raise
+        except StreamRefusedError as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        return ticket
+
+    if handler.stream_unary is not None:
+        inner_unary = handler.stream_unary
+
+        def unary(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            with admitted(context) as ticket:
+                return inner_unary(ticket.received(requests), context)
+
+        return grpc.stream_unary_rpc_method_handler(unary, **options)
+    inner_stream = handler.stream_stream
+
+    def stream(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+        with admitted(context) as ticket:
+            for response in inner_stream(ticket.received(requests), context):
+                ticket.waiting_since = None
+                yield response
+
+    return grpc.stream_stream_rpc_method_handler(stream, **options)

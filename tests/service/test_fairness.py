@@ -8,6 +8,8 @@ Every test here failed before ``service/fairness.py``: 16 idle ``PutBlocks`` str
 from __future__ import annotations
 
 import logging
+import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -265,15 +267,20 @@ def test_a_steady_put_and_a_long_get_are_not_ended(serve):
 
 
 def test_a_cancelled_put_logs_no_traceback(serve, caplog):
-    server = serve(workers=4, idle_timeout_s=60)
+    server = serve(workers=16, idle_timeout_s=60)
     channel, stub = _stub(server)
     release = threading.Event()
     caplog.set_level(logging.DEBUG)
-    put = _idle_put(stub, TOKEN_A, release, _first_chunk())
+    # several puts: how the server's request iterator sees a cancellation is a race (an error, or an early end)
+    puts = [_idle_put(stub, token, release, _first_chunk()) for token in (TOKEN_A, TOKEN_B) for _ in range(4)]
     try:
-        time.sleep(0.3)  # the server is inside the call, waiting for the next chunk
-        put.cancel()
-        time.sleep(0.5)  # let the server's handler see the cancellation
+        assert _wait_for(lambda: _open_streams(server) in (8, None))
+        time.sleep(0.3)  # the server is inside the calls, waiting for their next chunks
+        for put in puts:
+            put.cancel()
+        # let the server's handlers see the cancellations and end (a server without the gate: give it 2 s)
+        _wait_for(lambda: _open_streams(server) == 0, 2.0 if _open_streams(server) is None else WAIT_S)
+        assert _open_streams(server) in (0, None)
         _honest_calls(server)
     finally:
         release.set()
@@ -300,3 +307,43 @@ def test_a_client_leaving_mid_get_logs_no_traceback(serve, caplog):
     _honest_calls(server)
     noisy = [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
     assert not noisy, [r.getMessage() for r in noisy]
+
+
+# -- calls whose request message never comes (raw HTTP/2: headers, no data; no token needed) ---------------
+
+
+def _frame(ftype: int, flags: int, stream: int, payload: bytes) -> bytes:
+    return struct.pack(">I", len(payload))[1:] + bytes([ftype, flags]) + struct.pack(">I", stream) + payload
+
+
+def _literal(name: str, value: str) -> bytes:  # HPACK literal header field, new name, no Huffman coding
+    n, v = name.encode(), value.encode()
+    return b"\x00" + bytes([len(n)]) + n + bytes([len(v)]) + v
+
+
+def _headers_only_calls(port: int, paths: list[str]) -> socket.socket:
+    """One HTTP/2 connection opening a gRPC call per path with HEADERS only: the request message never comes."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _frame(4, 0, 0, b"")  # preface + empty SETTINGS
+    for i, path in enumerate(paths):
+        block = b"".join(_literal(k, v) for k, v in [
+            (":method", "POST"), (":scheme", "http"), (":path", path), (":authority", f"127.0.0.1:{port}"),
+            ("content-type", "application/grpc"), ("te", "trailers")])
+        out += _frame(1, 0x4, 2 * i + 1, block)  # HEADERS, END_HEADERS, no END_STREAM
+    sock.sendall(out)
+    return sock
+
+
+def test_calls_without_their_request_message_cannot_take_the_threads(serve):
+    server = serve(workers=4, idle_timeout_s=30)
+    paths = [f"/kvshelf.v1.KVShelf/{m}" for m in ("Contains", "GetBlocks", "Stats")] * 6 + \
+            ["/grpc.health.v1.Health/Check"] * 6
+    sock = _headers_only_calls(server.port, paths)
+    try:
+        time.sleep(1.0)
+        _honest_calls(server)  # within 5 s each; before: every call of everyone hung behind the 24 stalled ones
+        _honest_calls(server)
+        gate = getattr(server.servicer, "streams", None)
+        assert gate is not None and gate.open_streams() <= gate.slots
+    finally:
+        sock.close()
