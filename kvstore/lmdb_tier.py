@@ -23,7 +23,13 @@ from typing import TypeVar
 
 import lmdb
 
-from kvshelf.kvstore.errors import ConfigError, StoreFullError, TierDamagedError, TierUnavailableError
+from kvshelf.kvstore.errors import (
+    ConfigError,
+    KVShelfError,
+    StoreFullError,
+    TierDamagedError,
+    TierUnavailableError,
+)
 from kvshelf.kvstore.lmdb_file import check_file, verify_tree
 from kvshelf.kvstore.rwlock import RWLock
 from kvshelf.kvstore.tier import Tier, TierUsage
@@ -113,6 +119,7 @@ class LMDBTier(Tier):
         self.path = Path(path)
         self.max_map_bytes = max_map_bytes
         self._damaged: TierDamagedError | None = None
+        self._closed = False
         self._lock = RWLock()
         try:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -195,10 +202,15 @@ class LMDBTier(Tier):
             self._damaged = damaged_error(self.path, f"{type(exc).__name__}: {exc}")
         return self._damaged
 
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise KVShelfError(f"LMDB tier {self.path} is closed")
+        if self._damaged is not None:
+            raise self._damaged
+
     def _read(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         while True:
-            if self._damaged is not None:
-                raise self._damaged
+            self._check_usable()
             try:
                 with self._lock.read(), self._env.begin(db=self._blocks, buffers=True) as txn:
                     return fn(txn)
@@ -209,8 +221,7 @@ class LMDBTier(Tier):
 
     def _write(self, fn: Callable[[lmdb.Transaction], T], needed: int = 0) -> T:
         while True:
-            if self._damaged is not None:
-                raise self._damaged
+            self._check_usable()
             try:
                 with self._lock.read(), self._env.begin(db=self._blocks, write=True, buffers=True) as txn:
                     return fn(txn)
@@ -311,4 +322,5 @@ class LMDBTier(Tier):
 
     def close(self) -> None:
         with self._lock.write():
+            self._closed = True
             self._env.close()

@@ -436,12 +436,13 @@ def test_stats_shape(store):
     assert s["rows"] == [] and s["pinned"] == 0
     assert [t["name"] for t in s["tiers"]] == ["memory", "disk"]
     expected_fields = {"name", "codec", "available", "unavailable", "blocks", "bytes", "capacity_bytes", "hits",
-                       "misses", "bytes_read", "bytes_written", "evictions", "corrupt", "foreign", "rejected"}
+                       "misses", "bytes_read", "bytes_written", "evictions", "corrupt", "foreign", "rejected",
+                       "damaged"}
     for tier in s["tiers"]:
         assert set(tier) == expected_fields
         assert tier["codec"] == "raw"
-        assert tier["available"] is True
-        assert all(tier[m] == 0 for m in expected_fields - {"name", "codec", "capacity_bytes", "available"})
+        assert tier["available"] is True and tier["damaged"] is False
+        assert all(tier[m] == 0 for m in expected_fields - {"name", "codec", "capacity_bytes", "available", "damaged"})
     assert s["tiers"][0]["capacity_bytes"] == 64 * 1024
 
     entries = blocks(3)
