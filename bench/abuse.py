@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import queue
 import re
 import subprocess
@@ -151,6 +152,14 @@ class ServerProcess:
             return int(fields["VmRSS"].split()[0]) * 1024, int(fields["RssAnon"].split()[0]) * 1024
         except (OSError, ValueError, IndexError, KeyError):
             return None
+
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system) the server has used so far; 0.0 once it has exited."""
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            return 0.0
 
     def kill(self, reason: str | None = None) -> None:
         if self.proc.poll() is None:
@@ -372,7 +381,7 @@ def _abuse_summary(report: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def _phase_result(name: str, log: HonestLog, seconds: float, memory: tuple[tuple[int, int], tuple[int, int]],
-                  logs: tuple[int, int],
+                  logs: tuple[int, int], server_cpu_s: float,
                   server: ServerProcess, settings: AbuseSettings, abuse: dict[str, Any] | None) -> dict[str, Any]:
     latencies = log.put_ms + log.get_ms
     abuser_codes: Counter[str] = Counter()
@@ -401,6 +410,7 @@ def _phase_result(name: str, log: HonestLog, seconds: float, memory: tuple[tuple
         "server_anon_growth_bytes": max(0, memory[1][1] - memory[0][1]),
         "server_alive": server.alive(),
         "server_killed_for": server.killed_for,
+        "server_cpu_s": round(server_cpu_s, 3),
         "server_log_lines": logs[0],
         "server_tracebacks": logs[1],
         "max_block_bytes": parse_size(settings.max_block, "--max-block"),
@@ -418,6 +428,7 @@ def _run_phase(name: str, seconds: float, store: Any, values: list[tuple[bytes, 
                abuser: AbuserProcess | None) -> tuple[dict[str, Any], int]:
     sampler.mark()
     lines0, tracebacks0 = server.counts()
+    cpu0 = server.cpu_s()
     started = time.monotonic()
     if abuser is not None:
         abuser.go()
@@ -430,8 +441,8 @@ def _run_phase(name: str, seconds: float, store: Any, values: list[tuple[bytes, 
             abuse["error"] = abuser.error_tail()
     memory = sampler.phase()
     lines1, tracebacks1 = server.counts()
-    return _phase_result(name, log, elapsed, memory, (lines1 - lines0, tracebacks1 - tracebacks0), server, settings,
-                         abuse), offset
+    return _phase_result(name, log, elapsed, memory, (lines1 - lines0, tracebacks1 - tracebacks0),
+                         server.cpu_s() - cpu0, server, settings, abuse), offset
 
 
 def checks(results: list[dict[str, Any]]) -> list[tuple[str, bool, str]]:
@@ -475,6 +486,9 @@ def _print(results: list[dict[str, Any]], verdicts: list[tuple[str, bool, str]],
         ("wrong blocks", lambda r: r["wrong_blocks"]),
         ("abuser calls (calls/s)", lambda r: (f"{r['abuser']['calls']} ({r['abuser']['calls_per_s']:.0f}/s)"
                                               if "abuser" in r else "-")),
+        ("CPU s: server / abuser", lambda r: f"{r['server_cpu_s']:.1f} / "
+                                             f"{r['abuser']['cpu_s']:.1f}" if r.get("abuser", {}).get("ran")
+                                             else f"{r['server_cpu_s']:.1f} / -"),
         ("abuser errors", lambda r: _codes(r["abuser_errors"])),
         ("INTERNAL / UNKNOWN", lambda r: r["internal_errors"]),
         ("server RSS start MiB", lambda r: f"{r['server_rss_start_bytes'] / 2**20:.0f}"),

@@ -403,7 +403,7 @@ class Abuser:
     # -- run ------------------------------------------------------------------------------------------
 
     def run(self, seconds: float) -> dict[str, Any]:
-        started = time.monotonic()
+        started, cpu_started = time.monotonic(), time.process_time()
         end = started + seconds
 
         def loop(round_fn: Callable[[], None]) -> None:
@@ -430,7 +430,7 @@ class Abuser:
         deadline = time.monotonic() + 5.0
         for t in threads:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
-        report = self.tally.report(time.monotonic() - started)
+        report = {**self.tally.report(time.monotonic() - started), "cpu_s": round(time.process_time() - cpu_started, 3)}
         self.channel.close()
         return report
 
