@@ -77,7 +77,8 @@ def serve(
                                   ] = None,
     reset_disk: Annotated[bool | None, typer.Option(
         "--reset-disk", show_default=False,
-        help="move a damaged LMDB environment aside (kept for `kvshelf repair`) and start an empty one")] = None,
+        help="if the LMDB environment is damaged, move it aside (DIR/lmdb.damaged-<UTC time>, never deleted) "
+             "and start an empty one; to keep its readable blocks run `kvshelf repair` instead")] = None,
     arena_sweep_interval: Annotated[float | None, _opt(
         "seconds between sweeps of dead clients' /dev/shm arenas (default 30)")] = None,
     config: Annotated[Path | None, _opt("TOML config file (or $KVSHELF_CONFIG)")] = None,
