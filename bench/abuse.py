@@ -265,7 +265,8 @@ class AbuserProcess:
             return None
 
     def error_tail(self) -> str:
-        self._stderr.flush()
+        if not self._stderr.closed:
+            self._stderr.flush()
         return " | ".join(self.stderr_path.read_text(errors="replace").strip().splitlines()[-5:])
 
     def kill(self) -> None:
@@ -442,7 +443,7 @@ def _run_phase(name: str, seconds: float, store: Any, values: list[tuple[bytes, 
     memory = sampler.phase()
     lines1, tracebacks1 = server.counts()
     return _phase_result(name, log, elapsed, memory, (lines1 - lines0, tracebacks1 - tracebacks0),
-                         server.cpu_s() - cpu0, server, settings, abuse), offset
+                         max(0.0, server.cpu_s() - cpu0), server, settings, abuse), offset
 
 
 def checks(results: list[dict[str, Any]]) -> list[tuple[str, bool, str]]:
@@ -560,9 +561,15 @@ def run(*, json_path: str | None, settings: AbuseSettings | None = None,
                     "slow_streams": settings.slow_streams, "pace_s": settings.pace_s, "attacks": list(settings.attacks),
                     **settings.hold_windows()}
             abuser = AbuserProcess(spec, Path(tmp) / "abuser.err")
-            abuser.wait_ready()
+            try:
+                abuser.wait_ready()
+                not_started = None
+            except ConfigError as exc:  # e.g. the server died in the first phase: measured and reported as such
+                not_started, abuser = str(exc), None
             console.print(f"phase under_abuse: {half:g} s of the honest tenant while the abuser attacks")
             under, _ = _run_phase("under_abuse", half, store, values, server, sampler, settings, offset, abuser)
+            if not_started is not None:
+                under["abuser"] = {**_abuse_summary(None), "error": not_started}
             results.append(under)
         finally:
             if abuser is not None:

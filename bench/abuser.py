@@ -437,7 +437,11 @@ class Abuser:
 
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[1])
-    abuser = Abuser(spec)
+    try:
+        abuser = Abuser(spec)
+    except grpc.FutureTimeoutError:
+        print(f"error: no connection to the server at {spec['address']} within 10 s", file=sys.stderr)
+        return 2
     print("ready", flush=True)
     sys.stdin.readline()
     print(json.dumps(abuser.run(spec["seconds"])), flush=True)
