@@ -194,8 +194,10 @@ class LMDBTier(Tier):
         """Whether a call found the environment damaged (every later call fails fast)."""
         return self._damaged is not None
 
-    def _fail(self, exc: lmdb.Error) -> TierUnavailableError:
+    def _fail(self, exc: lmdb.Error) -> KVShelfError:
         """The error to raise for an LMDB error of a call; marks the tier damaged unless it is transient."""
+        if isinstance(exc, lmdb.MapFullError):  # (a write grows the map first; any other full map is this)
+            return StoreFullError(f"LMDB tier {self.path} is full: {exc}")
         if isinstance(exc, _TRANSIENT):
             return TierUnavailableError(f"LMDB tier {self.path}: {type(exc).__name__}: {exc}")
         if self._damaged is None:
