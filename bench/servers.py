@@ -11,11 +11,14 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -145,10 +148,16 @@ class KVShelfProcess:
         self.extra = extra
         self.port = port or free_port()
         self.proc: subprocess.Popen[str] | None = None
+        self.output: deque[str] = deque(maxlen=200)  # its last lines of output
 
     @property
     def address(self) -> str:
         return f"{HOST}:{self.port}"
+
+    def _drain(self, stdout: Any) -> None:
+        """Read the server's output to the end: a full pipe would block its threads on their next log line."""
+        for line in stdout:
+            self.output.append(line)
 
     def start(self) -> KVShelfProcess:
         self.proc = subprocess.Popen(
@@ -161,6 +170,7 @@ class KVShelfProcess:
         for line in self.proc.stdout:
             seen.append(line)
             if "kvshelf serving on" in line:
+                threading.Thread(target=self._drain, args=(self.proc.stdout,), daemon=True).start()
                 return self
         self.proc.wait(timeout=30)
         raise ConfigError(f"kvshelf serve did not start: {''.join(seen)[-2000:]}")
