@@ -2,8 +2,9 @@
 
 Protocol over its pipes (JSON, no pickle), like ``bench/store_worker.py``: it connects and builds its payloads,
 prints ``ready``, waits for one line on stdin (the common start), attacks for ``spec["seconds"]`` and prints one
-JSON object (``Tally.report``). Every call has a deadline and every stream is ended by the window it belongs to,
-so the process ends on time whatever the server does.
+JSON object (``Tally.report``). Every call has a deadline, every stream is ended by the window it belongs to and
+calls still running when the time is up are cancelled (and not counted), so the process ends on time whatever
+the server does.
 
 Two threads of calls, plus one holding streams (the abuse the issue lists; ``spec["attacks"]`` may pick some):
 
@@ -119,8 +120,9 @@ class Tally:
 
 
 def code_of(exc: grpc.RpcError) -> str:
+    """The status code's name (``NO_CODE`` for an error that carries none: never mistaken for the server's)."""
     code = exc.code() if hasattr(exc, "code") else None
-    return code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
+    return code.name if isinstance(code, grpc.StatusCode) else "NO_CODE"
 
 
 def block_key(label: str) -> bytes:
@@ -171,16 +173,14 @@ def bad_payload_block(key: bytes, namespace: str) -> bytes:
     return _reframe(encoded, edit)
 
 
-def put_messages(values: Iterable[tuple[bytes, bytes]], namespace: str, *, declare: bool = True) -> Iterator[bytes]:
+def put_messages(values: Iterable[tuple[bytes, bytes]], namespace: str) -> Iterator[bytes]:
     """Serialised PutBlocks requests for ``(key, value)`` pairs, chunked as ``RemoteStore`` does."""
     first = True
     for key, value in values:
         for n, (data, last) in enumerate(iter_chunks(value, CHUNK_BYTES)):
             chunk = pb.Chunk(data=bytes(data), last=last)
             if n == 0:
-                chunk.key = key
-                if declare:
-                    chunk.total_size = len(value)
+                chunk.key, chunk.total_size = key, len(value)
             request = pb.PutBlocksRequest(chunk=chunk)
             if first:
                 request.namespace, first = namespace, False
