@@ -358,3 +358,16 @@ def scan_leaf_pages(fd: int, page_size: int, *, chunk_pages: int = 4096) -> Iter
                 yield pgno + i, chunk[i * page_size : (i + 1) * page_size]
             i += 1
         pgno += i
+
+
+def db_keys(fd: int, meta: Meta, name: bytes) -> tuple[list[bytes], list[str]]:
+    """The keys of the named database ``name`` in the trees of ``meta``, in order, and the problems met (a
+    damaged page's keys are missing). Plain reads: a damaged page is reported, never followed."""
+    reader = PageReader(fd, meta.page_size, meta.last_pgno)
+    report = WalkReport()
+    root = None
+    for key, flags, raw, (lo, hi, _, at) in walk_db(reader, meta.main_db.root, report):
+        if key == name and flags & F_SUBDATA and (lo | hi << 16) == _DB.size and at + _DB.size <= reader.page_size:
+            root = DBRecord.parse(raw[at : at + _DB.size]).root
+    keys = [key for key, *_ in walk_db(reader, root, report)] if root is not None else []
+    return keys, [f"page {pgno}: {why}" for pgno, why in report.unreadable.items()]

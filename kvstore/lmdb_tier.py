@@ -30,7 +30,7 @@ from kvshelf.kvstore.errors import (
     TierDamagedError,
     TierUnavailableError,
 )
-from kvshelf.kvstore.lmdb_file import check_file, verify_tree
+from kvshelf.kvstore.lmdb_file import check_file, db_keys, verify_tree
 from kvshelf.kvstore.rwlock import RWLock
 from kvshelf.kvstore.tier import Tier, TierUsage
 
@@ -308,6 +308,28 @@ class LMDBTier(Tier):
         return self._write(fn)
 
     def keys(self) -> list[bytes]:
+        """Every key, read from the file (never the map) under a read transaction: a page damaged while the
+        environment is open would abort the process inside LMDB's cursor (an assertion); here it is reported."""
+
+        def from_file(txn: lmdb.Transaction) -> list[bytes] | None:
+            try:
+                with open(self.path / "data.mdb", "rb") as f:
+                    meta = next((m for m in check_file(self.path / "data.mdb").metas if m.txnid == txn.id()), None)
+                    if meta is None:  # another process committed twice since this snapshot: its meta page is gone
+                        return None
+                    keys, problems = db_keys(f.fileno(), meta, b"blocks")
+            except OSError:
+                return None
+            if problems:
+                if self._damaged is None:
+                    self._damaged = damaged_error(self.path, "; ".join(problems[:4]))
+                raise self._damaged
+            return keys
+
+        for _ in range(5):
+            found = self._read(from_file)
+            if found is not None:
+                return found
         return self._read(lambda txn: [bytes(k) for k in txn.cursor().iternext(keys=True, values=False)])
 
     def usage(self) -> TierUsage:

@@ -134,6 +134,35 @@ def test_running_store_over_a_tier_damaged_under_it_keeps_serving(tmp_path, how)
         assert store.stats()["tiers"][1]["unavailable"] >= 3
 
 
+_LIST_AFTER_DAMAGE = """
+import json, sys
+sys.path.insert(0, "tests/support")
+from pathlib import Path
+from lmdb_damage import block_leaves, overwrite, page_size
+from kvshelf.kvstore import LMDBTier
+from kvshelf.kvstore.errors import KVShelfError
+path = Path(sys.argv[1])
+tier = LMDBTier(path)
+assert len(tier.keys()) == 300
+overwrite(path, block_leaves(path)[1] * page_size(path) + 10, b"\\x00\\x00\\xff\\xff")  # a leaf's flags, lower, upper
+try:
+    print(json.dumps({"keys": len(tier.keys())}))
+except KVShelfError as exc:
+    print(json.dumps({"error": type(exc).__name__, "message": str(exc), "damaged": tier.damaged}))
+"""
+
+
+def test_listing_keys_over_a_leaf_damaged_under_it_is_a_damaged_error(tmp_path):
+    # before the fix, LMDB's cursor stepped onto the damaged leaf and the process died of an assertion (abort)
+    path = tmp_path / "lmdb"
+    fill(path, 300)
+    proc = subprocess.run([sys.executable, "-P", "-c", _LIST_AFTER_DAMAGE, str(path)], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, f"crashed ({proc.returncode}): {proc.stderr[-1000:]}"
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["error"] == "TierDamagedError" and seen["damaged"] is True and "kvshelf repair" in seen["message"]
+
+
 # ------------------------------------------------------------------------------------------------------------
 # kvshelf repair
 # ------------------------------------------------------------------------------------------------------------
