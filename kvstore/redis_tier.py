@@ -142,6 +142,22 @@ def _readable(reply: T) -> T:
     return reply
 
 
+def _fail_fast(call: Callable[..., T]) -> Callable[..., T]:
+    """``call``, raising at once the first connection error or timeout it raised, once it has raised one."""
+    failed: list[BaseException] = []
+
+    def wrapper(*args: Any, **kwargs: Any) -> T:
+        if failed:
+            raise rex.TimeoutError(f"not sent: an earlier command of this call failed ({failed[0]})")
+        try:
+            return call(*args, **kwargs)
+        except (rex.ConnectionError, rex.TimeoutError) as exc:
+            failed.append(exc)
+            raise
+
+    return wrapper
+
+
 class _Manifest:
     """The decoded manifest header of one value."""
 
@@ -369,7 +385,7 @@ class RedisTier(Tier):
 
             def connect() -> Client:
                 # the cluster client retries (after refreshing its slot map) on its own; once is enough
-                return redis.cluster.RedisCluster(retry=Retry(backoff, retries=1), **options)
+                return redis.cluster.RedisCluster(retry=Retry(backoff, retries=0), **options)
 
         else:
             db_text = parts.path.strip("/") or "0"
@@ -437,7 +453,13 @@ class RedisTier(Tier):
 
     @staticmethod
     def _pipeline(client: Client) -> Any:
-        return client.pipeline(transaction=False)
+        pipe = client.pipeline(transaction=False)
+        resend = getattr(pipe, "parent_execute_command", None)
+        if isinstance(client, redis.cluster.RedisCluster) and resend is not None:
+            # redis-py's cluster pipeline resends each command that failed with a connection error or timeout
+            # one by one: against a hung node, one timeout per command. After the first, fail the rest at once.
+            pipe.parent_execute_command = _fail_fast(resend)
+        return pipe
 
     def _execute(self, client: Client, commands: Iterable[Callable[[Any], Any]], batch: int = 4096) -> list[Any]:
         """Run ``commands`` (each queues one command on a pipeline) in pipelines of at most ``batch``; the

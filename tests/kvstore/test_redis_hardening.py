@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import struct
 import time
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from kvshelf.kvstore.block import KVBlock
 
 redis_server = redis_servers.redis_server
 pausable_redis = redis_servers.pausable_redis
+restartable_cluster = redis_servers.restartable_cluster
 
 KiB = 1 << 10
 CHUNK = 64 * KiB
@@ -132,6 +134,33 @@ def test_dead_redis_breaker_opens_and_closes(pausable_redis: PausableRedis, pref
             break
         except TierUnavailableError:
             assert time.monotonic() < deadline
+            time.sleep(0.2)
+
+
+def test_hung_cluster_node_fails_fast(restartable_cluster: Any, prefix: str) -> None:
+    """Redis Cluster: redis-py's cluster pipeline resends each command that timed out one by one (one timeout
+    each); the tier stops after the first."""
+    tier = RedisTier.from_url(restartable_cluster.url, prefix=prefix, chunk_bytes=CHUNK)
+    keys = [i.to_bytes(16, "big") for i in range(48)]
+    assert tier.put_many([(key, b"v" * 100) for key in keys]) == len(keys)
+    node = restartable_cluster.nodes[1].proc
+    os.kill(node.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(TierUnavailableError, match="unavailable"):
+            tier.get_many(keys)
+        assert time.monotonic() - started < 8  # about 16 commands on the frozen node: it took 23 s and more
+        with pytest.raises(TierUnavailableError, match="down"):
+            tier.contains_many(keys)
+    finally:
+        os.kill(node.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            assert tier.get_many(keys) == [b"v" * 100] * len(keys)
+            break
+        except TierUnavailableError:
+            assert time.monotonic() < deadline, "the tier did not come back after SIGCONT"
             time.sleep(0.2)
 
 
