@@ -37,7 +37,7 @@ P_INVALID = (1 << 64) - 1
 _MAX_DEPTH = 64
 
 
-class LMDBFileError(Exception):
+class _FileDamage(Exception):  # noqa: N818 - caught inside kvstore (lmdb_file, lmdb_repair), never raised to a caller
     """The file cannot be an LMDB environment as it stands (the message says what is wrong)."""
 
 
@@ -77,30 +77,30 @@ def _read(fd: int, offset: int, size: int) -> bytes:
 
 
 def read_meta(fd: int, index: int, page_size: int | None = None) -> Meta:
-    """Meta page ``index`` (0 or 1); raises ``LMDBFileError`` naming what is wrong with it."""
+    """Meta page ``index`` (0 or 1); raises ``_FileDamage`` naming what is wrong with it."""
     offset = 0 if index == 0 else page_size
     if offset is None:
-        raise LMDBFileError("the page size is unknown")
+        raise _FileDamage("the page size is unknown")
     raw = _read(fd, offset, PAGE_HEADER_BYTES + _META.size + 2 * _DB.size + _TAIL.size)
     if len(raw) < PAGE_HEADER_BYTES + _META.size + 2 * _DB.size + _TAIL.size:
-        raise LMDBFileError(f"meta page {index} is cut off (the file ends at byte {offset + len(raw)})")
+        raise _FileDamage(f"meta page {index} is cut off (the file ends at byte {offset + len(raw)})")
     pgno, _, flags, _, _ = PAGE_HEADER.unpack_from(raw)
     if not flags & P_META or pgno != index:
-        raise LMDBFileError(f"meta page {index} has a bad page header (pgno {pgno}, flags {flags:#x})")
+        raise _FileDamage(f"meta page {index} has a bad page header (pgno {pgno}, flags {flags:#x})")
     magic, version, _, mapsize = _META.unpack_from(raw, PAGE_HEADER_BYTES)
     if magic != MDB_MAGIC:
-        raise LMDBFileError(f"meta page {index} has a bad magic number ({magic:#x})")
+        raise _FileDamage(f"meta page {index} has a bad magic number ({magic:#x})")
     if version != MDB_DATA_VERSION:
-        raise LMDBFileError(f"meta page {index} has LMDB data version {version}, expected {MDB_DATA_VERSION}")
+        raise _FileDamage(f"meta page {index} has LMDB data version {version}, expected {MDB_DATA_VERSION}")
     at = PAGE_HEADER_BYTES + _META.size
     free_db = DBRecord.parse(raw[at : at + _DB.size])
     main_db = DBRecord.parse(raw[at + _DB.size : at + 2 * _DB.size])
     last_pgno, txnid = _TAIL.unpack_from(raw, at + 2 * _DB.size)
     size = free_db.pad
     if size < 512 or size > 1 << 16 or size & (size - 1):
-        raise LMDBFileError(f"meta page {index} names an impossible page size {size}")
+        raise _FileDamage(f"meta page {index} names an impossible page size {size}")
     if page_size is not None and size != page_size:
-        raise LMDBFileError(f"meta page {index} names page size {size}, meta page 0 names {page_size}")
+        raise _FileDamage(f"meta page {index} names page size {size}, meta page 0 names {page_size}")
     return Meta(index, size, mapsize, free_db, main_db, last_pgno, txnid)
 
 
@@ -156,7 +156,7 @@ def check_file(path: str | os.PathLike[str]) -> FileCheck:
         for index in (0, 1):
             try:
                 meta = read_meta(fd, index, page_size)
-            except LMDBFileError as exc:
+            except _FileDamage as exc:
                 check.problems.append(str(exc))
                 if index == 0:
                     page_size = _guess_page_size(fd, size)
@@ -183,7 +183,7 @@ def _guess_page_size(fd: int, size: int) -> int | None:
             continue
         try:
             read_meta(fd, 1, page_size)
-        except LMDBFileError:
+        except _FileDamage:
             continue
         return page_size
     return None
@@ -211,24 +211,24 @@ class PageReader:
 
     def page(self, pgno: int, *kinds: int) -> bytes:
         """Page ``pgno``, its header checked (number, flags one of ``kinds``, lower/upper); raises
-        ``LMDBFileError``."""
+        ``_FileDamage``."""
         if not 2 <= pgno <= self.last_pgno:
-            raise LMDBFileError(f"page number {pgno} is out of range")
+            raise _FileDamage(f"page number {pgno} is out of range")
         if pgno >= self.file_pages:
-            raise LMDBFileError(f"page {pgno} lies past the end of the file ({self.file_pages} pages): "
+            raise _FileDamage(f"page {pgno} lies past the end of the file ({self.file_pages} pages): "
                                 "it was cut short")
         raw = _read(self.fd, pgno * self.page_size, self.page_size)
         if len(raw) < self.page_size:
-            raise LMDBFileError(f"page {pgno} is cut off")
+            raise _FileDamage(f"page {pgno} is cut off")
         number, _, flags, lower, upper = PAGE_HEADER.unpack_from(raw)
         if number != pgno:
-            raise LMDBFileError(f"page {pgno} names itself page {number}")
+            raise _FileDamage(f"page {pgno} names itself page {number}")
         kind = flags & (P_BRANCH | P_LEAF | P_OVERFLOW | P_META | P_LEAF2)
         if kind not in kinds:
-            raise LMDBFileError(f"page {pgno} has flags {flags:#x}, expected {' or '.join(f'{k:#x}' for k in kinds)}")
+            raise _FileDamage(f"page {pgno} has flags {flags:#x}, expected {' or '.join(f'{k:#x}' for k in kinds)}")
         if kind != P_OVERFLOW and not (PAGE_HEADER_BYTES <= lower <= upper <= self.page_size
                                                and (lower - PAGE_HEADER_BYTES) % 2 == 0):
-            raise LMDBFileError(f"page {pgno} has a bad lower/upper ({lower}/{upper})")
+            raise _FileDamage(f"page {pgno} has a bad lower/upper ({lower}/{upper})")
         return raw
 
     def nodes(self, pgno: int, raw: bytes) -> Iterator[tuple[int, int, int, bytes, int]]:
@@ -237,11 +237,11 @@ class PageReader:
         for i in range((lower - PAGE_HEADER_BYTES) // 2):
             (offset,) = struct.unpack_from("<H", raw, PAGE_HEADER_BYTES + 2 * i)
             if not upper <= offset <= self.page_size - _NODE.size:
-                raise LMDBFileError(f"page {pgno}: node {i} at a bad offset {offset}")
+                raise _FileDamage(f"page {pgno}: node {i} at a bad offset {offset}")
             lo, hi, flags, ksize = _NODE.unpack_from(raw, offset)
             start = offset + _NODE.size
             if start + ksize > self.page_size:
-                raise LMDBFileError(f"page {pgno}: node {i} has a key past the page end")
+                raise _FileDamage(f"page {pgno}: node {i} has a key past the page end")
             yield lo, hi, flags, raw[start : start + ksize], start + ksize
 
     def value(self, pgno: int, raw: bytes, lo: int, hi: int, flags: int, at: int) -> bytes:
@@ -249,16 +249,16 @@ class PageReader:
         size = lo | hi << 16
         if not flags & F_BIGDATA:
             if at + size > self.page_size:
-                raise LMDBFileError(f"page {pgno}: a value runs past the page end")
+                raise _FileDamage(f"page {pgno}: a value runs past the page end")
             return raw[at : at + size]
         (first,) = struct.unpack_from("<Q", raw, at)
         head = self.page(first, P_OVERFLOW)
         (count,) = struct.unpack_from("<I", head, 12)
         if count < 1 or first + count - 1 > self.last_pgno or PAGE_HEADER_BYTES + size > count * self.page_size:
-            raise LMDBFileError(f"overflow page {first}: its page count {count} does not fit a {size}-byte value")
+            raise _FileDamage(f"overflow page {first}: its page count {count} does not fit a {size}-byte value")
         data = _read(self.fd, first * self.page_size + PAGE_HEADER_BYTES, size)
         if len(data) < size:
-            raise LMDBFileError(f"overflow page {first}: the value is cut off")
+            raise _FileDamage(f"overflow page {first}: the value is cut off")
         return data
 
 
@@ -282,7 +282,7 @@ def walk_db(reader: PageReader, root: int, report: WalkReport) -> Iterator[tuple
             raw = reader.page(pgno, P_BRANCH, P_LEAF)
             report.pages_read += 1
             nodes = list(reader.nodes(pgno, raw))
-        except LMDBFileError as exc:
+        except _FileDamage as exc:
             report.unreadable[pgno] = str(exc)
             continue
         (flags,) = struct.unpack_from("<H", raw, 10)

@@ -35,10 +35,10 @@ from kvshelf.kvstore.lmdb_file import (
     F_BIGDATA,
     F_SUBDATA,
     DBRecord,
-    LMDBFileError,
     Meta,
     PageReader,
     WalkReport,
+    _FileDamage,
     check_file,
     scan_leaf_pages,
     walk_db,
@@ -178,7 +178,7 @@ def salvage(path: Path, report: RepairReport, *, total: Callable[[int], None] | 
         for pgno, raw in scan_leaf_pages(fd, page_size):
             try:
                 nodes = list(reader.nodes(pgno, raw))
-            except LMDBFileError:
+            except _FileDamage:
                 continue
             for lo, hi, nflags, key, at in nodes:
                 if len(key) not in (KEY_BYTES, KEY_BYTES + SCOPE_BYTES) or key in seen:
@@ -197,10 +197,10 @@ def _verified(reader: PageReader, key: bytes, raw: bytes, lo: int, hi: int, flag
     """The value of a leaf node if it is readable and a valid block of ``key``, else None."""
     try:
         if flags & ~F_BIGDATA:
-            raise LMDBFileError(f"unexpected node flags {flags:#x}")
+            raise _FileDamage(f"unexpected node flags {flags:#x}")
         value = reader.value(0, raw, lo, hi, flags, at)
         verify_block(value, expected_key=header_key(key))
-    except (LMDBFileError, KVShelfError):
+    except (_FileDamage, KVShelfError):
         return None
     return value
 
