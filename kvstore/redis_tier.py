@@ -384,7 +384,8 @@ class RedisTier(Tier):
                 raise ConfigError(f"Redis Cluster has only database 0, got {url!r}")
 
             def connect() -> Client:
-                # the cluster client retries (after refreshing its slot map) on its own; once is enough
+                # no cluster-level retry (each would cost a frozen node another timeout): a failed call opens the
+                # breaker, and the call after the backoff finds the refreshed slot map (MOVED/ASK are still followed)
                 return redis.cluster.RedisCluster(retry=Retry(backoff, retries=0), **options)
 
         else:
