@@ -80,7 +80,10 @@ def open_embedded_store(
     namespace: str = DEFAULT_NAMESPACE,
 ) -> TieredStore:
     """A ``TieredStore`` of a memory tier (omitted when ``memory_bytes`` is None) over LMDB in ``data_dir``;
-    reads default to ``namespace``."""
+    reads default to ``namespace``.
+
+    Raises ``TierDamagedError`` (naming the path and the recovery) when ``data_dir/lmdb`` is damaged: salvage it
+    with ``kvshelf repair`` (``kvstore.lmdb_repair``) or move it aside (``lmdb_repair.move_aside``)."""
     path = Path(data_dir) if data_dir is not None else default_data_dir()
     get_codec(memory_codec)  # check the codecs before anything is opened
     get_codec(disk_codec, disk_codec_params)
