@@ -106,11 +106,16 @@ def repair(
 ) -> None:
     """Salvage a damaged disk tier (LMDB): keep every readable block that verifies, drop the rest.
 
-    Recovery when `kvshelf serve` refuses a damaged data directory, or its health reports the disk tier damaged:
-    stop the server, run `kvshelf repair --data-dir DIR --dry-run` to see what would be kept, then
-    `kvshelf repair --data-dir DIR`. The kept blocks are copied byte for byte into a new environment; the damaged
-    one is kept as DIR/lmdb.damaged-<UTC time> (never deleted). Dropped blocks are recomputed by the model on
-    their next miss. To start empty instead: `kvshelf serve --reset-disk`. Exit 0 when DIR/lmdb is usable.
+    When `kvshelf serve` refuses a damaged data directory, or its health reports the disk tier damaged:
+
+    1. stop the server;
+
+    2. `kvshelf repair --data-dir DIR --dry-run` shows what would be kept;
+
+    3. `kvshelf repair --data-dir DIR` copies the kept blocks byte for byte into a new environment and keeps the
+    damaged one as DIR/lmdb.damaged-<UTC time> (never deleted); dropped blocks are recomputed on their next miss.
+
+    To start empty instead: `kvshelf serve --reset-disk`. Exit 0 when DIR/lmdb is usable.
     """
     from rich.progress import Progress
 

@@ -12,7 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import REPO_ROOT, assert_same_block, key_of, make_block
 from lmdb_damage import MiB, damage, fill
-from service_helpers import ServeProcess
+from service_helpers import ServeProcess, kvshelf_cli
 
 from kvshelf.kvstore import LMDBTier, MemoryTier, TieredStore
 from kvshelf.service.client import RemoteStore
@@ -101,3 +101,13 @@ def test_running_server_over_a_disk_damaged_under_it(tmp_path):
     finally:
         running.stop(0)
         store.close()
+
+
+def test_stats_of_a_damaged_data_dir_is_one_error_line(tmp_path):
+    data = tmp_path / "data"
+    fill(data / "lmdb", 300)
+    damage(data / "lmdb", "truncated")
+    proc = kvshelf_cli("stats", "--data-dir", str(data))
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "kvshelf repair" in lines[0], proc.stderr
