@@ -475,16 +475,19 @@ class KVShelfServicer:
 
         def put_stream(raws: Iterator[bytes], context: grpc.ServicerContext) -> Message:
             try:
+                first: pb.PutBlocksRequest | None = None
+                if self.tokens is None:  # dev mode: the first message names the tenant; read it like a unary request
+                    raw = self.streams.read_request(context, "PutBlocks", raws, None)
+                    first = None if raw is None else _parse(raw, pb.PutBlocksRequest)
                 with self.streams.open(context, "PutBlocks", check_rate=True) as ticket:
-                    if self.tokens is not None:  # the token names the tenant: admit before any message
-                        ticket.admit(self.namespace(context, ""))
+                    ticket.admit(self.namespace(context, "" if first is None else first.namespace))
 
                     def requests() -> Iterator[pb.PutBlocksRequest]:
+                        if first is not None:
+                            ticket.progress(first.ByteSize())
+                            yield first
                         for raw in ticket.received(raws):
-                            req = _parse(raw, pb.PutBlocksRequest)
-                            if ticket.namespace is None:  # dev mode: the first message names the namespace
-                                ticket.admit(self.namespace(context, req.namespace))
-                            yield req
+                            yield _parse(raw, pb.PutBlocksRequest)
 
                     return self.PutBlocks(requests(), context)
             except Exception as exc:

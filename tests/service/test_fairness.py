@@ -334,7 +334,7 @@ def _headers_only_calls(port: int, paths: list[str]) -> socket.socket:
     return sock
 
 
-def test_calls_without_their_request_message_cannot_take_the_threads(serve):
+def test_calls_without_their_request_message_cannot_take_the_threads(serve, caplog):
     server = serve(workers=4, idle_timeout_s=30)
     paths = [f"/kvshelf.v1.KVShelf/{m}" for m in ("Contains", "GetBlocks", "Stats")] * 6 + \
             ["/grpc.health.v1.Health/Check"] * 6
@@ -347,3 +347,31 @@ def test_calls_without_their_request_message_cannot_take_the_threads(serve):
         assert gate is not None and gate.open_streams() <= gate.slots
     finally:
         sock.close()
+    noisy = [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+    assert not noisy, [r.getMessage() for r in noisy]
+
+
+def test_a_dev_mode_put_and_get_stream_work_in_many_namespaces_at_once(tmp_path):
+    # dev mode: each put's first message names its namespace; 6 concurrent puts (2 per namespace) are admitted
+    store = open_embedded_store(tmp_path / "data")
+    server = start_server(store, limits=ServerLimits(idle_timeout_s=5), max_workers=16)
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        namespace = f"ns{i % 3}"
+        try:
+            with RemoteStore(f"127.0.0.1:{server.port}", namespace=namespace, timeout_s=WAIT_S) as remote:
+                block = make_block([i, 1, 2], namespace=namespace)
+                assert remote.put_many([(key_of(block), block)]) == 1
+                assert_same_block(remote.get_many([key_of(block)], fingerprint=FINGERPRINT)[0], block)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    server.stop(0)
+    store.close()
+    assert not errors, errors
