@@ -121,7 +121,7 @@ def test_idle_streams_of_one_tenant_leave_the_others_served(serve):
     release = threading.Event()
     try:
         held = [_idle_put(stub, TOKEN_A, release) for _ in range(4)]
-        _wait_for(lambda: _open_streams(server) == 4, 2.0)
+        assert _wait_for(lambda: _open_streams(server) in (4, None))
         fifth = _idle_put(stub, TOKEN_A, release)
         assert _code_within(fifth) == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "tenant-a" in fifth.details() and "cap is 4" in fifth.details()
@@ -227,7 +227,7 @@ def test_a_client_that_stops_reading_a_get_is_ended(serve):
 
 
 def test_a_slowloris_put_is_ended(serve):
-    server = serve(workers=2, idle_timeout_s=0.5, min_rate_bytes=1 << 20)
+    server = serve(workers=2, idle_timeout_s=1.0, min_rate_bytes=1 << 20)  # 100 ms gaps: never idle for 1 s
     channel, stub = _stub(server)
     stop = threading.Event()
     block = make_block([1, 2, 3, 4])
@@ -253,7 +253,7 @@ def test_a_slowloris_put_is_ended(serve):
 
 def test_a_steady_put_and_a_long_get_are_not_ended(serve):
     # the watchdog counts only time spent waiting on the client: a normal large put and get pass
-    server = serve(workers=2, idle_timeout_s=0.5, min_rate_bytes=1 << 20)
+    server = serve(workers=2, idle_timeout_s=1.0, min_rate_bytes=1 << 20)
     blocks = [make_block(128, layers=8, heads=8, head_dim=64, start_pos=128 * i, namespace="tenant-a")
               for i in range(6)]
     with RemoteStore(f"127.0.0.1:{server.port}", token=TOKEN_A, namespace="tenant-a", shared_memory=False) as store:
