@@ -6,8 +6,12 @@ and only when its declared shape decodes within the max block size and the names
 in-flight budget (server-wide, and a per-tenant share of ``max_call_bytes``) at each value's first chunk, so an
 over-limit put is refused before it is buffered. Tenants are isolated by key scoping: a tier key is
 ``scope_tag(namespace) + key``, so one namespace can never read, test, pin, list or delete another's blocks.
+One tenant cannot take the worker threads (``service/fairness.py``): streams take slots (workers less a reserve
+for unary calls) under a per-tenant cap, and a watchdog ends idle and too slow streams and calls whose request
+message never comes.
 
-Every bad input ends its call with a clear status code and message; the server keeps serving.
+Every bad input ends its call with a clear status code and message; the server keeps serving. A call its client
+cancelled ends quietly (no traceback in the log).
 """
 
 from __future__ import annotations
