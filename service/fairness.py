@@ -366,14 +366,14 @@ class RequestWatch(grpc.ServerInterceptor):
                 return handler
             return _slotted(handler, gate, method)
         bucket = self.tenant_of(handler_call_details.invocation_metadata)
-        options = dict(request_deserializer=handler.request_deserializer,
-                       response_serializer=handler.response_serializer)
+        deserializer = handler.request_deserializer
+        options = dict(response_serializer=handler.response_serializer)  # requests parsed here: see _parsed
 
         def read(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
             request = gate.read_request(context, method, requests, bucket)
             if request is None:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method} requires exactly one request message")
-            return request
+            return _parsed(request, deserializer, method, context)
 
         if handler.unary_unary is not None:
             unary = handler.unary_unary
@@ -390,10 +390,26 @@ class RequestWatch(grpc.ServerInterceptor):
                                                                                       context), **options)
 
 
+def _parsed(raw: Any, deserializer: Callable[[bytes], Any] | None, method: str,
+            context: grpc.ServicerContext) -> Any:
+    """``raw`` parsed by the method's deserializer; malformed bytes end the call with INVALID_ARGUMENT (gRPC's own
+    parsing would log a traceback per message and answer INTERNAL)."""
+    if deserializer is None:
+        return raw
+    try:
+        return deserializer(raw)
+    except Exception as exc:  # noqa: BLE001 - any parse failure is the client's
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {method} request: {exc}")
+
+
 def _slotted(handler: grpc.RpcMethodHandler, gate: StreamGate, method: str) -> grpc.RpcMethodHandler:
     """A request-streaming handler of another service that holds a stream slot (anonymous) while it runs."""
-    options = dict(request_deserializer=handler.request_deserializer,
-                   response_serializer=handler.response_serializer)
+    deserializer = handler.request_deserializer
+    options = dict(response_serializer=handler.response_serializer)  # requests parsed here: see _parsed
+
+    def parsed(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+        for raw in requests:
+            yield _parsed(raw, deserializer, method, context)
 
     def admitted(context: grpc.ServicerContext) -> StreamTicket:
         try:
@@ -412,14 +428,14 @@ def _slotted(handler: grpc.RpcMethodHandler, gate: StreamGate, method: str) -> g
 
         def unary(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
             with admitted(context) as ticket:
-                return inner_unary(ticket.received(requests), context)
+                return inner_unary(parsed(ticket.received(requests), context), context)
 
         return grpc.stream_unary_rpc_method_handler(unary, **options)
     inner_stream = handler.stream_stream
 
     def stream(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
         with admitted(context) as ticket:
-            for response in inner_stream(ticket.received(requests), context):
+            for response in inner_stream(parsed(ticket.received(requests), context), context):
                 ticket.waiting_since = None
                 yield response
 

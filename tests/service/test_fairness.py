@@ -375,3 +375,21 @@ def test_a_dev_mode_put_and_get_stream_work_in_many_namespaces_at_once(tmp_path)
     server.stop(0)
     store.close()
     assert not errors, errors
+
+
+def test_malformed_requests_to_health_and_reflection_are_invalid_argument_and_quiet(serve, caplog):
+    server = serve(workers=4)
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    garbage = b"\xff\xff\xff\xff"
+    check = channel.unary_unary("/grpc.health.v1.Health/Check", request_serializer=None, response_deserializer=None)
+    with pytest.raises(grpc.RpcError) as excinfo:
+        check(garbage, timeout=WAIT_S)
+    assert excinfo.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # before: INTERNAL, and a traceback logged
+    reflect = channel.stream_stream("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+                                    request_serializer=None, response_deserializer=None)
+    with pytest.raises(grpc.RpcError) as excinfo:
+        list(reflect(iter([garbage]), timeout=WAIT_S))
+    assert excinfo.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    noisy = [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+    assert not noisy, [r.getMessage() for r in noisy]
+    channel.close()
