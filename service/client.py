@@ -13,6 +13,8 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import random
+import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -30,12 +32,27 @@ from kvshelf.proto import kvshelf_pb2 as pb
 from kvshelf.proto import kvshelf_pb2_grpc as pb_grpc
 from kvshelf.service.arena import DEFAULT_ARENA_BYTES, ArenaPool, ClientArena, shared_memory_supported
 from kvshelf.service.errors import ArenaUnavailable, RemoteStoreError, WireError
+from kvshelf.service.fairness import RETRY_AFTER_METADATA
 from kvshelf.service.server import CHUNK_BYTES, MAX_MESSAGE_BYTES, iter_chunks
 from kvshelf.service.wire import decode_response
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 _UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+_MAX_RETRY_PAUSE_S = 0.5
+
+
+def _retry_after_s(exc: grpc.RpcError) -> float | None:
+    """Seconds the server asked a refused stream to wait before retrying; None when it is not such a refusal."""
+    if not hasattr(exc, "code") or exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return None
+    for key, value in exc.trailing_metadata() or ():
+        if key == RETRY_AFTER_METADATA:
+            try:
+                return max(0.0, int(value) / 1000)
+            except (TypeError, ValueError):
+                return None
+    return None
 
 
 def is_local_address(address: str) -> bool:
@@ -132,6 +149,25 @@ class RemoteStore:
         except grpc.RpcError as exc:
             raise self._error(exc) from None
 
+    def _retrying(self, attempt: Callable[[], T]) -> T:
+        """``attempt()``, again after a jittered, growing pause while the server refuses it for want of a stream
+        slot (RESOURCE_EXHAUSTED with the ``RETRY_AFTER_METADATA`` trailer: its tenant is at ``--tenant-streams``
+        or every slot is taken), for at most ``timeout_s``. Other errors are raised at once."""
+        deadline = time.monotonic() + self.timeout_s
+        pause = 0.0
+        while True:
+            try:
+                return attempt()
+            except grpc.RpcError as exc:
+                hint = _retry_after_s(exc)
+                if hint is None:
+                    raise
+                pause = min(_MAX_RETRY_PAUSE_S, max(hint, 2 * pause))
+                wait = pause * random.uniform(0.5, 1.5)  # jitter: refused clients must not come back in step
+                if time.monotonic() + wait >= deadline:
+                    raise
+                time.sleep(wait)
+
     # -- writes ---------------------------------------------------------------------------------------
 
     def put_encoded_many(self, items: Sequence[tuple[bytes, bytes]], *, pin: bool = False) -> int:
@@ -153,7 +189,13 @@ class RemoteStore:
                         req.namespace, req.pin, first = self.namespace, pin, False
                     yield req
 
-        return int(self._call("PutBlocks", requests()).stored)
+        def attempt() -> pb.PutBlocksResponse:
+            return self._stub.PutBlocks(requests(), timeout=self.timeout_s, metadata=self._metadata)
+
+        try:
+            return int(self._retrying(attempt).stored)
+        except grpc.RpcError as exc:
+            raise self._error(exc) from None
 
     def put_many(self, entries: Sequence[tuple[bytes, KVBlock]], *, pin: bool = False) -> int:
         """Encode ``(key, block)`` pairs with this store's codec and send them."""
@@ -206,7 +248,7 @@ class RemoteStore:
     def _receive(self, request: pb.GetBlocksRequest, out: list[bytes | None], arena: ClientArena | None) -> None:
         parts: list[memoryview] = []
         try:
-            for raw in self._get_blocks_raw(request, timeout=self.timeout_s, metadata=self._metadata):
+            for raw in self._get_stream(request):
                 try:
                     msg = decode_response(raw)
                 except WireError as exc:
@@ -228,6 +270,18 @@ class RemoteStore:
             raise self._error(exc) from None
         except ArenaUnavailable as exc:
             raise RemoteStoreError(grpc.StatusCode.DATA_LOSS, f"bad shared-memory reply: {exc}") from None
+
+    def _get_stream(self, request: pb.GetBlocksRequest) -> Iterator[bytes]:
+        """The raw ``GetBlocks`` responses; a refused stream is retried (a refusal comes before any response)."""
+
+        def attempt() -> tuple[bytes | None, Iterator[bytes]]:
+            stream = self._get_blocks_raw(request, timeout=self.timeout_s, metadata=self._metadata)
+            return next(stream, None), stream
+
+        first, stream = self._retrying(attempt)
+        if first is not None:
+            yield first
+            yield from stream
 
     def get_many(
         self, keys: Sequence[bytes], *, fingerprint: str, namespace: str | None = None, copy: bool = True,

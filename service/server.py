@@ -47,7 +47,14 @@ from kvshelf.proto import kvshelf_pb2 as pb
 from kvshelf.service.arena import ArenaWriter
 from kvshelf.service.auth import MAX_NAMESPACE_CHARS, SCOPE_BYTES, TokenTable, scope_tag
 from kvshelf.service.errors import ArenaUnavailable
-from kvshelf.service.fairness import RequestWatch, StreamGate, StreamRefusedError, reserved_workers
+from kvshelf.service.fairness import (
+    RETRY_AFTER_METADATA,
+    RETRY_AFTER_MS,
+    RequestWatch,
+    StreamGate,
+    StreamRefusedError,
+    reserved_workers,
+)
 from kvshelf.service.history import StatsHistory
 from kvshelf.service.wire import encode_arena_response, encode_chunk_response, encode_miss_response
 
@@ -116,6 +123,15 @@ class _Abort(Exception):
 
 def _fail(code: grpc.StatusCode, message: str) -> NoReturn:
     raise _Abort(code, message)
+
+
+def _abort(context: grpc.ServicerContext, exc: Exception) -> NoReturn:
+    """End the call with ``exc``'s status. A stream refused for want of a slot carries the
+    ``RETRY_AFTER_METADATA`` trailer, so clients (``RemoteStore``) know to retry it after a short backoff."""
+    if isinstance(exc, StreamRefusedError):
+        context.set_trailing_metadata(((RETRY_AFTER_METADATA, str(RETRY_AFTER_MS)),))
+    context.abort(*_status_of(exc))
+    raise AssertionError("unreachable: abort raises")
 
 
 def _status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
@@ -461,8 +477,7 @@ class KVShelfServicer:
                 try:
                     return fn(_parse(raw, req), context)
                 except Exception as exc:  # every failure becomes a status; the server keeps serving
-                    context.abort(*_status_of(exc))
-                    raise  # unreachable: abort raises
+                    _abort(context, exc)
 
             return grpc.unary_unary_rpc_method_handler(handler, response_serializer=_serialize)
 
@@ -475,7 +490,7 @@ class KVShelfServicer:
                     ticket.admit(self.namespace(context, req.namespace))
                     yield from ticket.sent(self.GetBlocks(req, context))
             except Exception as exc:
-                context.abort(*_status_of(exc))
+                _abort(context, exc)
 
         def put_stream(raws: Iterator[bytes], context: grpc.ServicerContext) -> Message:
             try:
@@ -495,8 +510,7 @@ class KVShelfServicer:
 
                     return self.PutBlocks(requests(), context)
             except Exception as exc:
-                context.abort(*_status_of(exc))
-                raise
+                _abort(context, exc)
 
         return grpc.method_handlers_generic_handler(SERVICE_NAME, {
             "PutBlocks": grpc.stream_unary_rpc_method_handler(put_stream, response_serializer=_serialize),

@@ -24,6 +24,7 @@ from kvshelf.proto import kvshelf_pb2 as pb
 from kvshelf.proto import kvshelf_pb2_grpc as pb_grpc
 from kvshelf.service.auth import TokenTable
 from kvshelf.service.client import RemoteStore
+from kvshelf.service.errors import RemoteStoreError
 from kvshelf.service.server import ServerLimits, start_server
 
 TOKEN_A, TOKEN_B = list(TOKENS)
@@ -392,4 +393,55 @@ def test_malformed_requests_to_health_and_reflection_are_invalid_argument_and_qu
     assert excinfo.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     noisy = [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
     assert not noisy, [r.getMessage() for r in noisy]
+    channel.close()
+
+
+# -- clients retry a refused stream ------------------------------------------------------------------
+
+
+def test_remote_store_retries_a_stream_refused_at_the_tenant_cap(serve):
+    """A tenant at its stream cap is refused with the retry trailer; ``RemoteStore`` waits and retries, so a busy
+    tenant's workers queue for a slot instead of failing (before: RemoteStoreError RESOURCE_EXHAUSTED at once)."""
+    server = serve(workers=16, tenant_streams=1, idle_timeout_s=60)
+    channel, stub = _stub(server)
+    release = threading.Event()
+    holder = _idle_put(stub, TOKEN_A, release)
+    assert _wait_for(lambda: server.servicer.streams.open_streams("tenant-a") == 1)
+    block = make_block([4, 5, 6], namespace="tenant-a")
+    results: dict[str, object] = {}
+
+    def put_and_get() -> None:
+        with RemoteStore(f"127.0.0.1:{server.port}", token=TOKEN_A, namespace="tenant-a", timeout_s=WAIT_S,
+                         shared_memory=False) as store:
+            results["stored"] = store.put_many([(key_of(block), block)])
+            results["got"] = store.get_many([key_of(block)], fingerprint=FINGERPRINT)[0]
+
+    worker = threading.Thread(target=put_and_get)
+    worker.start()
+    time.sleep(0.3)  # the put is refused (cap 1, held by the idle stream) and retried meanwhile
+    assert worker.is_alive()
+    release.set()
+    assert holder.result(timeout=WAIT_S).stored == 0
+    worker.join(WAIT_S)
+    assert results.get("stored") == 1
+    assert_same_block(results["got"], block)
+    assert server.servicer.streams.refused >= 1
+    channel.close()
+
+
+def test_remote_store_gives_up_on_a_refused_stream_after_its_timeout(serve):
+    server = serve(workers=16, tenant_streams=1, idle_timeout_s=60)
+    channel, stub = _stub(server)
+    release = threading.Event()
+    holder = _idle_put(stub, TOKEN_A, release)
+    assert _wait_for(lambda: server.servicer.streams.open_streams("tenant-a") == 1)
+    block = make_block([7, 7, 7], namespace="tenant-a")
+    with RemoteStore(f"127.0.0.1:{server.port}", token=TOKEN_A, namespace="tenant-a", timeout_s=0.5,
+                     shared_memory=False) as store:
+        with pytest.raises(RemoteStoreError) as refused:
+            store.put_many([(key_of(block), block)])
+        assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "cap" in str(refused.value)
+    release.set()
+    holder.result(timeout=WAIT_S)
     channel.close()
