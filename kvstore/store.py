@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from kvshelf.kvstore.stats import ALL_TIERS, UNKNOWN, Counters, StoreEvent
 from kvshelf.kvstore.tier import Tier, TierUsage
 
 log = logging.getLogger(__name__)
+UNAVAILABLE_LOG_INTERVAL_S = 30.0  # an unreachable tier is logged at most this often
 Listener = Callable[[StoreEvent], None]
 T = TypeVar("T")
 
@@ -174,6 +176,7 @@ class TieredStore:
         self._pinned: set[bytes] = set()
         self._lock = threading.Lock()
         self._damaged_logged: set[str] = set()
+        self._unavailable_log: dict[str, tuple[float, int]] = {}  # tier -> (last warning, failures unlogged since)
         for index, spec in enumerate(self.specs):
             spec.tier.set_eviction_callback(lambda k, v, i=index: self._on_evict(i, k, v))
             spec.tier.pin(self._pinned)
@@ -518,11 +521,24 @@ class TieredStore:
         """An unreachable or damaged tier is skipped (reads miss, writes go to the other tiers) and counted as
         ``unavailable``; a damaged one is logged once (every later call fails fast with the same error)."""
         if not isinstance(exc, TierDamagedError):
-            log.warning("tier %s unavailable: %s", spec.tier.name, exc)
+            self._log_unavailable(spec.tier.name, exc)
         elif spec.tier.name not in self._damaged_logged:
             self._damaged_logged.add(spec.tier.name)
             log.error("tier %s is damaged, skipped until repaired (the other tiers serve): %s", spec.tier.name, exc)
         self.counters.add(spec.tier.name, UNKNOWN, UNKNOWN, "unavailable")
+
+    def _log_unavailable(self, name: str, exc: TierUnavailableError) -> None:
+        """One warning per tier every ``UNAVAILABLE_LOG_INTERVAL_S`` while it stays unreachable (a dead Redis under
+        load otherwise logs a line per call), naming how many failures went unlogged in between."""
+        now = time.monotonic()
+        with self._lock:
+            last, unlogged = self._unavailable_log.get(name, (-UNAVAILABLE_LOG_INTERVAL_S, 0))
+            if now - last < UNAVAILABLE_LOG_INTERVAL_S:
+                self._unavailable_log[name] = (last, unlogged + 1)
+                return
+            self._unavailable_log[name] = (now, 0)
+        more = f" ({unlogged} more failures since the last message)" if unlogged else ""
+        log.warning("tier %s unavailable: %s%s", name, exc, more)
 
     # -- management -----------------------------------------------------------------------------------
 

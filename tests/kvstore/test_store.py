@@ -718,3 +718,18 @@ def test_hit_rates_in_tokens(store):
     c = store.counters
     assert (c.total("lookup_tokens"), c.total("lookup_hit_tokens")) == (10, 8)
     assert (c.total("retrieve_tokens"), c.total("retrieve_hit_tokens")) == (10, 8)
+
+
+def test_an_unreachable_tier_is_logged_once_per_interval_not_per_call(caplog):
+    """A dead shared tier under load logged a warning per call (a server's output pipe filled up with them)."""
+    from service_helpers import UnreachableTier
+
+    store = TieredStore([MemoryTier(1 << 20), UnreachableTier("shared")])
+    block = make_block([1, 2, 3])
+    with caplog.at_level("WARNING", logger="kvshelf.kvstore.store"):
+        for _ in range(50):
+            store.put_many([(key_of(block), block)])
+            store.get_many([key_of(block)], fingerprint=FINGERPRINT)
+    lines = [r for r in caplog.records if "unavailable" in r.getMessage()]
+    assert len(lines) == 1
+    assert store.stats()["tiers"][1]["unavailable"] >= 50  # every failure is still counted
