@@ -74,6 +74,8 @@ _EXPORTS: dict[str, str] = {
     "ForeignBlockError": "kvshelf.kvstore.errors",
     "StoreFullError": "kvshelf.kvstore.errors",
     "TierUnavailableError": "kvshelf.kvstore.errors",
+    "TierDamagedError": "kvshelf.kvstore.errors",
+    "BlockTooLargeError": "kvshelf.kvstore.errors",
     "WriteBehindError": "kvshelf.kvstore.errors",
     "UnsupportedModelError": "kvshelf.kvstore.errors",
     "ModelLoadError": "kvshelf.kvstore.errors",
@@ -96,6 +98,7 @@ _EXPORTS: dict[str, str] = {
     "RemoteStoreError": "kvshelf.service.errors",
     "WireError": "kvshelf.service.errors",
     "ArenaUnavailable": "kvshelf.service.errors",
+    "StreamRefusedError": "kvshelf.service.errors",
 }
 #: names whose attribute in their module differs from the public one
 _RENAMED = {"PRUNING_METHODS": "METHODS"}
@@ -112,6 +115,7 @@ __all__ = [  # the literal list static tools read; a test checks it against _EXP
     "MissingParameterError", "ParameterTooLongError", "PromptLayoutError", "ContextTooLongError", "ChunkMissingError",
     "ForeignChunkError", "XQuantUnboundError", "PruningError", "BudgetError", "AttentionImplementationError",
     "UnsupportedArchitectureError", "ServiceError", "RemoteStoreError", "WireError", "ArenaUnavailable",
+    "TierDamagedError", "BlockTooLargeError", "StreamRefusedError",
 ]
 
 
@@ -150,6 +154,7 @@ if TYPE_CHECKING:  # what static type checkers and IDEs see
     from kvshelf.kvstore.codec import available_codecs, get_codec
     from kvshelf.kvstore.embedded import open_embedded_store
     from kvshelf.kvstore.errors import (
+        BlockTooLargeError,
         CodecParamError,
         ConfigError,
         CorruptBlockError,
@@ -157,6 +162,7 @@ if TYPE_CHECKING:  # what static type checkers and IDEs see
         KVShelfError,
         ModelLoadError,
         StoreFullError,
+        TierDamagedError,
         TierUnavailableError,
         UnknownCodecError,
         UnsupportedModelError,
@@ -179,4 +185,10 @@ if TYPE_CHECKING:  # what static type checkers and IDEs see
     )
     from kvshelf.reuse.schema import PromptSchema
     from kvshelf.service.client import RemoteStore
-    from kvshelf.service.errors import ArenaUnavailable, RemoteStoreError, ServiceError, WireError
+    from kvshelf.service.errors import (
+        ArenaUnavailable,
+        RemoteStoreError,
+        ServiceError,
+        StreamRefusedError,
+        WireError,
+    )

@@ -25,3 +25,8 @@ class WireError(ServiceError):
 
 class ArenaUnavailable(ServiceError, OSError):  # noqa: N818 - a condition the caller falls back from
     """The shared-memory arena cannot be used (missing, not ours, wrong token, no space): fall back to the wire."""
+
+
+class StreamRefusedError(ServiceError):
+    """A streaming call refused at admission (``service/fairness.py``): its tenant is at its cap, or every stream
+    slot is taken. The client sees RESOURCE_EXHAUSTED with a retry trailer; ``RemoteStore`` retries it."""

@@ -39,7 +39,7 @@ from typing import Any
 
 import grpc
 
-from kvshelf.kvstore.errors import KVShelfError
+from kvshelf.service.errors import StreamRefusedError
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +47,6 @@ log = logging.getLogger(__name__)
 #: Trailing metadata of a stream refused for want of a slot: milliseconds after which a retry may succeed.
 RETRY_AFTER_METADATA = "kvshelf-retry-after-ms"
 RETRY_AFTER_MS = 20
-
-
-class StreamRefusedError(KVShelfError):
-    """A streaming call refused at admission: its tenant is at its cap, or every stream slot is taken."""
 
 
 def reserved_workers(max_workers: int) -> int:
