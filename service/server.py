@@ -790,6 +790,9 @@ class KVShelfServicer:
             "usage": {"bytes": max((b for _, b in held.values()), default=0), "quota_bytes": self.limits.quota_bytes},
             "health": {"status": "degraded" if down else "serving", "unavailable_tiers": down,
                        "damaged_tiers": self.damaged_tiers},
+            "streams": {"open": self.streams.open_streams(namespace), "cap": self.streams.cap(namespace),
+                        "server_refused": self.streams.refused, "server_ended_idle": self.streams.ended_idle,
+                        "server_ended_slow": self.streams.ended_slow},
         }
         if self.tokens is None:  # dev mode: the whole store (every namespace) and its history for the admin tool
             out["store"] = full

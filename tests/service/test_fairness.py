@@ -445,3 +445,19 @@ def test_remote_store_gives_up_on_a_refused_stream_after_its_timeout(serve):
     release.set()
     holder.result(timeout=WAIT_S)
     channel.close()
+
+
+def test_stats_report_the_tenants_streams_and_the_servers_refusals(serve):
+    server = serve(workers=16, tenant_streams=1, idle_timeout_s=60)
+    channel, stub = _stub(server)
+    release = threading.Event()
+    holder = _idle_put(stub, TOKEN_A, release)
+    assert _wait_for(lambda: server.servicer.streams.open_streams("tenant-a") == 1)
+    refused = _idle_put(stub, TOKEN_A, threading.Event())
+    assert _code_within(refused) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    with RemoteStore(f"127.0.0.1:{server.port}", token=TOKEN_A, namespace="tenant-a", shared_memory=False) as store:
+        streams = store.stats()["streams"]
+    assert streams["open"] == 1 and streams["cap"] == 1 and streams["server_refused"] >= 1
+    release.set()
+    holder.result(timeout=WAIT_S)
+    channel.close()
