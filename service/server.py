@@ -345,7 +345,8 @@ class _PutCall:
         self._quota: TierBytes = {}  # quota reserved (the finished values, then the current one)
         self._value_quota: TierBytes = {}
 
-    def add(self, chunk: pb.Chunk) -> None:
+    def add(self, chunk: pb.Chunk) -> tuple[bytes, bytes] | None:
+        """Take one chunk; return ``(key, value)`` when it completes a value, else None."""
         limits = self.limits
         if chunk.in_arena:
             _fail(grpc.StatusCode.INVALID_ARGUMENT, "PutBlocks chunks carry their data: in_arena is GetBlocks-only")
@@ -387,8 +388,11 @@ class _PutCall:
                       f"is {self._declared}")
             value = self._data if self._buf is None else bytes(self._buf)
             self._buf, self._data = None, b""
-            self._done.append((self._key, value))
+            done = (self._key, value)
+            self._done.append(done)
             self._key = None
+            return done
+        return None
 
     def _hold(self, size: int) -> None:
         """Make the current value hold budget and quota for ``size`` bytes (its declared or received size)."""
@@ -610,8 +614,10 @@ class KVShelfServicer:
     def PutBlocks(self, requests: Iterable[pb.PutBlocksRequest], context: grpc.ServicerContext) -> Message:
         """Buffer the call's values as they arrive (each into a buffer of its declared size), holding in-flight
         budget and quota for them from each value's first chunk, so an over-quota or over-budget put is refused
-        before its data is buffered; then verify, bound the re-encodes, reserve the exact sizes, store."""
+        before its data is buffered, and verifying each value as soon as it is whole; then bound the re-encodes,
+        reserve the exact sizes, store."""
         call: _PutCall | None = None
+        headers: list[BlockHeader] = []
         try:
             for req in requests:
                 if call is None:
@@ -621,12 +627,13 @@ class KVShelfServicer:
                     _fail(grpc.StatusCode.INVALID_ARGUMENT, "the namespace may only be set on the first message")
                 if not req.HasField("chunk"):
                     _fail(grpc.StatusCode.INVALID_ARGUMENT, "malformed PutBlocks message: no chunk")
-                call.add(req.chunk)
+                done = call.add(req.chunk)
+                if done is not None:  # checked as soon as it is whole: a damaged value ends the call before the rest
+                    headers.append(self._verify(call.namespace, *done))
             if call is None:  # an empty stream: still authenticate
                 self.namespace(context, "")
                 return pb.PutBlocksResponse(received=0, stored=0)
             values = call.values()
-            headers = [self._verify(call.namespace, key, value) for key, value in values]
             targets = self.store.write_targets()
             items = [(call.tag + key, value) for key, value in values]
             sizes: list[tuple[bytes, int | TierBytes]] = []

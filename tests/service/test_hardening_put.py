@@ -385,3 +385,23 @@ def test_reencoded_copies_of_a_call_count_against_the_in_flight_budget(serve):
         assert _held(store) == 0
         assert remote.put_encoded_many(items[:2]) == 2  # within the share
     assert running.servicer.inflight.used() == 0
+
+
+def test_a_damaged_value_ends_the_call_before_the_rest_is_buffered(serve):
+    """Each value is verified as soon as its last chunk arrives: a call of 16 garbage values of 1 MiB ends with
+    DATA_LOSS after the first (the server used to buffer the whole call, up to --max-call, then verify)."""
+    running, _ = serve()
+    channel, stub = _stub(running.port)
+    pulled: list[int] = []
+
+    def requests():
+        for n in range(16):
+            pulled.append(n)
+            chunk = pb.Chunk(key=bytes([n]) * 16, data=b"\x00" * MiB, last=True, total_size=MiB)
+            yield pb.PutBlocksRequest(namespace="default" if n == 0 else "", chunk=chunk)
+
+    with pytest.raises(grpc.RpcError) as excinfo:
+        stub.PutBlocks(requests(), timeout=60)
+    assert excinfo.value.code() == grpc.StatusCode.DATA_LOSS
+    assert len(pulled) <= 4, f"the client sent {len(pulled)} of 16 values before the refusal"
+    channel.close()
