@@ -29,4 +29,9 @@ class ArenaUnavailable(ServiceError, OSError):  # noqa: N818 - a condition the c
 
 class StreamRefusedError(ServiceError):
     """A streaming call refused at admission (``service/fairness.py``): its tenant is at its cap, or every stream
-    slot is taken. The client sees RESOURCE_EXHAUSTED with a retry trailer; ``RemoteStore`` retries it."""
+    slot is taken (``retry``: the client sees RESOURCE_EXHAUSTED with a retry trailer and ``RemoteStore`` retries
+    it), or its tenant has too many failed calls (``service/strikes.py``; not retried)."""
+
+    def __init__(self, message: str, *, retry: bool = True) -> None:
+        super().__init__(message)
+        self.retry = retry

