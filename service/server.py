@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -32,31 +32,26 @@ from grpc_reflection.v1alpha import reflection
 from kvshelf.kvstore.codec import get_codec
 from kvshelf.kvstore.encoding import DTYPE_NAMES, BlockHeader, decoded_nbytes, verify_block
 from kvshelf.kvstore.errors import (
-    BlockTooLargeError,
     ConfigError,
     CorruptBlockError,
     ForeignBlockError,
-    KVShelfError,
-    StoreFullError,
-    TierUnavailableError,
 )
 from kvshelf.kvstore.keys import KEY_BYTES
-from kvshelf.kvstore.stats import ALL_TIERS, TIER_METRICS, StoreEvent
+from kvshelf.kvstore.stats import ALL_TIERS, TIER_METRICS
 from kvshelf.kvstore.store import TieredStore, TierSpec
 from kvshelf.proto import kvshelf_pb2 as pb
 from kvshelf.service.arena import ArenaWriter
 from kvshelf.service.auth import MAX_NAMESPACE_CHARS, SCOPE_BYTES, TokenTable, scope_tag
 from kvshelf.service.errors import ArenaUnavailable
 from kvshelf.service.fairness import (
-    RETRY_AFTER_METADATA,
-    RETRY_AFTER_MS,
     RequestWatch,
     StreamGate,
-    StreamRefusedError,
     reserved_workers,
 )
 from kvshelf.service.history import StatsHistory
+from kvshelf.service.status import abort_call, client_fault, fail
 from kvshelf.service.strikes import TenantStrikes
+from kvshelf.service.usage import InflightBudget, NamespaceUsage, TierBytes, add_tier_bytes, tier_keys
 from kvshelf.service.wire import encode_arena_response, encode_chunk_response, encode_miss_response
 
 log = logging.getLogger(__name__)
@@ -118,227 +113,6 @@ class ServerLimits:
                               f"{self.strike_leak_per_s}")
 
 
-class _Abort(Exception):
-    """Ends the current call with ``code`` and ``message``."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-def _fail(code: grpc.StatusCode, message: str) -> NoReturn:
-    raise _Abort(code, message)
-
-
-def _abort(context: grpc.ServicerContext, exc: Exception) -> NoReturn:
-    """End the call with ``exc``'s status. A stream refused for want of a slot carries the
-    ``RETRY_AFTER_METADATA`` trailer, so clients (``RemoteStore``) know to retry it after a short backoff."""
-    if isinstance(exc, StreamRefusedError) and exc.retry:
-        context.set_trailing_metadata(((RETRY_AFTER_METADATA, str(RETRY_AFTER_MS)),))
-    context.abort(*_status_of(exc))
-    raise AssertionError("unreachable: abort raises")
-
-
-_CLIENT_FAULT_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                 grpc.StatusCode.DATA_LOSS, grpc.StatusCode.PERMISSION_DENIED})
-
-
-def _client_fault(exc: Exception) -> bool:
-    """Whether a call failed through its client's fault (a strike against its tenant: ``service/strikes.py``)."""
-    if isinstance(exc, _Abort):
-        return exc.code in _CLIENT_FAULT_CODES
-    return isinstance(exc, CorruptBlockError | BlockTooLargeError | ForeignBlockError)
-
-
-def _status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
-    if isinstance(exc, _Abort):
-        return exc.code, exc.message
-    if isinstance(exc, grpc.RpcError):  # the call was cancelled (by its client, or ended by the stream watchdog)
-        log.debug("call ended while the server read it: %r", exc)
-        return grpc.StatusCode.CANCELLED, "the call was cancelled"
-    if isinstance(exc, StreamRefusedError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
-    if isinstance(exc, TierUnavailableError):
-        return grpc.StatusCode.UNAVAILABLE, f"store unavailable: {exc}"
-    if isinstance(exc, StoreFullError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"store full: {exc}"
-    if isinstance(exc, BlockTooLargeError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
-    if isinstance(exc, CorruptBlockError):
-        return grpc.StatusCode.DATA_LOSS, f"damaged block: {exc}"
-    if isinstance(exc, MemoryError):
-        log.error("out of memory in a kvshelf call")
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, "the server is out of memory for this call; retry smaller"
-    if isinstance(exc, KVShelfError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    log.exception("unexpected error in a kvshelf call")
-    return grpc.StatusCode.INTERNAL, f"internal server error: {type(exc).__name__}"
-
-
-#: bytes per tier: what a put will store in each tier, or what it has reserved there
-TierBytes = dict[str, int]
-
-
-class NamespaceUsage:
-    """Bytes and blocks each namespace holds per tier, from a one-time scan per namespace plus store events.
-
-    Used for the per-namespace quota and per-namespace stats. Puts in flight are reserved per tier so concurrent
-    puts cannot together overshoot a quota; an overwrite counts what it adds to the size held now.
-    """
-
-    def __init__(self, store: TieredStore) -> None:
-        self._store = store
-        self._lock = threading.Lock()
-        self._sizes: dict[bytes, dict[str, dict[bytes, int]]] = {}  # tag -> tier -> tier key -> bytes
-        self._totals: dict[bytes, dict[str, int]] = {}
-        self._pending: dict[bytes, TierBytes] = {}
-        self._unsubscribe = store.subscribe(self._on_event)
-
-    def _scan(self, tag: bytes) -> None:
-        sizes: dict[str, dict[bytes, int]] = {}
-        for keys, spec in ((tier_keys(spec.tier, tag), spec) for spec in self._store.specs):
-            held: dict[bytes, int] = {}
-            for start in range(0, len(keys), 64):
-                batch = keys[start : start + 64]
-                try:
-                    values = spec.tier.get_many(batch)
-                except TierUnavailableError:
-                    break
-                held.update((k, len(v)) for k, v in zip(batch, values, strict=True) if v is not None)
-            sizes[spec.tier.name] = held
-        self._sizes[tag] = sizes
-        self._totals[tag] = {tier: sum(held.values()) for tier, held in sizes.items()}
-
-    def _ensure(self, tag: bytes) -> None:
-        if tag not in self._sizes:
-            self._scan(tag)
-
-    def _on_event(self, event: StoreEvent) -> None:
-        if len(event.key) != SCOPE_BYTES + KEY_BYTES:
-            return
-        tag = event.key[:SCOPE_BYTES]
-        with self._lock:
-            if tag not in self._sizes:
-                return  # the namespace's first use scans the tiers
-            held = self._sizes[tag].setdefault(event.tier, {})
-            totals = self._totals[tag]
-            old = held.pop(event.key, 0)
-            totals[event.tier] = totals.get(event.tier, 0) - old
-            if event.kind == "stored":
-                held[event.key] = event.nbytes
-                totals[event.tier] += event.nbytes
-
-    def usage(self, tag: bytes) -> dict[str, tuple[int, int]]:
-        """``tier -> (blocks, bytes)`` the namespace of ``tag`` holds."""
-        with self._lock:
-            self._ensure(tag)
-            return {tier: (len(held), self._totals[tag].get(tier, 0)) for tier, held in self._sizes[tag].items()}
-
-    def held_bytes(self, tag: bytes) -> int:
-        """Bytes the namespace holds in the tier holding the most of it."""
-        with self._lock:
-            self._ensure(tag)
-            return max(self._totals[tag].values(), default=0)
-
-    def reserve(self, tag: bytes, namespace: str, items: Sequence[tuple[bytes, int | TierBytes]], quota: int,
-                *, replacing: TierBytes | None = None) -> TierBytes:
-        """Reserve room under ``quota`` for ``(tier key, size)`` puts, ``size`` in bytes per tier (or one size for
-        every tier the store writes); return the reservation per tier, for ``release``.
-
-        A key already held counts what it adds: ``max(0, new size - size held now)`` in each tier. The quota
-        holds in every tier: held + reserved by puts in flight + this put. ``replacing``: a reservation of the
-        caller's that this one replaces (released if this one succeeds). Raises ``_Abort(RESOURCE_EXHAUSTED)``
-        naming the quota when over it (``replacing`` then stays reserved).
-        """
-        tiers = [spec.tier.name for spec in self._store.write_targets()]
-        with self._lock:
-            self._ensure(tag)
-            sizes = self._sizes[tag]
-            per_key: dict[bytes, TierBytes] = {}
-            for key, size in items:
-                new = {t: size for t in tiers} if isinstance(size, int) else size
-                old = per_key.setdefault(key, {})
-                for tier, n in new.items():
-                    old[tier] = max(old.get(tier, 0), n)
-            adding: TierBytes = {}
-            for key, new in per_key.items():
-                for tier, n in new.items():
-                    adding[tier] = adding.get(tier, 0) + max(0, n - sizes.get(tier, {}).get(key, 0))
-            pending = dict(self._pending.get(tag, {}))
-            for tier, n in (replacing or {}).items():
-                pending[tier] = pending.get(tier, 0) - n
-            totals = self._totals[tag]
-            for tier, n in adding.items():
-                held, waiting = totals.get(tier, 0), pending.get(tier, 0)
-                if held + waiting + n > quota:
-                    _fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"namespace {namespace!r} quota of {quota} bytes exceeded: it holds {held} bytes"
-                          f"{f' (+{waiting} being written)' if waiting else ''} and this put adds {n}"
-                          f"{f' in tier {tier}' if len(tiers) > 1 else ''}")
-            for tier, n in adding.items():
-                pending[tier] = pending.get(tier, 0) + n
-            self._pending[tag] = pending
-            return adding
-
-    def release(self, tag: bytes, amount: TierBytes) -> None:
-        with self._lock:
-            pending = self._pending.setdefault(tag, {})
-            for tier, n in amount.items():
-                pending[tier] = pending.get(tier, 0) - n
-
-    def close(self) -> None:
-        self._unsubscribe()
-
-
-class InflightBudget:
-    """Put bytes buffered at once: at most ``total`` over all tenants and ``per_tenant`` for one tenant's puts
-    together. A put that cannot get budget is refused at once (RESOURCE_EXHAUSTED naming the budget): never a
-    wait that a slow or hostile tenant could make last forever."""
-
-    def __init__(self, total: int, per_tenant: int) -> None:
-        self.total, self.per_tenant = total, per_tenant
-        self._lock = threading.Lock()
-        self._used = 0
-        self._by_tenant: dict[bytes, int] = {}
-
-    def take(self, tag: bytes, namespace: str, nbytes: int) -> None:
-        with self._lock:
-            mine = self._by_tenant.get(tag, 0)
-            if mine + nbytes > self.per_tenant:
-                _fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                      f"namespace {namespace!r}: its puts in flight may buffer at most {self.per_tenant} bytes "
-                      f"together (the per-call limit); {mine} are buffered and this put needs {nbytes} more")
-            if self._used + nbytes > self.total:
-                _fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                      f"the server's in-flight put budget of {self.total} bytes is in use ({self._used} buffered); "
-                      f"retry later")
-            self._used += nbytes
-            self._by_tenant[tag] = mine + nbytes
-
-    def give(self, tag: bytes, nbytes: int) -> None:
-        with self._lock:
-            self._used -= nbytes
-            left = self._by_tenant.get(tag, 0) - nbytes
-            if left > 0:
-                self._by_tenant[tag] = left
-            else:
-                self._by_tenant.pop(tag, None)
-
-    def used(self) -> int:
-        with self._lock:
-            return self._used
-
-
-def tier_keys(tier: Any, tag: bytes) -> list[bytes]:
-    """The tier keys of one namespace (tag + 16-byte key) in ``tier``; [] if it cannot list or is unreachable."""
-    try:
-        keys = tier.keys()
-    except (NotImplementedError, TierUnavailableError):
-        return []
-    return [k for k in keys if len(k) == SCOPE_BYTES + KEY_BYTES and k.startswith(tag)]
-
-
 class _PutCall:
     """The values of one PutBlocks call as they arrive, and the in-flight budget and quota they hold.
 
@@ -366,14 +140,14 @@ class _PutCall:
         """Take one chunk; return ``(key, value)`` when it completes a value, else None."""
         limits = self.limits
         if chunk.in_arena:
-            _fail(grpc.StatusCode.INVALID_ARGUMENT, "PutBlocks chunks carry their data: in_arena is GetBlocks-only")
+            fail(grpc.StatusCode.INVALID_ARGUMENT, "PutBlocks chunks carry their data: in_arena is GetBlocks-only")
         data = chunk.data
         if self._key is None:
             if not chunk.key:
-                _fail(grpc.StatusCode.INVALID_ARGUMENT, "the first chunk of a value must carry its key")
+                fail(grpc.StatusCode.INVALID_ARGUMENT, "the first chunk of a value must carry its key")
             self.servicer.check_keys([chunk.key])
             if chunk.total_size > limits.max_block_bytes:
-                _fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
                       f"a block of {chunk.total_size} bytes exceeds the max block size {limits.max_block_bytes}")
             self._key, self._declared, self._filled = chunk.key, chunk.total_size, 0
             self._value_quota, self._value_held = {}, 0
@@ -381,14 +155,14 @@ class _PutCall:
             # a value in one chunk is kept as sent; a longer one is assembled in one buffer of its declared size
             self._buf = None if chunk.last else bytearray(self._declared)
         elif chunk.key and chunk.key != self._key:
-            _fail(grpc.StatusCode.INVALID_ARGUMENT,
+            fail(grpc.StatusCode.INVALID_ARGUMENT,
                   f"chunk for key {chunk.key.hex()} before the value of {self._key.hex()} ended (no last=true)")
         end = self._filled + len(data)
         if self._declared and end > self._declared:
-            _fail(grpc.StatusCode.INVALID_ARGUMENT,
+            fail(grpc.StatusCode.INVALID_ARGUMENT,
                   f"value of key {self._key.hex()} is longer than its declared total_size of {self._declared} bytes")
         if end > limits.max_block_bytes:
-            _fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
+            fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
                   f"block {self._key.hex()} exceeds the max block size of {limits.max_block_bytes} bytes")
         if self._buf is None:
             self._data = data
@@ -400,7 +174,7 @@ class _PutCall:
         self._filled = end
         if chunk.last:
             if self._declared and self._filled != self._declared:
-                _fail(grpc.StatusCode.INVALID_ARGUMENT,
+                fail(grpc.StatusCode.INVALID_ARGUMENT,
                       f"value of key {self._key.hex()} ended after {self._filled} bytes; its declared total_size "
                       f"is {self._declared}")
             value = self._data if self._buf is None else bytes(self._buf)
@@ -417,14 +191,14 @@ class _PutCall:
         if grow <= 0:
             return
         if self._call_bytes + grow > self.limits.max_call_bytes:
-            _fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
+            fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
                   f"one PutBlocks call may carry at most {self.limits.max_call_bytes} bytes; split it")
         if self.limits.quota_bytes is not None:
             assert self._key is not None
             usage = self.servicer.usage
             new = usage.reserve(self.tag, self.namespace, [(self.tag + self._key, size)], self.limits.quota_bytes,
                                 replacing=self._value_quota)
-            _add(self._quota, new, self._value_quota)
+            add_tier_bytes(self._quota, new, self._value_quota)
             self._value_quota = new
         self.servicer.inflight.take(self.tag, self.namespace, grow)
         self._budget += grow
@@ -433,7 +207,7 @@ class _PutCall:
 
     def values(self) -> list[tuple[bytes, bytes]]:
         if self._key is not None:
-            _fail(grpc.StatusCode.INVALID_ARGUMENT,
+            fail(grpc.StatusCode.INVALID_ARGUMENT,
                   f"the stream ended inside the value of key {self._key.hex()} (no chunk with last=true); "
                   "nothing stored")
         return self._done
@@ -458,12 +232,6 @@ class _PutCall:
         if self._budget:
             self.servicer.inflight.give(self.tag, self._budget)
             self._budget = 0
-
-
-def _add(total: TierBytes, new: TierBytes, old: TierBytes) -> None:
-    """``total += new - old``, per tier."""
-    for tier in set(new) | set(old):
-        total[tier] = total.get(tier, 0) + new.get(tier, 0) - old.get(tier, 0)
 
 
 class KVShelfServicer:
@@ -500,7 +268,7 @@ class KVShelfServicer:
                 try:
                     return fn(_parse(raw, req), context)
                 except Exception as exc:  # every failure becomes a status; the server keeps serving
-                    _abort(context, exc)
+                    abort_call(context, exc)
 
             return grpc.unary_unary_rpc_method_handler(handler, response_serializer=_serialize)
 
@@ -514,11 +282,11 @@ class KVShelfServicer:
                     try:
                         yield from ticket.sent(self.GetBlocks(req, context))
                     except Exception as exc:
-                        if _client_fault(exc):
+                        if client_fault(exc):
                             self.streams.strike(ticket.namespace)
                         raise
             except Exception as exc:
-                _abort(context, exc)
+                abort_call(context, exc)
 
         def put_stream(raws: Iterator[bytes], context: grpc.ServicerContext) -> Message:
             try:
@@ -539,11 +307,11 @@ class KVShelfServicer:
                     try:
                         return self.PutBlocks(requests(), context)
                     except Exception as exc:
-                        if _client_fault(exc):
+                        if client_fault(exc):
                             self.streams.strike(ticket.namespace)
                         raise
             except Exception as exc:
-                _abort(context, exc)
+                abort_call(context, exc)
 
         return grpc.method_handlers_generic_handler(SERVICE_NAME, {
             "PutBlocks": grpc.stream_unary_rpc_method_handler(put_stream, response_serializer=_serialize),
@@ -573,24 +341,24 @@ class KVShelfServicer:
             metadata = {k.lower(): v for k, v in context.invocation_metadata() if isinstance(v, str)}
             auth = metadata.get("authorization", "")
             if not auth.startswith("Bearer ") or not auth[7:].strip():
-                _fail(grpc.StatusCode.UNAUTHENTICATED, "missing 'authorization: Bearer <token>' metadata")
+                fail(grpc.StatusCode.UNAUTHENTICATED, "missing 'authorization: Bearer <token>' metadata")
             namespace = self.tokens.namespace_of(auth[7:].strip())
             if namespace is None:
-                _fail(grpc.StatusCode.UNAUTHENTICATED, "unknown bearer token")
+                fail(grpc.StatusCode.UNAUTHENTICATED, "unknown bearer token")
             if requested and requested != namespace:
-                _fail(grpc.StatusCode.PERMISSION_DENIED,
+                fail(grpc.StatusCode.PERMISSION_DENIED,
                       f"this token is for namespace {namespace!r}, the request names {requested!r}")
         if len(namespace) > MAX_NAMESPACE_CHARS:
-            _fail(grpc.StatusCode.INVALID_ARGUMENT, f"namespace longer than {MAX_NAMESPACE_CHARS} characters")
+            fail(grpc.StatusCode.INVALID_ARGUMENT, f"namespace longer than {MAX_NAMESPACE_CHARS} characters")
         return namespace
 
     @staticmethod
     def check_keys(keys: Sequence[bytes]) -> None:
         if len(keys) > MAX_KEYS_PER_CALL:
-            _fail(grpc.StatusCode.INVALID_ARGUMENT, f"{len(keys)} keys in one call; the limit is {MAX_KEYS_PER_CALL}")
+            fail(grpc.StatusCode.INVALID_ARGUMENT, f"{len(keys)} keys in one call; the limit is {MAX_KEYS_PER_CALL}")
         for i, key in enumerate(keys):
             if len(key) != KEY_BYTES:
-                _fail(grpc.StatusCode.INVALID_ARGUMENT,
+                fail(grpc.StatusCode.INVALID_ARGUMENT,
                       f"key {i} is {len(key)} bytes; block keys are {KEY_BYTES} bytes")
 
     def scoped(self, context: grpc.ServicerContext, requested: str, keys: Sequence[bytes]) -> tuple[str, list[bytes]]:
@@ -653,9 +421,9 @@ class KVShelfServicer:
                     call = _PutCall(self, self.namespace(context, req.namespace))
                     pin = req.pin
                 elif req.namespace and req.namespace != call.namespace:
-                    _fail(grpc.StatusCode.INVALID_ARGUMENT, "the namespace may only be set on the first message")
+                    fail(grpc.StatusCode.INVALID_ARGUMENT, "the namespace may only be set on the first message")
                 if not req.HasField("chunk"):
-                    _fail(grpc.StatusCode.INVALID_ARGUMENT, "malformed PutBlocks message: no chunk")
+                    fail(grpc.StatusCode.INVALID_ARGUMENT, "malformed PutBlocks message: no chunk")
                 done = call.add(req.chunk)
                 if done is not None:  # checked as soon as it is whole: a damaged value ends the call before the rest
                     headers.append(self._verify(call.namespace, *done))
@@ -676,7 +444,7 @@ class KVShelfServicer:
             call.reserve_exact(sizes)
             call.hold_more(max(reencoded.values(), default=0))  # in-flight budget for the re-encoded copies
             if not context.is_active():
-                _fail(grpc.StatusCode.CANCELLED, "the call was cancelled; nothing stored")
+                fail(grpc.StatusCode.CANCELLED, "the call was cancelled; nothing stored")
             stored = self.store.put_encoded_many(items, pin=pin)  # re-encodes bounded by store.max_decoded_bytes
             return pb.PutBlocksResponse(received=len(items), stored=stored)
         finally:
@@ -693,7 +461,7 @@ class KVShelfServicer:
         decoded = decoded_nbytes(header)
         stored = max(spec.stored_nbytes(header, nbytes) for spec in reencoding)
         if max(decoded, stored) > limit:
-            _fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
+            fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
                   f"block {tier_key[SCOPE_BYTES:].hex()} of declared shape {list(header.shape)} "
                   f"{DTYPE_NAMES[header.dtype]} decodes to {decoded} bytes (up to {stored} stored) to be re-encoded "
                   f"from {header.codec} for tier(s) {', '.join(s.tier.name for s in reencoding)}: over the max block "
@@ -703,16 +471,16 @@ class KVShelfServicer:
         try:
             header = verify_block(value, expected_key=key)
         except CorruptBlockError as exc:
-            _fail(grpc.StatusCode.DATA_LOSS, f"value of key {key.hex()} is damaged: {exc}")
+            fail(grpc.StatusCode.DATA_LOSS, f"value of key {key.hex()} is damaged: {exc}")
         except ForeignBlockError as exc:
-            _fail(grpc.StatusCode.INVALID_ARGUMENT, f"value sent under key {key.hex()} is another key's: {exc}")
+            fail(grpc.StatusCode.INVALID_ARGUMENT, f"value sent under key {key.hex()} is another key's: {exc}")
         if header.namespace != namespace:
-            _fail(grpc.StatusCode.PERMISSION_DENIED,
+            fail(grpc.StatusCode.PERMISSION_DENIED,
                   f"block {key.hex()} is encoded for namespace {header.namespace!r}, this call is in {namespace!r}")
         try:
             get_codec(header.codec, header.params)
         except ConfigError as exc:
-            _fail(grpc.StatusCode.INVALID_ARGUMENT, f"block {key.hex()}: {exc}")
+            fail(grpc.StatusCode.INVALID_ARGUMENT, f"block {key.hex()}: {exc}")
         return header
 
     def _arena(self, req: pb.GetBlocksRequest, context: grpc.ServicerContext) -> ArenaWriter | None:
@@ -843,7 +611,7 @@ def _parse(raw: bytes, cls: type[Message]) -> Any:
     try:
         message.ParseFromString(raw)
     except (DecodeError, RuntimeWarning) as exc:
-        _fail(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {cls.__name__}: {exc}")
+        fail(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {cls.__name__}: {exc}")
     return message
 
 

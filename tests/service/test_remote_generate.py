@@ -81,7 +81,7 @@ def test_remote_prepared_blocks_reject_foreign_and_unknown_keys(model, tmp_path)
         with RemoteStore(f"127.0.0.1:{running.port}") as remote:
             gen = CachedGenerator(model, store=remote, block_size=16)
             prompt = _prompt(40, seed=6)
-            gen.generate(prompt, max_new_tokens=2, eos_token_id=None)
+            gen.generate(prompt, max_new_tokens=2, eos_token_id=None, wait=True)  # stored before the reads below
             keys = prefix_block_keys(gen.fingerprint, gen.namespace, prompt, gen.block_size)
             got = remote.get_prepared_many(keys, fingerprint=gen.fingerprint)
             assert [b.token_ids for b in got] == [tuple(prompt[:16]), tuple(prompt[16:32])]
