@@ -18,9 +18,10 @@ Two threads of calls, plus one holding streams (the abuse the issue lists; ``spe
   garbage and truncated protobuf (``malformed``), keys of the wrong length (``wrong_key``), a block header of
   100,000 nested JSON arrays (``nested_header``) and a raw block whose payload does not match its shape
   (``bad_payload``).
-- quota: clears its namespace, puts new blocks until the quota refuses them (``over_quota``), then one large put
-  while over quota (``over_quota_big``); then holds tiny blocks and overwrites them with large ones
-  (``overwrite_quota``), reading its usage from Stats after each round (``max_held_bytes``).
+- quota: every ``REFILL_S`` seconds clears its namespace, puts new blocks until the quota refuses them
+  (``over_quota``), one large put while over quota (``over_quota_big``), then holds tiny blocks and overwrites
+  them with large ones (``overwrite_quota``); in between, while at its quota, keeps sending all three kinds,
+  which must be refused; it reads its usage from Stats after each round (``max_held_bytes``).
 
 Each call is counted by kind and by the status code the server ended it with (``OK`` when accepted).
 """
@@ -76,6 +77,8 @@ EXPECTED: dict[str, frozenset[str]] = {
     "clear": frozenset({"OK", "RESOURCE_EXHAUSTED"}),
     "stats": frozenset({"OK", "RESOURCE_EXHAUSTED"}),
 }
+#: Seconds between two clear-and-refill cycles of the quota attack.
+REFILL_S = 5.0
 #: The abuser's threads: held streams, bad input, quota abuse (``--attacks`` picks some).
 ATTACKS = ("streams", "bad", "quota")
 #: Kinds that must never be accepted (``OK``): the abuse itself.
@@ -216,6 +219,7 @@ class Abuser:
         self._calls: set[Any] = set()
         self._calls_lock = threading.Lock()
         self.serial = itertools.count()
+        self._next_fill = 0.0  # when quota_round next clears and refills the quota
         # payloads built once: a large block's tensors (only the key changes per put) and the fixed attacks
         self.big_shape = (4, 2, max(1, (self.max_block * 7 // 8) // (4 * 2 * 128 * 2 * 2)), 128)
         self.big_template = _block(self.big_shape, self.namespace)
@@ -324,6 +328,33 @@ class Abuser:
             self.tally.held(int(usage.get("bytes", 0)))
 
     def quota_round(self) -> None:
+        """Every ``REFILL_S`` seconds: clear, fill the quota and hold it (``_fill_quota``); in between, while at
+        the quota, the puts that go past it: new blocks, one call as large as allowed, held blocks overwritten
+        with larger ones. Each of those must be refused (a tenant rewriting within its quota is a heavy user,
+        not an abuser: its cost is the filling, every few seconds, not every round)."""
+        if time.monotonic() >= self._next_fill:
+            self._fill_quota()
+            self._next_fill = time.monotonic() + REFILL_S
+            return
+        ns, pace = self.namespace, self.spec["pace_s"]
+        per_call = max(1, min(self.max_call, self.quota) * 2 // 3 // (self.max_block * 7 // 8))
+        values = [(k, self._big(k)) for k in (self._key("quota") for _ in range(per_call))]
+        self.call_put("over_quota", put_messages(values, ns))
+        time.sleep(pace)
+        count = max(1, (self.max_call - MiB) // (self.max_block * 7 // 8))
+        self.call_put("over_quota_big", put_messages([(k, self._big(k)) for k in
+                                                      (self._key("big") for _ in range(count))], ns))
+        time.sleep(pace)
+        keys = self._overwrite_keys()
+        self.call_put("overwrite_quota", put_messages([(k, self._big(k)) for k in keys[-2:]], ns))
+        time.sleep(pace)
+        self._held_bytes()
+
+    def _overwrite_keys(self) -> list[bytes]:
+        count = max(2, 2 * self.quota // (self.max_block * 7 // 8))
+        return [block_key(f"abuser:overwrite:{i}") for i in range(count)]
+
+    def _fill_quota(self) -> None:
         ns, pace = self.namespace, self.spec["pace_s"]
         per_call = max(1, min(self.max_call, self.quota) * 2 // 3 // (self.max_block * 7 // 8))
         self.call_unary("clear", "Clear", pb.ClearRequest(namespace=ns).SerializeToString())
@@ -343,7 +374,7 @@ class Abuser:
                                                           (self._key("big") for _ in range(count))], ns))
         # overwrite attack: hold small blocks, then replace them with large ones (must count at their new size)
         self.call_unary("clear", "Clear", pb.ClearRequest(namespace=ns).SerializeToString())
-        keys = [block_key(f"abuser:overwrite:{i}") for i in range(max(2, 2 * self.quota // (self.max_block * 7 // 8)))]
+        keys = self._overwrite_keys()
         self.call_put("overwrite_quota", put_messages([(k, encode_block(self.tiny_template, k)) for k in keys], ns))
         for start in range(0, len(keys), 2):
             if self.stop.is_set():
