@@ -72,6 +72,7 @@ class AbuseSettings:
     max_inflight: str | None = None  # None: the server's default
     tenant_streams: int | None = None  # None: the server's default
     idle_timeout: float | None = None  # None: the server's default (10 s)
+    strike_burst: int | None = None  # None: the server's default (0: strikes off, every abuse reaches its check)
     idle_streams: int = 16  # idle PutBlocks streams the abuser keeps open (the server's default worker count)
     slow_streams: int = 2
     honest_interval_s: float = 0.05
@@ -91,7 +92,7 @@ class AbuseSettings:
                 "--tokens-file", str(tokens), "--max-block", self.max_block, "--max-call", self.max_call,
                 "--quota", self.quota, "--grace", "1"]
         for flag, value in (("--max-inflight", self.max_inflight), ("--tenant-streams", self.tenant_streams),
-                            ("--idle-timeout", self.idle_timeout)):
+                            ("--idle-timeout", self.idle_timeout), ("--strike-burst", self.strike_burst)):
             if value is not None:
                 args += [flag, str(value)]
         return args

@@ -72,6 +72,9 @@ def serve(
     max_inflight: Annotated[str | None, _opt("put bytes buffered at once, all tenants (default 2 x max-call)")
                             ] = None,
     redis_timeout: Annotated[float | None, _opt("seconds one Redis call may take (default 1)")] = None,
+    strike_burst: Annotated[int | None, _opt(
+        "failed calls (the client's fault) at which a tenant's streams are refused (default 20; 0: off)")] = None,
+    strike_rate: Annotated[float | None, _opt("failed calls per second a tenant is forgiven (default 5)")] = None,
     metrics_token_file: Annotated[str | None, _opt("file with the bearer token /metrics requires")] = None,
     metrics_namespaces: Annotated[str | None, _opt("comma-separated namespaces /metrics shows (default all)")
                                   ] = None,
@@ -92,7 +95,8 @@ def serve(
                  max_call=max_call, quota=quota, grace=grace, workers=workers, metrics_port=metrics_port,
                  metrics_addr=metrics_addr, history_interval=history_interval, shared_memory=shared_memory,
                  tenant_streams=tenant_streams, idle_timeout=idle_timeout, min_rate=min_rate,
-                 max_inflight=max_inflight, redis_timeout=redis_timeout, metrics_token_file=metrics_token_file,
+                 max_inflight=max_inflight, redis_timeout=redis_timeout, strike_burst=strike_burst,
+                 strike_rate=strike_rate, metrics_token_file=metrics_token_file,
                  metrics_namespaces=metrics_namespaces, reset_disk=reset_disk,
                  arena_sweep_interval=arena_sweep_interval)
     raise typer.Exit(run_server(load_config(flags, config_file=config)))
@@ -364,6 +368,7 @@ def bench_abuse(
     tenant_streams: Annotated[int | None, _opt("the server's --tenant-streams (default: the server's)")] = None,
     idle_timeout: Annotated[float | None, _opt("the server's --idle-timeout (default: the server's)")] = None,
     idle_streams: Annotated[int, typer.Option(min=0, help="idle PutBlocks streams the abuser holds open")] = 16,
+    strike_burst: Annotated[int | None, _opt("the server's --strike-burst (default: the server's; 0: off)")] = None,
     attacks: Annotated[str, typer.Option(help="the abuser's attacks, comma-separated: streams (idle and slow), "
                                               "bad (oversized, bomb, malformed), quota")] = "streams,bad,quota",
 ) -> None:
@@ -376,7 +381,7 @@ def bench_abuse(
         raise KVShelfError(f"--attacks must be a comma-separated subset of {', '.join(ATTACKS)}, got {attacks!r}")
     settings = AbuseSettings(seconds=seconds, max_block=max_block, max_call=max_call, quota=quota,
                              max_inflight=max_inflight, tenant_streams=tenant_streams, idle_timeout=idle_timeout,
-                             idle_streams=idle_streams, attacks=chosen)
+                             idle_streams=idle_streams, attacks=chosen, strike_burst=strike_burst)
     result = run(json_path=str(json_path) if json_path else None, settings=settings, console=console)
     if not result["ok"]:
         raise typer.Exit(1)

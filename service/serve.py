@@ -61,6 +61,8 @@ class ServeConfig:
     idle_timeout: float = 10.0  # seconds a stream may make no progress before the server cancels it
     min_rate: str = "1MiB"  # slowest accepted PutBlocks upload, bytes per second (checked after idle_timeout)
     max_inflight: str = ""  # put bytes buffered at once, all tenants together; empty: 2 x max_call
+    strike_burst: int = 20  # failed calls (the client's fault) at which a tenant's streams are refused; 0: never
+    strike_rate: float = 5.0  # failed calls per second a tenant is forgiven (service/strikes.py)
     redis_timeout: float = 1.0  # seconds one Redis call may take before the tier counts as unreachable
     metrics_token_file: str = ""  # file holding the bearer token /metrics requires; empty: no token
     metrics_namespaces: str = ""  # comma-separated namespaces /metrics shows; empty: every namespace
@@ -155,6 +157,8 @@ def load_config(flags: Mapping[str, Any], env: Mapping[str, str] | None = None,
         raise ConfigError("grace must be >= 0 and workers >= 1")
     if config.tenant_streams < 1 or config.idle_timeout <= 0 or config.redis_timeout <= 0:
         raise ConfigError("tenant_streams must be >= 1, idle_timeout and redis_timeout > 0")
+    if config.strike_burst < 0 or config.strike_rate <= 0:
+        raise ConfigError("strike_burst must be >= 0 (0: off) and strike_rate > 0")
     if not 0 <= config.metrics_port < 65536 or config.history_interval <= 0:
         raise ConfigError("metrics_port must be in [0, 65535] and history_interval > 0")
     if not 0 < config.arena_sweep_interval < float("inf"):
@@ -215,7 +219,8 @@ def serve(config: ServeConfig, *, ready: threading.Event | None = None, stop: th
     limits = ServerLimits(max_block_bytes=sizes["max_block"], max_call_bytes=sizes["max_call"],
                           quota_bytes=sizes["quota"], shared_memory=config.shared_memory,
                           tenant_streams=config.tenant_streams, idle_timeout_s=config.idle_timeout,
-                          min_rate_bytes=sizes["min_rate"], max_inflight_bytes=sizes["max_inflight"])
+                          min_rate_bytes=sizes["min_rate"], max_inflight_bytes=sizes["max_inflight"],
+                          strike_burst=config.strike_burst, strike_leak_per_s=config.strike_rate)
     cert = Path(config.tls_cert).read_bytes() if config.tls_cert else None
     key = Path(config.tls_key).read_bytes() if config.tls_key else None
     metrics_token = read_token_file(config.metrics_token_file) if config.metrics_token_file else None

@@ -21,6 +21,7 @@ def abuse_run(tmp_path_factory):
     path = tmp_path_factory.mktemp("abuse") / "abuse.json"
     # 5 s under abuse: streams held for 3 s (idle timeout 1 s + 2), then a 2 s gap with the stream cap free
     result = kvshelf_cli("bench", "abuse", "--seconds", "10", "--idle-timeout", "1", "--tenant-streams", "4",
+                         "--strike-burst", "0",  # strikes off: every kind of abuse reaches its own check
                          "--json", str(path))
     return result, path
 
@@ -61,7 +62,10 @@ def test_every_abuse_was_made_and_refused_with_its_code(abuse_run):
     admission = abuse["refused_at_admission"]  # refused for the stream cap, before the server read the call
     for kind in ("oversized_declared", "oversized_undeclared", "oversized_call", "oversized_message", "bomb",
                  "over_quota_big"):
-        assert kinds[kind].get("RESOURCE_EXHAUSTED", 0) > admission.get(kind, 0), (kind, kinds[kind], admission)
+        # a call over --max-call carries garbage values: the server may end it at the first one (DATA_LOSS)
+        refused = kinds[kind].get("RESOURCE_EXHAUSTED", 0) + (kinds[kind].get("DATA_LOSS", 0)
+                                                              if kind == "oversized_call" else 0)
+        assert refused > admission.get(kind, 0), (kind, kinds[kind], admission)
     for kind in ("malformed", "wrong_key"):
         assert kinds[kind].get("INVALID_ARGUMENT", 0) > 0, (kind, kinds[kind])
     assert kinds["over_quota"].get("RESOURCE_EXHAUSTED", 0) > 0, kinds["over_quota"]

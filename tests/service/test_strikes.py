@@ -83,3 +83,14 @@ def test_a_tenant_that_fails_now_and_then_is_never_refused(server):
             block = make_block([i, i + 1], namespace="tenant-a")
             assert a.put_many([(key_of(block), block)]) == 1  # successes are no strikes
     channel.close()
+
+
+def test_strike_settings_are_checked():
+    from kvshelf.kvstore.errors import ConfigError
+    from kvshelf.service.serve import load_config
+
+    assert load_config({"strike_burst": 0}, env={}).strike_burst == 0  # off
+    with pytest.raises(ConfigError, match="strike_burst"):
+        load_config({"strike_burst": -1}, env={})
+    with pytest.raises(ConfigError, match="strike"):
+        ServerLimits(strike_leak_per_s=0)
