@@ -165,6 +165,9 @@ def check_file(path: str | os.PathLike[str]) -> FileCheck:
                 continue
             page_size = meta.page_size
             candidates.append(meta)
+        # the size after the meta pages: a writer of another process writes a transaction's pages before the
+        # meta page naming them, so a size read before the metas may miss pages a newer meta already names
+        size = check.size = os.fstat(fd).st_size
         for meta in candidates:
             problem = _meta_problem(meta, size)
             if problem is None:

@@ -63,8 +63,10 @@ def check_file_fits(path: Path) -> None:
         return
     try:
         check = check_file(data)
-        if check.problems:  # a file being created by another process this instant: look once more
-            time.sleep(0.05)
+        for pause in (0.02, 0.05, 0.1):  # a file being created or grown by another process this instant
+            if not check.problems:
+                break
+            time.sleep(pause)
             check = check_file(data)
     except OSError as exc:
         raise ConfigError(f"cannot read LMDB tier file {data}: {exc}") from exc
