@@ -48,7 +48,8 @@ import xxhash
 
 from kvshelf.kvstore import KVBlock, encode_block
 from kvshelf.proto import kvshelf_pb2 as pb
-from kvshelf.service.server import CHUNK_BYTES, MAX_MESSAGE_BYTES, iter_chunks
+from kvshelf.service.client import put_requests
+from kvshelf.service.server import CHUNK_BYTES, MAX_MESSAGE_BYTES
 
 KiB, MiB = 1 << 10, 1 << 20
 METHOD = "/kvshelf.v1.KVShelf/"
@@ -179,16 +180,8 @@ def bad_payload_block(key: bytes, namespace: str) -> bytes:
 
 def put_messages(values: Iterable[tuple[bytes, bytes]], namespace: str) -> Iterator[bytes]:
     """Serialised PutBlocks requests for ``(key, value)`` pairs, chunked as ``RemoteStore`` does."""
-    first = True
-    for key, value in values:
-        for n, (data, last) in enumerate(iter_chunks(value, CHUNK_BYTES)):
-            chunk = pb.Chunk(data=bytes(data), last=last)
-            if n == 0:
-                chunk.key, chunk.total_size = key, len(value)
-            request = pb.PutBlocksRequest(chunk=chunk)
-            if first:
-                request.namespace, first = namespace, False
-            yield request.SerializeToString()
+    for request in put_requests(values, namespace):
+        yield request.SerializeToString()
 
 
 def _first_chunk(namespace: str, key: bytes, data: bytes, total: int = 0) -> bytes:

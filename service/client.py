@@ -42,6 +42,22 @@ _UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 _MAX_RETRY_PAUSE_S = 0.5
 
 
+def put_requests(items: Iterable[tuple[bytes, bytes]], namespace: str, *, pin: bool = False
+                 ) -> Iterator[pb.PutBlocksRequest]:
+    """The ``PutBlocks`` requests of encoded ``(key, value)`` pairs: each value in chunks of at most ``CHUNK_BYTES``,
+    its first chunk naming its key and total size, the call's first message its namespace and ``pin``."""
+    first = True
+    for key, value in items:
+        for n, (data, last) in enumerate(iter_chunks(value, CHUNK_BYTES)):
+            chunk = pb.Chunk(data=bytes(data), last=last)
+            if n == 0:
+                chunk.key, chunk.total_size = key, len(value)
+            request = pb.PutBlocksRequest(chunk=chunk)
+            if first:
+                request.namespace, request.pin, first = namespace, pin, False
+            yield request
+
+
 def _retry_after_s(exc: grpc.RpcError) -> float | None:
     """Seconds the server asked a refused stream to wait before retrying; None when it is not such a refusal."""
     if not hasattr(exc, "code") or exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -177,20 +193,9 @@ class RemoteStore:
         if not items:
             return 0
 
-        def requests() -> Iterator[pb.PutBlocksRequest]:
-            first = True
-            for key, value in items:
-                for n, (data, last) in enumerate(iter_chunks(value, CHUNK_BYTES)):
-                    chunk = pb.Chunk(data=bytes(data), last=last)
-                    if n == 0:
-                        chunk.key, chunk.total_size = key, len(value)
-                    req = pb.PutBlocksRequest(chunk=chunk)
-                    if first:
-                        req.namespace, req.pin, first = self.namespace, pin, False
-                    yield req
-
         def attempt() -> pb.PutBlocksResponse:
-            return self._stub.PutBlocks(requests(), timeout=self.timeout_s, metadata=self._metadata)
+            return self._stub.PutBlocks(put_requests(items, self.namespace, pin=pin), timeout=self.timeout_s,
+                                        metadata=self._metadata)
 
         try:
             return int(self._retrying(attempt).stored)

@@ -399,14 +399,20 @@ def test_malformed_requests_to_health_and_reflection_are_invalid_argument_and_qu
 # -- clients retry a refused stream ------------------------------------------------------------------
 
 
-def test_remote_store_retries_a_stream_refused_at_the_tenant_cap(serve):
-    """A tenant at its stream cap is refused with the retry trailer; ``RemoteStore`` waits and retries, so a busy
-    tenant's workers queue for a slot instead of failing (before: RemoteStoreError RESOURCE_EXHAUSTED at once)."""
+def _cap_held_by_an_idle_put(serve):
+    """A server whose tenants may open one stream each, tenant A's taken by an idle put until ``release`` is set."""
     server = serve(workers=16, tenant_streams=1, idle_timeout_s=60)
     channel, stub = _stub(server)
     release = threading.Event()
     holder = _idle_put(stub, TOKEN_A, release)
     assert _wait_for(lambda: server.servicer.streams.open_streams("tenant-a") == 1)
+    return server, channel, stub, release, holder
+
+
+def test_remote_store_retries_a_stream_refused_at_the_tenant_cap(serve):
+    """A tenant at its stream cap is refused with the retry trailer; ``RemoteStore`` waits and retries, so a busy
+    tenant's workers queue for a slot instead of failing (before: RemoteStoreError RESOURCE_EXHAUSTED at once)."""
+    server, channel, stub, release, holder = _cap_held_by_an_idle_put(serve)
     block = make_block([4, 5, 6], namespace="tenant-a")
     results: dict[str, object] = {}
 
@@ -430,11 +436,7 @@ def test_remote_store_retries_a_stream_refused_at_the_tenant_cap(serve):
 
 
 def test_remote_store_gives_up_on_a_refused_stream_after_its_timeout(serve):
-    server = serve(workers=16, tenant_streams=1, idle_timeout_s=60)
-    channel, stub = _stub(server)
-    release = threading.Event()
-    holder = _idle_put(stub, TOKEN_A, release)
-    assert _wait_for(lambda: server.servicer.streams.open_streams("tenant-a") == 1)
+    server, channel, stub, release, holder = _cap_held_by_an_idle_put(serve)
     block = make_block([7, 7, 7], namespace="tenant-a")
     with RemoteStore(f"127.0.0.1:{server.port}", token=TOKEN_A, namespace="tenant-a", timeout_s=0.5,
                      shared_memory=False) as store:
@@ -448,11 +450,7 @@ def test_remote_store_gives_up_on_a_refused_stream_after_its_timeout(serve):
 
 
 def test_stats_report_the_tenants_streams_and_the_servers_refusals(serve):
-    server = serve(workers=16, tenant_streams=1, idle_timeout_s=60)
-    channel, stub = _stub(server)
-    release = threading.Event()
-    holder = _idle_put(stub, TOKEN_A, release)
-    assert _wait_for(lambda: server.servicer.streams.open_streams("tenant-a") == 1)
+    server, channel, stub, release, holder = _cap_held_by_an_idle_put(serve)
     refused = _idle_put(stub, TOKEN_A, threading.Event())
     assert _code_within(refused) == grpc.StatusCode.RESOURCE_EXHAUSTED
     with RemoteStore(f"127.0.0.1:{server.port}", token=TOKEN_A, namespace="tenant-a", shared_memory=False) as store:
