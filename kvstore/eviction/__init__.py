@@ -1,0 +1,28 @@
+"""Eviction policies for bounded tiers, by name (``make_policy``): one interface (``EvictionPolicy``), each
+policy in its own module, judged by prefix-hit rate against Belady's OPT on real traces (``kvshelf replay``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvshelf.kvstore.errors import ConfigError
+from kvshelf.kvstore.eviction.base import EvictionPolicy
+from kvshelf.kvstore.eviction.lru import LRUPolicy
+
+#: name -> factory taking the tier's capacity in bytes
+POLICIES: dict[str, Callable[[int], EvictionPolicy]] = {
+    LRUPolicy.name: LRUPolicy,
+}
+#: the policy of ``open_embedded_store`` and ``kvshelf serve`` when none is named
+DEFAULT_POLICY = "lru"
+
+
+def make_policy(name: str, capacity_bytes: int) -> EvictionPolicy:
+    """A new policy ``name`` for a tier of ``capacity_bytes``; ``ConfigError`` naming the known ones otherwise."""
+    factory = POLICIES.get(name) if isinstance(name, str) else None
+    if factory is None:
+        raise ConfigError(f"unknown eviction policy {name!r}; known policies: {', '.join(sorted(POLICIES))}")
+    return factory(capacity_bytes)
+
+
+__all__ = ["DEFAULT_POLICY", "POLICIES", "EvictionPolicy", "LRUPolicy", "make_policy"]
