@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from kvshelf.kvstore.codec import get_codec
 from kvshelf.kvstore.errors import ConfigError
+from kvshelf.kvstore.eviction import DEFAULT_POLICY, make_policy
 from kvshelf.kvstore.lmdb_tier import LMDBTier
 from kvshelf.kvstore.memory_tier import MemoryTier
 from kvshelf.kvstore.paths import cache_dir
@@ -78,15 +79,18 @@ def open_embedded_store(
     durable: bool = True,
     write_policy: Literal["through", "back"] = "through",
     namespace: str = DEFAULT_NAMESPACE,
+    eviction_policy: str = DEFAULT_POLICY,
 ) -> TieredStore:
     """A ``TieredStore`` of a memory tier (omitted when ``memory_bytes`` is None) over LMDB in ``data_dir``;
-    reads default to ``namespace``.
+    reads default to ``namespace``. ``eviction_policy`` (a name of ``kvstore.eviction.POLICIES``) picks what
+    each bounded tier evicts.
 
     Raises ``TierDamagedError`` (naming the path and the recovery) when ``data_dir/lmdb`` is damaged: salvage it
     with ``kvshelf repair`` (``kvstore.lmdb_repair``) or move it aside (``lmdb_repair.move_aside``)."""
     path = Path(data_dir) if data_dir is not None else default_data_dir()
     get_codec(memory_codec)  # check the codecs before anything is opened
     get_codec(disk_codec, disk_codec_params)
+    make_policy(eviction_policy, 1)  # an unknown name fails before anything is opened
     memory = None if memory_bytes is None else parse_size(memory_bytes, "memory_bytes")
     if memory == 0:
         raise ConfigError("memory_bytes: must be > 0 (None: no memory tier)")
@@ -96,7 +100,7 @@ def open_embedded_store(
                           "environment needs")
     specs: list[TierSpec] = []
     if memory is not None:
-        specs.append(TierSpec(MemoryTier(memory), memory_codec))
+        specs.append(TierSpec(MemoryTier(memory, policy=eviction_policy), memory_codec))
     specs.append(
         TierSpec(
             LMDBTier(path / "lmdb", max_map_bytes=max_disk, initial_map_bytes=min(256 << 20, max_disk),

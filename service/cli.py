@@ -49,6 +49,8 @@ def serve(
     memory: Annotated[str | None, _opt("memory tier capacity, e.g. 2GiB (0: none)")] = None,
     max_disk: Annotated[str | None, _opt("LMDB size limit, e.g. 1TiB")] = None,
     disk_codec: Annotated[str | None, _opt("codec of the LMDB (and Redis) tier (default raw)")] = None,
+    eviction_policy: Annotated[str | None, _opt(
+        "what the memory and LMDB tiers evict: lru, ... (default: see `kvshelf replay --help`)")] = None,
     redis: Annotated[str | None, _opt("redis://HOST:PORT/DB or redis+cluster://HOST:PORT: the shared tier")] = None,
     tokens_file: Annotated[str | None, _opt("TOML \\[tokens] \"token\" = \"namespace\" (none: dev mode)")] = None,
     tls_cert: Annotated[str | None, _opt("PEM certificate (with --tls-key: serve TLS)")] = None,
@@ -91,7 +93,8 @@ def serve(
     from kvshelf.service.serve import serve as run_server
 
     flags = dict(listen=listen, data_dir=data_dir, memory=memory, max_disk=max_disk, disk_codec=disk_codec,
-                 redis=redis, tokens_file=tokens_file, tls_cert=tls_cert, tls_key=tls_key, max_block=max_block,
+                 eviction_policy=eviction_policy, redis=redis, tokens_file=tokens_file, tls_cert=tls_cert,
+                 tls_key=tls_key, max_block=max_block,
                  max_call=max_call, quota=quota, grace=grace, workers=workers, metrics_port=metrics_port,
                  metrics_addr=metrics_addr, history_interval=history_interval, shared_memory=shared_memory,
                  tenant_streams=tenant_streams, idle_timeout=idle_timeout, min_rate=min_rate,

@@ -28,6 +28,7 @@ from typing import Any
 
 from kvshelf.kvstore.embedded import MIN_DISK_BYTES, default_data_dir, open_embedded_store, parse_size
 from kvshelf.kvstore.errors import ConfigError, TierDamagedError
+from kvshelf.kvstore.eviction import DEFAULT_POLICY, make_policy
 from kvshelf.kvstore.lmdb_repair import move_aside
 from kvshelf.kvstore.store import TieredStore, TierSpec
 
@@ -44,6 +45,7 @@ class ServeConfig:
     memory: str = "2GiB"  # memory tier capacity; "0" disables it
     max_disk: str = "1TiB"
     disk_codec: str = "raw"
+    eviction_policy: str = DEFAULT_POLICY  # what the memory and LMDB tiers evict (kvstore.eviction.POLICIES)
     redis: str = ""  # redis://host:port/db or redis+cluster://host:port: adds the shared tier
     tokens_file: str = ""  # TOML [tokens] "token" = "namespace"; empty: dev mode (namespace from the request)
     tls_cert: str = ""
@@ -157,6 +159,7 @@ def load_config(flags: Mapping[str, Any], env: Mapping[str, str] | None = None,
         raise ConfigError("grace must be >= 0 and workers >= 1")
     if config.tenant_streams < 1 or config.idle_timeout <= 0 or config.redis_timeout <= 0:
         raise ConfigError("tenant_streams must be >= 1, idle_timeout and redis_timeout > 0")
+    make_policy(config.eviction_policy, 1)  # an unknown name: ConfigError listing the known ones
     if config.strike_burst < 0 or config.strike_rate <= 0:
         raise ConfigError("strike_burst must be >= 0 (0: off) and strike_rate > 0")
     if not 0 <= config.metrics_port < 65536 or config.history_interval <= 0:
@@ -171,7 +174,8 @@ def open_store(config: ServeConfig) -> TieredStore:
     memory = size_setting("memory", config.memory)
     try:
         store = open_embedded_store(config.resolved_data_dir(), memory_bytes=memory or None,
-                                    disk_codec=config.disk_codec, max_disk_bytes=config.max_disk)
+                                    disk_codec=config.disk_codec, max_disk_bytes=config.max_disk,
+                                    eviction_policy=config.eviction_policy)
     except TierDamagedError as exc:
         if not config.reset_disk:
             raise
@@ -179,7 +183,8 @@ def open_store(config: ServeConfig) -> TieredStore:
         log.warning("--reset-disk: the damaged LMDB environment was moved to %s (kept, never deleted) and a new "
                     "empty one started; the damage: %s", moved, str(exc).split("; recover with", 1)[0])
         store = open_embedded_store(config.resolved_data_dir(), memory_bytes=memory or None,
-                                    disk_codec=config.disk_codec, max_disk_bytes=config.max_disk)
+                                    disk_codec=config.disk_codec, max_disk_bytes=config.max_disk,
+                                    eviction_policy=config.eviction_policy)
     if not config.redis:
         return store
     if not config.redis.startswith(("redis://", "rediss://", "redis+cluster://")):
