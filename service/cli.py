@@ -138,6 +138,82 @@ def repair(
     print(report.summary())
 
 
+ReplayTrace = Annotated[Path, typer.Argument(
+    help="request trace: one JSON object per line with hash_ids (see ../shared/data/traces/README.md)")]
+ReplayCapacities = Annotated[str, typer.Option(
+    help="comma-separated capacities: bare numbers are fractions in (0, 1] of the trace's distinct blocks, sizes "
+         "with a unit (64GiB, 4096B) are bytes")]
+ReplayPolicies = Annotated[str | None, typer.Option(
+    help="comma-separated eviction policies (default: every known one); LRU and OPT are always computed",
+    show_default=False)]
+ReplayBlockBytes = Annotated[str, typer.Option(
+    help="bytes of one block's placeholder value (default: a 512-token SmolLM2-135M fp16 block)")]
+ReplayTier = Annotated[str, typer.Option(help="tier class to drive: memory, or lmdb (in a temporary directory)")]
+ReplayWorkers = Annotated[int, typer.Option(help="processes replaying policies x capacities in parallel")]
+
+
+@app.command()
+def replay(
+    trace: ReplayTrace,
+    capacities: ReplayCapacities = "0.01,0.05,0.1,0.2,0.4",
+    policies: ReplayPolicies = None,
+    block_bytes: ReplayBlockBytes = "11796480",
+    tier: ReplayTier = "memory",
+    json_path: Annotated[Path | None, typer.Option("--json", help="write the results here as JSON")] = None,
+    plot: Annotated[Path | None, typer.Option(help="draw hit rate vs capacity (one line per policy, OPT dashed) "
+                                                    "to this PNG")] = None,
+    workers: ReplayWorkers = 1,
+) -> None:
+    """Replay a request trace through the real tier and policy code (no model): each policy's prefix-hit rate at
+    each capacity, next to Belady's OPT and LRU."""
+    _run_replay(trace, capacities, policies, block_bytes, tier, json_path, plot, workers)
+
+
+@bench_app.command("replay")
+def bench_replay(
+    trace: ReplayTrace,
+    json_path: Annotated[Path, typer.Option("--json", help="write the results here")] = Path(
+        "bench/results/replay.json"),
+    capacities: ReplayCapacities = "0.01,0.05,0.1,0.2,0.4",
+    policies: ReplayPolicies = None,
+    block_bytes: ReplayBlockBytes = "11796480",
+    tier: ReplayTier = "memory",
+    plot: Annotated[Path | None, typer.Option(help="also draw the PNG plot here")] = None,
+    workers: ReplayWorkers = 1,
+) -> None:
+    """`kvshelf replay` as a benchmark: the same table, JSON written to bench/results/replay.json by default."""
+    _run_replay(trace, capacities, policies, block_bytes, tier, json_path, plot, workers)
+
+
+def _run_replay(trace_path: Path, capacities: str, policies: str | None, block_bytes: str, tier: str,
+                json_path: Path | None, plot_path: Path | None, workers: int) -> None:
+    from rich.progress import Progress
+
+    from kvshelf.kvstore.replay import TIERS, check_block_bytes, check_policies, parse_capacities, replay
+    from kvshelf.kvstore.trace import read_trace
+    from kvshelf.service import replay_report
+
+    # every setting is checked before the trace is read and the replay starts
+    size = check_block_bytes(block_bytes)
+    specs = parse_capacities(capacities)
+    names = check_policies([p.strip() for p in policies.split(",") if p.strip()] if policies is not None else None)
+    if workers < 1:
+        raise KVShelfError(f"--workers must be at least 1, got {workers}")
+    if tier not in TIERS:
+        raise KVShelfError(f"--tier must be one of {', '.join(TIERS)}, got {tier!r}")
+    loaded = read_trace(trace_path)
+    err = Console(stderr=True)
+    with Progress(console=err, transient=True, disable=not err.is_terminal) as progress:
+        task = progress.add_task("replaying", total=None)
+        report = replay(loaded, policies=names, capacities=specs, block_bytes=size, tier=tier, workers=workers,
+                        total=lambda n: progress.update(task, total=n), progress=lambda n: progress.advance(task, n))
+    console.print(replay_report.render(report))
+    if json_path is not None:
+        console.print(f"wrote {replay_report.write_json(report, json_path)}")
+    if plot_path is not None:
+        console.print(f"wrote {replay_report.plot(report, plot_path)}")
+
+
 @bench_app.command("ttft")
 def bench_ttft(
     json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
