@@ -6,12 +6,16 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvshelf.kvstore.errors import ConfigError
+from kvshelf.kvstore.eviction.arc import ARCPolicy
 from kvshelf.kvstore.eviction.base import EvictionPolicy
 from kvshelf.kvstore.eviction.lru import LRUPolicy
+from kvshelf.kvstore.eviction.s3fifo import S3FIFOPolicy
 
 #: name -> factory taking the tier's capacity in bytes
 POLICIES: dict[str, Callable[[int], EvictionPolicy]] = {
     LRUPolicy.name: LRUPolicy,
+    S3FIFOPolicy.name: S3FIFOPolicy,
+    ARCPolicy.name: ARCPolicy,
 }
 #: the policy of ``open_embedded_store`` and ``kvshelf serve`` when none is named
 DEFAULT_POLICY = "lru"
@@ -25,4 +29,4 @@ def make_policy(name: str, capacity_bytes: int) -> EvictionPolicy:
     return factory(capacity_bytes)
 
 
-__all__ = ["DEFAULT_POLICY", "POLICIES", "EvictionPolicy", "LRUPolicy", "make_policy"]
+__all__ = ["DEFAULT_POLICY", "POLICIES", "ARCPolicy", "EvictionPolicy", "LRUPolicy", "S3FIFOPolicy", "make_policy"]
