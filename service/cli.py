@@ -201,6 +201,9 @@ def _run_replay(trace_path: Path, capacities: str, policies: str | None, block_b
         raise KVShelfError(f"--workers must be at least 1, got {workers}")
     if tier not in TIERS:
         raise KVShelfError(f"--tier must be one of {', '.join(TIERS)}, got {tier!r}")
+    for path, option in ((json_path, "--json"), (plot_path, "--plot")):
+        if path is not None:
+            replay_report.check_output(path, option)
     loaded = read_trace(trace_path)
     err = Console(stderr=True)
     with Progress(console=err, transient=True, disable=not err.is_terminal) as progress:

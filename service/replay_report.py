@@ -43,6 +43,18 @@ def render(report: ReplayReport) -> Table:
     return table
 
 
+def check_output(path: str | Path, option: str) -> Path:
+    """Refuse an output path that cannot be written before a long replay starts (its folder is created)."""
+    out = Path(path)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise KVShelfError(f"cannot write {option} {out}: {exc.strerror or exc}") from None
+    if out.is_dir():
+        raise KVShelfError(f"cannot write {option} {out}: it is a directory")
+    return out
+
+
 def write_json(report: ReplayReport, path: str | Path) -> Path:
     """``{"trace": str, "results": [...]}`` to ``path`` (its folder is created); ``KVShelfError`` if unwritable."""
     out = Path(path)
@@ -92,4 +104,4 @@ def plot(report: ReplayReport, path: str | Path) -> Path:
     return out
 
 
-__all__ = ["plot", "render", "write_json"]
+__all__ = ["check_output", "plot", "render", "write_json"]
