@@ -26,7 +26,6 @@ import hashlib
 import heapq
 import math
 import multiprocessing
-import os
 import shutil
 import tempfile
 import time
@@ -246,11 +245,19 @@ class RunResult:
         return self.hits / self.blocks
 
 
-def run_policy(trace: Trace, policy: str, capacity: Capacity, *, block_bytes: int, tier: str = "memory",
-               progress: Progress | None = None, workdir: str | None = None) -> RunResult:
-    """Replay ``trace`` through a fresh ``tier`` with ``policy`` at ``capacity``."""
+def key_chains(trace: Trace) -> list[list[bytes]]:
+    """Each request's tier keys in chain order (each distinct id hashed once)."""
     keys = {i: block_key(i) for r in trace.requests for i in r.hash_ids}
-    chains = [[keys[i] for i in r.hash_ids] for r in trace.requests]
+    return [[keys[i] for i in r.hash_ids] for r in trace.requests]
+
+
+def run_policy(trace: Trace, policy: str, capacity: Capacity, *, block_bytes: int, tier: str = "memory",
+               progress: Progress | None = None, workdir: str | None = None,
+               chains: list[list[bytes]] | None = None) -> RunResult:
+    """Replay ``trace`` (or its ``key_chains``, when given) through a fresh ``tier`` with ``policy`` at
+    ``capacity``."""
+    if chains is None:
+        chains = key_chains(trace)
     value = bytes(block_bytes)
     evictions = 0
 
@@ -323,13 +330,15 @@ def check_policies(names: Sequence[str] | None) -> list[str]:
     return chosen
 
 
-# worker processes (fork) read the trace from here instead of having it sent with every job
+# worker processes (fork) read the trace and its key chains from here instead of having them sent with every job
 _WORKER_TRACE: Trace | None = None
+_WORKER_CHAINS: list[list[bytes]] | None = None
 
 
 def _worker_run(policy: str, capacity: Capacity, block_bytes: int, tier: str, workdir: str | None) -> RunResult:
     assert _WORKER_TRACE is not None
-    return run_policy(_WORKER_TRACE, policy, capacity, block_bytes=block_bytes, tier=tier, workdir=workdir)
+    return run_policy(_WORKER_TRACE, policy, capacity, block_bytes=block_bytes, tier=tier, workdir=workdir,
+                      chains=_WORKER_CHAINS)
 
 
 def _worker_opt(capacity: Capacity) -> tuple[Capacity, int]:
@@ -365,9 +374,10 @@ def replay(trace: Trace, *, policies: Sequence[str] | None = None, capacities: s
     results: dict[tuple[str, Capacity], RunResult] = {}
     opt: dict[Capacity, int] = {}
     workers = min(workers, len(runs) + len(extra))
+    keyed = key_chains(trace)
     if workers > 1 and "fork" in multiprocessing.get_all_start_methods():
-        global _WORKER_TRACE
-        _WORKER_TRACE = trace
+        global _WORKER_TRACE, _WORKER_CHAINS
+        _WORKER_TRACE, _WORKER_CHAINS = trace, keyed
         try:
             with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
                 jobs = [pool.submit(_worker_run, p, c, block_bytes, tier, workdir) for p, c in runs + extra]
@@ -381,14 +391,14 @@ def replay(trace: Trace, *, policies: Sequence[str] | None = None, capacities: s
                     capacity, hits = job.result()
                     opt[capacity] = hits
         finally:
-            _WORKER_TRACE = None
+            _WORKER_TRACE = _WORKER_CHAINS = None
     else:
         chains = [r.hash_ids for r in trace.requests]
         for capacity in resolved:
             opt[capacity] = opt_hits(chains, capacity.blocks)
         for p, c in runs + extra:
             results[(p, c)] = run_policy(trace, p, c, block_bytes=block_bytes, tier=tier, progress=progress,
-                                         workdir=workdir)
+                                         workdir=workdir, chains=keyed)
     default = eviction.DEFAULT_POLICY
     report = ReplayReport(trace.path, tier, block_bytes, len(trace.requests), distinct)
     for p, c in runs:
@@ -397,14 +407,6 @@ def replay(trace: Trace, *, policies: Sequence[str] | None = None, capacities: s
     return report
 
 
-def default_workers() -> int:
-    """Worker processes when none is asked for: the CPUs this process may use."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
-
-
 __all__ = ["DEFAULT_BLOCK_BYTES", "DEFAULT_CAPACITIES", "Capacity", "CapacitySpec", "ReplayReport", "ReplayRow",
-           "RunResult", "block_key", "check_block_bytes", "check_policies", "opt_hits", "parse_capacities",
-           "replay", "replay_tier", "resolve_capacity", "run_policy"]
+           "RunResult", "block_key", "check_block_bytes", "check_policies", "key_chains", "opt_hits",
+           "parse_capacities", "replay", "replay_tier", "resolve_capacity", "run_policy"]
