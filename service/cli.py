@@ -144,7 +144,8 @@ ReplayCapacities = Annotated[str, typer.Option(
     help="comma-separated capacities: bare numbers are fractions in (0, 1] of the trace's distinct blocks, sizes "
          "with a unit (64GiB, 4096B) are bytes")]
 ReplayPolicies = Annotated[str | None, typer.Option(
-    help="comma-separated eviction policies (default: every known one); LRU and OPT are always computed",
+    help="comma-separated eviction policies (default: every known one); LRU and OPT are always computed; the "
+         "table marks with * the default policy of `kvshelf serve` and open_embedded_store",
     show_default=False)]
 ReplayBlockBytes = Annotated[str, typer.Option(
     help="bytes of one block's placeholder value (default: a 512-token SmolLM2-135M fp16 block)")]
