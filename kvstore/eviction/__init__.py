@@ -9,6 +9,7 @@ from kvshelf.kvstore.errors import ConfigError
 from kvshelf.kvstore.eviction.arc import ARCPolicy
 from kvshelf.kvstore.eviction.base import EvictionPolicy
 from kvshelf.kvstore.eviction.lru import LRUPolicy
+from kvshelf.kvstore.eviction.prefix import PrefixAwarePolicy
 from kvshelf.kvstore.eviction.s3fifo import S3FIFOPolicy
 
 #: name -> factory taking the tier's capacity in bytes
@@ -16,9 +17,10 @@ POLICIES: dict[str, Callable[[int], EvictionPolicy]] = {
     LRUPolicy.name: LRUPolicy,
     S3FIFOPolicy.name: S3FIFOPolicy,
     ARCPolicy.name: ARCPolicy,
+    PrefixAwarePolicy.name: PrefixAwarePolicy,
 }
 #: the policy of ``open_embedded_store`` and ``kvshelf serve`` when none is named
-DEFAULT_POLICY = "lru"
+DEFAULT_POLICY = "prefix"
 
 
 def make_policy(name: str, capacity_bytes: int) -> EvictionPolicy:
@@ -29,4 +31,7 @@ def make_policy(name: str, capacity_bytes: int) -> EvictionPolicy:
     return factory(capacity_bytes)
 
 
-__all__ = ["DEFAULT_POLICY", "POLICIES", "ARCPolicy", "EvictionPolicy", "LRUPolicy", "S3FIFOPolicy", "make_policy"]
+__all__ = [
+    "DEFAULT_POLICY", "POLICIES", "ARCPolicy", "EvictionPolicy", "LRUPolicy", "PrefixAwarePolicy", "S3FIFOPolicy",
+    "make_policy",
+]

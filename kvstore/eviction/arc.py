@@ -63,8 +63,10 @@ class ARCPolicy(EvictionPolicy):
 
     name = "arc"
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, *, ghost_factor: float = 1.0) -> None:
         super().__init__(capacity_bytes)
+        #: the ghost directory's bound in multiples of the paper's: T1 + B1 <= factor x c, all four <= 2 x factor x c
+        self.ghost_factor = ghost_factor
         self.p = 0.0  # target bytes of T1
         self._t1, self._t2, self._b1, self._b2 = _List(), _List(), _List(), _List()
         self._returning: bytes | None = None  # the ghost admit() just took back (it enters T2 when inserted)
@@ -98,8 +100,7 @@ class ARCPolicy(EvictionPolicy):
         else:
             self._t1.add(key, size)
             # ARC case IV: the L1 directory (T1 + B1) holds at most c
-            while self._b1 and self._t1.bytes + self._b1.bytes > self.capacity_bytes:
-                self._b1.pop_oldest()
+            self._trim_b1()
         self._trim_directory()
 
     def on_hit(self, key: bytes) -> None:
@@ -114,8 +115,7 @@ class ARCPolicy(EvictionPolicy):
             size = self._t1.pop(key)
             if named:
                 self._b1.add(key, size)
-                while self._b1 and self._t1.bytes + self._b1.bytes > self.capacity_bytes:
-                    self._b1.pop_oldest()
+                self._trim_b1()
         elif key in self._t2:
             size = self._t2.pop(key)
             if named:
@@ -146,9 +146,16 @@ class ARCPolicy(EvictionPolicy):
             delta = max(1.0, b1 / b2) if b2 else 1.0
             self.p = max(0.0, self.p - delta * size)
 
+    def _trim_b1(self) -> None:
+        """ARC case IV: the L1 directory (T1 + B1) holds at most c (times ``ghost_factor``)."""
+        limit = self.ghost_factor * self.capacity_bytes
+        while self._b1 and self._t1.bytes + self._b1.bytes > limit:
+            self._b1.pop_oldest()
+
     def _trim_directory(self) -> None:
-        """The whole directory (T1 + T2 + B1 + B2) holds at most 2c: drop the oldest ghosts, B2's first."""
-        limit = 2 * self.capacity_bytes
+        """The whole directory (T1 + T2 + B1 + B2) holds at most 2c (times ``ghost_factor``): drop the oldest
+        ghosts, B2's first."""
+        limit = 2 * self.ghost_factor * self.capacity_bytes
         total = self._t1.bytes + self._t2.bytes + self._b1.bytes + self._b2.bytes
         while total > limit and (self._b1 or self._b2):
             ghosts = self._b2 if self._b2 else self._b1
