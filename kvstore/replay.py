@@ -44,7 +44,7 @@ from kvshelf.kvstore.trace import Trace
 DEFAULT_BLOCK_BYTES = 30 * 2 * 3 * 64 * 512 * 2
 DEFAULT_CAPACITIES = "0.01,0.05,0.1,0.2,0.4"
 TIERS = ("memory", "lmdb")
-MAX_BLOCK_BYTES = 1 << 40
+MAX_BLOCK_BYTES = 1 << 30  # one placeholder value is allocated: a 512-token block of a 70B model is 160 MiB
 
 Progress = Callable[[int], None]  # told how many more blocks were replayed
 
@@ -60,7 +60,7 @@ def check_block_bytes(value: int | str) -> int:
     if size <= 0:
         raise ConfigError(f"--block-bytes must be a positive number of bytes, got {value!r}")
     if size > MAX_BLOCK_BYTES:
-        raise ConfigError(f"--block-bytes {value!r} is too large (at most {MAX_BLOCK_BYTES} bytes, 1 TiB)")
+        raise ConfigError(f"--block-bytes {value!r} is too large (at most {MAX_BLOCK_BYTES} bytes, 1 GiB)")
     return size
 
 
@@ -190,43 +190,28 @@ def replay_tier(tier: Tier, chains: Sequence[Sequence[bytes]], value: bytes,
     return hits
 
 
-def open_tier(kind: str, capacity_bytes: int, policy: str, workdir: str | None = None) -> Tier:
-    """A fresh bounded tier of ``kind`` (``memory``, or ``lmdb`` in a new directory under ``workdir``)."""
+def open_tier(kind: str, capacity_bytes: int, policy: str, workdir: str | None = None) -> tuple[Tier, str | None]:
+    """A fresh bounded tier of ``kind`` and the directory to remove after it: ``memory`` (none), or ``lmdb`` in a
+    new directory under ``workdir`` (default: the system's temporary folder), not synced (``durable=False``)."""
     if kind == "memory":
         from kvshelf.kvstore.memory_tier import MemoryTier
 
-        return MemoryTier(capacity_bytes, policy=policy)
+        return MemoryTier(capacity_bytes, policy=policy), None
     if kind == "lmdb":
-        import inspect
+        from kvshelf.kvstore.lmdb_tier import LMDBTier, lmdb_slack_bytes
 
-        from kvshelf.kvstore.lmdb_tier import LMDBTier
-
-        if "capacity_bytes" not in inspect.signature(LMDBTier).parameters:
-            raise ConfigError("--tier lmdb: this LMDB tier has no byte capacity (eviction) yet")
-        free = shutil.disk_usage(workdir or tempfile.gettempdir()).free
-        if capacity_bytes > free:
-            raise ConfigError(f"--tier lmdb: a capacity of {capacity_bytes} bytes does not fit the {free} bytes free "
-                              f"in {workdir or tempfile.gettempdir()}; use a smaller --block-bytes")
-        path = tempfile.mkdtemp(prefix="kvshelf-replay-", dir=workdir)
-        params: dict[str, Any] = {"capacity_bytes": capacity_bytes}
-        signature = inspect.signature(LMDBTier).parameters
-        if "policy" in signature:
-            params["policy"] = policy
-        elif "eviction_policy" in signature:
-            params["eviction_policy"] = policy
-        if "durable" in signature:
-            params["durable"] = False
-        tier = LMDBTier(path, **params)
-        tier._replay_dir = path  # type: ignore[attr-defined]  # removed by close_tier
-        return tier
+        parent = workdir or tempfile.gettempdir()
+        needed, free = capacity_bytes + lmdb_slack_bytes(capacity_bytes), shutil.disk_usage(parent).free
+        if needed > free:
+            raise ConfigError(f"--tier lmdb: a capacity of {capacity_bytes} bytes (with LMDB's slack {needed}) does "
+                              f"not fit the {free} bytes free in {parent}; use a smaller --block-bytes")
+        path = tempfile.mkdtemp(prefix="kvshelf-replay-", dir=parent)
+        try:
+            return LMDBTier(path, capacity_bytes=capacity_bytes, policy=policy, durable=False), path
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)
+            raise
     raise ConfigError(f"unknown tier {kind!r}; replay drives one of: {', '.join(TIERS)}")
-
-
-def close_tier(tier: Tier) -> None:
-    tier.close()
-    path = getattr(tier, "_replay_dir", None)
-    if path:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @dataclass(frozen=True)
@@ -266,12 +251,14 @@ def run_policy(trace: Trace, policy: str, capacity: Capacity, *, block_bytes: in
         evictions += 1
 
     started = time.perf_counter()
-    bounded = open_tier(tier, capacity.bytes, policy, workdir)
+    bounded, directory = open_tier(tier, capacity.bytes, policy, workdir)
     try:
         bounded.set_eviction_callback(count)
         hits = replay_tier(bounded, chains, value, progress)
     finally:
-        close_tier(bounded)
+        bounded.close()
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
     return RunResult(policy, capacity, hits, trace.total_blocks, evictions, time.perf_counter() - started)
 
 

@@ -247,7 +247,7 @@ def test_a_capacity_below_one_block_is_refused() -> None:
         replay(make_trace([[1, 2, 3]]), capacities="0.1", block_bytes=8)
 
 
-@pytest.mark.parametrize("value", [0, -1, "0", "-4KiB", "abc", "1.5", "2TiB", True])
+@pytest.mark.parametrize("value", [0, -1, "0", "-4KiB", "abc", "1.5", "2GiB", True])
 def test_bad_block_bytes_are_config_errors(value: object) -> None:
     with pytest.raises(ConfigError, match="--block-bytes"):
         check_block_bytes(value)  # type: ignore[arg-type]
@@ -281,16 +281,21 @@ LMDB_HAS_CAPACITY = "capacity_bytes" in inspect.signature(LMDBTier).parameters
 
 
 @pytest.mark.skipif(not LMDB_HAS_CAPACITY, reason="LMDBTier has no capacity_bytes (bounded LMDB tier not landed)")
-def test_the_lmdb_tier_replays_a_tiny_trace(tmp_path: Path) -> None:
+def test_the_lmdb_tier_replays_a_tiny_trace_as_the_memory_tier_does(tmp_path: Path) -> None:
+    # the bounded LMDB tier counts value bytes and drives its policy as MemoryTier does: the same figures
     chains = random_chains(5, requests=60)
-    memory = replay(make_trace(chains), policies=["lru"], capacities="0.2,1", block_bytes=4096)
-    disk = replay(make_trace(chains), policies=["lru"], capacities="0.2,1", block_bytes=4096, tier="lmdb",
-                  workdir=str(tmp_path))
-    full = [r for r in disk.rows if r.run.capacity.fraction == 1][0]
-    assert full.run.hits == unbounded_hits(chains)
-    for row in disk.rows:
-        assert 0 < row.run.hits <= row.opt_hits
-    assert [r.opt_hits for r in disk.rows] == [r.opt_hits for r in memory.rows]
+    memory = replay(make_trace(chains), capacities="0.2,1", block_bytes=65536)
+    disk = replay(make_trace(chains), capacities="0.2,1", block_bytes=65536, tier="lmdb", workdir=str(tmp_path))
+    assert len(disk.rows) == 2 * len(eviction.POLICIES)
+    for on_disk, in_memory in zip(disk.rows, memory.rows, strict=True):
+        assert (on_disk.run.policy, on_disk.run.capacity) == (in_memory.run.policy, in_memory.run.capacity)
+        assert (on_disk.run.hits, on_disk.run.evictions) == (in_memory.run.hits, in_memory.run.evictions)
+        assert on_disk.opt_hits == in_memory.opt_hits
+        if on_disk.run.capacity.fraction == 1:
+            assert on_disk.run.hits == unbounded_hits(chains) and on_disk.run.evictions == 0
+        else:
+            assert on_disk.run.hits > 0 and on_disk.run.evictions > 0
+    assert disk.as_json()["results"][0]["tier"] == "lmdb"
     assert list(tmp_path.iterdir()) == []  # each run's environment is removed
 
 

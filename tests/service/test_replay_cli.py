@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,27 @@ def test_bench_replay_writes_its_json(tmp_path: Path, monkeypatch: pytest.Monkey
     assert result["policy"] == "lru" and result["hit_rate"] == result["lru_hit_rate"]
 
 
+def test_replay_drives_the_lmdb_tier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    out_json = tmp_path / "disk.json"
+    trace = write_trace(tmp_path)
+    args = ["--policies", "lru", "--capacities", "0.25,1", "--block-bytes", "64KiB"]
+    code, out, err = run_main(monkeypatch, capsys, "replay", str(trace), *args, "--tier", "lmdb", "--json",
+                              str(out_json))
+    assert (code, err) == (0, "")
+    assert "lmdb tier" in out
+    disk = json.loads(out_json.read_text())["results"]
+    assert [r["tier"] for r in disk] == ["lmdb", "lmdb"]
+    assert list(scratch.iterdir()) == []  # the environments are removed
+    code, out, err = run_main(monkeypatch, capsys, "replay", str(trace), *args, "--json", str(out_json))
+    memory = json.loads(out_json.read_text())["results"]
+    assert [(r["hit_rate"], r["evictions"]) for r in disk] == [(r["hit_rate"], r["evictions"]) for r in memory]
+    assert disk[0]["evictions"] > 0
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--capacities", "0"], "capacity '0' must be positive"),
     (["--capacities", "-0.05"], "must be positive"),
@@ -78,6 +100,8 @@ def test_bench_replay_writes_its_json(tmp_path: Path, monkeypatch: pytest.Monkey
     (["--block-bytes", "0"], "--block-bytes must be a positive number of bytes"),
     (["--block-bytes", "big"], "--block-bytes: cannot read size 'big'"),
     (["--tier", "redis"], "--tier must be one of memory, lmdb"),
+    (["--tier", "lmdb", "--capacities", "1000TiB"], "does not fit the "),
+    (["--block-bytes", "2GiB"], "--block-bytes '2GiB' is too large"),
     (["--workers", "0"], "--workers must be at least 1"),
 ])
 def test_bad_settings_are_one_error_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
