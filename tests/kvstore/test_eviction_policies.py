@@ -338,7 +338,8 @@ def test_policy_names_only_held_unpinned_keys(policy_name: str, seed: int):
         if isinstance(policy, ARCPolicy):
             lists = policy.list_bytes()
             assert lists["T1"] + lists["T2"] == sum(sizes.values())
-            assert lists["T1"] + lists["B1"] <= capacity and sum(lists.values()) <= 2 * capacity
+            directory = policy.ghost_factor * capacity  # ARC's bound c (the prefix policy's is 8c)
+            assert lists["T1"] + lists["B1"] <= directory and sum(lists.values()) <= 2 * directory
             assert 0 <= policy.p <= capacity
     # every held key unpinned: the policy gives every one of them up, one by one, and then None
     while sizes:

@@ -112,7 +112,7 @@ def test_memory_pinned_never_evicted():
 
 
 def test_memory_full_of_pins_rejects_without_evicting():
-    tier = MemoryTier(300)
+    tier = MemoryTier(300, policy="lru")  # the order of evictions below is LRU's
     evicted: list[bytes] = []
     tier.set_eviction_callback(lambda key, value: evicted.append(key))
     tier.pin([k(1), k(2)])
