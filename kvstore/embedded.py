@@ -20,7 +20,7 @@ from kvshelf.kvstore.store import TieredStore, TierSpec
 
 DEFAULT_MEMORY_BYTES = 2 << 30
 MAX_SIZE_BYTES = 1 << 60  # 1 EiB: a larger size is a typo, never a capacity
-MIN_DISK_BYTES = 1 << 20  # an LMDB map smaller than this cannot even hold its own databases
+MIN_DISK_BYTES = 1 << 20  # the smallest disk capacity (LMDB's own pages come on top, in the tier's slack)
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000**4,
           "tib": 1 << 40, "p": 1 << 50, "pb": 1000**5, "pib": 1 << 50, "e": 1 << 60, "eb": 1000**6, "eib": 1 << 60}
@@ -85,6 +85,11 @@ def open_embedded_store(
     reads default to ``namespace``. ``eviction_policy`` (a name of ``kvstore.eviction.POLICIES``) picks what
     each bounded tier evicts.
 
+    ``max_disk_bytes`` is the LMDB tier's capacity: it holds at most that many bytes of blocks and evicts (by
+    ``eviction_policy``) to stay under it; its file stays under the capacity plus a slack for LMDB's own pages
+    (``kvstore.lmdb_tier.lmdb_slack_bytes``: 39.25 MiB for 256 MiB, ~2.7% for 1 TiB). (Before, it was only a
+    size limit: past it every put failed with ``StoreFullError``.)
+
     Raises ``TierDamagedError`` (naming the path and the recovery) when ``data_dir/lmdb`` is damaged: salvage it
     with ``kvshelf repair`` (``kvstore.lmdb_repair``) or move it aside (``lmdb_repair.move_aside``)."""
     path = Path(data_dir) if data_dir is not None else default_data_dir()
@@ -96,15 +101,14 @@ def open_embedded_store(
         raise ConfigError("memory_bytes: must be > 0 (None: no memory tier)")
     max_disk = parse_size(max_disk_bytes, "max_disk_bytes")
     if max_disk < MIN_DISK_BYTES:
-        raise ConfigError(f"max_disk_bytes: {max_disk_bytes!r} is below the {MIN_DISK_BYTES} bytes (1 MiB) an LMDB "
-                          "environment needs")
+        raise ConfigError(f"max_disk_bytes: {max_disk_bytes!r} is below the minimum disk capacity of "
+                          f"{MIN_DISK_BYTES} bytes (1 MiB)")
     specs: list[TierSpec] = []
     if memory is not None:
         specs.append(TierSpec(MemoryTier(memory, policy=eviction_policy), memory_codec))
     specs.append(
         TierSpec(
-            LMDBTier(path / "lmdb", max_map_bytes=max_disk, initial_map_bytes=min(256 << 20, max_disk),
-                     durable=durable),
+            LMDBTier(path / "lmdb", capacity_bytes=max_disk, policy=eviction_policy, durable=durable),
             disk_codec,
             dict(disk_codec_params or {}),
         )

@@ -33,11 +33,13 @@ Slack (bounded mode). LMDB never writes past its map, and the map is fixed at ``
 * ``2 x (txn_bytes + R)``: pages freed by a commit are reused only two commits later (a reader may be starting
   on the previous snapshot), so at any instant the file also holds what the previous and the current write
   transaction wrote, plus their copy-on-write copies of tree pages (at most every tree page once: <= R).
-* ``txn_bytes``: fragmentation: a value needs one contiguous run of free pages.
+* ``2 x txn_bytes``: fragmentation: a value needs one contiguous run of free pages, and freed runs of other
+  lengths leave pieces too small (measured: with 1-8 MiB values in 256 MiB, an unbounded map settles ~5
+  largest values past the capacity after 1,500 puts and creeps on; the bound turns the creep into retries).
 * ``capacity / 256``: the free list itself (8 bytes per free page, in pages of its own), and 256 KiB for the
   two meta pages and the trees' roots.
 
-For a 256 MiB capacity that is 2 + 2 x (8 + 2) + 8 + 1 + 0.25 = 31.25 MiB; for 16 MiB, 4.6 MiB. When a put
+For a 256 MiB capacity that is 2 + 2 x (8 + 2) + 16 + 1 + 0.25 = 39.25 MiB; for 16 MiB, 5.3 MiB. When a put
 still finds the map full (the free pages too fragmented, or a reader holding an old snapshot), the tier
 commits a transaction evicting more (twice as much each time), then an empty one so the freed pages become
 reusable, and retries; if a reader of another process has held a snapshot since before those evictions, or
@@ -46,9 +48,11 @@ whose file is already larger (written unbounded, or with a larger capacity) keep
 shrink (evict down, then ``mdb_copy -c`` to compact); it is evicted down to the capacity when opened.
 
 Policy state and restarts. The policy lives in the process. So that it knows the held keys after a restart,
-every write also records a sequence number per key (databases ``keyseq``: key -> sequence and length, and
-``order``: sequence -> key, written in the same transaction); at open the keys are fed to the policy oldest
-write first (reads are not recorded: after a restart recency is by last write). Several processes may share
+every bounded write also records a sequence number per key (databases ``keyseq``: key -> sequence and length,
+and ``order``: sequence -> key, written in the same transaction); at open the keys are fed to the policy oldest
+write first (reads are not recorded: after a restart recency is by last write). Unbounded writes keep no index
+(they mark it stale); a bounded open of an environment without a valid index (written unbounded, repaired, or
+by an older kvshelf) rebuilds it first, in key order. Several processes may share
 one environment, each with its own policy and pins (all must open it with the same capacity): a victim that
 another process already removed is skipped; when this process's policy has nothing left to evict (it holds
 only pinned keys) but the shared byte counters are over capacity (other processes' keys), the tier evicts by
@@ -151,9 +155,9 @@ def page_allowance(capacity_bytes: int) -> int:
 
 def lmdb_slack_bytes(capacity_bytes: int, page_size: int = 4096) -> int:
     """How far past ``capacity_bytes`` a bounded tier's file may grow (the module docstring derives each term):
-    ``3 R + 3 txn_bytes + capacity / 256 + 256 KiB``, rounded up to whole pages."""
+    ``3 R + 4 txn_bytes + capacity / 256 + 256 KiB``, rounded up to whole pages."""
     allowance, txn = page_allowance(capacity_bytes), txn_bytes(capacity_bytes)
-    slack = allowance + 2 * (txn + allowance) + txn + capacity_bytes // 256 + _FIXED_SLACK
+    slack = allowance + 2 * (txn + allowance) + 2 * txn + capacity_bytes // 256 + _FIXED_SLACK
     return -(-slack // page_size) * page_size
 
 

@@ -47,7 +47,9 @@ def serve(
     listen: Annotated[str | None, _opt("HOST:PORT to listen on (default 127.0.0.1:50051)")] = None,
     data_dir: Annotated[str | None, _opt("store directory (CPU memory + LMDB)")] = None,
     memory: Annotated[str | None, _opt("memory tier capacity, e.g. 2GiB (0: none)")] = None,
-    max_disk: Annotated[str | None, _opt("LMDB size limit, e.g. 1TiB")] = None,
+    max_disk: Annotated[str | None, _opt(
+        "LMDB tier capacity, e.g. 100GiB (default 1TiB): it evicts to stay under it; the file may pass it by a "
+        "documented slack for LMDB's own pages (39.25MiB for 256MiB, ~2.7% for 1TiB)")] = None,
     disk_codec: Annotated[str | None, _opt("codec of the LMDB (and Redis) tier (default raw)")] = None,
     eviction_policy: Annotated[str | None, _opt(
         "what the memory and LMDB tiers evict: lru, ... (default: see `kvshelf replay --help`)")] = None,

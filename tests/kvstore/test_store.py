@@ -494,7 +494,7 @@ def test_open_embedded_store_round_trip_and_reopen(data_dir):
         assert [s.tier.name for s in store.specs] == ["memory", "disk"]
         assert isinstance(store.specs[0].tier, MemoryTier) and store.specs[0].tier.capacity_bytes == MiB
         assert isinstance(store.specs[1].tier, LMDBTier)
-        assert store.specs[1].tier.max_map_bytes == 64 * MiB
+        assert store.specs[1].tier.capacity_bytes == 64 * MiB  # max_disk_bytes: the disk tier's capacity
         store.put_many(entries)
     assert (data_dir / "lmdb").is_dir()
     with open_embedded_store(data_dir, memory_bytes=None, max_disk_bytes=64 * MiB) as store:
