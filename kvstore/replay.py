@@ -18,6 +18,16 @@ Capacities are fractions of the trace's distinct blocks (bare numbers in (0, 1]:
 blocks) or byte sizes with a unit (``"64GiB"``, ``"4096B"``: ``floor(bytes / block_bytes)`` blocks). A fraction
 above 1 is refused: at 1 nothing is ever evicted, so more cannot change a figure (and a bare ``1000000`` is more
 likely a byte size missing its unit). 0, negative, or less than one block is a ``ConfigError``.
+
+Tiers: ``memory`` (``MemoryTier``) or ``lmdb`` (a bounded ``LMDBTier`` in a fresh temporary directory, not synced,
+removed after the run). The LMDB tier also bounds the pages its values take (their *charge*, see its module
+docstring), so with values that fill their last page badly it holds fewer blocks than ``capacity / block_bytes``
+(OPT's count); ``block_bytes = n x 4096 - 16`` (e.g. 65520) fills whole pages, and the LMDB tier then gives the
+memory tier's figures (LRU on the conversation trace at 0.05 / 0.1: 0.103 / 0.196 on both).
+
+Speed: one policy at one capacity is a pass over the trace's blocks through the tier's public calls (three per
+request, each under the tier's lock; the policy's calls per key); ``workers`` > 1 runs the (policy, capacity)
+pairs in forked processes, each with its own tier (the figures are the same).
 """
 
 from __future__ import annotations

@@ -151,7 +151,9 @@ ReplayPolicies = Annotated[str | None, typer.Option(
     show_default=False)]
 ReplayBlockBytes = Annotated[str, typer.Option(
     help="bytes of one block's placeholder value (default: a 512-token SmolLM2-135M fp16 block)")]
-ReplayTier = Annotated[str, typer.Option(help="tier class to drive: memory, or lmdb (in a temporary directory)")]
+ReplayTier = Annotated[str, typer.Option(
+    help="tier class to drive: memory, or lmdb (in a temporary directory; it charges a value its whole 4 KiB pages: "
+         "--block-bytes 65520 (16 pages less LMDB's 16-byte header) holds as many blocks as the memory tier)")]
 ReplayWorkers = Annotated[int, typer.Option(help="processes replaying policies x capacities in parallel")]
 
 
