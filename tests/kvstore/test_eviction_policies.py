@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from kvshelf.kvstore.eviction import POLICIES, ARCPolicy, EvictionPolicy, S3FIFOPolicy, make_policy
+from kvshelf.kvstore.lmdb_tier import LMDBTier
 from kvshelf.kvstore.memory_tier import MemoryTier
 from kvshelf.kvstore.tier import Tier
 
@@ -28,6 +29,8 @@ from kvshelf.kvstore.tier import Tier
 TierFactory = Callable[[Path, int, str], Tier]
 TIER_FACTORIES: list[tuple[str, TierFactory]] = [
     ("memory", lambda directory, capacity, policy: MemoryTier(capacity, policy=policy)),
+    ("lmdb", lambda directory, capacity, policy: LMDBTier(directory / "lmdb", capacity_bytes=capacity, policy=policy,
+                                                          durable=False)),
 ]
 POLICY_NAMES = sorted(POLICIES)
 
