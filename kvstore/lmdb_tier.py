@@ -70,6 +70,7 @@ and the ``TieredStore`` skips the tier as it does an unreachable one.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import struct
@@ -101,6 +102,7 @@ _TOTAL = b"total_bytes"  # sum of the held values' lengths
 _CHARGED = b"charged_bytes"  # sum of their charges (footprints in pages, ``charge``)
 _NEXT_SEQ = b"next_seq"
 _TICK = b"tick"  # bumped by the empty commit that makes freed pages reusable
+_CAPACITY = b"capacity_bytes"  # the capacity the environment was last opened with (for ``kvshelf stats``)
 _U64 = struct.Struct("<Q")
 _SEQ = struct.Struct(">Q")  # big-endian: the order database sorts by it
 _KEYSEQ = struct.Struct(">QQ")  # (sequence, value length)
@@ -368,6 +370,9 @@ class LMDBTier(Tier):
 
         if not self._read(consistent):
             self._rebuild_index()
+        if self._read(lambda txn: self._counter(txn, _CAPACITY)) != self.capacity_bytes:
+            with contextlib.suppress(_Full):  # only shown to a reader opening it unbounded (``kvshelf stats``)
+                self._write(lambda txn: txn.put(_CAPACITY, _U64.pack(self.capacity_bytes), db=self._meta))
         while self._read(lambda txn: self._over(txn) > 0):  # opened with a smaller capacity than it was written
             if not self._evict_round(self._txn_bytes, reason="opened with a smaller capacity", extra=False):
                 break
@@ -867,7 +872,8 @@ class LMDBTier(Tier):
 
     def usage(self) -> TierUsage:
         def fn(txn: lmdb.Transaction) -> TierUsage:
-            capacity = self.capacity_bytes if self.capacity_bytes is not None else self.max_map_bytes
+            # unbounded: the capacity a bounded opener recorded (a server, seen by ``kvshelf stats --data-dir``)
+            capacity = self.capacity_bytes or self._counter(txn, _CAPACITY) or self.max_map_bytes
             return TierUsage(blocks=txn.stat(self._blocks)["entries"], bytes=self._total(txn),
                              capacity_bytes=capacity)
 
