@@ -47,6 +47,7 @@ class PrefixAwarePolicy(ARCPolicy):
         self._children: dict[bytes, dict[bytes, None]] = {}  # held key -> its held children (insertion order)
         self._pending: OrderedDict[bytes, bytes] = OrderedDict()  # looked-up, not held key -> parent
         self._orphans: OrderedDict[bytes, None] = OrderedDict()  # held keys whose parent left
+        self._walked: OrderedDict[bytes, bytes] = OrderedDict()  # chain head -> where its last tail walk ended
 
     # -- chains --------------------------------------------------------------------------------------------
 
@@ -116,12 +117,24 @@ class PrefixAwarePolicy(ARCPolicy):
         return key
 
     def _chain_tail(self, key: bytes, pinned: Set[bytes]) -> bytes:
-        """The deepest unpinned held descendant of ``key`` (``key`` itself when it has none)."""
-        seen = {key}
+        """The deepest unpinned held descendant of ``key`` (``key`` itself when it has none).
+
+        The walk resumes where the last walk from ``key`` ended (a chain evicted tail first is walked once, not
+        once per block)."""
+        head, resume = key, self._walked.get(key)
+        if resume is not None and self._held(resume) and resume not in pinned:
+            key = resume
+        seen = {head, key}
         while True:
             children = self._children.get(key)
             child = next((c for c in children if c not in pinned and c not in seen), None) if children else None
             if child is None:
-                return key
+                break
             seen.add(child)  # a cycle (two lookups ordering the same keys differently) cannot loop forever
             key = child
+        parent = self._parent.get(key)
+        if key != head and parent is not None:
+            self._walked[head] = parent  # where the next walk from head starts, once key is gone
+            while len(self._walked) > _PENDING_PARENTS:
+                self._walked.popitem(last=False)
+        return key
