@@ -57,6 +57,7 @@ that always tries (it ignores the backoff) and opens or closes the breaker by it
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import re
@@ -74,7 +75,19 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
 
 from kvshelf.kvstore.errors import ConfigError, TierUnavailableError
-from kvshelf.kvstore.tier import Tier, TierUsage
+from kvshelf.kvstore.redis_usage import (
+    INIT_SCRIPT,
+    LOST,
+    RECONCILE_INTERVAL_S,
+    RECONCILE_STEP,
+    SCAN_BATCH,
+    SETTLE_S,
+    USAGE_SCRIPT,
+    Entry,
+    entry_field,
+    unflagged,
+)
+from kvshelf.kvstore.tier import EvictionCallback, Tier, TierUsage
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -95,6 +108,8 @@ DEFAULT_MAX_VALUE_BYTES = 1 * GiB
 #: one round trip of chunk reads: at most this many commands and about this many bytes
 _ROUND_COMMANDS = 256
 _ROUND_BYTES = 64 * MiB
+#: the most chunk keys removed of one value found broken, and checked (EXISTS) by a reconciliation
+_DROP_CHUNKS = 4096
 #: the circuit breaker's backoff after a failure: first, and the most it doubles to
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
@@ -317,7 +332,12 @@ class RedisTier(Tier):
         chunk_bytes: int = 4 * MiB,
         where: str = "redis",
         max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
+        reconcile_interval_s: float = RECONCILE_INTERVAL_S,
     ) -> None:
+        if isinstance(reconcile_interval_s, bool) or not isinstance(reconcile_interval_s, int | float) or not (
+                reconcile_interval_s >= 0):
+            raise ConfigError(f"Redis reconcile_interval_s must be a number of seconds >= 0, "
+                              f"got {reconcile_interval_s!r}")
         if not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or chunk_bytes <= 0:
             raise ConfigError(f"Redis chunk_bytes must be a positive number of bytes, got {chunk_bytes!r}")
         if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
@@ -337,6 +357,17 @@ class RedisTier(Tier):
         self._lock = threading.Lock()
         self._usage_key = f"{{{prefix}#usage}}"
         self._breaker = _Breaker(name)
+        self.reconcile_interval_s = float(reconcile_interval_s)
+        self._on_evict: EvictionCallback | None = None
+        self._flagged = True  # whether Redis takes script flags (7+); cleared on the first refusal
+        self._reconcile_lock = threading.Lock()
+        self._cursor = 0  # the registry HSCAN cursor of a reconciliation pass in progress (0: none)
+        self._seen_evicted: int | None = None  # Redis's evicted_keys when the last pass started
+        self._next_check = 0.0  # monotonic time of the next check a put may make
+        self._saw_registry = False  # whether this tier has seen its registry (a lost one is then worth a warning)
+        self._stale = False  # an accounting change was refused: the next usage() recounts
+        self._next_blind = 0.0  # INFO unreadable: monotonic time of the next pass usage() may run
+        self._pass_evicted: int | None = None  # evicted_keys when the pass under way began
 
     @classmethod
     def from_url(
@@ -348,6 +379,7 @@ class RedisTier(Tier):
         chunk_bytes: int = 4 * MiB,
         socket_timeout: float = 1.0,
         max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
+        reconcile_interval_s: float = RECONCILE_INTERVAL_S,
     ) -> RedisTier:
         """A tier on ``redis://[:password@]host:port/db`` (standalone) or ``redis+cluster://host:port`` (a seed
         node of a Redis Cluster). Nothing is connected until first use. ``socket_timeout``: seconds a connect or a
@@ -399,7 +431,7 @@ class RedisTier(Tier):
                 return redis.Redis(db=int(db_text), health_check_interval=30, retry=retry, **options)
 
         return cls(connect, name=name, prefix=prefix, chunk_bytes=chunk_bytes, where=where,
-                   max_value_bytes=max_value_bytes)
+                   max_value_bytes=max_value_bytes, reconcile_interval_s=reconcile_interval_s)
 
     # -- plumbing -------------------------------------------------------------------------------------
 
@@ -528,7 +560,6 @@ class RedisTier(Tier):
 
     def _heal(self, client: Client, damaged: Sequence[tuple[bytes, _Damage]]) -> None:
         """Remove damaged values, each only if it is still what was read (a put may have replaced it since)."""
-        blocks, size = 0, 0
         for key, damage in damaged:
             name = self._manifest_key(key)
             manifest = damage.manifest
@@ -548,21 +579,18 @@ class RedisTier(Tier):
                 continue
             log.warning("Redis tier %s: removed damaged value %s: %s", self.name, key.hex(), damage.reason)
             if manifest is not None:  # a sound manifest: its chunks are known, and it was counted when written
+                self._account(client, [self._op("x", key, manifest)])
                 self._execute(client, (lambda p, c=c: p.delete(c) for c in self._chunk_keys(key, manifest)))
-                blocks, size = blocks - 1, size - manifest.total
-        if blocks or size:
-            pipe = self._pipeline(client)
-            self._count(pipe, blocks, size)
-            pipe.execute(raise_on_error=False)
 
     # -- Tier -----------------------------------------------------------------------------------------
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        """The values of ``keys``: ``None`` where absent or a chunk is missing, ``b""`` where damaged (removed)."""
+        """The values of ``keys``: ``None`` where absent or a chunk is missing (Redis evicted it: the value is counted
+        out, reported as an eviction, and what is left of it removed), ``b""`` where damaged (removed)."""
         if not keys:
             return []
 
-        def fn(client: Client) -> list[bytes | None]:
+        def fn(client: Client) -> tuple[list[bytes | None], list[bytes]]:
             pipe = self._pipeline(client)
             for key in keys:
                 pipe.get(self._manifest_key(key))
@@ -581,23 +609,28 @@ class RedisTier(Tier):
                     out[i] = raw[_HEADER.size:]
                 else:
                     wanted.append((i, key, manifest))
+            broken: list[tuple[bytes, _Manifest]] = []
             if wanted:
                 values = self._read_chunks(client, [(key, m) for _, key, m in wanted], lengths=False)
-                for (i, key, _), value in zip(wanted, values, strict=True):
+                for (i, key, manifest), value in zip(wanted, values, strict=True):
                     if isinstance(value, _Damage):
                         out[i] = b""
                         damaged.append((key, value))
+                    elif value is None:
+                        broken.append((key, manifest))
                     else:
                         out[i] = value
             if damaged:
                 self._heal(client, damaged)
-            return out
+            return out, self._lost(client, broken)
 
-        return self._run("get", fn)
+        out, evicted = self._run("get", fn)
+        self._report(evicted)
+        return out
 
     def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> int:
         """Write each value's chunks, then its manifest (with ``SET ... GET`` to learn the value it replaces),
-        then drop the replaced value's chunks and update the usage counters. Returns how many Redis took
+        then update the usage registry, then drop the replaced value's chunks. Returns how many Redis took
         (a value Redis refuses, e.g. OOM under ``noeviction``, or one over ``max_value_bytes``, is not stored).
         A key of another type at the manifest's name is replaced."""
         if not items:
@@ -610,17 +643,19 @@ class RedisTier(Tier):
             if not items:
                 return 0
 
+        self._check_evictions()
+
         def fn(client: Client) -> int:
             pipe = self._pipeline(client)
-            # key, value size, new chunk keys, commands, the manifest as written
-            plan: list[tuple[bytes, int, list[str], int, bytes | memoryview]] = []
+            # key, new chunk keys, commands, the manifest as written (bytes, and decoded)
+            plan: list[tuple[bytes, list[str], int, bytes | memoryview, _Manifest]] = []
             for key, value in items:
                 size = len(value)
                 if size <= self.chunk_bytes:
                     manifest = _Manifest(_INLINE, os.urandom(8), 0, size)
                     payload = manifest.pack() + value
                     pipe.set(self._manifest_key(key), payload, get=True)
-                    plan.append((key, size, [], 1, payload))
+                    plan.append((key, [], 1, payload, manifest))
                     continue
                 count = -(-size // self.chunk_bytes)
                 manifest = _Manifest(_CHUNKED, os.urandom(8), count, size)
@@ -630,14 +665,15 @@ class RedisTier(Tier):
                     pipe.set(chunk_key, view[n * self.chunk_bytes:(n + 1) * self.chunk_bytes])
                 payload = manifest.pack()
                 pipe.set(self._manifest_key(key), payload, get=True)  # last: the value is now visible
-                plan.append((key, size, chunk_keys, count + 1, payload))
+                plan.append((key, chunk_keys, count + 1, payload, manifest))
             results = iter(pipe.execute(raise_on_error=False))
 
-            stored, blocks_delta, bytes_delta = 0, 0, 0
-            cleanup = self._pipeline(client)
-            replace: list[tuple[bytes, int, list[str], bytes | memoryview]] = []
+            stored = 0
+            ops: list[tuple[str, str, int, int]] = []  # the usage registry's changes (kvstore.redis_usage)
+            dropped: list[str] = []  # chunk keys to remove once the registry knows
+            replace: list[tuple[bytes, list[str], bytes | memoryview, _Manifest]] = []
             refused: BaseException | None = None
-            for key, size, chunk_keys, commands, payload in plan:
+            for key, chunk_keys, commands, payload, manifest in plan:
                 replies = [next(results) for _ in range(commands)]
                 errors = [r for r in replies if isinstance(r, BaseException)]
                 for error in errors:
@@ -645,64 +681,46 @@ class RedisTier(Tier):
                         raise error
                 if errors and len(errors) == 1 and _is_data_error(replies[-1]):
                     # SET ... GET on a key of another type sets nothing: replace that key below
-                    replace.append((key, size, chunk_keys, payload))
+                    replace.append((key, chunk_keys, payload, manifest))
                     continue
                 if errors:
                     refused = errors[0]
+                    dropped.extend(chunk_keys)  # this write's own generation: nobody else uses these keys
                 old_raw = replies[-1]
                 old = None if isinstance(old_raw, BaseException) else read_manifest(
                     old_raw, self.max_value_bytes, whole=True)
-                if isinstance(old, _Damage):
-                    old = None  # it was not a value of ours: nothing of it to drop or count out
-                if errors:
-                    for chunk_key in chunk_keys:  # this write's own generation: nobody else uses these keys
-                        cleanup.delete(chunk_key)
-                    if old is None:
-                        continue
-                if old is not None:
-                    for chunk_key in self._chunk_keys(key, old):
-                        cleanup.delete(chunk_key)
-                    if errors:  # the manifest survived; its chunks did not: count the old value out
-                        blocks_delta -= 1
-                        bytes_delta -= old.total
-                        continue
-                    bytes_delta += size - old.total
-                else:
-                    blocks_delta += 1
-                    bytes_delta += size
-                stored += 1
+                if isinstance(old, _Manifest):  # replaced (or, when a chunk was refused, broken): count it out
+                    ops.append(self._op("-", key, old))
+                    dropped.extend(self._chunk_keys(key, old))
+                # else: nothing, or not a value of ours (nothing of it to drop or count out)
+                if not errors:
+                    ops.append(self._op("+", key, manifest))
+                    stored += 1
             if replace:
                 pipe = self._pipeline(client)
-                for key, _, _, payload in replace:
+                for key, _, payload, _ in replace:
                     pipe.delete(self._manifest_key(key))
                     pipe.set(self._manifest_key(key), payload)
                 replies = iter(pipe.execute(raise_on_error=False))
-                for key, size, chunk_keys, _ in replace:
+                for key, chunk_keys, _, manifest in replace:
                     _, reply = next(replies), next(replies)
                     if isinstance(reply, _UNAVAILABLE):
                         raise reply
                     if isinstance(reply, BaseException):
                         refused = reply
-                        for chunk_key in chunk_keys:
-                            cleanup.delete(chunk_key)
+                        dropped.extend(chunk_keys)
                         continue
                     log.warning("Redis tier %s: replaced a key of the wrong type at value %s", self.name, key.hex())
-                    blocks_delta += 1
-                    bytes_delta += size
+                    ops.append(self._op("+", key, manifest))
                     stored += 1
             if refused is not None:
-                log.warning("Redis tier %s refused a write (set maxmemory-policy allkeys-lru): %s", self.name, refused)
-            self._count(cleanup, blocks_delta, bytes_delta)
-            cleanup.execute(raise_on_error=False)  # a damaged usage hash is rebuilt by the next usage()
+                log.warning("Redis tier %s refused a write (Redis is full and does not evict: set maxmemory-policy "
+                            "allkeys-lru or allkeys-lfu): %s", self.name, refused)
+            self._account(client, ops)  # before the chunks go: a reconciliation never sees them gone uncounted
+            self._execute(client, (lambda p, c=c: p.delete(c) for c in dropped))
             return stored
 
         return self._run("put", fn)
-
-    def _count(self, pipe: Any, blocks: int, size: int) -> None:
-        if blocks:
-            pipe.hincrby(self._usage_key, "blocks", blocks)
-        if size:
-            pipe.hincrby(self._usage_key, "bytes", size)
 
     def _headers(self, client: Client, keys: Sequence[bytes]) -> list[_Manifest | _Damage | None]:
         """The manifest headers of ``keys`` (``GETRANGE``: the inline data is not transferred)."""
@@ -712,12 +730,14 @@ class RedisTier(Tier):
 
     def contains_many(self, keys: Sequence[bytes]) -> int:
         """The leading run of ``keys`` whose manifest is present and sound and whose chunks add up to the value's
-        length (``STRLEN`` of each chunk: no chunk data is transferred). A damaged value found is removed."""
+        length (``STRLEN`` of each chunk: no chunk data is transferred). A damaged value found is removed; one with a
+        chunk missing is counted out and removed (as ``get_many`` does)."""
         if not keys:
             return 0
 
-        def fn(client: Client) -> int:
+        def fn(client: Client) -> tuple[int, list[bytes]]:
             damaged: list[tuple[bytes, _Damage]] = []
+            broken: list[tuple[bytes, _Manifest]] = []
             sound: list[_Manifest] = []
             for key, manifest in zip(keys, self._headers(client, keys), strict=True):
                 if not isinstance(manifest, _Manifest):
@@ -732,13 +752,17 @@ class RedisTier(Tier):
                 for i, result in zip(chunked, results, strict=True):
                     if isinstance(result, _Damage):
                         damaged.append((keys[i], result))
+                    elif result is None:
+                        broken.append((keys[i], sound[i]))
                     if result is not True:
                         run = min(run, i)  # a chunk is missing or damaged: the value is absent
             if damaged:
                 self._heal(client, damaged)
-            return run
+            return run, self._lost(client, broken)
 
-        return self._run("contains", fn)
+        run, evicted = self._run("contains", fn)
+        self._report(evicted)
+        return run
 
     def delete(self, keys: Iterable[bytes]) -> int:
         """Remove manifests first (the values vanish at once), then their chunks; return how many existed
@@ -756,7 +780,8 @@ class RedisTier(Tier):
             for key in keys:
                 pipe.getdel(self._manifest_key(key))
             deleted = pipe.execute(raise_on_error=False)
-            removed, removed_bytes, counted = 0, 0, 0
+            removed = 0
+            ops: list[tuple[str, str, int, int]] = []
             chunk_keys: list[Iterator[str]] = []
             damaged: list[tuple[bytes, _Damage]] = []
             for key, raw in zip(keys, deleted, strict=True):
@@ -768,15 +793,12 @@ class RedisTier(Tier):
                     if manifest.seen is None:  # GETDEL refused a key of another type: remove it so
                         damaged.append((key, manifest))
                     continue
-                counted += 1
-                removed_bytes += manifest.total
+                ops.append(self._op("-", key, manifest))
                 chunk_keys.append(self._chunk_keys(key, manifest))
             if damaged:
                 self._heal(client, damaged)
+            self._account(client, ops)  # before the chunks go: a reconciliation never sees them gone uncounted
             self._execute(client, (lambda p, c=c: p.delete(c) for names in chunk_keys for c in names))
-            pipe = self._pipeline(client)
-            self._count(pipe, -counted, -removed_bytes)
-            pipe.execute(raise_on_error=False)  # a damaged usage hash is rebuilt by the next usage()
             return removed
 
         return self._run("delete", fn)
@@ -802,59 +824,325 @@ class RedisTier(Tier):
         """Every key with a manifest (SCAN by prefix; on Cluster, every primary). May be slow on large tiers."""
         return self._run("keys", self._keys)
 
-    def _counters(self, client: Client) -> tuple[int, int] | str:
-        """``(blocks, bytes)`` from the usage hash, or why it is damaged."""
+    # -- usage: the registry and counters (kvstore.redis_usage) ------------------------------------------
+
+    @staticmethod
+    def _op(op: str, key: bytes, manifest: _Manifest) -> tuple[str, str, int, int]:
+        return op, entry_field(key, manifest.generation), manifest.total, manifest.chunks
+
+    def _script(self, client: Client, script: str, args: Sequence[Any]) -> Any:
+        """One of the registry scripts on the usage hash (without its flags on a Redis older than 7)."""
+        if self._flagged:
+            try:
+                return client.eval(script, 1, self._usage_key, *args)
+            except rex.ResponseError as exc:
+                if isinstance(exc, _UNAVAILABLE) or "near '#'" not in str(exc):
+                    raise
+                self._flagged = False
+                log.warning("Redis tier %s: this Redis takes no script flags (it is older than 7.0): the usage "
+                            "accounting of a full noeviction Redis may be refused", self.name)
+        return client.eval(unflagged(script), 1, self._usage_key, *args)
+
+    def _account(self, client: Client, ops: Sequence[tuple[str, str, int, int]]) -> list[int]:
+        """Apply registry operations ``(op, field, size, chunks)``; for each, 1 if it changed something.
+
+        A missing or damaged registry (a new tier, or Redis evicted it) is replaced by an empty one marked ``stale``
+        and the operations applied to it (a removal of a value it does not know counts nothing there); the next
+        ``usage()`` recounts."""
+        out: list[int] = []
+        for start in range(0, len(ops), 1024):
+            batch = ops[start:start + 1024]
+            reply = self._apply(client, batch)
+            if reply == LOST:
+                init = self._script(client, INIT_SCRIPT, ["0"])
+                if init == 1:
+                    log.info("Redis tier %s: created the usage registry at %s (a new tier, or Redis evicted it): the "
+                             "next usage() recounts", self.name, self._usage_key)
+                elif init == 2:
+                    log.warning("Redis tier %s: the usage counters at %s were damaged: replaced by an empty registry; "
+                                "the next usage() recounts", self.name, self._usage_key)
+                if init in (0, 1, 2):  # nothing of the batch was applied: it all applies to the registry there now
+                    reply = self._apply(client, batch)
+            if isinstance(reply, list) and len(reply) == len(batch):
+                out.extend(int(r) for r in reply)
+            else:
+                out.extend(0 for _ in batch)
+        return out
+
+    def _apply(self, client: Client, ops: Sequence[tuple[str, str, int, int]]) -> Any:
+        """``USAGE_SCRIPT`` on ``ops``: its reply, or ``None`` when Redis refused it (the next ``usage()`` then
+        recounts)."""
+        if not ops:
+            return []
         try:
-            counters = client.hgetall(self._usage_key)
+            return self._script(client, USAGE_SCRIPT, [str(x) for op in ops for x in op])
+        except rex.ResponseError as exc:
+            if isinstance(exc, _UNAVAILABLE):
+                raise
+            log.warning("Redis tier %s: the usage accounting was refused (%s): the next usage() recounts",
+                        self.name, exc)
+            self._stale = True
+            return None
+
+    def _names(self, key: bytes, manifest: _Manifest) -> list[str]:
+        return [self._manifest_key(key), *self._chunk_keys(key, manifest)]
+
+    def _whole(self, client: Client, values: Sequence[tuple[bytes, _Manifest]], *, exact: bool = False) -> list[bool]:
+        """Whether each value's manifest and chunks all exist (``EXISTS``, which leaves Redis's LRU/LFU clocks
+        alone; at most 1024 keys a command). ``exact``: the manifest must also be this value's (same generation; a
+        ``GETRANGE`` of its header, which does touch the clocks: only for a recount)."""
+        commands: list[tuple[int, list[str]]] = []
+        for i, (key, manifest) in enumerate(values):
+            names = self._names(key, manifest)
+            commands.extend((i, names[at:at + 1024]) for at in range(0, len(names), 1024))
+        replies = self._execute(client, (lambda p, n=names: p.execute_command("EXISTS", *n) for _, names in commands))
+        found = [0] * len(values)
+        unsure: set[int] = set()
+        for (i, _), reply in zip(commands, replies, strict=True):
+            reply = _readable(reply)
+            if isinstance(reply, BaseException):
+                unsure.add(i)  # a data error EXISTS never gives: leave the value be
+            else:
+                found[i] += int(reply)
+        whole = [i in unsure or found[i] == 1 + manifest.chunks for i, (_, manifest) in enumerate(values)]
+        if exact and values:
+            headers = self._headers(client, [key for key, _ in values])
+            whole = [ok and (not isinstance(header, _Manifest) or header.generation == value[1].generation)
+                     for ok, header, value in zip(whole, headers, values, strict=True)]
+        return whole
+
+    def _lost(self, client: Client, values: Sequence[tuple[bytes, _Manifest]]) -> list[bytes]:
+        """Values found no longer whole (Redis evicted a chunk or the manifest): each is counted out (only if it was
+        counted in, and by one finder only), then what Redis left of it is removed (the manifest only if it is still
+        this value), so a read finds it absent at once. Returns the keys this call counted out: evictions to
+        report."""
+        if not values:
+            return []
+        results = self._account(client, [self._op("x", key, manifest) for key, manifest in values])
+        for key, manifest in values:
+            if manifest.kind != _CHUNKED:
+                continue
+            with contextlib.suppress(rex.ResponseError):  # nothing of ours there to remove
+                client.eval(_DROP_DAMAGED, 1, self._manifest_key(key), "bytes", manifest.pack())
+            # the chunks Redis left (at most _DROP_CHUNKS: a forged manifest costs one round; more are left for
+            # Redis to evict, as nothing reads them)
+            chunks = itertools.islice(self._chunk_keys(key, manifest), _DROP_CHUNKS)
+            self._execute(client, (lambda p, c=c: p.delete(c) for c in chunks))
+        return [key for (key, _), counted in zip(values, results, strict=True) if counted]
+
+    def _report(self, keys: Sequence[bytes]) -> None:
+        """Report values Redis evicted to the store (an empty value: the tier no longer has it)."""
+        callback = self._on_evict
+        if callback is not None:
+            for key in keys:
+                callback(key, b"")
+
+    def set_eviction_callback(self, callback: EvictionCallback | None) -> None:
+        """Called with ``(key, b"")`` for each value of this tier found evicted by Redis (the value is gone: the
+        empty value says so); kvshelf itself never evicts from Redis."""
+        self._on_evict = callback
+
+    def _counters(self, client: Client) -> tuple[int, int] | str:
+        """``(blocks, bytes)`` from the usage hash, or why it cannot be used: ``missing``, ``stale`` (awaiting a
+        recount), ``format...`` or ``damaged...``."""
+        try:
+            version, blocks, size, stale = client.hmget(self._usage_key, ["v", "blocks", "bytes", "stale"])
         except rex.ResponseError as exc:
             if not _is_data_error(exc):
                 raise
-            return str(exc)
+            return f"damaged: {exc}"
+        if version is None:
+            return "missing" if blocks is None and size is None else "format: kept by an older kvshelf"
+        if version != b"2":
+            return f"format {version[:20]!r}"
+        if stale is not None:
+            return "stale"
         values = []
-        for field in (b"blocks", b"bytes"):
+        for field, raw in (("blocks", blocks), ("bytes", size)):
             try:
-                value = int(counters.get(field, 0))
+                value = int(raw if raw is not None else b"")
             except ValueError:
-                return f"{field.decode()} is {counters[field][:40]!r}, not an integer"
+                return f"damaged: {field} is {(raw or b'')[:40]!r}, not an integer"
             if not -(1 << 63) <= value < 1 << 63:
-                return f"{field.decode()} is out of range"
+                return f"damaged: {field} is out of range"
             values.append(max(value, 0))
         return values[0], values[1]
 
-    def _recount(self, client: Client) -> tuple[int, int]:
+    def _recount(self, client: Client, *, force: bool) -> list[bytes]:
+        """(Re)build the registry from what Redis holds: a fresh one (``force``: always; else only if the one there
+        is missing or damaged), every whole value found by SCAN seeded into it (counted in unless already known),
+        values found partly evicted removed; then (not ``force``) a whole reconciliation pass, and the ``stale``
+        mark cleared. Returns the keys counted out: evictions to report."""
+        self._script(client, INIT_SCRIPT, ["1" if force else "0"])
+        self._stale = False
         keys = self._keys(client)
-        present = [m for m in self._headers(client, keys) if isinstance(m, _Manifest)]
-        blocks, size = len(present), sum(m.total for m in present)
-        pipe = self._pipeline(client)
-        pipe.delete(self._usage_key)
-        pipe.hset(self._usage_key, mapping={"blocks": blocks, "bytes": size})
-        for reply in pipe.execute(raise_on_error=False):
-            if isinstance(reply, BaseException):
-                raise reply
-        return blocks, size
+        found: list[bytes] = []
+        for start in range(0, len(keys), SCAN_BATCH):
+            batch = keys[start:start + SCAN_BATCH]
+            sound = [(key, m) for key, m in zip(batch, self._headers(client, batch), strict=True)
+                     if isinstance(m, _Manifest)]
+            whole = self._whole(client, sound)
+            self._account(client, [self._op("s", key, m) for (key, m), ok in zip(sound, whole, strict=True) if ok])
+            found += self._lost(client, [value for value, ok in zip(sound, whole, strict=True) if not ok])
+        with self._reconcile_lock:
+            self._cursor = 0
+            if not force:  # a registry rebuilt while values came and went: each one's generation is checked
+                while True:
+                    found += self._reconcile_step(client, RECONCILE_STEP, exact=True)
+                    if not self._cursor:
+                        break
+        client.hdel(self._usage_key, "stale")
+        return found
+
+    def _info(self, client: Client) -> tuple[int | None, int | None]:
+        """Redis's ``maxmemory`` (summed over primaries; ``None`` when one is unlimited or it cannot be read) and
+        ``evicted_keys`` since it started (summed; ``None`` when it cannot be read: INFO refused)."""
+        try:
+            if isinstance(client, redis.cluster.RedisCluster):
+                primaries = redis.cluster.RedisCluster.PRIMARIES
+                memory, stats = client.info("memory", target_nodes=primaries), client.info("stats",
+                                                                                          target_nodes=primaries)
+            else:
+                memory, stats = client.info("memory"), client.info("stats")
+        except rex.ResponseError as exc:  # no permission (a managed Redis), or INFO renamed away
+            if isinstance(exc, _UNAVAILABLE):
+                raise
+            return None, None
+
+        def nodes(info: dict[Any, Any]) -> list[dict[Any, Any]]:
+            return [info] if "maxmemory" in info or "evicted_keys" in info else list(info.values())
+
+        try:
+            limits = [int(node.get("maxmemory", 0)) for node in nodes(memory)]
+            evicted = sum(int(node.get("evicted_keys", 0)) for node in nodes(stats))
+        except (TypeError, ValueError, AttributeError):
+            return None, None
+        capacity = sum(limits) if limits and all(limit > 0 for limit in limits) else None
+        return capacity, evicted
+
+    def _reconcile_step(self, client: Client, budget: int, *, exact: bool = False) -> list[bytes]:
+        """Look at up to about ``budget`` registry entries from where the pass stands (``HSCAN``): values counted in
+        that are no longer whole (``exact``: or whose manifest is another value's) are counted out and removed
+        (``_lost``); ``-``/``x`` leftovers older than ``SETTLE_S`` are settled. Returns the keys counted out."""
+        found: list[bytes] = []
+        cursor, seen = self._cursor, 0
+        while True:
+            try:
+                cursor, fields = client.hscan(self._usage_key, cursor, match="e:*", count=SCAN_BATCH)
+            except rex.ResponseError as exc:
+                if not _is_data_error(exc):
+                    raise
+                self._stale, cursor = True, 0  # a damaged registry: the next usage() rebuilds it
+                break
+            entries = [e for e in (Entry.parse(f, v) for f, v in fields.items()) if e is not None]
+            counted = []
+            for e in entries:
+                manifest = _Manifest(_CHUNKED if e.chunks else _INLINE, e.generation, e.chunks, e.size)
+                # an entry no writer could have made (damaged, or planted) is left alone: checking it could cost
+                # a million EXISTS
+                if e.state == "+" and e.chunks <= _DROP_CHUNKS and isinstance(
+                        read_manifest(manifest.pack(), self.max_value_bytes, whole=False), _Manifest):
+                    counted.append((e.key, manifest))
+            whole = self._whole(client, counted, exact=exact)
+            found += self._lost(client, [value for value, ok in zip(counted, whole, strict=True) if not ok])
+            self._account(client, [("settle", e.field, SETTLE_S, 0) for e in entries if e.state != "+"])
+            seen += len(fields)
+            if not cursor or seen >= budget:
+                break
+        self._cursor = int(cursor)
+        return found
+
+    def _reconcile_if_due(self, client: Client, evicted: int | None) -> list[bytes]:
+        """A reconciliation step when Redis has evicted keys since the last pass began (``evicted_keys`` grew), a
+        pass is under way, or -- INFO unreadable -- once per ``reconcile_interval_s``. Skipped while another thread
+        reconciles."""
+        now = time.monotonic()
+        if not self._cursor:
+            if evicted is None:
+                if now < self._next_blind:
+                    return []
+                self._next_blind = now + max(self.reconcile_interval_s, 1.0)
+            elif evicted == self._seen_evicted or (self._seen_evicted is None and evicted == 0):
+                self._seen_evicted = evicted
+                return []
+        if not self._reconcile_lock.acquire(blocking=False):
+            return []
+        try:
+            if not self._cursor:
+                self._pass_evicted = evicted
+            found = self._reconcile_step(client, RECONCILE_STEP)
+            if not self._cursor:
+                self._seen_evicted = self._pass_evicted
+            return found
+        finally:
+            self._reconcile_lock.release()
+
+    def _check_evictions(self) -> None:
+        """Before a put, at most every ``reconcile_interval_s``: Redis's ``evicted_keys``, and a reconciliation step
+        if it grew (so a namespace quota counts what Redis holds). Never fails the put: an unreachable Redis is the
+        put's own business."""
+        now = time.monotonic()
+        if now < self._next_check:
+            return
+        self._next_check = now + self.reconcile_interval_s
+        try:
+            found = self._run("reconcile", lambda client: self._reconcile_if_due(client, self._info(client)[1]))
+        except TierUnavailableError:
+            return
+        self._report(found)
 
     def usage(self) -> TierUsage:
-        """Counters (``HGETALL`` of the usage hash) and ``maxmemory`` (``INFO memory``): two cheap commands. A
-        damaged usage hash is rebuilt (``recount``) with a warning."""
+        """The counters (``HMGET`` of the usage hash), Redis's ``maxmemory`` and ``evicted_keys`` (``INFO``), and --
+        when Redis evicted keys since the last look -- a reconciliation step first (see ``kvstore.redis_usage``),
+        so the figures count what Redis holds now. A missing, damaged or old-format usage hash is rebuilt with a
+        recount (a warning, unless this tier never saw one: a new tier)."""
 
-        def fn(client: Client) -> TierUsage:
+        def fn(client: Client) -> tuple[TierUsage, list[bytes]]:
+            found: list[bytes] = []
+            problem = self._counters(client)
+            if isinstance(problem, str) or self._stale:
+                if isinstance(problem, str) and problem != "stale" and (problem != "missing" or self._saw_registry):
+                    why = "gone (evicted by Redis?)" if problem == "missing" else problem
+                    log.warning("Redis tier %s: the usage counters at %s are %s: rebuilding them with a recount",
+                                self.name, self._usage_key, why)
+                found += self._recount(client, force=False)
+            capacity, evicted = self._info(client)
+            found += self._reconcile_if_due(client, evicted)
             counters = self._counters(client)
-            if isinstance(counters, str):
-                log.warning("Redis tier %s: the usage counters at %s are damaged (%s): rebuilding them with a "
-                            "recount", self.name, self._usage_key, counters)
-                counters = self._recount(client)
-            info = client.info("memory", target_nodes=redis.cluster.RedisCluster.PRIMARIES) if isinstance(
-                client, redis.cluster.RedisCluster) else client.info("memory")
-            nodes = info.values() if isinstance(client, redis.cluster.RedisCluster) else [info]
-            capacity = sum(int(node.get("maxmemory", 0)) for node in nodes)
-            return TierUsage(blocks=counters[0], bytes=counters[1], capacity_bytes=capacity or None)
+            if isinstance(counters, str):  # lost again at once (a Redis evicting everything): nothing counted
+                counters = (0, 0)
+            else:
+                self._saw_registry = True
+            return TierUsage(blocks=counters[0], bytes=counters[1], capacity_bytes=capacity), found
 
-        return self._run("usage", fn)
+        usage, found = self._run("usage", fn)
+        self._report(found)
+        return usage
 
     def recount(self) -> TierUsage:
-        """Rebuild the usage counters from what Redis holds now (a SCAN and one GETRANGE per value)."""
-        self._run("recount", self._recount)
+        """Rebuild the usage registry and counters from scratch from what Redis holds now (a SCAN, one GETRANGE
+        per value and one EXISTS per chunked value). Values being written or deleted meanwhile settle within
+        ``SETTLE_S``."""
+        found = self._run("recount", lambda client: self._recount(client, force=True))
+        self._report(found)
         return self.usage()
+
+    def reconcile(self) -> int:
+        """A whole reconciliation pass now (every registry entry, an ``EXISTS`` each); returns how many values it
+        found evicted by Redis (counted out and reported to the store as evictions)."""
+
+        def fn(client: Client) -> list[bytes]:
+            found: list[bytes] = []
+            with self._reconcile_lock:
+                self._cursor = 0
+                while True:
+                    found += self._reconcile_step(client, RECONCILE_STEP)
+                    if not self._cursor:
+                        return found
+
+        found = self._run("reconcile", fn)
+        self._report(found)
+        return len(found)
 
     def healthy(self) -> bool:
         """Whether Redis answers a PING now (tried even while the breaker is open; its outcome opens or closes

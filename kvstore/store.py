@@ -316,7 +316,8 @@ class TieredStore:
             ns = model = UNKNOWN
         self.counters.add(spec.tier.name, ns, model, "evictions")
         self._emit(StoreEvent("evicted", spec.tier.name, key, len(value), ns, model))
-        if self.write_policy == "back" and index + 1 < len(self.specs):
+        # an empty value: the medium evicted it on its own (Redis's maxmemory) and it is gone: nothing to write down
+        if value and self.write_policy == "back" and index + 1 < len(self.specs):
             self._write_down(index, key, value)
 
     def _reencode_bound(self, spec: TierSpec) -> int | None:

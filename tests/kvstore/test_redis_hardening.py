@@ -323,8 +323,11 @@ def test_plausible_manifest_of_many_missing_chunks_costs_one_round(raw: Any, red
     assert tier.contains_many([key]) == 0
     assert commands(raw, "get") - gets < 1000  # it sent 400,000 GETs (5 s, +210 MB)
     assert commands(raw, "strlen") - strlens < 1000
-    assert raw.exists(manifest_name(prefix, key)) == 1  # a value with missing chunks is left for the next put
-    assert tier.delete([key]) == 1
+    # a value with missing chunks (as Redis's eviction leaves one) is removed by the read that finds it (issue 21:
+    # the usage counters follow Redis's evictions), in one command: its chunks beyond the first missing one are not
+    # looked for one by one
+    assert raw.exists(manifest_name(prefix, key)) == 0
+    assert tier.delete([key]) == 0
 
 
 def test_inline_manifest_of_the_wrong_length_is_corrupt(redis_server: Any, raw: Any, prefix: str) -> None:

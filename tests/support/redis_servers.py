@@ -134,6 +134,21 @@ def restartable_cluster(tmp_path: Path) -> Iterator[RedisClusterProcesses]:
     cluster.stop()
 
 
+#: the memory limit of ``maxmemory_redis``: a few MiB, so that a test fills it with a few dozen values
+MAXMEMORY_BYTES = 4 << 20
+
+
+@pytest.fixture
+def maxmemory_redis(tmp_path: Path) -> Iterator[RedisProcess]:
+    """A standalone server of this test alone started with ``--maxmemory 4mb --maxmemory-policy allkeys-lru``:
+    Redis evicts on its own once it holds about 4 MiB (the test may change both with CONFIG SET)."""
+    server = RedisProcess(free_port(), tmp_path / "redis-maxmemory",
+                          ["--maxmemory", str(MAXMEMORY_BYTES), "--maxmemory-policy", "allkeys-lru"])
+    server.start()
+    yield server
+    server.stop()
+
+
 class PausableRedis:
     """A standalone ``redis-server`` of one test that the test may freeze (SIGSTOP: it accepts connections and
     never answers, like a hung server) and thaw (SIGCONT). The fixture always thaws it before killing it."""
