@@ -53,6 +53,8 @@ _EXPORTS: dict[str, str] = {
     "KVBlock": "kvshelf.kvstore.block",
     "RemoteStore": "kvshelf.service.client",
     "WriteBehind": "kvshelf.kvstore.write_behind",
+    "EvictionPolicy": "kvshelf.kvstore.eviction",
+    "make_policy": "kvshelf.kvstore.eviction",
     # codecs
     "available_codecs": "kvshelf.kvstore.codec",
     "get_codec": "kvshelf.kvstore.codec",
@@ -99,6 +101,7 @@ _EXPORTS: dict[str, str] = {
     "WireError": "kvshelf.service.errors",
     "ArenaUnavailable": "kvshelf.service.errors",
     "StreamRefusedError": "kvshelf.service.errors",
+    "TraceError": "kvshelf.kvstore.errors",
 }
 #: names whose attribute in their module differs from the public one
 _RENAMED = {"PRUNING_METHODS": "METHODS"}
@@ -115,7 +118,7 @@ __all__ = [  # the literal list static tools read; a test checks it against _EXP
     "MissingParameterError", "ParameterTooLongError", "PromptLayoutError", "ContextTooLongError", "ChunkMissingError",
     "ForeignChunkError", "XQuantUnboundError", "PruningError", "BudgetError", "AttentionImplementationError",
     "UnsupportedArchitectureError", "ServiceError", "RemoteStoreError", "WireError", "ArenaUnavailable",
-    "TierDamagedError", "BlockTooLargeError", "StreamRefusedError",
+    "TierDamagedError", "BlockTooLargeError", "StreamRefusedError", "EvictionPolicy", "make_policy", "TraceError",
 ]
 
 
@@ -164,10 +167,12 @@ if TYPE_CHECKING:  # what static type checkers and IDEs see
         StoreFullError,
         TierDamagedError,
         TierUnavailableError,
+        TraceError,
         UnknownCodecError,
         UnsupportedModelError,
         WriteBehindError,
     )
+    from kvshelf.kvstore.eviction import EvictionPolicy, make_policy
     from kvshelf.kvstore.protocol import BlockStore
     from kvshelf.kvstore.store import TieredStore, TierSpec
     from kvshelf.kvstore.write_behind import WriteBehind

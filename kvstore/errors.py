@@ -11,6 +11,10 @@ class ConfigError(KVShelfError, ValueError):
     """A setting is invalid (a capacity of 0, an unknown tier, a bad block size...)."""
 
 
+class TraceError(ConfigError):
+    """A request trace that cannot be read, or a malformed line of one (the message names the file and line)."""
+
+
 class UnknownCodecError(ConfigError):
     """A codec name that is not registered."""
 

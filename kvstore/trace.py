@@ -16,11 +16,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvshelf.kvstore.errors import ConfigError
-
-
-class TraceError(ConfigError):
-    """A trace file that cannot be read or has a malformed line (the message names the file and line)."""
+from kvshelf.kvstore.errors import TraceError
 
 
 @dataclass(frozen=True, slots=True)
