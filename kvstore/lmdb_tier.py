@@ -42,8 +42,10 @@ Slack (bounded mode). LMDB never writes past its map, and the map is fixed at ``
 For a 256 MiB capacity that is 2 + 2 x (8 + 2) + 16 + 1 + 0.25 = 39.25 MiB; for 16 MiB, 5.3 MiB. When a put
 still finds the map full (the free pages too fragmented, or a reader holding an old snapshot), the tier
 commits a transaction evicting more (twice as much each time), then an empty one so the freed pages become
-reusable, and retries; if a reader of another process has held a snapshot since before those evictions, or
-nothing unpinned is left to evict, the put is not stored (logged) rather than the file growing. An environment
+reusable, and retries (``map_full_retries`` counts these). If a reader holds a snapshot older than the last
+commit for more than 0.5 s (a long read in another process: the pages freed since cannot be reused until it
+ends, so evicting would not help), or nothing unpinned is left to evict, the put is not stored (logged) rather
+than the file growing. An environment
 whose file is already larger (written unbounded, or with a larger capacity) keeps its size: LMDB files never
 shrink (evict down, then ``mdb_copy -c`` to compact); it is evicted down to the capacity when opened.
 
@@ -629,23 +631,14 @@ class LMDBTier(Tier):
             return freed
         return 0
 
-    def _tick(self) -> int:
-        """An otherwise empty commit: the pages freed by the commit before it become reusable by the next one.
-        Returns the transaction id of the commit before it."""
-
-        def fn(txn: lmdb.Transaction) -> int:
-            before = txn.id() - 1
-            txn.put(_TICK, _U64.pack(self._counter(txn, _TICK) + 1), db=self._meta)
-            return before
-
-        try:
-            return self._write(fn)
-        except _Full:
-            return -1
+    def _tick(self) -> None:
+        """An otherwise empty commit: the pages freed by the commit before it become reusable by the next one."""
+        with contextlib.suppress(_Full):
+            self._write(lambda txn: txn.put(_TICK, _U64.pack(self._counter(txn, _TICK) + 1), db=self._meta))
 
     def _old_reader(self, txnid: int) -> bool:
-        """Whether a reader (of any process) still holds a snapshot of transaction ``txnid`` or older: the pages
-        freed after it cannot be reused while it lasts. Waits up to ``_READER_WAIT_S`` for it to end."""
+        """Whether a reader (of any process) holds a snapshot of transaction ``txnid`` or older (the pages freed
+        after it cannot be reused while it lasts) for longer than ``_READER_WAIT_S``."""
         deadline = time.monotonic() + _READER_WAIT_S
         while True:
             held = []
@@ -736,13 +729,13 @@ class LMDBTier(Tier):
                 self.map_full_retries += 1
                 if last_try:
                     break
-                freed = self._evict_round(amount, reason="the map was full")
-                before = self._tick()
-                if before >= 0 and self._old_reader(before):
-                    log.warning("LMDB tier %s: a reader has held a snapshot since before the last evictions; "
-                                "%d value(s) not stored rather than growing the file past its bound",
-                                self.path, len(chunk))
+                if self._old_reader(int(self._env.info()["last_txnid"]) - 1):
+                    log.warning("LMDB tier %s: the map is full and a reader holds an older snapshot (the pages freed "
+                                "since cannot be reused until it ends); %d value(s) not stored rather than growing "
+                                "the file past its bound", self.path, len(chunk))
                     return 0
+                freed = self._evict_round(amount, reason="the map was full")
+                self._tick()
                 last_try = freed == 0  # nothing unpinned left: the tick made the last frees reusable, one more try
                 amount *= 2
                 continue

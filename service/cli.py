@@ -408,6 +408,31 @@ def bench_lmdb(
     run(json_path=str(json_path) if json_path else None, reps=reps, console=console)
 
 
+@bench_app.command("lmdb-capacity")
+def bench_lmdb_capacity(
+    json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+    duration: Annotated[float, typer.Option(min=0.1, help="seconds of traffic")] = 600,
+    capacity: Annotated[str, typer.Option(help="the tier's capacity, e.g. 256MiB")] = "256MiB",
+    min_block: Annotated[str, typer.Option(help="smallest block put")] = "1MiB",
+    max_block: Annotated[str, typer.Option(help="largest block put")] = "8MiB",
+    durable: Annotated[bool, typer.Option(help="fsync every commit (as kvshelf serve does)")] = True,
+    seed: Annotated[int, typer.Option(help="of the random traffic")] = 0,
+) -> None:
+    """A bounded LMDB tier under random puts and gets: the file stays under capacity + slack, no errors, every
+    get a correct block or a counted miss (exit code 1 if an invariant broke)."""
+    from kvshelf.bench.lmdb_capacity import run
+    from kvshelf.kvstore.embedded import parse_size
+
+    sizes = [parse_size(v, flag) for v, flag in ((capacity, "--capacity"), (min_block, "--min-block"),
+                                                 (max_block, "--max-block"))]
+    if sizes[0] < 1 or not 32 <= sizes[1] <= sizes[2]:
+        raise KVShelfError(f"need --capacity >= 1 byte and 32 bytes <= --min-block <= --max-block, got {sizes}")
+    result = run(duration_s=duration, capacity=sizes[0], min_block=sizes[1], max_block=sizes[2], seed=seed,
+                 durable=durable, json_path=str(json_path) if json_path else None, console=console)
+    if not result["ok"]:
+        raise typer.Exit(1)
+
+
 @bench_app.command("store")
 def bench_store(
     json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
