@@ -190,6 +190,37 @@ def bench_replay(
     _run_replay(trace, capacities, policies, block_bytes, tier, json_path, plot, workers)
 
 
+@bench_app.command("eviction-bounds")
+def bench_eviction_bounds(
+    trace: ReplayTrace,
+    json_path: Annotated[Path | None, typer.Option("--json", help="write the results here")] = None,
+    capacities: Annotated[str, typer.Option(help="comma-separated fractions of the trace's distinct blocks")
+                          ] = "0.05,0.1",
+) -> None:
+    """Upper bounds for any eviction policy on a trace: OPT, LRU, and LRU / GreedyDual-frequency told by an
+    oracle which blocks will never be used again (bench/eviction_bounds.py)."""
+    from rich.table import Table
+
+    from kvshelf.bench.eviction_bounds import bounds, write
+    from kvshelf.kvstore.replay import parse_capacities
+    from kvshelf.kvstore.trace import read_trace
+
+    specs = parse_capacities(capacities)
+    fractions = [spec.fraction for spec in specs if spec.fraction is not None]
+    if len(fractions) != len(specs):
+        raise KVShelfError("--capacities: the bounds take fractions of the trace's distinct blocks, not byte sizes")
+    report = bounds(read_trace(trace), fractions)
+    table = Table(title=f"eviction bounds: {trace}")
+    for col in ("capacity", "OPT", "LRU", "oracle LRU", "oracle GDF", "LRU/OPT", "o.LRU/OPT", "o.GDF/OPT"):
+        table.add_column(col, justify="right")
+    for row in report["results"]:
+        table.add_row(f"{row['capacity_fraction']:g}", *(f"{row[k]:.3f}" for k in (
+            "opt", "lru", "dead_lru", "dead_gdf", "lru_vs_opt", "dead_lru_vs_opt", "dead_gdf_vs_opt")))
+    console.print(table)
+    if json_path is not None:
+        console.print(f"wrote {write(report, json_path)}")
+
+
 def _run_replay(trace_path: Path, capacities: str, policies: str | None, block_bytes: str, tier: str,
                 json_path: Path | None, plot_path: Path | None, workers: int) -> None:
     from rich.progress import Progress

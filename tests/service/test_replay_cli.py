@@ -161,3 +161,18 @@ def test_the_real_command_exits_2_with_the_line_number(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert result.stderr.startswith("error: unknown eviction policy 'nope'; known policies: ")
     assert all(name in result.stderr for name in eviction.POLICIES)
+
+
+def test_bench_eviction_bounds_prints_and_writes_its_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    out_json = tmp_path / "bounds.json"
+    code, out, err = run_main(monkeypatch, capsys, "bench", "eviction-bounds", str(write_trace(tmp_path)),
+                              "--capacities", "0.25,0.5", "--json", str(out_json))
+    assert (code, err) == (0, "")
+    assert "o.GDF/OPT" in out
+    rows = json.loads(out_json.read_text())["results"]
+    assert [r["capacity_fraction"] for r in rows] == [0.25, 0.5]
+    assert all(r["lru"] <= r["dead_lru"] for r in rows)
+    code, _, err = run_main(monkeypatch, capsys, "bench", "eviction-bounds", str(write_trace(tmp_path)),
+                            "--capacities", "8KiB")
+    assert code == 2 and err.count("\n") == 1 and "fractions" in err
