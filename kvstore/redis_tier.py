@@ -32,17 +32,20 @@ with ``recount()`` and a warning. No data error of Redis ever escapes as anythin
 Eviction. Redis evicts by itself; kvshelf never does. Configure the Redis server with::
 
     maxmemory <bytes>
-    maxmemory-policy allkeys-lru
+    maxmemory-policy allkeys-lfu      # or allkeys-lru
 
 kvshelf sets no TTL on its keys, so the ``volatile-*`` policies (which only evict keys with an expiry) would
 find nothing to evict and Redis would refuse writes with OOM errors once full (``noeviction`` does that too;
-such a refused value is simply not stored: ``put_many`` counts it out). With ``allkeys-lru`` an evicted
-chunk or manifest only makes its value a miss, never wrong data.
+such a refused value is simply not stored: ``put_many`` counts it out, the store counts it ``rejected``, and a
+warning says to change the policy). With ``allkeys-*`` an evicted chunk or manifest only makes its value a miss,
+never wrong data; the read that finds a value partly evicted removes what is left of it.
 
-Usage. ``usage()`` is cheap: ``blocks`` and ``bytes`` are counters in one Redis hash
-(``{<prefix>#usage}``), updated with ``HINCRBY`` by every put and delete of this tier; ``capacity_bytes`` is
-Redis's ``maxmemory`` (summed over Cluster primaries; ``None`` when unlimited). Values Redis evicts on its
-own are not subtracted, so under eviction the counters over-count; ``recount()`` rebuilds them with a SCAN.
+Usage. ``usage()`` is cheap: ``blocks`` and ``bytes`` are counters in one Redis hash (``{<prefix>#usage}``),
+kept by every put and delete together with a registry of the values they count, so that the values Redis evicts
+on its own can be found and counted out (``kvstore.redis_usage`` tells how, and what it costs). Each value
+found evicted is reported through the eviction callback (the store counts it in the tier's ``evictions``).
+``capacity_bytes`` is Redis's ``maxmemory`` (summed over Cluster primaries; ``None`` when one is unlimited, or
+INFO is refused). ``reconcile()`` looks for evictions now; ``recount()`` rebuilds everything with a SCAN.
 
 Availability. The client connects lazily: constructing the tier never fails because Redis is down. Every
 command is bounded by ``socket_timeout`` (connect and each read; a timed-out command is not retried), and a
@@ -110,6 +113,8 @@ _ROUND_COMMANDS = 256
 _ROUND_BYTES = 64 * MiB
 #: the most chunk keys removed of one value found broken, and checked (EXISTS) by a reconciliation
 _DROP_CHUNKS = 4096
+#: at most one "Redis refused writes" warning this often (seconds)
+_WARN_EVERY_S = 30.0
 #: the circuit breaker's backoff after a failure: first, and the most it doubles to
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
@@ -366,6 +371,8 @@ class RedisTier(Tier):
         self._next_check = 0.0  # monotonic time of the next check a put may make
         self._saw_registry = False  # whether this tier has seen its registry (a lost one is then worth a warning)
         self._stale = False  # an accounting change was refused: the next usage() recounts
+        self._refused_since = 0  # writes Redis refused since the last warning
+        self._next_refused_warning = 0.0
         self._next_blind = 0.0  # INFO unreadable: monotonic time of the next pass usage() may run
         self._pass_evicted: int | None = None  # evicted_keys when the pass under way began
 
@@ -714,8 +721,7 @@ class RedisTier(Tier):
                     ops.append(self._op("+", key, manifest))
                     stored += 1
             if refused is not None:
-                log.warning("Redis tier %s refused a write (Redis is full and does not evict: set maxmemory-policy "
-                            "allkeys-lru or allkeys-lfu): %s", self.name, refused)
+                self._warn_refused(refused)
             self._account(client, ops)  # before the chunks go: a reconciliation never sees them gone uncounted
             self._execute(client, (lambda p, c=c: p.delete(c) for c in dropped))
             return stored
@@ -930,6 +936,18 @@ class RedisTier(Tier):
             self._execute(client, (lambda p, c=c: p.delete(c) for c in chunks))
         return [key for (key, _), counted in zip(values, results, strict=True) if counted]
 
+    def _warn_refused(self, refused: BaseException) -> None:
+        """A warning that Redis refused writes: at most one per ``_WARN_EVERY_S``, with the count since the last."""
+        now = time.monotonic()
+        with self._lock:
+            self._refused_since += 1
+            if now < self._next_refused_warning:
+                return
+            count, self._refused_since = self._refused_since, 0
+            self._next_refused_warning = now + _WARN_EVERY_S
+        log.warning("Redis tier %s: Redis refused %d write(s) (%s): it is full and does not evict; set "
+                    "maxmemory-policy allkeys-lfu or allkeys-lru", self.name, count, refused)
+
     def _report(self, keys: Sequence[bytes]) -> None:
         """Report values Redis evicted to the store (an empty value: the tier no longer has it)."""
         callback = self._on_evict
@@ -1045,7 +1063,11 @@ class RedisTier(Tier):
                     counted.append((e.key, manifest))
             whole = self._whole(client, counted, exact=exact)
             found += self._lost(client, [value for value, ok in zip(counted, whole, strict=True) if not ok])
-            self._account(client, [("settle", e.field, SETTLE_S, 0) for e in entries if e.state != "+"])
+            # leftovers ("-", "x") and fields that are no entry (planted, damaged: the script drops them)
+            parsed = {e.field for e in entries}
+            junk = [f.decode("ascii", "replace") if isinstance(f, bytes) else f for f in fields]
+            self._account(client, [("settle", e.field, SETTLE_S, 0) for e in entries if e.state != "+"]
+                          + [("settle", f, SETTLE_S, 0) for f in junk if f not in parsed])
             seen += len(fields)
             if not cursor or seen >= budget:
                 break

@@ -314,3 +314,68 @@ def test_service_put_into_a_full_noeviction_redis_is_not_an_error(maxmemory_redi
     finally:
         running.stop(0)
         store.close()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the registry's own troubles: lost, leftovers of writers that died, Redis above another tier
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_counters_hash_evicted_is_rebuilt_exactly(restartable_redis: Any, prefix: str,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """Redis may evict the counters' hash itself (it is a key like any other): the next write starts a new one
+    marked stale, a removal it does not know counts nothing there, and the next usage() recounts exactly."""
+    tier = RedisTier.from_url(restartable_redis.url, prefix=prefix, chunk_bytes=CHUNK)
+    tier.put_many([(k(i), os.urandom(2 * CHUNK + i) if i % 2 else b"v" * (100 + i)) for i in range(6)])
+    assert tier.usage().blocks == 6
+    with restartable_redis.client() as raw:
+        raw.delete(f"{{{prefix}#usage}}")  # as Redis's eviction does
+        tier.put_many([(k(10), b"w" * 50)])
+        assert tier.delete([k(0), k(1)]) == 2
+        expected = TierUsage(blocks=5, bytes=sum(held_in_redis(restartable_redis, prefix).values()),
+                             capacity_bytes=None)
+        assert tier.usage() == expected
+        assert raw.hget(f"{{{prefix}#usage}}", "stale") is None
+        raw.delete(f"{{{prefix}#usage}}")
+        with caplog.at_level("WARNING"):
+            assert tier.usage() == expected  # found gone by usage() itself: rebuilt, with a warning
+        assert "gone (evicted by Redis?)" in caplog.text
+
+
+def test_leftovers_of_a_dead_writer_settle(restartable_redis: Any, prefix: str) -> None:
+    """A ``-`` entry whose ``+`` never came (its writer died between its SET and its accounting) and an ``x`` entry
+    whose ``-`` never came are settled once older than SETTLE_S; a planted field that is no entry counts nothing."""
+    tier = RedisTier.from_url(restartable_redis.url, prefix=prefix, chunk_bytes=CHUNK)
+    tier.put_many([(k(1), b"a" * 100), (k(2), os.urandom(3 * CHUNK))])
+    expected = TierUsage(blocks=2, bytes=100 + 3 * CHUNK, capacity_bytes=None)
+    usage_key = f"{{{prefix}#usage}}"
+    with restartable_redis.client() as raw:
+        raw.hset(usage_key, mapping={f"e:{k(7).hex()}:{'ab' * 8}": "-:500:0:0",  # time 0: long ago
+                                     f"e:{k(8).hex()}:{'cd' * 8}": "x:70:0:0",
+                                     f"e:{k(9).hex()}:{'ef' * 8}": "garbage"})
+        raw.hincrby(usage_key, "blocks", -1)
+        raw.hincrby(usage_key, "bytes", -500)
+        assert tier.reconcile() == 0
+        assert tier.usage() == expected
+        entries = sorted(f.split(b":")[1] for f in raw.hkeys(usage_key) if f.startswith(b"e:"))
+        assert entries == [k(1).hex().encode(), k(2).hex().encode()]  # the two values; the rest settled
+
+
+def test_redis_above_another_tier_writes_nothing_down_for_its_evictions(maxmemory_redis: Any, prefix: str) -> None:
+    """Write-back with Redis first: a value Redis evicted is gone (reported with an empty value), so nothing is
+    written down for it; the tier below only ever holds whole blocks."""
+    use_policy(maxmemory_redis, "allkeys-lfu")
+    tier = RedisTier.from_url(maxmemory_redis.url, prefix=prefix, chunk_bytes=CHUNK, reconcile_interval_s=0)
+    below = MemoryTier(64 * MiB)
+    blocks = [make_block(40 + i, layers=2, heads=2, head_dim=64) for i in range(40)]
+    with TieredStore([tier, below], write_policy="back") as store:
+        for block in blocks:
+            store.put_many([(key_of(block), block)])
+        set_memory(maxmemory_redis, 64 * MiB)
+        held = held_in_redis(maxmemory_redis, prefix)
+        stats = store.stats()["tiers"]
+        assert stats[0]["evictions"] == len(blocks) - len(held) > 0
+        assert below.keys() == [] and stats[1]["blocks"] == 0
+        for block in blocks:
+            out = store.get_many([key_of(block)], fingerprint=block.fingerprint)[0]
+            assert out is None or key_of(block) in held
