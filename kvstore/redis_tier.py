@@ -960,9 +960,9 @@ class RedisTier(Tier):
         empty value says so); kvshelf itself never evicts from Redis."""
         self._on_evict = callback
 
-    def _counters(self, client: Client) -> tuple[int, int] | str:
+    def _counters(self, client: Client, *, stale_ok: bool = False) -> tuple[int, int] | str:
         """``(blocks, bytes)`` from the usage hash, or why it cannot be used: ``missing``, ``stale`` (awaiting a
-        recount), ``format...`` or ``damaged...``."""
+        recount; ``stale_ok``: its figures all the same), ``format...`` or ``damaged...``."""
         try:
             version, blocks, size, stale = client.hmget(self._usage_key, ["v", "blocks", "bytes", "stale"])
         except rex.ResponseError as exc:
@@ -973,7 +973,7 @@ class RedisTier(Tier):
             return "missing" if blocks is None and size is None else "format: kept by an older kvshelf"
         if version != b"2":
             return f"format {version[:20]!r}"
-        if stale is not None:
+        if stale is not None and not stale_ok:
             return "stale"
         values = []
         for field, raw in (("blocks", blocks), ("bytes", size)):
@@ -1130,7 +1130,7 @@ class RedisTier(Tier):
                 found += self._recount(client, force=False)
             capacity, evicted = self._info(client)
             found += self._reconcile_if_due(client, evicted)
-            counters = self._counters(client)
+            counters = self._counters(client, stale_ok=True)
             if isinstance(counters, str):  # lost again at once (a Redis evicting everything): nothing counted
                 counters = (0, 0)
             else:
