@@ -52,7 +52,8 @@ def serve(
         "documented slack for LMDB's own pages (39.25MiB for 256MiB, ~2.7% for 1TiB)")] = None,
     disk_codec: Annotated[str | None, _opt("codec of the LMDB (and Redis) tier (default raw)")] = None,
     eviction_policy: Annotated[str | None, _opt(
-        "what the memory and LMDB tiers evict: lru, ... (default: see `kvshelf replay --help`)")] = None,
+        "what the memory and LMDB tiers evict: prefix (default), arc, s3fifo or lru (compare them with "
+        "`kvshelf replay`)")] = None,
     redis: Annotated[str | None, _opt("redis://HOST:PORT/DB or redis+cluster://HOST:PORT: the shared tier")] = None,
     tokens_file: Annotated[str | None, _opt("TOML \\[tokens] \"token\" = \"namespace\" (none: dev mode)")] = None,
     tls_cert: Annotated[str | None, _opt("PEM certificate (with --tls-key: serve TLS)")] = None,
