@@ -283,6 +283,7 @@ class LMDBTier(Tier):
         self._damaged: TierDamagedError | None = None
         self._closed = False
         self._lock = RWLock()
+        self._wlock = threading.Lock()  # one write transaction of this process at a time (``_write_once``)
         self._plock = threading.Lock()  # the policy, ``_known`` and ``_pinned``
         self._known: dict[bytes, int] = {}  # keys the policy holds -> value length
         self._pinned: set[bytes] = set()
@@ -462,8 +463,8 @@ class LMDBTier(Tier):
         while True:
             self._check_usable()
             try:
-                with self._lock.read(), self._env.begin(db=self._blocks, write=True, buffers=True) as txn:
-                    return fn(txn)
+                with self._wlock:
+                    return self._write_once(fn)
             except lmdb.MapFullError as exc:
                 if self.capacity_bytes is not None:
                     raise _Full() from exc
@@ -472,6 +473,23 @@ class LMDBTier(Tier):
                 self._adopt_resize()
             except lmdb.Error as exc:
                 raise self._fail(exc) from exc
+
+    def _write_once(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """``fn`` in a write transaction, committed; on any error the transaction is aborted with the readers of
+        this process held off: py-lmdb's abort of a write transaction waits for a moment when no other thread is
+        inside an LMDB call, which busy reader threads can postpone for minutes (measured: 50-500 s). The caller
+        holds ``_wlock``: no thread of this process waits for LMDB's writer lock while holding ``_lock``."""
+        with self._lock.read():
+            txn = self._env.begin(db=self._blocks, write=True, buffers=True)
+            try:
+                result = fn(txn)
+                txn.commit()
+                return result
+            except BaseException as exc:
+                error = exc
+        with self._lock.write():
+            txn.abort()
+        raise error
 
     def _adopt_resize(self) -> None:
         with self._lock.write():
