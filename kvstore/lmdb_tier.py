@@ -17,7 +17,10 @@ transaction, with the byte counters and the key index (below): a crash at any in
 with ``durable=True``) leaves either the state before the transaction or after it, so it loses nothing but the
 values that transaction was evicting. A batch is one transaction when its values take at most ``txn_bytes``
 (``capacity / 32``, 64 KiB to 256 MiB), else it is split into transactions of at most that much. Unbounded,
-a batch is always one transaction (all or nothing).
+a batch is always one transaction (all or nothing). The threads of one process write one at a time, and a
+write transaction that fails is aborted with this process's readers held off for that instant (py-lmdb's
+abort otherwise waits for a moment when no other thread is inside LMDB, which busy readers put off for
+minutes).
 
 Reads. A read copies each value out under a read transaction: LMDB's MVCC keeps every page of that snapshot
 untouched until the transaction ends, so a value being evicted or overwritten meanwhile is never torn.
@@ -45,17 +48,17 @@ commits a transaction evicting more (twice as much each time), then an empty one
 reusable, and retries (``map_full_retries`` counts these). If a reader holds a snapshot older than the last
 commit for more than 0.5 s (a long read in another process: the pages freed since cannot be reused until it
 ends, so evicting would not help), or nothing unpinned is left to evict, the put is not stored (logged) rather
-than the file growing. An environment
-whose file is already larger (written unbounded, or with a larger capacity) keeps its size: LMDB files never
-shrink (evict down, then ``mdb_copy -c`` to compact); it is evicted down to the capacity when opened.
+than the file growing. An environment whose file is already larger (written unbounded, or with a larger capacity)
+is evicted down to the capacity when opened, but its file keeps its size: LMDB files never shrink
+(``lmdb.Environment.copy(path, compact=True)`` writes a compact copy).
 
 Policy state and restarts. The policy lives in the process. So that it knows the held keys after a restart,
 every bounded write also records a sequence number per key (databases ``keyseq``: key -> sequence and length,
 and ``order``: sequence -> key, written in the same transaction); at open the keys are fed to the policy oldest
 write first (reads are not recorded: after a restart recency is by last write). Unbounded writes keep no index
 (they mark it stale); a bounded open of an environment without a valid index (written unbounded, repaired, or
-by an older kvshelf) rebuilds it first, in key order. Several processes may share
-one environment, each with its own policy and pins (all must open it with the same capacity): a victim that
+by an older kvshelf) rebuilds it first, in key order. Several processes may share one environment, each
+with its own policy and pins (all must open it with the same capacity): a victim that
 another process already removed is skipped; when this process's policy has nothing left to evict (it holds
 only pinned keys) but the shared byte counters are over capacity (other processes' keys), the tier evicts by
 the oldest persisted sequence number. A put that a transaction aborts (a full map, an error) puts the policy
