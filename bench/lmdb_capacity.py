@@ -53,10 +53,11 @@ def value_version(key: bytes, value: bytes) -> int | None:
 
 
 def run(*, duration_s: float, capacity: int, min_block: int = MiB, max_block: int = 8 * MiB, seed: int = 0,
-        durable: bool = True, policy: str = "lru", data_dir: str | None = None, json_path: str | None = None,
-        console: Console | None = None) -> dict[str, Any]:
+        durable: bool = True, policy: str = "lru", slack: int | None = None, data_dir: str | None = None,
+        json_path: str | None = None, console: Console | None = None) -> dict[str, Any]:
     """Run the traffic for ``duration_s`` seconds on a fresh tier in ``data_dir`` (a temporary directory when
-    None); print a table, write ``json_path``; return the results (``ok``: every invariant held)."""
+    None); print a table, write ``json_path``; return the results (``ok``: every invariant held). ``slack``: the
+    tier's ``slack_bytes`` (default: ``lmdb_slack_bytes``): more slack, fewer puts that find the map full."""
     from kvshelf.bench.common import machine_description
     from kvshelf.kvstore.lmdb_tier import LMDBTier
 
@@ -72,7 +73,7 @@ def run(*, duration_s: float, capacity: int, min_block: int = MiB, max_block: in
     errors: list[str] = []
     with tempfile.TemporaryDirectory(prefix="kvshelf-bench-lmdb-capacity-") as tmp:
         path = Path(data_dir or tmp) / "lmdb"
-        tier = LMDBTier(path, capacity_bytes=capacity, policy=policy, durable=durable)
+        tier = LMDBTier(path, capacity_bytes=capacity, policy=policy, durable=durable, slack_bytes=slack)
         bound = capacity + int(tier.slack_bytes or 0)
 
         def evicted(key: bytes, value: bytes) -> None:
@@ -84,6 +85,7 @@ def run(*, duration_s: float, capacity: int, min_block: int = MiB, max_block: in
         data = path / "data.mdb"
         max_file = os.path.getsize(data)
         version = 0
+        held_sum = 0  # held bytes after each put, summed: the mean occupancy
         start = time.monotonic()
         try:
             while time.monotonic() - start < duration_s:
@@ -98,6 +100,7 @@ def run(*, duration_s: float, capacity: int, min_block: int = MiB, max_block: in
                         else:
                             counts["not_stored"] += 1
                         max_file = max(max_file, os.path.getsize(data))
+                        held_sum += tier.usage().bytes
                     else:
                         key = rng.choice(list(latest))
                         counts["gets"] += 1
@@ -127,6 +130,7 @@ def run(*, duration_s: float, capacity: int, min_block: int = MiB, max_block: in
         "max_block_bytes": max_block, "policy": policy, "durable": durable, "keys": len(pool), **counts,
         "map_full_retries": retries, "max_file_bytes": max_file, "final_file_bytes": final_file,
         "held_bytes": usage.bytes, "held_blocks": usage.blocks, "audit": audit,
+        "mean_held_fraction": round(held_sum / max(counts["puts"], 1) / capacity, 4),
         "puts_per_s": round(counts["puts"] / elapsed, 1) if elapsed else 0.0, "errors_seen": errors, "ok": ok,
     }
     table = Table(title=f"LMDB tier, capacity {capacity / MiB:g} MiB, blocks {min_block / MiB:g}-"
@@ -139,6 +143,7 @@ def run(*, duration_s: float, capacity: int, min_block: int = MiB, max_block: in
     table.add_row("max file size", f"{max_file / MiB:.2f} MiB")
     table.add_row("capacity + slack", f"{bound / MiB:.2f} MiB ({capacity / MiB:g} + {(bound - capacity) / MiB:.2f})")
     table.add_row("held at the end", f"{usage.bytes / MiB:.2f} MiB in {usage.blocks} blocks")
+    table.add_row("mean held after a put", f"{100 * result['mean_held_fraction']:.1f}% of the capacity")
     table.add_row("invariants", "[green]held[/green]" if ok else "[red]BROKEN[/red]")
     console.print(table)
     if json_path:

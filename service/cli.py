@@ -449,6 +449,9 @@ def bench_lmdb_capacity(
     max_block: Annotated[str, typer.Option(help="largest block put")] = "8MiB",
     durable: Annotated[bool, typer.Option(help="fsync every commit (as kvshelf serve does)")] = True,
     seed: Annotated[int, typer.Option(help="of the random traffic")] = 0,
+    policy: Annotated[str, typer.Option(help="eviction policy of the tier")] = "lru",
+    slack: Annotated[str | None, typer.Option(help="the tier's slack (default: lmdb_slack_bytes of the capacity)")]
+    = None,
 ) -> None:
     """A bounded LMDB tier under random puts and gets: the file stays under capacity + slack, no errors, every
     get a correct block or a counted miss (exit code 1 if an invariant broke)."""
@@ -460,7 +463,8 @@ def bench_lmdb_capacity(
     if sizes[0] < 1 or not 32 <= sizes[1] <= sizes[2]:
         raise KVShelfError(f"need --capacity >= 1 byte and 32 bytes <= --min-block <= --max-block, got {sizes}")
     result = run(duration_s=duration, capacity=sizes[0], min_block=sizes[1], max_block=sizes[2], seed=seed,
-                 durable=durable, json_path=str(json_path) if json_path else None, console=console)
+                 durable=durable, policy=policy, slack=parse_size(slack, "--slack") if slack is not None else None,
+                 json_path=str(json_path) if json_path else None, console=console)
     if not result["ok"]:
         raise typer.Exit(1)
 
