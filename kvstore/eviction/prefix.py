@@ -103,12 +103,15 @@ class PrefixAwarePolicy(ARCPolicy):
     # -- eviction ------------------------------------------------------------------------------------------
 
     def victim(self, pinned: Set[bytes]) -> bytes | None:
-        for orphan in list(self._orphans):
+        for _ in range(len(self._orphans)):  # oldest first, without copying the list on every eviction
+            orphan = next(iter(self._orphans))
             if not self._held(orphan):
                 del self._orphans[orphan]
             elif orphan not in pinned:
                 self._named = self._chain_tail(orphan, pinned)
                 return self._named
+            else:
+                self._orphans.move_to_end(orphan)  # a pinned orphan waits at the young end
         key = super().victim(pinned)
         if key is None:
             return None
