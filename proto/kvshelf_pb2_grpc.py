@@ -79,6 +79,11 @@ class KVShelfStub:
                 request_serializer=kvshelf__pb2.ClearRequest.SerializeToString,
                 response_deserializer=kvshelf__pb2.CountResponse.FromString,
                 _registered_method=True)
+        self.SubscribeEvents = channel.unary_stream(
+                '/kvshelf.v1.KVShelf/SubscribeEvents',
+                request_serializer=kvshelf__pb2.SubscribeEventsRequest.SerializeToString,
+                response_deserializer=kvshelf__pb2.SubscribeEventsResponse.FromString,
+                _registered_method=True)
 
 
 class KVShelfServicer:
@@ -146,6 +151,18 @@ class KVShelfServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubscribeEvents(self, request, context):
+        """KV events of the caller's namespace for routers (vLLM's KV events): BlockStored, BlockRemoved (per tier, the
+        tier as `medium`) and AllBlocksCleared (a Clear), each with a sequence number that grows across the server's
+        restarts (one counter per data dir, shared by every namespace, so a subscriber sees gaps: other namespaces').
+        The first message is `started`; `from_seq` > 0 replays the kept log from that sequence before the live events.
+        Events the log no longer keeps are announced by one message with `lost` (resync). A subscriber that falls
+        `--subscriber-queue` events behind is ended with RESOURCE_EXHAUSTED naming the sequence to resume from.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVShelfServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -193,6 +210,11 @@ def add_KVShelfServicer_to_server(servicer, server):
                     servicer.Clear,
                     request_deserializer=kvshelf__pb2.ClearRequest.FromString,
                     response_serializer=kvshelf__pb2.CountResponse.SerializeToString,
+            ),
+            'SubscribeEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeEvents,
+                    request_deserializer=kvshelf__pb2.SubscribeEventsRequest.FromString,
+                    response_serializer=kvshelf__pb2.SubscribeEventsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -438,6 +460,33 @@ class KVShelf:
             '/kvshelf.v1.KVShelf/Clear',
             kvshelf__pb2.ClearRequest.SerializeToString,
             kvshelf__pb2.CountResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvshelf.v1.KVShelf/SubscribeEvents',
+            kvshelf__pb2.SubscribeEventsRequest.SerializeToString,
+            kvshelf__pb2.SubscribeEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,
