@@ -111,6 +111,9 @@ DEFAULT_MAX_VALUE_BYTES = 1 * GiB
 #: one round trip of chunk reads: at most this many commands and about this many bytes
 _ROUND_COMMANDS = 256
 _ROUND_BYTES = 64 * MiB
+#: ``delete_prefix``: slots a SCAN call walks (Redis's ``COUNT`` hint), and keys removed per round
+CLEAR_SCAN_COUNT = 5000
+CLEAR_BATCH = 1000
 #: the most chunk keys removed of one value found broken, and checked (EXISTS) by a reconciliation
 _DROP_CHUNKS = 4096
 #: at most one "Redis refused writes" warning this often (seconds)
@@ -780,51 +783,122 @@ class RedisTier(Tier):
         keys = list(keys)
         if not keys:
             return 0
+        return len(self._run("delete", lambda client: self._delete_keys(client, keys)))
 
-        def fn(client: Client) -> int:
-            pipe = self._pipeline(client)
-            for key in keys:
-                pipe.getdel(self._manifest_key(key))
-            deleted = pipe.execute(raise_on_error=False)
-            removed = 0
-            ops: list[tuple[str, str, int, int]] = []
-            chunk_keys: list[Iterator[str]] = []
-            damaged: list[tuple[bytes, _Damage]] = []
-            for key, raw in zip(keys, deleted, strict=True):
-                manifest = self._manifest(raw, whole=True)
-                if manifest is None:
+    def _delete_keys(self, client: Client, keys: Sequence[bytes]) -> list[tuple[bytes, _Manifest | None]]:
+        """``delete`` on one connection: the keys that existed (their manifests removed, counted out, chunks
+        unlinked), each with its manifest (``None``: damaged)."""
+        pipe = self._pipeline(client)
+        for key in keys:
+            pipe.getdel(self._manifest_key(key))
+        deleted = pipe.execute(raise_on_error=False)
+        removed: list[tuple[bytes, _Manifest | None]] = []
+        ops: list[tuple[str, str, int, int]] = []
+        chunk_keys: list[Iterator[str]] = []
+        damaged: list[tuple[bytes, _Damage]] = []
+        for key, raw in zip(keys, deleted, strict=True):
+            manifest = self._manifest(raw, whole=True)
+            if manifest is None:
+                continue
+            removed.append((key, manifest if isinstance(manifest, _Manifest) else None))
+            if isinstance(manifest, _Damage):
+                if manifest.seen is None:  # GETDEL refused a key of another type: remove it so
+                    damaged.append((key, manifest))
+                continue
+            ops.append(self._op("-", key, manifest))
+            chunk_keys.append(self._chunk_keys(key, manifest))
+        if damaged:
+            self._heal(client, damaged)
+        self._account(client, ops)  # before the chunks go: a reconciliation never sees them gone uncounted
+        # UNLINK: Redis frees a large chunk in a background thread instead of blocking on it
+        self._execute(client, (lambda p, c=c: p.unlink(c) for names in chunk_keys for c in names))
+        return removed
+
+    def delete_prefix(self, prefix: bytes, length: int | None = None) -> list[bytes]:
+        """Remove every value whose key starts with ``prefix`` (the service's namespace tag) and is ``length`` bytes
+        long when given, and whatever Redis left of such values; return the keys of the values removed.
+
+        One ``SCAN`` whose ``MATCH`` names the prefix's hex (Redis filters: only the namespace's own keys come back,
+        ``CLEAR_SCAN_COUNT`` slots a call, so no call blocks Redis for long), on every primary of a Cluster. Each page
+        of manifests found is removed at once as ``delete`` does (``GETDEL``, accounting, ``UNLINK`` of chunks). Chunks
+        no manifest of theirs names (Redis evicted the manifest; a writer died) are counted out if still counted,
+        and unlinked. Redis still walks its whole keyspace (SCAN has no index): what grows with the other
+        namespaces is Redis-side time only (measured by ``kvshelf bench clear``), no round trip of their keys or
+        per-key work here. A value of the prefix written during the clear may survive it, or lose a chunk (a miss),
+        as with any delete racing a put."""
+        rest = "*" if length is None else "??" * (length - len(prefix)) + "}*"
+        pattern = "{" + _glob_escape(self.prefix + prefix.hex()) + rest
+
+        def fn(client: Client) -> list[bytes]:
+            removed: list[tuple[bytes, _Manifest | None]] = []
+            page: list[bytes] = []
+            chunks: dict[tuple[bytes, bytes], list[bytes]] = {}  # (key, generation) -> chunk names seen
+            for key, suffix, name in self._parse_all(self._scan(client, pattern, count=CLEAR_SCAN_COUNT)):
+                if not key.startswith(prefix) or (length is not None and len(key) != length):
                     continue
-                removed += 1
-                if isinstance(manifest, _Damage):
-                    if manifest.seen is None:  # GETDEL refused a key of another type: remove it so
-                        damaged.append((key, manifest))
-                    continue
-                ops.append(self._op("-", key, manifest))
-                chunk_keys.append(self._chunk_keys(key, manifest))
-            if damaged:
-                self._heal(client, damaged)
-            self._account(client, ops)  # before the chunks go: a reconciliation never sees them gone uncounted
-            self._execute(client, (lambda p, c=c: p.delete(c) for names in chunk_keys for c in names))
-            return removed
+                if suffix == b"m":
+                    page.append(key)
+                    if len(page) >= CLEAR_BATCH:
+                        removed += self._delete_keys(client, page)
+                        page = []
+                else:
+                    generation = suffix.split(b":", 1)[0]
+                    with contextlib.suppress(ValueError):
+                        chunks.setdefault((key, bytes.fromhex(generation.decode("ascii", "replace"))), []).append(name)
+            if page:
+                removed += self._delete_keys(client, page)
+            gone = {(key, m.generation) for key, m in removed if isinstance(m, _Manifest)}
+            self._drop_orphans(client, {group: names for group, names in chunks.items() if group not in gone})
+            return [key for key, _ in removed]
 
-        return self._run("delete", fn)
+        return self._run("clear", fn)
 
-    def _scan(self, client: Client, match: str) -> Iterator[bytes]:
+    def _drop_orphans(self, client: Client, groups: dict[tuple[bytes, bytes], list[bytes]]) -> None:
+        """Chunks found by a clear whose value it did not remove: those whose manifest is absent or names another
+        generation are counted out (``x``: only if still counted in) and unlinked; a value whose manifest is there
+        (written while the clear ran) is left."""
+        if not groups:
+            return
+        items = list(groups.items())
+        headers = self._headers(client, [key for (key, _), _ in items])
+        ops, names = [], []
+        for ((key, generation), chunk_names), header in zip(items, headers, strict=True):
+            if isinstance(header, _Manifest) and header.generation == generation:
+                continue
+            ops.append(("x", entry_field(key, generation), 0, 0))
+            names += chunk_names
+        self._account(client, ops)
+        self._execute(client, (lambda p, c=c: p.unlink(c) for c in names))
+
+    def _scan(self, client: Client, match: str, count: int = 1000) -> Iterator[bytes]:
         if isinstance(client, redis.cluster.RedisCluster):
-            return client.scan_iter(match=match, count=1000, target_nodes=redis.cluster.RedisCluster.PRIMARIES)
-        return client.scan_iter(match=match, count=1000)
+            return client.scan_iter(match=match, count=count, target_nodes=redis.cluster.RedisCluster.PRIMARIES)
+        return client.scan_iter(match=match, count=count)
 
-    def _keys(self, client: Client) -> list[bytes]:
-        pattern = "{" + _glob_escape(self.prefix) + "*}:m"
+    def _parse_all(self, names: Iterable[bytes]) -> Iterator[tuple[bytes, bytes, bytes]]:
+        """``(key, suffix, name)`` of Redis key names ``{<prefix><hex>}:<suffix>`` (names not of this layout
+        skipped): suffix ``m`` for a manifest, ``<generation hex>:<i>`` for a chunk."""
         start = 1 + len(self.prefix.encode())
-        out = []
-        for name in self._scan(client, pattern):
-            hex_key = name[start:-3].decode("ascii", "replace")
+        for name in names:
+            end = name.find(b"}:", start)
+            if end < 0:
+                continue
             try:
-                out.append(bytes.fromhex(hex_key))
+                yield bytes.fromhex(name[start:end].decode("ascii", "replace")), name[end + 2:], name
+            except ValueError:
+                continue
+
+    def _parse_names(self, names: Iterable[bytes]) -> Iterator[bytes]:
+        """The keys of manifest names ``{<prefix><hex>}:m`` (names not of this tier's layout skipped)."""
+        start = 1 + len(self.prefix.encode())
+        for name in names:
+            try:
+                yield bytes.fromhex(name[start:-3].decode("ascii", "replace"))
             except ValueError:
                 continue  # not one of ours (a prefix that is a prefix of another tier's)
-        return out
+
+    def _keys(self, client: Client) -> list[bytes]:
+        return list(self._parse_names(self._scan(client, "{" + _glob_escape(self.prefix) + "*}:m")))
 
     def keys(self) -> list[bytes]:
         """Every key with a manifest (SCAN by prefix; on Cluster, every primary). May be slow on large tiers."""

@@ -45,6 +45,14 @@ Listener = Callable[[StoreEvent], None]
 T = TypeVar("T")
 
 
+def _codec_of(value: bytes) -> str:
+    """The codec an encoded value's header names ("" when it has none readable)."""
+    try:
+        return read_header(value).codec
+    except KVShelfError:
+        return ""
+
+
 def header_key(tier_key: bytes) -> bytes:
     """The key an encoded value names in its header: a tier key may carry a scope prefix before it
     (the service prefixes a tag of the tenant's namespace), the header holds the unscoped key."""
@@ -264,6 +272,7 @@ class TieredStore:
             self._pin_all(keys)
         targets = self.write_targets()
         accepted, full_error = 0, None
+        missed: list[bytes] = []  # keys some tier did not take: pinned ones no tier holds lose their pin
         for n, spec in enumerate(targets):
             encoded = encode_for(spec)
             try:
@@ -277,10 +286,15 @@ class TieredStore:
             if n == 0:
                 accepted = stored
             rejected = self._count_writes(spec, encoded, owners, stored)
+            missed += [key for key, _ in rejected]
             if self.write_policy == "back" and rejected and len(self.specs) > 1:
                 # what the first tier cannot hold (too large, or room only by evicting pins) goes one tier down
                 for key, value in rejected:
                     self._write_down(0, key, value)
+        if pin:  # again: an eviction report racing this write may have found the key held nowhere yet
+            self._pin_all(keys)
+        if missed or full_error is not None:
+            self._forget_pins(missed if full_error is None else keys)
         if full_error is not None:
             raise full_error
         return accepted
@@ -304,21 +318,23 @@ class TieredStore:
                 continue
             self.counters.add(name, ns, model, "blocks_written")
             self.counters.add(name, ns, model, "bytes_written", len(value))
-            self._emit(StoreEvent("stored", name, key, len(value), ns, model))
+            self._emit(StoreEvent("stored", name, key, len(value), ns, model, _codec_of(value)))
         return rejected
 
     def _on_evict(self, index: int, key: bytes, value: bytes) -> None:
         spec = self.specs[index]
+        codec = ""
         try:
             header = read_header(value)
-            ns, model = header.namespace, header.fingerprint
+            ns, model, codec = header.namespace, header.fingerprint, header.codec
         except KVShelfError:
             ns = model = UNKNOWN
         self.counters.add(spec.tier.name, ns, model, "evictions")
-        self._emit(StoreEvent("evicted", spec.tier.name, key, len(value), ns, model))
+        self._emit(StoreEvent("evicted", spec.tier.name, key, len(value), ns, model, codec))
         # an empty value: the medium evicted it on its own (Redis's maxmemory) and it is gone: nothing to write down
         if value and self.write_policy == "back" and index + 1 < len(self.specs):
             self._write_down(index, key, value)
+        self._forget_pins([key])
 
     def _reencode_bound(self, spec: TierSpec) -> int | None:
         """The most bytes a stored value may decode to for a re-encode into ``spec``'s tier: the store's bound
@@ -348,7 +364,8 @@ class TieredStore:
             header = read_header(value)
             self.counters.add(lower.tier.name, header.namespace, header.fingerprint, "blocks_written")
             self.counters.add(lower.tier.name, header.namespace, header.fingerprint, "bytes_written", len(value))
-            self._emit(StoreEvent("stored", lower.tier.name, key, len(value), header.namespace, header.fingerprint))
+            self._emit(StoreEvent("stored", lower.tier.name, key, len(value), header.namespace, header.fingerprint,
+                                  header.codec))
 
     # -- reads ----------------------------------------------------------------------------------------
 
@@ -470,6 +487,7 @@ class TieredStore:
                         self._delete_from(spec, [keys[j]])
                     except TierUnavailableError as exc:
                         self._unavailable(spec, exc)
+                    self._forget_pins([keys[j]])
                     missed.append(j)
                     continue
                 self.counters.add(name, namespace, model, "bytes_read", len(value))
@@ -604,6 +622,51 @@ class TieredStore:
         for spec in self.specs:
             spec.tier.unpin(keys)
         return len(was)
+
+    def _forget_pins(self, keys: Sequence[bytes]) -> None:
+        """Unpin those of ``keys`` that are pinned and that no tier holds any more (evicted where a pin could not
+        keep them, refused, dropped as damaged, evicted by Redis), so the pinned set names only held blocks. A tier
+        that cannot be asked (unreachable) may hold it: the pin stays."""
+        with self._lock:
+            pinned = [key for key in dict.fromkeys(keys) if key in self._pinned]
+        if not pinned:
+            return
+        gone = []
+        for key in pinned:
+            held = False
+            for spec in self.specs:
+                try:
+                    held = spec.tier.contains_many([key]) == 1
+                except (TierUnavailableError, TierDamagedError):
+                    held = True
+                if held:
+                    break
+            if not held:
+                gone.append(key)
+        if gone:
+            self.unpin(gone)
+
+    def clear_prefix(self, prefix: bytes, length: int | None = None) -> int:
+        """Remove every block whose key starts with ``prefix`` (a namespace's scope tag; of ``length`` bytes when
+        given) from every reachable tier, and drop every pin of such a key (held or not); return how many distinct
+        keys some tier held. Each tier finds the keys its own way (``Tier.delete_prefix``: Redis by a matching
+        SCAN, without a round trip per key)."""
+        if not prefix:
+            raise ConfigError("clear_prefix needs a non-empty prefix")
+        with self._lock:
+            pins = [k for k in self._pinned if k.startswith(prefix) and (length is None or len(k) == length)]
+        self.unpin(pins)
+        removed: set[bytes] = set()
+        for spec in self.specs:
+            try:
+                keys = spec.tier.delete_prefix(prefix, length)
+            except TierUnavailableError as exc:
+                self._unavailable(spec, exc)
+                continue
+            for key in keys:
+                self._emit(StoreEvent("removed", spec.tier.name, key, 0))
+            removed.update(keys)
+        return len(removed)
 
     def is_pinned(self, key: bytes) -> bool:
         with self._lock:

@@ -50,6 +50,13 @@ class Tier(ABC):
         """Every key held (for admin tools and tests; may be slow on large tiers)."""
         raise NotImplementedError(f"tier {self.name} cannot list its keys")
 
+    def delete_prefix(self, prefix: bytes, length: int | None = None) -> list[bytes]:
+        """Remove every key starting with ``prefix`` (a namespace's scope tag), of ``length`` bytes when given;
+        return the keys removed. This default lists every key; tiers that find a prefix's keys cheaper override it."""
+        held = [key for key in self.keys() if key.startswith(prefix) and (length is None or len(key) == length)]
+        self.delete(held)
+        return held
+
     def set_eviction_callback(self, callback: EvictionCallback | None) -> None:
         """Tiers that evict report each evicted value here (the store counts it or writes it back)."""
 

@@ -488,6 +488,26 @@ def bench_store(
         sizes=_ints(sizes, "--sizes"), clients=_ints(clients, "--clients"), console=console)
 
 
+@bench_app.command("clear")
+def bench_clear(
+    json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+    other: Annotated[int, typer.Option(help="values of other namespaces in Redis")] = 1_000_000,
+    ns_keys: Annotated[int, typer.Option("--ns-keys", help="values of the namespace cleared")] = 10_000,
+    cluster: Annotated[bool, typer.Option(help="a local 3-primary Redis Cluster instead of one server")] = False,
+    paths: Annotated[str, typer.Option(help="comma-separated: old (pre-issue-22 Clear, the anchor), new")] = "old,new",
+) -> None:
+    """Clear(namespace) on a large Redis: seconds and Redis's SCAN calls, old path vs new (bench/clear.py)."""
+    from kvshelf.bench.clear import run
+
+    chosen = tuple(p.strip() for p in paths.split(",") if p.strip())
+    if not chosen or set(chosen) - {"old", "new"}:
+        raise KVShelfError(f"--paths takes old and/or new, got {paths!r}")
+    if other < 0 or ns_keys <= 0:
+        raise KVShelfError("--other must be >= 0 and --ns-keys > 0")
+    run(json_path=str(json_path) if json_path else None, other=other, ns_keys=ns_keys, cluster=cluster,
+        paths=chosen, console=console)
+
+
 @bench_app.command("chaos")
 def bench_chaos(
     json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,

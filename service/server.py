@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -42,7 +43,8 @@ from kvshelf.kvstore.store import TieredStore, TierSpec
 from kvshelf.proto import kvshelf_pb2 as pb
 from kvshelf.service.arena import ArenaWriter
 from kvshelf.service.auth import MAX_NAMESPACE_CHARS, SCOPE_BYTES, TokenTable, scope_tag
-from kvshelf.service.errors import ArenaUnavailable
+from kvshelf.service.errors import ArenaUnavailable, WireError
+from kvshelf.service.events import EventHub, open_event_log
 from kvshelf.service.fairness import (
     RequestWatch,
     StreamGate,
@@ -51,8 +53,13 @@ from kvshelf.service.fairness import (
 from kvshelf.service.history import StatsHistory
 from kvshelf.service.status import abort_call, client_fault, fail
 from kvshelf.service.strikes import TenantStrikes
-from kvshelf.service.usage import InflightBudget, NamespaceUsage, TierBytes, add_tier_bytes, tier_keys
-from kvshelf.service.wire import encode_arena_response, encode_chunk_response, encode_miss_response
+from kvshelf.service.usage import InflightBudget, NamespaceUsage, TierBytes, add_tier_bytes
+from kvshelf.service.wire import (
+    decode_put_request,
+    encode_arena_response,
+    encode_chunk_response,
+    encode_miss_response,
+)
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +109,10 @@ class ServerLimits:
     max_inflight_bytes: int | None = None  # put bytes buffered at once, all tenants; None: 2 x max_call_bytes
     strike_burst: int = 20  # failed calls (client's fault) at which a tenant's streams are refused; 0: never
     strike_leak_per_s: float = 5.0  # failed calls per second a tenant is forgiven (service/strikes.py)
+    max_subscriptions: int = 8  # SubscribeEvents streams open at once, all tenants (extra worker threads)
+    tenant_subscriptions: int = 2  # SubscribeEvents streams one tenant may have open at once
+    subscriber_queue: int = 10_000  # events waiting for one subscriber before it is cut off as too slow
+    events_log_bytes: int = 64 << 20  # the persistent event log's bound (replay reaches back this far)
 
     def __post_init__(self) -> None:
         if self.max_block_bytes <= 0 or self.max_call_bytes <= 0:
@@ -126,8 +137,7 @@ class _PutCall:
         self.namespace, self.tag = namespace, scope_tag(namespace)
         self._done: list[tuple[bytes, bytes]] = []
         self._key: bytes | None = None
-        self._buf: bytearray | None = None  # the current value (None: its one chunk is kept as sent)
-        self._data: bytes = b""
+        self._parts: list[memoryview] = []  # the current value's chunks (views of the received messages)
         self._filled = 0
         self._declared = 0  # the current value's total_size (0: not declared)
         self._call_bytes = 0  # bytes of the finished values plus what the current one holds
@@ -136,12 +146,12 @@ class _PutCall:
         self._quota: TierBytes = {}  # quota reserved (the finished values, then the current one)
         self._value_quota: TierBytes = {}
 
-    def add(self, chunk: pb.Chunk) -> tuple[bytes, bytes] | None:
-        """Take one chunk; return ``(key, value)`` when it completes a value, else None."""
+    def add(self, chunk: pb.Chunk, data: memoryview) -> tuple[bytes, bytes] | None:
+        """Take one chunk (``data``: its bytes, apart from the message); return ``(key, value)`` when it completes
+        a value, else None."""
         limits = self.limits
         if chunk.in_arena:
             fail(grpc.StatusCode.INVALID_ARGUMENT, "PutBlocks chunks carry their data: in_arena is GetBlocks-only")
-        data = chunk.data
         if self._key is None:
             if not chunk.key:
                 fail(grpc.StatusCode.INVALID_ARGUMENT, "the first chunk of a value must carry its key")
@@ -152,8 +162,6 @@ class _PutCall:
             self._key, self._declared, self._filled = chunk.key, chunk.total_size, 0
             self._value_quota, self._value_held = {}, 0
             self._hold(self._declared or len(data))
-            # a value in one chunk is kept as sent; a longer one is assembled in one buffer of its declared size
-            self._buf = None if chunk.last else bytearray(self._declared)
         elif chunk.key and chunk.key != self._key:
             fail(grpc.StatusCode.INVALID_ARGUMENT,
                   f"chunk for key {chunk.key.hex()} before the value of {self._key.hex()} ended (no last=true)")
@@ -164,21 +172,17 @@ class _PutCall:
         if end > limits.max_block_bytes:
             fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
                   f"block {self._key.hex()} exceeds the max block size of {limits.max_block_bytes} bytes")
-        if self._buf is None:
-            self._data = data
-        elif self._declared:
-            memoryview(self._buf)[self._filled : end] = data
-        else:  # no declared size: budget and quota grow with what arrives
+        if not self._declared:  # no declared size: budget and quota grow with what arrives
             self._hold(end)
-            self._buf += data
+        self._parts.append(data)
         self._filled = end
         if chunk.last:
             if self._declared and self._filled != self._declared:
                 fail(grpc.StatusCode.INVALID_ARGUMENT,
                       f"value of key {self._key.hex()} ended after {self._filled} bytes; its declared total_size "
                       f"is {self._declared}")
-            value = self._data if self._buf is None else bytes(self._buf)
-            self._buf, self._data = None, b""
+            value = bytes(self._parts[0]) if len(self._parts) == 1 else b"".join(self._parts)  # one copy
+            self._parts = []
             done = (self._key, value)
             self._done.append(done)
             self._key = None
@@ -239,7 +243,7 @@ class KVShelfServicer:
 
     def __init__(self, store: TieredStore, *, tokens: TokenTable | None = None,
                  limits: ServerLimits | None = None, history: StatsHistory | None = None,
-                 max_workers: int = 16) -> None:
+                 max_workers: int = 16, events_dir: str | Path | None = None) -> None:
         self.store = store
         self.history = history
         self.tokens = tokens
@@ -254,6 +258,11 @@ class KVShelfServicer:
                                        self.limits.max_call_bytes)
         if store.max_decoded_bytes is None or store.max_decoded_bytes > self.limits.max_block_bytes:
             store.max_decoded_bytes = self.limits.max_block_bytes  # bounds promotion and write-down re-encodes
+        # KV events (service/events.py): persistent under events_dir, else in memory
+        self.events = EventHub(store, open_event_log(events_dir, self.limits.events_log_bytes),
+                               queue_events=self.limits.subscriber_queue,
+                               max_subscriptions=self.limits.max_subscriptions,
+                               tenant_subscriptions=self.limits.tenant_subscriptions)
         self.health = health.HealthServicer()
         self._stop = threading.Event()
         self._prober: threading.Thread | None = None
@@ -290,19 +299,21 @@ class KVShelfServicer:
 
         def put_stream(raws: Iterator[bytes], context: grpc.ServicerContext) -> Message:
             try:
-                first: pb.PutBlocksRequest | None = None
+                first: tuple[pb.PutBlocksRequest, memoryview] | None = None
+                first_size = 0
                 if self.tokens is None:  # dev mode: the first message names the tenant; read it like a unary request
                     raw = self.streams.read_request(context, "PutBlocks", raws, None)
-                    first = None if raw is None else _parse(raw, pb.PutBlocksRequest)
+                    first = None if raw is None else _parse_put(raw)
+                    first_size = 0 if raw is None else len(raw)
                 with self.streams.open(context, "PutBlocks", check_rate=True) as ticket:
-                    ticket.admit(self.namespace(context, "" if first is None else first.namespace))
+                    ticket.admit(self.namespace(context, "" if first is None else first[0].namespace))
 
-                    def requests() -> Iterator[pb.PutBlocksRequest]:
+                    def requests() -> Iterator[tuple[pb.PutBlocksRequest, memoryview]]:
                         if first is not None:
-                            ticket.progress(first.ByteSize())
+                            ticket.progress(first_size)
                             yield first
                         for raw in ticket.received(raws):
-                            yield _parse(raw, pb.PutBlocksRequest)
+                            yield _parse_put(raw)
 
                     try:
                         return self.PutBlocks(requests(), context)
@@ -310,6 +321,14 @@ class KVShelfServicer:
                         if client_fault(exc):
                             self.streams.strike(ticket.namespace)
                         raise
+            except Exception as exc:
+                abort_call(context, exc)
+
+        # long-lived: outside the stream gate (no idle timeout); capped by the event hub (service/events.py)
+        def events_stream(raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+            try:
+                req = _parse(raw, pb.SubscribeEventsRequest)
+                yield from self.events.subscribe(self.namespace(context, req.namespace), req.from_seq, context)
             except Exception as exc:
                 abort_call(context, exc)
 
@@ -323,6 +342,7 @@ class KVShelfServicer:
             "Unpin": unary(self.Unpin, pb.KeysRequest),
             "Stats": unary(self.Stats, pb.StatsRequest),
             "Clear": unary(self.Clear, pb.ClearRequest),
+            "SubscribeEvents": grpc.unary_stream_rpc_method_handler(events_stream, response_serializer=bytes),
         })
 
     def tenant_of(self, metadata: Sequence[tuple[str, Any]] | None) -> str | None:
@@ -405,18 +425,21 @@ class KVShelfServicer:
         self.health.enter_graceful_shutdown()
         self.usage.close()
         self.streams.close()
+        self.events.end_subscriptions()  # events of calls still draining are logged until RunningServer.stop ends
 
     # -- RPCs -----------------------------------------------------------------------------------------
 
-    def PutBlocks(self, requests: Iterable[pb.PutBlocksRequest], context: grpc.ServicerContext) -> Message:
+    def PutBlocks(self, requests: Iterable[tuple[pb.PutBlocksRequest, memoryview]],
+                  context: grpc.ServicerContext) -> Message:
         """Buffer the call's values as they arrive (each into a buffer of its declared size), holding in-flight
         budget and quota for them from each value's first chunk, so an over-quota or over-budget put is refused
         before its data is buffered, and verifying each value as soon as it is whole; then bound the re-encodes,
         reserve the exact sizes, store."""
         call: _PutCall | None = None
         headers: list[BlockHeader] = []
+        lineage: dict[bytes, tuple[bytes, list[int]]] = {}  # key -> (parent key, token ids) the client sent
         try:
-            for req in requests:
+            for req, data in requests:  # data: the chunk's bytes, a view of the received message (service/wire.py)
                 if call is None:
                     call = _PutCall(self, self.namespace(context, req.namespace))
                     pin = req.pin
@@ -424,7 +447,9 @@ class KVShelfServicer:
                     fail(grpc.StatusCode.INVALID_ARGUMENT, "the namespace may only be set on the first message")
                 if not req.HasField("chunk"):
                     fail(grpc.StatusCode.INVALID_ARGUMENT, "malformed PutBlocks message: no chunk")
-                done = call.add(req.chunk)
+                if req.chunk.parent_key or req.chunk.token_ids:
+                    lineage[req.chunk.key] = _lineage(req.chunk)
+                done = call.add(req.chunk, data)
                 if done is not None:  # checked as soon as it is whole: a damaged value ends the call before the rest
                     headers.append(self._verify(call.namespace, *done))
             if call is None:  # an empty stream: still authenticate
@@ -445,6 +470,8 @@ class KVShelfServicer:
             call.hold_more(max(reencoded.values(), default=0))  # in-flight budget for the re-encoded copies
             if not context.is_active():
                 fail(grpc.StatusCode.CANCELLED, "the call was cancelled; nothing stored")
+            # BlockStored events carry each block's parent (when sent) and tokens (sent, else its header's)
+            self.events.annotate(_annotations(items, values, headers, lineage))
             stored = self.store.put_encoded_many(items, pin=pin)  # re-encodes bounded by store.max_decoded_bytes
             return pb.PutBlocksResponse(received=len(items), stored=stored)
         finally:
@@ -559,10 +586,13 @@ class KVShelfServicer:
 
     def Clear(self, req: pb.ClearRequest, context: grpc.ServicerContext) -> Message:
         namespace = self.namespace(context, req.namespace)
+        # each tier finds the namespace's keys its own way (Redis: a SCAN matching the tag, no round trip per key);
+        # every pin of the namespace goes too, held or not
         tag = scope_tag(namespace)
-        keys = sorted(set().union(*(tier_keys(spec.tier, tag) for spec in self.store.specs)))
-        self.store.delete(keys)
-        return pb.CountResponse(count=len(keys))
+        with self.events.clearing(tag):  # one AllBlocksCleared event instead of a removal per block
+            count = self.store.clear_prefix(tag, SCOPE_BYTES + KEY_BYTES)
+        self.events.cleared(tag)
+        return pb.CountResponse(count=count)
 
     def Stats(self, req: pb.StatsRequest, context: grpc.ServicerContext) -> Message:
         namespace = self.namespace(context, req.namespace)
@@ -606,6 +636,23 @@ class KVShelfServicer:
         return pb.StatsResponse(json=json.dumps(out), degraded=bool(down))
 
 
+def _annotations(items: Sequence[tuple[bytes, bytes]], values: Sequence[tuple[bytes, bytes]],
+                 headers: Sequence[BlockHeader], lineage: dict[bytes, tuple[bytes, list[int]]]
+                 ) -> Iterator[tuple[bytes, bytes, Sequence[int]]]:
+    """``(tier key, parent key, token ids)`` per stored value: what the client sent, else its header's tokens."""
+    for (tier_key, _), (key, _), header in zip(items, values, headers, strict=True):
+        parent, tokens = lineage.get(key, (b"", []))
+        yield tier_key, parent, tokens or header.token_ids
+
+
+def _lineage(chunk: pb.Chunk) -> tuple[bytes, list[int]]:
+    """The ``(parent key, token ids)`` a put's first chunk names for its block's events."""
+    if chunk.parent_key and len(chunk.parent_key) != KEY_BYTES:
+        fail(grpc.StatusCode.INVALID_ARGUMENT,
+             f"parent_key of block {chunk.key.hex()} is {len(chunk.parent_key)} bytes; block keys are {KEY_BYTES}")
+    return bytes(chunk.parent_key), list(chunk.token_ids)
+
+
 def _parse(raw: bytes, cls: type[Message]) -> Any:
     message = cls()
     try:
@@ -613,6 +660,14 @@ def _parse(raw: bytes, cls: type[Message]) -> Any:
     except (DecodeError, RuntimeWarning) as exc:
         fail(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {cls.__name__}: {exc}")
     return message
+
+
+def _parse_put(raw: bytes) -> tuple[pb.PutBlocksRequest, memoryview]:
+    """A ``PutBlocksRequest`` and its chunk's data as a view of ``raw`` (``service/wire.py``: no copy)."""
+    try:
+        return decode_put_request(raw)
+    except WireError as exc:
+        fail(grpc.StatusCode.INVALID_ARGUMENT, f"malformed PutBlocksRequest: {exc}")
 
 
 def _serialize(message: Message) -> bytes:
@@ -631,6 +686,7 @@ class RunningServer:
         """Stop accepting calls, let in-flight ones finish for up to ``grace_s`` seconds, then cancel them."""
         self.servicer.close()
         self.server.stop(grace_s).wait()
+        self.servicer.events.close()  # after the drained calls' events are logged
 
 
 def start_server(
@@ -645,13 +701,18 @@ def start_server(
     health_interval_s: float = 5.0,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
     history: StatsHistory | None = None,
+    events_dir: str | Path | None = None,
 ) -> RunningServer:
-    """Serve ``store`` on ``listen`` (``host:port``; port 0 picks a free one). TLS when cert and key are given."""
+    """Serve ``store`` on ``listen`` (``host:port``; port 0 picks a free one). TLS when cert and key are given.
+    ``events_dir``: where the KV event log persists (``service/events.py``); None: in memory only."""
     if (tls_cert is None) != (tls_key is None):
         raise ConfigError("TLS needs both a certificate and a key")
-    servicer = KVShelfServicer(store, tokens=tokens, limits=limits, history=history, max_workers=max_workers)
+    servicer = KVShelfServicer(store, tokens=tokens, limits=limits, history=history, max_workers=max_workers,
+                               events_dir=events_dir)
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvshelf-rpc"),
+        # event subscriptions get threads of their own (capped by max_subscriptions): never the streams' or unary's
+        futures.ThreadPoolExecutor(max_workers=max_workers + servicer.limits.max_subscriptions,
+                                   thread_name_prefix="kvshelf-rpc"),
         # first (outermost): unary requests are read under the stream watchdog (service/fairness.py)
         interceptors=[RequestWatch(servicer.streams, servicer.tenant_of, SERVICE_NAME), *interceptors],
         options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

@@ -1,0 +1,180 @@
+"""``kvshelf bench clear``: what ``Clear(namespace)`` costs on a large Redis, the old path against the new one.
+
+A Redis-only ``TieredStore`` (the tier every process of a service shares) is filled with ``other`` small values of
+other namespaces (service tier keys: an 8-byte namespace tag + a 16-byte key, spread over ``namespaces`` tags) and
+``ns_keys`` of the namespace cleared. Then, on the same data (the cleared namespace written again between runs):
+
+* ``old``: what the server's ``Clear`` did before issue 22: list every key of the tier (``SCAN`` matching the tier's
+  prefix: every manifest of every namespace comes back to the client), keep the namespace's, then
+  ``TieredStore.delete`` (a ``contains`` round trip per key and tier, for the removed events);
+* ``new``: ``TieredStore.clear_prefix`` (what ``Clear`` does now): a ``SCAN`` whose ``MATCH`` names the namespace's
+  tag (Redis filters; only its manifests come back), each page removed at once (``GETDEL`` + ``UNLINK``).
+
+Each row: keys in Redis before, keys cleared, seconds, Redis's own counts from ``INFO commandstats`` (summed over
+primaries): SCAN calls and the microseconds Redis spent in them, all commands, and the longest single SCAN call
+(``usec_per_call`` is an average: the longest blocking is bounded by the ``COUNT`` hint). Standalone, and with
+``--cluster`` a local 3-primary Redis Cluster (started here, like the standalone server, on free ports).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from kvshelf.bench.common import machine_description, save_results
+from kvshelf.bench.servers import HOST, START_TIMEOUT_S, RedisProcess, binary, free_port
+from kvshelf.kvstore.errors import ConfigError
+
+TAG_BYTES, KEY_BYTES = 8, 16
+PREFIX = "bench-clear:"
+PUT_BATCH = 1000
+
+
+def _tag(n: int) -> bytes:
+    return n.to_bytes(TAG_BYTES, "big")
+
+
+def _keys(tag: bytes, count: int, seed: int) -> list[bytes]:
+    return [tag + (seed * 10_000_000 + i).to_bytes(KEY_BYTES, "big") for i in range(count)]
+
+
+def _start_cluster(workdir: Path, size: int = 3) -> list[RedisProcess]:
+    nodes = []
+    for n in range(size):
+        nodes.append(RedisProcess(free_port(), workdir / f"node-{n}", [
+            "--cluster-enabled", "yes", "--cluster-config-file", str(workdir / f"node-{n}" / "nodes.conf"),
+            "--cluster-node-timeout", "5000"]))
+    try:
+        for node in nodes:
+            node.start()
+        created = subprocess.run([binary("redis-cli"), "--cluster", "create", *(f"{HOST}:{n.port}" for n in nodes),
+                                  "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True,
+                                 timeout=60)
+        if created.returncode != 0:
+            raise ConfigError(f"redis-cli --cluster create failed: {created.stdout}{created.stderr}")
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            states = []
+            for node in nodes:
+                with node.client() as client:
+                    states.append(b"cluster_state:ok" in client.execute_command("CLUSTER", "INFO"))
+            if all(states):
+                break
+            if time.monotonic() > deadline:
+                raise ConfigError("the local Redis Cluster did not come up")
+            time.sleep(0.1)
+    except BaseException:
+        for node in nodes:
+            node.stop()
+        raise
+    return nodes
+
+
+def _commandstats(nodes: list[RedisProcess]) -> dict[str, int]:
+    """Redis's command counts, summed over ``nodes``: SCAN calls and usec, every command's calls."""
+    out = {"scan_calls": 0, "scan_usec": 0, "commands": 0, "keys": 0}
+    for node in nodes:
+        with node.client() as client:
+            stats = client.info("commandstats")
+            out["keys"] += int(client.dbsize())
+        for name, row in stats.items():
+            out["commands"] += int(row["calls"])
+            if name == "cmdstat_scan":
+                out["scan_calls"] += int(row["calls"])
+                out["scan_usec"] += int(row["usec"])
+    return out
+
+
+def _reset(nodes: list[RedisProcess]) -> None:
+    for node in nodes:
+        with node.client() as client:
+            client.config_resetstat()
+
+
+def _fill(store: Any, keys: list[bytes], value: bytes) -> None:
+    for start in range(0, len(keys), PUT_BATCH):
+        batch = keys[start:start + PUT_BATCH]
+        stored = store.specs[0].tier.put_many([(key, value) for key in batch])
+        if stored != len(batch):
+            raise ConfigError(f"Redis took {stored} of {len(batch)} values: give it more memory")
+
+
+def _measure(path: str, store: Any, nodes: list[RedisProcess], tag: bytes) -> dict[str, Any]:
+    tier = store.specs[0].tier
+    before = _commandstats(nodes)
+    _reset(nodes)
+    start = time.perf_counter()
+    if path == "old":
+        listed = tier.keys()  # what service.usage.tier_keys did
+        keys = [k for k in listed if len(k) == TAG_BYTES + KEY_BYTES and k.startswith(tag)]
+        store.delete(keys)
+        cleared = len(keys)
+    else:
+        cleared = store.clear_prefix(tag, TAG_BYTES + KEY_BYTES)
+    seconds = time.perf_counter() - start
+    after = _commandstats(nodes)
+    return {"path": path, "keys_in_redis": before["keys"], "keys_cleared": cleared, "seconds": round(seconds, 4),
+            "scan_calls": after["scan_calls"], "scan_redis_seconds": round(after["scan_usec"] / 1e6, 4),
+            "commands": after["commands"], "keys_left": after["keys"]}
+
+
+def run(*, json_path: str | None, other: int = 1_000_000, ns_keys: int = 10_000, namespaces: int = 100,
+        value_bytes: int = 64, cluster: bool = False, paths: tuple[str, ...] = ("old", "new"),
+        console: Console | None = None) -> dict[str, Any]:
+    from kvshelf.kvstore import RedisTier, TieredStore
+
+    console = console or Console()
+    value = os.urandom(value_bytes)
+    with tempfile.TemporaryDirectory(prefix="kvshelf-bench-clear-") as workdir:
+        if cluster:
+            nodes = _start_cluster(Path(workdir))
+            url = f"redis+cluster://{HOST}:{nodes[0].port}"
+        else:
+            nodes = [RedisProcess(free_port(), Path(workdir))]
+            nodes[0].start()
+            url = nodes[0].url
+        try:
+            tier = RedisTier.from_url(url, prefix=PREFIX, socket_timeout=30)
+            store = TieredStore([tier])
+            started = time.perf_counter()
+            per = max(other // max(namespaces, 1), 1)
+            for n in range(namespaces):
+                _fill(store, _keys(_tag(1000 + n), min(per, other - n * per), n + 1), value)
+            cleared_tag = _tag(7)
+            fill_s = time.perf_counter() - started
+            console.print(f"filled {other} values of {namespaces} other namespaces in {fill_s:.1f} s")
+            rows = []
+            for path in paths:
+                _fill(store, _keys(cleared_tag, ns_keys, 0), value)
+                row = _measure(path, store, nodes, cleared_tag)
+                if row["keys_cleared"] != ns_keys:
+                    raise ConfigError(f"{path}: cleared {row['keys_cleared']} of {ns_keys} keys")
+                rows.append(row)
+            usage = tier.usage()
+            store.close()
+        finally:
+            for node in nodes:
+                node.stop()
+    mode = "cluster (3 primaries)" if cluster else "standalone"
+    table = Table(title=f"Clear(namespace) on Redis {mode}: {ns_keys} keys among {other} of other namespaces")
+    for column in ("path", "keys in Redis", "cleared", "seconds", "SCAN calls", "Redis s in SCAN", "commands"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(row["path"], str(row["keys_in_redis"]), str(row["keys_cleared"]), f"{row['seconds']:.3f}",
+                      str(row["scan_calls"]), f"{row['scan_redis_seconds']:.3f}", str(row["commands"]))
+    console.print(table)
+    payload = {"bench": "clear", "machine": machine_description(), "redis": mode, "other_keys": other,
+               "namespace_keys": ns_keys, "namespaces": namespaces, "value_bytes": value_bytes, "rows": rows,
+               "usage_after": {"blocks": usage.blocks, "bytes": usage.bytes}}
+    if len(rows) == 2:
+        payload["speedup"] = round(rows[0]["seconds"] / rows[1]["seconds"], 2) if rows[1]["seconds"] else None
+    save_results(json_path, payload, console)
+    return payload
+
