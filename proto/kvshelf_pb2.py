@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rkvshelf.proto\x12\nkvshelf.v1\"\x93\x01\n\x05\x43hunk\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0c\n\x04last\x18\x03 \x01(\x08\x12\x12\n\ntotal_size\x18\x04 \x01(\x04\x12\x10\n\x08in_arena\x18\x05 \x01(\x08\x12\x14\n\x0c\x61rena_offset\x18\x06 \x01(\x04\x12\x12\n\nparent_key\x18\x07 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x08 \x03(\r\"*\n\x0bSharedArena\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x0c\"T\n\x10PutBlocksRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0b\n\x03pin\x18\x02 \x01(\x08\x12 \n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x11.kvshelf.v1.Chunk\"5\n\x11PutBlocksResponse\x12\x10\n\x08received\x18\x01 \x01(\r\x12\x0e\n\x06stored\x18\x02 \x01(\r\"\x80\x01\n\x10GetBlocksRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x0e\n\x06tokens\x18\x04 \x03(\r\x12&\n\x05\x61rena\x18\x05 \x01(\x0b\x32\x17.kvshelf.v1.SharedArena\"^\n\x11GetBlocksResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.kvshelf.v1.ChunkH\x00\x12\x0e\n\x04miss\x18\x03 \x01(\x08H\x00\x42\x06\n\x04item\".\n\x0bKeysRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"3\n\x10\x43ontainsResponse\x12\x0f\n\x07present\x18\x01 \x03(\x08\x12\x0e\n\x06prefix\x18\x02 \x01(\r\"U\n\x13LookupPrefixRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0e\n\x06tokens\x18\x04 \x03(\r\"%\n\x14LookupPrefixResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\r\"\x1e\n\rCountResponse\x12\r\n\x05\x63ount\x18\x01 \x01(\r\"!\n\x0cStatsRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\"/\n\rStatsResponse\x12\x0c\n\x04json\x18\x01 \x01(\t\x12\x10\n\x08\x64\x65graded\x18\x02 \x01(\x08\"!\n\x0c\x43learRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\"=\n\x16SubscribeEventsRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x10\n\x08\x66rom_seq\x18\x02 \x01(\x04\"\xa3\x01\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x19\n\x11parent_block_hash\x18\x02 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x0e\n\x06medium\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\t\x12\r\n\x05\x63odec\x18\x07 \x01(\t\x12\x0e\n\x06nbytes\x18\x08 \x01(\x04\"D\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x0e\n\x06medium\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x12\n\x10\x41llBlocksCleared\"\xb4\x01\n\x07KVEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\n\n\x02ts\x18\x02 \x01(\x01\x12)\n\x06stored\x18\x03 \x01(\x0b\x32\x17.kvshelf.v1.BlockStoredH\x00\x12+\n\x07removed\x18\x04 \x01(\x0b\x32\x18.kvshelf.v1.BlockRemovedH\x00\x12/\n\x07\x63leared\x18\x05 \x01(\x0b\x32\x1c.kvshelf.v1.AllBlocksClearedH\x00\x42\x07\n\x05\x65vent\">\n\nEventsLost\x12\x10\n\x08\x66rom_seq\x18\x01 \x01(\x04\x12\x0e\n\x06to_seq\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"N\n\x13SubscriptionStarted\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x10\n\x08next_seq\x18\x02 \x01(\x04\x12\x12\n\noldest_seq\x18\x03 \x01(\x04\"\xa8\x01\n\x17SubscribeEventsResponse\x12#\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x13.kvshelf.v1.KVEvent\x12\x10\n\x08next_seq\x18\x02 \x01(\x04\x12\x30\n\x07started\x18\x03 \x01(\x0b\x32\x1f.kvshelf.v1.SubscriptionStarted\x12$\n\x04lost\x18\x04 \x01(\x0b\x32\x16.kvshelf.v1.EventsLost2\xc7\x05\n\x07KVShelf\x12J\n\tPutBlocks\x12\x1c.kvshelf.v1.PutBlocksRequest\x1a\x1d.kvshelf.v1.PutBlocksResponse(\x01\x12J\n\tGetBlocks\x12\x1c.kvshelf.v1.GetBlocksRequest\x1a\x1d.kvshelf.v1.GetBlocksResponse0\x01\x12\x41\n\x08\x43ontains\x12\x17.kvshelf.v1.KeysRequest\x1a\x1c.kvshelf.v1.ContainsResponse\x12Q\n\x0cLookupPrefix\x12\x1f.kvshelf.v1.LookupPrefixRequest\x1a .kvshelf.v1.LookupPrefixResponse\x12<\n\x06\x44\x65lete\x12\x17.kvshelf.v1.KeysRequest\x1a\x19.kvshelf.v1.CountResponse\x12\x39\n\x03Pin\x12\x17.kvshelf.v1.KeysRequest\x1a\x19.kvshelf.v1.CountResponse\x12;\n\x05Unpin\x12\x17.kvshelf.v1.KeysRequest\x1a\x19.kvshelf.v1.CountResponse\x12<\n\x05Stats\x12\x18.kvshelf.v1.StatsRequest\x1a\x19.kvshelf.v1.StatsResponse\x12<\n\x05\x43lear\x12\x18.kvshelf.v1.ClearRequest\x1a\x19.kvshelf.v1.CountResponse\x12\\\n\x0fSubscribeEvents\x12\".kvshelf.v1.SubscribeEventsRequest\x1a#.kvshelf.v1.SubscribeEventsResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rkvshelf.proto\x12\nkvshelf.v1\"\x93\x01\n\x05\x43hunk\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0c\n\x04last\x18\x03 \x01(\x08\x12\x12\n\ntotal_size\x18\x04 \x01(\x04\x12\x10\n\x08in_arena\x18\x05 \x01(\x08\x12\x14\n\x0c\x61rena_offset\x18\x06 \x01(\x04\x12\x12\n\nparent_key\x18\x07 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x08 \x03(\r\"*\n\x0bSharedArena\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x0c\"T\n\x10PutBlocksRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0b\n\x03pin\x18\x02 \x01(\x08\x12 \n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x11.kvshelf.v1.Chunk\"5\n\x11PutBlocksResponse\x12\x10\n\x08received\x18\x01 \x01(\r\x12\x0e\n\x06stored\x18\x02 \x01(\r\"\x99\x01\n\x10GetBlocksRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x0e\n\x06tokens\x18\x04 \x03(\r\x12&\n\x05\x61rena\x18\x05 \x01(\x0b\x32\x17.kvshelf.v1.SharedArena\x12\x17\n\x0fmax_chunk_bytes\x18\x06 \x01(\r\"^\n\x11GetBlocksResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.kvshelf.v1.ChunkH\x00\x12\x0e\n\x04miss\x18\x03 \x01(\x08H\x00\x42\x06\n\x04item\".\n\x0bKeysRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"3\n\x10\x43ontainsResponse\x12\x0f\n\x07present\x18\x01 \x03(\x08\x12\x0e\n\x06prefix\x18\x02 \x01(\r\"U\n\x13LookupPrefixRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0e\n\x06tokens\x18\x04 \x03(\r\"%\n\x14LookupPrefixResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\r\"\x1e\n\rCountResponse\x12\r\n\x05\x63ount\x18\x01 \x01(\r\"!\n\x0cStatsRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\"/\n\rStatsResponse\x12\x0c\n\x04json\x18\x01 \x01(\t\x12\x10\n\x08\x64\x65graded\x18\x02 \x01(\x08\"!\n\x0c\x43learRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\"=\n\x16SubscribeEventsRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x10\n\x08\x66rom_seq\x18\x02 \x01(\x04\"\xa3\x01\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x19\n\x11parent_block_hash\x18\x02 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x0e\n\x06medium\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\t\x12\r\n\x05\x63odec\x18\x07 \x01(\t\x12\x0e\n\x06nbytes\x18\x08 \x01(\x04\"D\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x0e\n\x06medium\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x12\n\x10\x41llBlocksCleared\"\xb4\x01\n\x07KVEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\n\n\x02ts\x18\x02 \x01(\x01\x12)\n\x06stored\x18\x03 \x01(\x0b\x32\x17.kvshelf.v1.BlockStoredH\x00\x12+\n\x07removed\x18\x04 \x01(\x0b\x32\x18.kvshelf.v1.BlockRemovedH\x00\x12/\n\x07\x63leared\x18\x05 \x01(\x0b\x32\x1c.kvshelf.v1.AllBlocksClearedH\x00\x42\x07\n\x05\x65vent\">\n\nEventsLost\x12\x10\n\x08\x66rom_seq\x18\x01 \x01(\x04\x12\x0e\n\x06to_seq\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"N\n\x13SubscriptionStarted\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x10\n\x08next_seq\x18\x02 \x01(\x04\x12\x12\n\noldest_seq\x18\x03 \x01(\x04\"\xa8\x01\n\x17SubscribeEventsResponse\x12#\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x13.kvshelf.v1.KVEvent\x12\x10\n\x08next_seq\x18\x02 \x01(\x04\x12\x30\n\x07started\x18\x03 \x01(\x0b\x32\x1f.kvshelf.v1.SubscriptionStarted\x12$\n\x04lost\x18\x04 \x01(\x0b\x32\x16.kvshelf.v1.EventsLost2\xc7\x05\n\x07KVShelf\x12J\n\tPutBlocks\x12\x1c.kvshelf.v1.PutBlocksRequest\x1a\x1d.kvshelf.v1.PutBlocksResponse(\x01\x12J\n\tGetBlocks\x12\x1c.kvshelf.v1.GetBlocksRequest\x1a\x1d.kvshelf.v1.GetBlocksResponse0\x01\x12\x41\n\x08\x43ontains\x12\x17.kvshelf.v1.KeysRequest\x1a\x1c.kvshelf.v1.ContainsResponse\x12Q\n\x0cLookupPrefix\x12\x1f.kvshelf.v1.LookupPrefixRequest\x1a .kvshelf.v1.LookupPrefixResponse\x12<\n\x06\x44\x65lete\x12\x17.kvshelf.v1.KeysRequest\x1a\x19.kvshelf.v1.CountResponse\x12\x39\n\x03Pin\x12\x17.kvshelf.v1.KeysRequest\x1a\x19.kvshelf.v1.CountResponse\x12;\n\x05Unpin\x12\x17.kvshelf.v1.KeysRequest\x1a\x19.kvshelf.v1.CountResponse\x12<\n\x05Stats\x12\x18.kvshelf.v1.StatsRequest\x1a\x19.kvshelf.v1.StatsResponse\x12<\n\x05\x43lear\x12\x18.kvshelf.v1.ClearRequest\x1a\x19.kvshelf.v1.CountResponse\x12\\\n\x0fSubscribeEvents\x12\".kvshelf.v1.SubscribeEventsRequest\x1a#.kvshelf.v1.SubscribeEventsResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,41 +40,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUTBLOCKSRESPONSE']._serialized_start=309
   _globals['_PUTBLOCKSRESPONSE']._serialized_end=362
   _globals['_GETBLOCKSREQUEST']._serialized_start=365
-  _globals['_GETBLOCKSREQUEST']._serialized_end=493
-  _globals['_GETBLOCKSRESPONSE']._serialized_start=495
-  _globals['_GETBLOCKSRESPONSE']._serialized_end=589
-  _globals['_KEYSREQUEST']._serialized_start=591
-  _globals['_KEYSREQUEST']._serialized_end=637
-  _globals['_CONTAINSRESPONSE']._serialized_start=639
-  _globals['_CONTAINSRESPONSE']._serialized_end=690
-  _globals['_LOOKUPPREFIXREQUEST']._serialized_start=692
-  _globals['_LOOKUPPREFIXREQUEST']._serialized_end=777
-  _globals['_LOOKUPPREFIXRESPONSE']._serialized_start=779
-  _globals['_LOOKUPPREFIXRESPONSE']._serialized_end=816
-  _globals['_COUNTRESPONSE']._serialized_start=818
-  _globals['_COUNTRESPONSE']._serialized_end=848
-  _globals['_STATSREQUEST']._serialized_start=850
-  _globals['_STATSREQUEST']._serialized_end=883
-  _globals['_STATSRESPONSE']._serialized_start=885
-  _globals['_STATSRESPONSE']._serialized_end=932
-  _globals['_CLEARREQUEST']._serialized_start=934
-  _globals['_CLEARREQUEST']._serialized_end=967
-  _globals['_SUBSCRIBEEVENTSREQUEST']._serialized_start=969
-  _globals['_SUBSCRIBEEVENTSREQUEST']._serialized_end=1030
-  _globals['_BLOCKSTORED']._serialized_start=1033
-  _globals['_BLOCKSTORED']._serialized_end=1196
-  _globals['_BLOCKREMOVED']._serialized_start=1198
-  _globals['_BLOCKREMOVED']._serialized_end=1266
-  _globals['_ALLBLOCKSCLEARED']._serialized_start=1268
-  _globals['_ALLBLOCKSCLEARED']._serialized_end=1286
-  _globals['_KVEVENT']._serialized_start=1289
-  _globals['_KVEVENT']._serialized_end=1469
-  _globals['_EVENTSLOST']._serialized_start=1471
-  _globals['_EVENTSLOST']._serialized_end=1533
-  _globals['_SUBSCRIPTIONSTARTED']._serialized_start=1535
-  _globals['_SUBSCRIPTIONSTARTED']._serialized_end=1613
-  _globals['_SUBSCRIBEEVENTSRESPONSE']._serialized_start=1616
-  _globals['_SUBSCRIBEEVENTSRESPONSE']._serialized_end=1784
-  _globals['_KVSHELF']._serialized_start=1787
-  _globals['_KVSHELF']._serialized_end=2498
+  _globals['_GETBLOCKSREQUEST']._serialized_end=518
+  _globals['_GETBLOCKSRESPONSE']._serialized_start=520
+  _globals['_GETBLOCKSRESPONSE']._serialized_end=614
+  _globals['_KEYSREQUEST']._serialized_start=616
+  _globals['_KEYSREQUEST']._serialized_end=662
+  _globals['_CONTAINSRESPONSE']._serialized_start=664
+  _globals['_CONTAINSRESPONSE']._serialized_end=715
+  _globals['_LOOKUPPREFIXREQUEST']._serialized_start=717
+  _globals['_LOOKUPPREFIXREQUEST']._serialized_end=802
+  _globals['_LOOKUPPREFIXRESPONSE']._serialized_start=804
+  _globals['_LOOKUPPREFIXRESPONSE']._serialized_end=841
+  _globals['_COUNTRESPONSE']._serialized_start=843
+  _globals['_COUNTRESPONSE']._serialized_end=873
+  _globals['_STATSREQUEST']._serialized_start=875
+  _globals['_STATSREQUEST']._serialized_end=908
+  _globals['_STATSRESPONSE']._serialized_start=910
+  _globals['_STATSRESPONSE']._serialized_end=957
+  _globals['_CLEARREQUEST']._serialized_start=959
+  _globals['_CLEARREQUEST']._serialized_end=992
+  _globals['_SUBSCRIBEEVENTSREQUEST']._serialized_start=994
+  _globals['_SUBSCRIBEEVENTSREQUEST']._serialized_end=1055
+  _globals['_BLOCKSTORED']._serialized_start=1058
+  _globals['_BLOCKSTORED']._serialized_end=1221
+  _globals['_BLOCKREMOVED']._serialized_start=1223
+  _globals['_BLOCKREMOVED']._serialized_end=1291
+  _globals['_ALLBLOCKSCLEARED']._serialized_start=1293
+  _globals['_ALLBLOCKSCLEARED']._serialized_end=1311
+  _globals['_KVEVENT']._serialized_start=1314
+  _globals['_KVEVENT']._serialized_end=1494
+  _globals['_EVENTSLOST']._serialized_start=1496
+  _globals['_EVENTSLOST']._serialized_end=1558
+  _globals['_SUBSCRIPTIONSTARTED']._serialized_start=1560
+  _globals['_SUBSCRIPTIONSTARTED']._serialized_end=1638
+  _globals['_SUBSCRIBEEVENTSRESPONSE']._serialized_start=1641
+  _globals['_SUBSCRIBEEVENTSRESPONSE']._serialized_end=1809
+  _globals['_KVSHELF']._serialized_start=1812
+  _globals['_KVSHELF']._serialized_end=2523
 # @@protoc_insertion_point(module_scope)

@@ -53,18 +53,20 @@ class PutBlocksResponse(_message.Message):
     def __init__(self, received: _Optional[int] = ..., stored: _Optional[int] = ...) -> None: ...
 
 class GetBlocksRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "fingerprint", "tokens", "arena")
+    __slots__ = ("namespace", "keys", "fingerprint", "tokens", "arena", "max_chunk_bytes")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     ARENA_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     fingerprint: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     arena: SharedArena
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., fingerprint: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., arena: _Optional[_Union[SharedArena, _Mapping]] = ...) -> None: ...
+    max_chunk_bytes: int
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., fingerprint: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., arena: _Optional[_Union[SharedArena, _Mapping]] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class GetBlocksResponse(_message.Message):
     __slots__ = ("index", "chunk", "miss")
