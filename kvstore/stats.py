@@ -38,6 +38,7 @@ class StoreEvent:
     nbytes: int
     namespace: str = UNKNOWN
     model: str = UNKNOWN
+    codec: str = ""  # the codec of the stored or evicted bytes ("" when not known: removals)
 
 
 class Counters:

@@ -70,6 +70,10 @@ class ServeConfig:
     metrics_namespaces: str = ""  # comma-separated namespaces /metrics shows; empty: every namespace
     reset_disk: bool = False  # a damaged LMDB environment is moved aside and a new empty one started
     arena_sweep_interval: float = 30.0  # seconds between sweeps of dead clients' /dev/shm arenas (shared_memory)
+    events_log: str = "64MiB"  # bound of the KV event log in DATA_DIR/events (how far back a replay reaches)
+    max_subscriptions: int = 8  # SubscribeEvents streams open at once, all tenants (each has a thread of its own)
+    tenant_subscriptions: int = 2  # SubscribeEvents streams one tenant may have open at once
+    subscriber_queue: int = 10_000  # events waiting for one subscriber before it is cut off as too slow
 
     def resolved_data_dir(self) -> Path:
         return Path(self.data_dir) if self.data_dir else default_data_dir()
@@ -78,7 +82,7 @@ class ServeConfig:
 FIELDS = {f.name: f for f in dataclasses.fields(ServeConfig)}
 # the size settings and the least each accepts; quota and max_inflight may also be "" (unset)
 SIZE_SETTINGS = {"memory": 0, "max_disk": MIN_DISK_BYTES, "max_block": 1, "max_call": 1, "quota": 1, "min_rate": 0,
-                 "max_inflight": 1}
+                 "max_inflight": 1, "events_log": 4096}
 _UNSET_ALLOWED = ("quota", "max_inflight")
 
 
@@ -164,6 +168,8 @@ def load_config(flags: Mapping[str, Any], env: Mapping[str, str] | None = None,
         raise ConfigError("strike_burst must be >= 0 (0: off) and strike_rate > 0")
     if not 0 <= config.metrics_port < 65536 or config.history_interval <= 0:
         raise ConfigError("metrics_port must be in [0, 65535] and history_interval > 0")
+    if min(config.max_subscriptions, config.tenant_subscriptions, config.subscriber_queue) < 1:
+        raise ConfigError("max_subscriptions, tenant_subscriptions and subscriber_queue must be >= 1")
     if not 0 < config.arena_sweep_interval < float("inf"):
         raise ConfigError(f"arena_sweep_interval must be > 0 seconds, got {config.arena_sweep_interval!r}")
     return config
@@ -225,7 +231,10 @@ def serve(config: ServeConfig, *, ready: threading.Event | None = None, stop: th
                           quota_bytes=sizes["quota"], shared_memory=config.shared_memory,
                           tenant_streams=config.tenant_streams, idle_timeout_s=config.idle_timeout,
                           min_rate_bytes=sizes["min_rate"], max_inflight_bytes=sizes["max_inflight"],
-                          strike_burst=config.strike_burst, strike_leak_per_s=config.strike_rate)
+                          strike_burst=config.strike_burst, strike_leak_per_s=config.strike_rate,
+                          max_subscriptions=config.max_subscriptions,
+                          tenant_subscriptions=config.tenant_subscriptions,
+                          subscriber_queue=config.subscriber_queue, events_log_bytes=sizes["events_log"])
     cert = Path(config.tls_cert).read_bytes() if config.tls_cert else None
     key = Path(config.tls_key).read_bytes() if config.tls_key else None
     metrics_token = read_token_file(config.metrics_token_file) if config.metrics_token_file else None
@@ -242,7 +251,8 @@ def serve(config: ServeConfig, *, ready: threading.Event | None = None, stop: th
                                     namespaces=metrics_namespaces)
             interceptors.append(metrics.interceptor)
         running = start_server(store, config.listen, tokens=tokens, limits=limits, tls_cert=cert, tls_key=key,
-                               max_workers=config.workers, interceptors=interceptors, history=history)
+                               max_workers=config.workers, interceptors=interceptors, history=history,
+                               events_dir=config.resolved_data_dir() / "events")
     except BaseException:
         if metrics is not None:
             metrics.close()
