@@ -180,8 +180,7 @@ def bad_payload_block(key: bytes, namespace: str) -> bytes:
 
 def put_messages(values: Iterable[tuple[bytes, bytes]], namespace: str) -> Iterator[bytes]:
     """Serialised PutBlocks requests for ``(key, value)`` pairs, chunked as ``RemoteStore`` does."""
-    for request in put_requests(values, namespace):
-        yield request.SerializeToString()
+    yield from put_requests(values, namespace)
 
 
 def _first_chunk(namespace: str, key: bytes, data: bytes, total: int = 0) -> bytes:

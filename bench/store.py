@@ -160,7 +160,7 @@ def client_work(target: dict[str, Any], op: str, block_mib: int, clients: int, c
         for _ in range(WARMUP_OPS):
             get(bench_key(block_mib, clients, client, 0) if op == "get" else WARMUP_KEY)
         ready()
-        latencies, errors = [], 0
+        latencies, errors, messages = [], 0, []
         began = time.perf_counter()
         for i in range(ops):
             key = bench_key(block_mib, clients, client, i)
@@ -173,10 +173,13 @@ def client_work(target: dict[str, Any], op: str, block_mib: int, clients: int, c
                     got = get(key)
                     if got is None or bytes(got) != expected:
                         errors += 1
-            except Exception:
+                        messages.append("miss" if got is None else "wrong bytes")
+            except Exception as exc:
                 errors += 1
+                messages.append(f"{type(exc).__name__}: {exc}"[:300])
             latencies.append(time.perf_counter() - start)
-        return {"latencies": latencies, "errors": errors, "began": began, "ended": time.perf_counter(),
+        return {"latencies": latencies, "errors": errors, "error_messages": sorted(set(messages))[:5],
+                "began": began, "ended": time.perf_counter(),
                 "bytes": sum(len(v) for v in values.values())}
     finally:
         close()
@@ -215,6 +218,7 @@ def _run_op(target: dict[str, Any], op: str, block_mib: int, clients: int, ops: 
         "mb_s": round(sum(r["bytes"] for r in reports) / wall / 1e6, 1),
         "p50_ms": round(1000 * statistics.median(flat), 2), "p99_ms": round(1000 * _percentile(flat, 99), 2),
         "errors": sum(r["errors"] for r in reports),
+        "error_messages": sorted({m for r in reports for m in r.get("error_messages", [])})[:5],
     }
 
 

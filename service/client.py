@@ -33,8 +33,8 @@ from kvshelf.proto import kvshelf_pb2_grpc as pb_grpc
 from kvshelf.service.arena import DEFAULT_ARENA_BYTES, ArenaPool, ClientArena, shared_memory_supported
 from kvshelf.service.errors import ArenaUnavailable, RemoteStoreError, WireError
 from kvshelf.service.fairness import RETRY_AFTER_METADATA
-from kvshelf.service.server import CHUNK_BYTES, MAX_MESSAGE_BYTES, iter_chunks
-from kvshelf.service.wire import decode_response
+from kvshelf.service.server import MAX_CHUNK_BYTES, MAX_MESSAGE_BYTES, iter_chunks
+from kvshelf.service.wire import decode_response, encode_put_request
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -42,20 +42,28 @@ _UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 _MAX_RETRY_PAUSE_S = 0.5
 
 
-def put_requests(items: Iterable[tuple[bytes, bytes]], namespace: str, *, pin: bool = False
-                 ) -> Iterator[pb.PutBlocksRequest]:
-    """The ``PutBlocks`` requests of encoded ``(key, value)`` pairs: each value in chunks of at most ``CHUNK_BYTES``,
-    its first chunk naming its key and total size, the call's first message its namespace and ``pin``."""
+#: per value, optional: ``(parent key, token ids)`` for its BlockStored events (``None`` parts: not sent)
+Lineage = Sequence[tuple[bytes | None, Sequence[int] | None]]
+
+
+def put_requests(items: Iterable[tuple[bytes, bytes]], namespace: str, *, pin: bool = False,
+                 lineage: Lineage | None = None, chunk_bytes: int = MAX_CHUNK_BYTES) -> Iterator[bytes]:
+    """The serialised ``PutBlocks`` requests of encoded ``(key, value)`` pairs: each value in chunks of at most
+    ``chunk_bytes``, its first chunk naming its key and total size (and its ``lineage`` entry, when given), the
+    call's first message its namespace and ``pin``. One copy of the data (``service/wire.py``)."""
     first = True
-    for key, value in items:
-        for n, (data, last) in enumerate(iter_chunks(value, CHUNK_BYTES)):
-            chunk = pb.Chunk(data=bytes(data), last=last)
+    for i, (key, value) in enumerate(items):
+        for n, (data, last) in enumerate(iter_chunks(value, chunk_bytes)):
+            meta = pb.Chunk(last=last)
             if n == 0:
-                chunk.key, chunk.total_size = key, len(value)
-            request = pb.PutBlocksRequest(chunk=chunk)
-            if first:
-                request.namespace, request.pin, first = namespace, pin, False
-            yield request
+                meta.key, meta.total_size = key, len(value)
+                if lineage is not None:
+                    parent, tokens = lineage[i]
+                    meta.parent_key = parent or b""
+                    meta.token_ids.extend(tokens or ())
+            head = pb.PutBlocksRequest(namespace=namespace, pin=pin) if first else None
+            first = False
+            yield encode_put_request(data, meta, head)
 
 
 def _retry_after_s(exc: grpc.RpcError) -> float | None:
@@ -135,10 +143,15 @@ class RemoteStore:
         else:
             self._channel = grpc.insecure_channel(address, options)
         self._stub = pb_grpc.KVShelfStub(self._channel)
-        # GetBlocks responses are read as raw bytes and parsed by service.wire into views (no copies)
+        # the bulk messages skip the generated classes' copies (service/wire.py): GetBlocks responses are read as
+        # raw bytes and parsed into views, PutBlocks requests are serialised with one copy of the data
+        service = pb.DESCRIPTOR.services_by_name["KVShelf"].full_name
         self._get_blocks_raw = self._channel.unary_stream(
-            f"/{pb.DESCRIPTOR.services_by_name['KVShelf'].full_name}/GetBlocks",
-            request_serializer=pb.GetBlocksRequest.SerializeToString, response_deserializer=None,
+            f"/{service}/GetBlocks", request_serializer=pb.GetBlocksRequest.SerializeToString,
+            response_deserializer=None,
+        )
+        self._put_blocks_raw = self._channel.stream_unary(
+            f"/{service}/PutBlocks", request_serializer=None, response_deserializer=pb.PutBlocksResponse.FromString,
         )
         if connect_timeout_s > 0:
             try:
@@ -186,28 +199,40 @@ class RemoteStore:
 
     # -- writes ---------------------------------------------------------------------------------------
 
-    def put_encoded_many(self, items: Sequence[tuple[bytes, bytes]], *, pin: bool = False) -> int:
-        """Send already-encoded ``(key, value)`` pairs; return how many the server's first tier accepted."""
+    def put_encoded_many(self, items: Sequence[tuple[bytes, bytes]], *, pin: bool = False,
+                         lineage: Lineage | None = None) -> int:
+        """Send already-encoded ``(key, value)`` pairs; return how many the server's first tier accepted.
+
+        ``lineage``: per item ``(parent key, token ids)`` (either may be None), passed on in the blocks'
+        BlockStored events (``subscribe_events``; without tokens the server uses the block header's)."""
         items = list(items)
         check_keys(k for k, _ in items)
         if not items:
             return 0
+        if lineage is not None:
+            lineage = list(lineage)
+            if len(lineage) != len(items):
+                raise ConfigError(f"lineage has {len(lineage)} entries for {len(items)} blocks")
+            check_keys(parent for parent, _ in lineage if parent)
 
         def attempt() -> pb.PutBlocksResponse:
-            return self._stub.PutBlocks(put_requests(items, self.namespace, pin=pin), timeout=self.timeout_s,
-                                        metadata=self._metadata)
+            return self._put_blocks_raw(put_requests(items, self.namespace, pin=pin, lineage=lineage),
+                                        timeout=self.timeout_s, metadata=self._metadata)
 
         try:
             return int(self._retrying(attempt).stored)
         except grpc.RpcError as exc:
             raise self._error(exc) from None
 
-    def put_many(self, entries: Sequence[tuple[bytes, KVBlock]], *, pin: bool = False) -> int:
-        """Encode ``(key, block)`` pairs with this store's codec and send them."""
+    def put_many(self, entries: Sequence[tuple[bytes, KVBlock]], *, pin: bool = False,
+                 lineage: Lineage | None = None) -> int:
+        """Encode ``(key, block)`` pairs with this store's codec and send them (``lineage``: see
+        ``put_encoded_many``)."""
         entries = list(entries)
         check_keys(k for k, _ in entries)
         return self.put_encoded_many(
-            [(key, encode_block(block, key, self.codec, self.codec_params)) for key, block in entries], pin=pin
+            [(key, encode_block(block, key, self.codec, self.codec_params)) for key, block in entries], pin=pin,
+            lineage=lineage,
         )
 
     # -- reads ----------------------------------------------------------------------------------------
@@ -226,7 +251,7 @@ class RemoteStore:
         if not keys:
             return out
         request = pb.GetBlocksRequest(namespace=namespace or self.namespace, keys=keys, fingerprint=fingerprint or "",
-                                      tokens=list(tokens or []))
+                                      tokens=list(tokens or []), max_chunk_bytes=MAX_CHUNK_BYTES)
         arena = self._take_arena()
         if arena is not None:
             request.arena.name, request.arena.token = arena.name, arena.token
@@ -365,6 +390,15 @@ class RemoteStore:
         """Remove every block of the namespace (only one's own); return how many keys were removed."""
         return int(self._call("Clear", pb.ClearRequest(namespace=namespace or self.namespace)).count)
 
+    def subscribe_events(self, from_seq: int = 0, *, namespace: str | None = None) -> EventSubscription:
+        """Open a ``SubscribeEvents`` stream of the namespace's KV events (``service/events.py``): live ones only
+        (``from_seq`` 0), or every kept one from sequence ``from_seq`` on, then live. Iterate it for
+        ``SubscribeEventsResponse`` messages; resume after a failure with ``from_seq=subscription.next_seq``."""
+        if not isinstance(from_seq, int) or from_seq < 0:
+            raise ConfigError(f"from_seq must be an integer >= 0, got {from_seq!r}")
+        request = pb.SubscribeEventsRequest(namespace=namespace or self.namespace, from_seq=from_seq)
+        return EventSubscription(self._stub.SubscribeEvents(request, metadata=self._metadata), self._error)
+
     def stats(self) -> dict[str, Any]:
         """The server's stats of this namespace (shaped like ``TieredStore.stats()``, plus usage and health)."""
         return json.loads(self._call("Stats", pb.StatsRequest(namespace=self.namespace)).json)
@@ -379,3 +413,41 @@ class RemoteStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class EventSubscription:
+    """An open ``SubscribeEvents`` stream (``RemoteStore.subscribe_events``): iterate it for the server's
+    ``SubscribeEventsResponse`` messages (the first carries ``started``; ``lost`` says events are gone: resync).
+    ``next_seq``: where to resume (every event of the namespace below it was read). Failures raise
+    ``TierUnavailableError`` (server gone) or ``RemoteStoreError`` (RESOURCE_EXHAUSTED: too slow, resume);
+    ``cancel()`` (from any thread) ends the iteration quietly."""
+
+    def __init__(self, call: Any, error: Callable[[grpc.RpcError], KVShelfError]) -> None:
+        self._call = call
+        self._error = error
+        self._cancelled = False
+        self.started: pb.SubscriptionStarted | None = None
+        self.next_seq = 0
+
+    def __iter__(self) -> Iterator[pb.SubscribeEventsResponse]:
+        try:
+            for message in self._call:
+                if message.HasField("started"):
+                    self.started = message.started
+                if message.next_seq:
+                    self.next_seq = message.next_seq
+                yield message
+        except grpc.RpcError as exc:
+            if self._cancelled and exc.code() == grpc.StatusCode.CANCELLED:
+                return
+            raise self._error(exc) from None
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._call.cancel()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cancel()

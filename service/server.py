@@ -66,8 +66,9 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "kvshelf.v1.KVShelf"
 #: Health service name that is NOT_SERVING while some tier is unreachable (the server itself still serves).
 TIERS_HEALTH_NAME = "kvshelf.v1.KVShelf/tiers"
-CHUNK_BYTES = 4 << 20  # the most data one Chunk carries
-MAX_MESSAGE_BYTES = CHUNK_BYTES + (64 << 10)  # gRPC message limit: one full chunk plus framing
+CHUNK_BYTES = 4 << 20  # GetBlocks chunks for a client that asks for no size (the 0.1.0 protocol's chunk)
+MAX_CHUNK_BYTES = 16 << 20  # the most data one Chunk carries: PutBlocks, and GetBlocks when asked for
+MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + (64 << 10)  # gRPC message limit: one full chunk plus framing
 MAX_KEYS_PER_CALL = 100_000
 
 
@@ -537,6 +538,7 @@ class KVShelfServicer:
 
     def _get_blocks(self, keys: list[bytes], req: pb.GetBlocksRequest, namespace: str, fingerprint: str | None,
                     arena: ArenaWriter | None) -> Iterator[bytes]:
+        chunk_bytes = min(max(req.max_chunk_bytes, 64 << 10), MAX_CHUNK_BYTES) if req.max_chunk_bytes else CHUNK_BYTES
         for start in range(0, len(keys), 16):  # bounded memory: a few blocks at a time
             batch = keys[start : start + 16]
             tokens = list(req.tokens[start : start + 16]) if len(req.tokens) == len(keys) else None
@@ -551,7 +553,7 @@ class KVShelfServicer:
                     yield encode_arena_response(index, tier_key[SCOPE_BYTES:], offset, len(value))
                     continue
                 first = True
-                for data, last in iter_chunks(value):
+                for data, last in iter_chunks(value, chunk_bytes):
                     if first:
                         yield encode_chunk_response(index, data, key=tier_key[SCOPE_BYTES:], last=last,
                                                     total_size=len(value))

@@ -23,7 +23,7 @@ from kvshelf.proto.generate import PROTO_DIR, STUBS, generate
 from kvshelf.service.auth import scope_tag
 from kvshelf.service.client import RemoteStore, RemoteStoreError
 from kvshelf.service.serve import ServeConfig, load_config
-from kvshelf.service.server import CHUNK_BYTES, TIERS_HEALTH_NAME, ServerLimits, start_server
+from kvshelf.service.server import CHUNK_BYTES, MAX_CHUNK_BYTES, TIERS_HEALTH_NAME, ServerLimits, start_server
 
 TOKEN_A, TOKEN_B = list(TOKENS)
 MISSING = b"\x00" * 16
@@ -315,8 +315,8 @@ def test_chunk_stream_ending_early_stores_nothing(server, remote):
 def test_oversized_message_and_block(server, remote):
     channel, stub = _stub(server)
     block = make_block([1, 2])
-    with pytest.raises(grpc.RpcError) as exc:  # one message beyond the gRPC limit (a 5 MiB chunk)
-        stub.PutBlocks(iter([_put_request(key_of(block), b"x" * (5 << 20))]), timeout=20)
+    with pytest.raises(grpc.RpcError) as exc:  # one message beyond the gRPC limit (a chunk 1 MiB over the largest)
+        stub.PutBlocks(iter([_put_request(key_of(block), b"x" * (MAX_CHUNK_BYTES + (1 << 20)))]), timeout=20)
     assert _code(exc) == grpc.StatusCode.RESOURCE_EXHAUSTED
     big = pb.PutBlocksRequest(chunk=pb.Chunk(key=key_of(block), data=b"x", total_size=65 << 20))
     with pytest.raises(grpc.RpcError) as exc:  # a value announced beyond the max block size

@@ -1,0 +1,135 @@
+"""The bulk wire path: hand-serialised PutBlocks requests (one copy of the data) and client-sized GetBlocks chunks.
+
+Checked against the generated protobuf classes (what any other client sends and reads) and end to end through a
+real server on loopback: values of one and of many chunks, old clients' 4 MiB chunks, malformed put messages.
+"""
+
+from __future__ import annotations
+
+import os
+
+import grpc
+import pytest
+from helpers import key_of, make_block
+
+from kvshelf.kvstore import encode_block, open_embedded_store
+from kvshelf.proto import kvshelf_pb2 as pb
+from kvshelf.proto import kvshelf_pb2_grpc as pb_grpc
+from kvshelf.service.client import RemoteStore, put_requests
+from kvshelf.service.server import CHUNK_BYTES, MAX_CHUNK_BYTES, ServerLimits, start_server
+from kvshelf.service.wire import WireError, decode_put_request, decode_response, encode_put_request
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("size", [0, 1, 5000])
+@pytest.mark.parametrize("key", [b"", os.urandom(16)])
+@pytest.mark.parametrize("head", [None, pb.PutBlocksRequest(namespace="team-a", pin=True)])
+@pytest.mark.parametrize("lineage", [False, True])
+def test_put_request_parses_as_protobuf(size, key, head, lineage):
+    data = os.urandom(size)
+    meta = pb.Chunk(key=key, last=True, total_size=size)
+    if lineage:
+        meta.parent_key, meta.token_ids[:] = os.urandom(16), [1, 2, 70000]
+    raw = encode_put_request(memoryview(data), meta, head)
+    parsed = pb.PutBlocksRequest.FromString(raw)  # what the generated class reads from our bytes
+    expected = pb.PutBlocksRequest()
+    if head is not None:
+        expected.CopyFrom(head)
+    expected.chunk.CopyFrom(meta)
+    expected.chunk.data = data
+    assert parsed == expected
+    message, view = decode_put_request(raw)  # and our reader, from our bytes and from protobuf's
+    assert bytes(view) == data and message.chunk.data == b""
+    message.chunk.data = data
+    assert message == expected
+    message, view = decode_put_request(expected.SerializeToString())
+    assert bytes(view) == data
+
+
+def test_put_request_refuses_data_in_the_metadata():
+    with pytest.raises(WireError):
+        encode_put_request(b"x", pb.Chunk(data=b"y"))
+
+
+@pytest.mark.parametrize("raw", [
+    b"\x1a\x05\x12\x10abc",  # chunk.data longer than its chunk
+    b"\x1a\x09\x12\x01a\x12\x01b\x18\x01",  # data twice in one chunk
+    b"\x1a\x00\x1a\x00",  # the chunk field twice
+    b"\x1a\x80",  # truncated length varint
+    b"\x1d\x00\x00\x00\x00",  # field 3 as fixed32
+    b"\x0a\x02\xff\xfe",  # a namespace that is not UTF-8
+])
+def test_malformed_put_requests_are_a_wire_error(raw):
+    with pytest.raises(WireError):
+        decode_put_request(raw)
+
+
+@pytest.fixture
+def server(tmp_path):
+    store = open_embedded_store(tmp_path / "data")
+    running = start_server(store, limits=ServerLimits(max_block_bytes=64 << 20, quota_bytes=None))
+    yield running
+    running.stop(0)
+    store.close()
+
+
+def _big_value() -> tuple[bytes, bytes]:
+    block = make_block(list(range(1050)), layers=4, heads=4, head_dim=64, seed=3)  # ~8.6 MB float32
+    key = key_of(block)
+    return key, encode_block(block, key)
+
+
+def test_values_of_many_chunks_round_trip(server):
+    """A value cut into 1 MiB chunks by the client is assembled by the server; read back in 1 MiB chunks."""
+    key, value = _big_value()
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    put = channel.stream_unary("/kvshelf.v1.KVShelf/PutBlocks", request_serializer=None,
+                               response_deserializer=pb.PutBlocksResponse.FromString)
+    assert put(put_requests([(key, value)], "default", chunk_bytes=MiB), timeout=30).stored == 1
+    get = channel.unary_stream("/kvshelf.v1.KVShelf/GetBlocks", request_serializer=None, response_deserializer=None)
+    request = pb.GetBlocksRequest(namespace="default", keys=[key], max_chunk_bytes=MiB)
+    chunks = [decode_response(raw) for raw in get(request.SerializeToString(), timeout=30)]
+    assert len(chunks) == -(-len(value) // MiB) and all(len(c.data) <= MiB for c in chunks)
+    assert b"".join(bytes(c.data) for c in chunks) == value
+    channel.close()
+
+
+@pytest.mark.parametrize(("asked", "expected"), [(0, CHUNK_BYTES), (1, 64 << 10), (MAX_CHUNK_BYTES, MAX_CHUNK_BYTES),
+                                                 (1 << 31, MAX_CHUNK_BYTES)])
+def test_get_chunk_size_is_the_clients_within_bounds(server, asked, expected):
+    """No max_chunk_bytes (an older client): 4 MiB chunks; a tiny one is raised to 64 KiB, a huge one capped."""
+    key, value = _big_value()
+    with RemoteStore(f"127.0.0.1:{server.port}", shared_memory=False) as remote:
+        remote.put_encoded_many([(key, value)])
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}",
+                                    options=[("grpc.max_receive_message_length", 64 << 20)])
+    stub = pb_grpc.KVShelfStub(channel)
+    responses = list(stub.GetBlocks(pb.GetBlocksRequest(namespace="default", keys=[key], max_chunk_bytes=asked),
+                                    timeout=30))
+    assert max(len(r.chunk.data) for r in responses) == min(expected, len(value))
+    assert b"".join(r.chunk.data for r in responses) == value
+    channel.close()
+
+
+def test_remote_store_moves_a_value_in_one_message(server):
+    """RemoteStore puts and gets an 8 MiB value as one message each way (fewer, larger messages: faster)."""
+    key, value = _big_value()
+    assert len(value) < MAX_CHUNK_BYTES
+    assert sum(1 for _ in put_requests([(key, value)], "default")) == 1
+    with RemoteStore(f"127.0.0.1:{server.port}", shared_memory=False) as remote:
+        assert remote.put_encoded_many([(key, value)]) == 1
+        assert remote.get_encoded_many([key]) == [value]
+
+
+def test_malformed_put_message_is_invalid_argument(server):
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    put = channel.stream_unary("/kvshelf.v1.KVShelf/PutBlocks", request_serializer=None, response_deserializer=None)
+    with pytest.raises(grpc.RpcError) as exc:
+        put(iter([b"\x1a\x05\x12\x10abc"]), timeout=10)
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "malformed PutBlocksRequest" in exc.value.details()
+    channel.close()
+    with RemoteStore(f"127.0.0.1:{server.port}", shared_memory=False) as remote:  # still serving
+        key, value = _big_value()
+        assert remote.put_encoded_many([(key, value)]) == 1
