@@ -177,8 +177,10 @@ class BlockRemoved(_message.Message):
     def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., medium: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class AllBlocksCleared(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("medium",)
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    medium: str
+    def __init__(self, medium: _Optional[str] = ...) -> None: ...
 
 class KVEvent(_message.Message):
     __slots__ = ("seq", "ts", "stored", "removed", "cleared")

@@ -89,6 +89,14 @@ def serve(
              "and start an empty one; to keep its readable blocks run `kvshelf repair` instead")] = None,
     arena_sweep_interval: Annotated[float | None, _opt(
         "seconds between sweeps of dead clients' /dev/shm arenas (default 30)")] = None,
+    events_log: Annotated[str | None, _opt(
+        "bound of the KV event log in DATA_DIR/events, e.g. 64MiB (default): how far back a replay reaches")] = None,
+    max_subscriptions: Annotated[int | None, _opt(
+        "`kvshelf events` subscriptions open at once, all tenants; each has a thread of its own (default 8)")] = None,
+    tenant_subscriptions: Annotated[int | None, _opt("event subscriptions one tenant may have open (default 2)")
+                                    ] = None,
+    subscriber_queue: Annotated[int | None, _opt(
+        "events waiting for one subscriber before it is cut off as too slow (default 10000)")] = None,
     config: Annotated[Path | None, _opt("TOML config file (or $KVSHELF_CONFIG)")] = None,
 ) -> None:
     """Run the gRPC KV service. Settings: flags > KVSHELF_* environment variables > --config TOML > defaults."""
@@ -104,7 +112,9 @@ def serve(
                  max_inflight=max_inflight, redis_timeout=redis_timeout, strike_burst=strike_burst,
                  strike_rate=strike_rate, metrics_token_file=metrics_token_file,
                  metrics_namespaces=metrics_namespaces, reset_disk=reset_disk,
-                 arena_sweep_interval=arena_sweep_interval)
+                 arena_sweep_interval=arena_sweep_interval, events_log=events_log,
+                 max_subscriptions=max_subscriptions, tenant_subscriptions=tenant_subscriptions,
+                 subscriber_queue=subscriber_queue)
     raise typer.Exit(run_server(load_config(flags, config_file=config)))
 
 
@@ -645,6 +655,60 @@ def stats(
                 live.update(view())
         except KeyboardInterrupt:
             pass
+
+
+@app.command()
+def events(
+    server: Annotated[str, typer.Option(help="HOST:PORT of a `kvshelf serve` server")],
+    token: Annotated[str | None, typer.Option(help="bearer token (servers with a tokens file)",
+                                              envvar="KVSHELF_TOKEN")] = None,
+    namespace: Annotated[str, typer.Option(help="namespace (dev-mode servers)")] = "default",
+    tls_ca: Annotated[Path | None, typer.Option(help="CA certificate of a TLS server")] = None,
+    from_seq: Annotated[str, typer.Option(
+        "--from-seq", help="replay the kept events from this sequence number first (0: live events only)")] = "0",
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON object per line")] = False,
+    connect_timeout: Annotated[float, typer.Option(min=0.1, help="seconds to wait for the server")] = 10.0,
+) -> None:
+    """Print the namespace's KV events live (BlockStored / BlockRemoved / AllBlocksCleared), one line each, until
+    Ctrl-C (exit 0). Resume after a disconnect with --from-seq = the last seq printed + 1."""
+    import threading
+
+    from kvshelf.service.client import RemoteStore
+    from kvshelf.service.event_format import format_message
+
+    try:
+        start = int(from_seq)
+    except ValueError:
+        raise KVShelfError(f"--from-seq must be an integer >= 0, got {from_seq!r}") from None
+    if start < 0:
+        raise KVShelfError(f"--from-seq must be an integer >= 0, got {from_seq!r}")
+    remote = RemoteStore(server, token=token, namespace=namespace, tls_ca=tls_ca, shared_memory=False,
+                         connect_timeout_s=connect_timeout)
+    subscription = remote.subscribe_events(start)
+    failure: list[KVShelfError] = []
+
+    def read() -> None:  # in a thread: the main one stays interruptible by Ctrl-C
+        try:
+            for message in subscription:
+                for line in format_message(message, as_json=as_json):
+                    print(line, flush=True)
+        except KVShelfError as exc:
+            failure.append(exc)
+
+    reader = threading.Thread(target=read, name="kvshelf-events", daemon=True)
+    reader.start()
+    try:
+        while reader.is_alive():
+            reader.join(0.2)
+    except KeyboardInterrupt:
+        subscription.cancel()
+        reader.join(5)
+        return
+    finally:
+        remote.close()
+    if failure:
+        raise failure[0]
+    raise KVShelfError("the server ended the subscription")
 
 
 def _remote_stats(server: str, token: str | None, namespace: str, tls_ca: Path | None) -> Callable[[], dict]:

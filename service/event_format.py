@@ -23,7 +23,7 @@ def event_dict(event: pb.KVEvent) -> dict[str, Any]:
         out.update(type="BlockRemoved", block_hashes=[h.hex() for h in r.block_hashes], medium=r.medium,
                    reason=r.reason)
     else:
-        out["type"] = "AllBlocksCleared"
+        out.update(type="AllBlocksCleared", medium=event.cleared.medium or None)
     return out
 
 
@@ -35,7 +35,7 @@ def _text(event: dict[str, Any]) -> str:
                 f"tokens={event['block_size']} codec={event['codec']} bytes={event['bytes']} model={event['model']}")
     if event["type"] == "BlockRemoved":
         return f"{head} {','.join(event['block_hashes'])} medium={event['medium']} reason={event['reason']}"
-    return head
+    return f"{head} medium={event['medium']}" if event["medium"] else head
 
 
 def format_message(message: pb.SubscribeEventsResponse, *, as_json: bool = False) -> Iterator[str]:

@@ -5,7 +5,8 @@ promotion on a read, a write-down), ``BlockRemoved`` when a block leaves a tier 
 dropped, an eviction: reason ``deleted`` / ``evicted``), and ``AllBlocksCleared`` for ``Clear`` (which emits no
 per-block removals of its own). Events are per tier, the tier being vLLM's ``medium``: a router that wants "does
 this server hold the block" keeps, per block, the set of media that stored it and forgets the block when that set
-is empty (a block evicted from memory but still on disk is still held).
+is empty (a block evicted from memory but still on disk is still held). A restarted server's first event is an
+``AllBlocksCleared`` with ``medium`` "memory" for every namespace (what memory tiers held did not survive).
 
 Sequence numbers: one counter per server data dir (every namespace shares it, so a subscriber sees gaps), kept in
 the log, so they keep growing across restarts. Every event is appended to the log (``FileEventLog``: segment
@@ -45,6 +46,7 @@ import grpc
 
 from kvshelf.kvstore.errors import ConfigError
 from kvshelf.kvstore.keys import KEY_BYTES, SCOPE_BYTES
+from kvshelf.kvstore.memory_tier import MemoryTier
 from kvshelf.kvstore.stats import UNKNOWN, StoreEvent
 from kvshelf.kvstore.store import TieredStore
 from kvshelf.proto import kvshelf_pb2 as pb
@@ -61,6 +63,8 @@ SEGMENT_SUFFIX = ".events"
 MESSAGE_BYTES = 512 << 10  # events per SubscribeEventsResponse: at most this many bytes (well under the gRPC limit)
 MESSAGE_EVENTS = 512
 REMOVAL_REASONS = {"removed": "deleted", "evicted": "evicted"}
+#: the namespace tag of events for every namespace (a restart's AllBlocksCleared of the memory tier)
+BROADCAST = b"\x00" * SCOPE_BYTES
 
 
 @dataclass(frozen=True)
@@ -109,7 +113,7 @@ class MemoryEventLog:
 
     def read(self, from_seq: int, stop_seq: int, tag: bytes) -> Iterator[Record | Lost]:
         with self._lock:
-            records = [r for r in self._records if from_seq <= r[0] < stop_seq and r[1] == tag]
+            records = [r for r in self._records if from_seq <= r[0] < stop_seq and r[1] in (tag, BROADCAST)]
         yield from records
 
     def close(self) -> None:
@@ -220,7 +224,7 @@ class FileEventLog:
                     if seq < expected:
                         continue
                     expected = seq + 1
-                    if rec_tag == tag:
+                    if rec_tag in (tag, BROADCAST):
                         yield item
 
     def close(self) -> None:
@@ -341,6 +345,10 @@ class EventHub:
         self._log_failed = False
         self._closed = False
         self._unsubscribe: Callable[[], None] | None = store.subscribe(self._on_store_event)
+        if event_log.persistent and self.next_seq > 1:  # a restart: what memory tiers held is gone
+            for spec in store.specs:
+                if isinstance(spec.tier, MemoryTier):
+                    self._publish(BROADCAST, pb.KVEvent(cleared=pb.AllBlocksCleared(medium=spec.tier.name)))
 
     # -- producing -----------------------------------------------------------------------------------
 
@@ -408,7 +416,9 @@ class EventHub:
             else:
                 self._log_failed = False
             self.next_seq = seq + 1
-            overflowed = [sub for sub in self._subs.get(tag, ()) if sub.offer(seq, payload)]
+            subs = self._subs.get(tag, ()) if tag != BROADCAST else [s for g in self._subs.values() for s in g]
+            overflowed = [sub for sub in subs if sub.offer(seq, payload)]
+            self.ended_slow += len(overflowed)
         for sub in overflowed:  # its handler may be blocked sending to the client: end the call from here
             end_call(sub.context, grpc.StatusCode.RESOURCE_EXHAUSTED, sub.overflow_message())
 
@@ -488,7 +498,6 @@ class EventHub:
                 if not sub.queue and not sub.ended and not sub.overflowed:
                     sub.cond.wait(self.heartbeat_s)
                 if sub.overflowed:
-                    self.ended_slow += 1
                     fail(grpc.StatusCode.RESOURCE_EXHAUSTED, sub.overflow_message())
                 if sub.ended == "shutdown":
                     fail(grpc.StatusCode.UNAVAILABLE, f"the server is shutting down; reconnect with from_seq "

@@ -1,0 +1,352 @@
+"""KV events (``SubscribeEvents``, service/events.py) on a real server on loopback over real stores."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+from helpers import FINGERPRINT, key_of, make_block
+from service_helpers import TOKENS, write_tokens
+
+from kvshelf.kvstore import MemoryTier, TieredStore, open_embedded_store
+from kvshelf.kvstore.errors import TierUnavailableError
+from kvshelf.proto import kvshelf_pb2 as pb
+from kvshelf.service.auth import TokenTable
+from kvshelf.service.client import EventSubscription, RemoteStore, RemoteStoreError
+from kvshelf.service.server import RunningServer, ServerLimits, start_server
+
+TOKEN_A, TOKEN_B = list(TOKENS)
+WAIT_S = 30.0  # generous: only a broken server makes a reader wait this long
+
+
+class Reader:
+    """Reads a subscription in a thread: its messages and events, and how it ended."""
+
+    def __init__(self, subscription: EventSubscription) -> None:
+        self.subscription = subscription
+        self.messages: queue.Queue[pb.SubscribeEventsResponse] = queue.Queue()
+        self.events: list[pb.KVEvent] = []
+        self.error: Exception | None = None
+        self.done = threading.Event()
+        self._changed = threading.Condition()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            for message in self.subscription:
+                with self._changed:
+                    self.events.extend(message.events)
+                    self.messages.put(message)
+                    self._changed.notify_all()
+        except Exception as exc:  # noqa: BLE001 - kept for the test to assert on
+            self.error = exc
+        finally:
+            self.done.set()
+            with self._changed:
+                self._changed.notify_all()
+
+    def wait_for(self, predicate: Callable[[list[pb.KVEvent]], bool]) -> list[pb.KVEvent]:
+        with self._changed:
+            assert self._changed.wait_for(lambda: predicate(self.events) or self.done.is_set(), timeout=WAIT_S), \
+                f"no such events after {WAIT_S} s; got {len(self.events)}"
+            assert predicate(self.events), f"the stream ended ({self.error!r}) with {len(self.events)} events"
+            return list(self.events)
+
+    def started(self) -> pb.SubscribeEventsResponse:
+        message = self.messages.get(timeout=WAIT_S)
+        assert message.HasField("started")
+        return message
+
+    def stop(self) -> None:
+        self.subscription.cancel()
+        self.thread.join(WAIT_S)
+
+
+def _kind(event: pb.KVEvent) -> tuple[str, str]:
+    kind = event.WhichOneof("event")
+    body = getattr(event, kind)
+    return kind, body.medium
+
+
+def _key(event: pb.KVEvent) -> bytes:
+    kind = event.WhichOneof("event")
+    return getattr(event, kind).block_hashes[0] if kind != "cleared" else b""
+
+
+def _blocks(namespace: str, n: int, base: int = 0) -> list:
+    return [make_block([base + i, 7, 7], namespace=namespace) for i in range(n)]
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Path:
+    return tmp_path / "data"
+
+
+def _serve(data_dir: Path, **limits: object) -> tuple[RunningServer, TieredStore]:
+    store = open_embedded_store(data_dir)
+    running = start_server(store, limits=ServerLimits(**limits), events_dir=data_dir / "events")
+    return running, store
+
+
+@pytest.fixture
+def server(data_dir):
+    running, store = _serve(data_dir)
+    yield running
+    running.stop(0)
+    store.close()
+
+
+def _remote(server: RunningServer, namespace: str, token: str | None = None) -> RemoteStore:
+    return RemoteStore(f"127.0.0.1:{server.port}", namespace=namespace, token=token, shared_memory=False)
+
+
+def test_subscriber_sees_its_namespace_in_order(server):
+    a, b = _remote(server, "team-a"), _remote(server, "team-b")
+    reader = Reader(a.subscribe_events())  # live events only
+    started = reader.started()
+    assert started.started.namespace == "team-a" and started.started.next_seq == 1
+    blocks_a, blocks_b = _blocks("team-a", 3), _blocks("team-b", 2, base=100)
+    keys_a = [key_of(x) for x in blocks_a]
+    parent = key_of(make_block([9, 9], namespace="team-a"))
+    assert a.put_many([(keys_a[0], blocks_a[0])], lineage=[(parent, [11, 12, 13])]) == 1
+    assert b.put_many([(key_of(x), x) for x in blocks_b]) == 2
+    assert a.put_many([(k, x) for k, x in zip(keys_a[1:], blocks_a[1:], strict=True)]) == 2
+    assert a.delete([keys_a[1]]) == 1
+    b.delete([key_of(blocks_b[0])])
+    assert a.clear() == 2
+    events = reader.wait_for(lambda ev: any(e.HasField("cleared") for e in ev))
+    reader.stop()
+
+    # every event of team-a, in order, none of team-b's; each put stored in both tiers (memory, disk)
+    seqs = [e.seq for e in events]
+    assert seqs == sorted(set(seqs))
+    expected = [(("stored", "memory"), keys_a[0]), (("stored", "disk"), keys_a[0])]
+    expected += [(("stored", tier), key) for tier in ("memory", "disk") for key in keys_a[1:]]  # tier by tier
+    expected += [(("removed", "memory"), keys_a[1]), (("removed", "disk"), keys_a[1]), (("cleared", ""), b"")]
+    assert [(_kind(e), _key(e)) for e in events] == expected
+    assert not {key_of(x) for x in blocks_b} & {_key(e) for e in events}
+
+    first = events[0].stored
+    assert first.parent_block_hash == parent and list(first.token_ids) == [11, 12, 13] and first.block_size == 3
+    assert first.model == FINGERPRINT and first.codec == "raw" and first.nbytes > 0
+    second = events[2].stored  # no lineage sent: no parent, the header's tokens
+    assert second.parent_block_hash == b"" and list(second.token_ids) == [1, 7, 7]
+    assert events[6].removed.reason == "deleted" and events[6].removed.block_hashes == [keys_a[1]]
+    # team-b's events were sequenced too (one counter per server): team-a's seqs have gaps
+    assert seqs[-1] - seqs[0] + 1 > len(seqs)
+    a.close()
+    b.close()
+
+
+def test_evictions_are_removals_per_tier(tmp_path):
+    memory = MemoryTier(capacity_bytes=3000, policy="lru")
+    store = TieredStore([memory])
+    running = start_server(store)
+    try:
+        remote = _remote(running, "default")
+        reader = Reader(remote.subscribe_events())
+        reader.started()
+        blocks = _blocks("default", 6)
+        for block in blocks:
+            remote.put_many([(key_of(block), block)])
+        events = reader.wait_for(lambda ev: any(e.HasField("removed") for e in ev))
+        evicted = [e.removed for e in events if e.HasField("removed")]
+        assert evicted[0].reason == "evicted" and evicted[0].medium == memory.name
+        assert evicted[0].block_hashes[0] == key_of(blocks[0])  # the oldest went first
+        reader.stop()
+        remote.close()
+    finally:
+        running.stop(0)
+
+
+def test_tokens_bad_or_missing_is_unauthenticated(tmp_path):
+    store = open_embedded_store(tmp_path / "data")
+    running = start_server(store, tokens=TokenTable.from_file(write_tokens(tmp_path / "tokens.toml")))
+    address = f"127.0.0.1:{running.port}"
+    try:
+        for token in (None, "not-a-token-of-anyone"):
+            with RemoteStore(address, token=token, namespace="tenant-a", shared_memory=False) as remote:
+                with pytest.raises(RemoteStoreError) as exc:
+                    next(iter(remote.subscribe_events()))
+                assert exc.value.code == grpc.StatusCode.UNAUTHENTICATED
+        with RemoteStore(address, token=TOKEN_A, namespace="tenant-b", shared_memory=False) as remote:
+            with pytest.raises(RemoteStoreError) as exc:
+                next(iter(remote.subscribe_events()))
+            assert exc.value.code == grpc.StatusCode.PERMISSION_DENIED
+        a = RemoteStore(address, token=TOKEN_A, namespace="tenant-a", shared_memory=False)
+        b = RemoteStore(address, token=TOKEN_B, namespace="tenant-b", shared_memory=False)
+        reader = Reader(a.subscribe_events())
+        assert reader.started().started.namespace == "tenant-a"
+        block_b, block_a = make_block([5], namespace="tenant-b"), make_block([6], namespace="tenant-a")
+        b.put_many([(key_of(block_b), block_b)])
+        a.put_many([(key_of(block_a), block_a)])
+        events = reader.wait_for(lambda ev: len(ev) >= 2)
+        assert {_key(e) for e in events} == {key_of(block_a)}
+        reader.stop()
+        a.close()
+        b.close()
+    finally:
+        running.stop(0)
+        store.close()
+
+
+def test_replay_across_restart_has_no_gap_and_no_duplicate(data_dir):
+    running, store = _serve(data_dir)
+    remote = _remote(running, "default")
+    reader = Reader(remote.subscribe_events())
+    reader.started()
+    blocks = _blocks("default", 6)
+    remote.put_many([(key_of(x), x) for x in blocks[:2]])
+    seen = reader.wait_for(lambda ev: len(ev) >= 4)
+    reader.stop()
+    last_seen = seen[-1].seq
+    remote.put_many([(key_of(x), x) for x in blocks[2:4]])  # missed: nobody subscribed
+    remote.delete([key_of(blocks[0])])
+    # a subscriber still connected when the server stops is told to come back
+    late = Reader(remote.subscribe_events(last_seen + 1))
+    late.wait_for(lambda ev: len(ev) >= 6)
+    running.stop(1)
+    store.close()
+    late.done.wait(WAIT_S)
+    assert isinstance(late.error, TierUnavailableError) and "shutting down" in str(late.error)
+    remote.close()
+
+    running, store = _serve(data_dir)  # same data dir: a new process would do the same
+    try:
+        remote = _remote(running, "default")
+        remote.put_many([(key_of(x), x) for x in blocks[4:5]])  # missed: after the restart, before reconnecting
+        reader = Reader(remote.subscribe_events(last_seen + 1))
+        started = reader.started()
+        assert started.started.oldest_seq == 1
+        remote.put_many([(key_of(x), x) for x in blocks[5:]])  # live, after reconnecting
+        events = reader.wait_for(lambda ev: len(ev) >= 11)
+        reader.stop()
+        remote.close()
+    finally:
+        running.stop(0)
+        store.close()
+    seqs = [e.seq for e in events]
+    assert seqs == list(range(last_seen + 1, last_seen + 1 + len(events)))  # exactly the missed ones, in order
+    keys = [key_of(x) for x in blocks]
+    assert [(_kind(e), _key(e)) for e in events] == [
+        (("stored", "memory"), keys[2]), (("stored", "memory"), keys[3]),  # one put of two blocks: tier by tier
+        (("stored", "disk"), keys[2]), (("stored", "disk"), keys[3]),
+        (("removed", "memory"), keys[0]), (("removed", "disk"), keys[0]),
+        (("cleared", "memory"), b""),  # the restart: what the memory tier held is gone
+        (("stored", "memory"), keys[4]), (("stored", "disk"), keys[4]),
+        (("stored", "memory"), keys[5]), (("stored", "disk"), keys[5]),
+    ]
+    assert len(events) == 11
+
+
+def test_from_seq_older_than_the_log_keeps_says_lost(data_dir):
+    running, store = _serve(data_dir, events_log_bytes=8192)
+    try:
+        remote = _remote(running, "default")
+        blocks = _blocks("default", 40)
+        for block in blocks:  # ~270 bytes per event with 64 tokens: the log rotates and drops old segments
+            remote.put_many([(key_of(block), block)], lineage=[(None, list(range(64)))])
+        reader = Reader(remote.subscribe_events(1))
+        started = reader.started()
+        oldest = started.started.oldest_seq
+        assert 1 < oldest < started.started.next_seq
+        lost = reader.messages.get(timeout=WAIT_S)
+        assert lost.HasField("lost") and (lost.lost.from_seq, lost.lost.to_seq) == (1, oldest)
+        assert "older than the event log keeps" in lost.lost.reason
+        events = reader.wait_for(lambda ev: bool(ev) and ev[-1].seq == started.started.next_seq - 1)
+        assert [e.seq for e in events] == list(range(oldest, started.started.next_seq))
+        reader.stop()
+        # a sequence past the log's end (a data dir reset under a router) is a loss too
+        future = Reader(remote.subscribe_events(10_000))
+        future.started()
+        lost = future.messages.get(timeout=WAIT_S)
+        assert lost.HasField("lost") and "past this server's last event" in lost.lost.reason
+        future.stop()
+        remote.close()
+    finally:
+        running.stop(0)
+        store.close()
+    segments = list((data_dir / "events").iterdir())
+    assert sum(p.stat().st_size for p in segments) <= 8192 + 8192  # the bound, plus the segment being written
+
+
+def test_slow_subscriber_is_cut_off_without_blocking_puts():
+    store = TieredStore([MemoryTier(capacity_bytes=1 << 30)])
+    running = start_server(store, limits=ServerLimits(subscriber_queue=20))
+    try:
+        remote = _remote(running, "default")
+        subscription = remote.subscribe_events()
+        messages = iter(subscription)
+        assert next(messages).HasField("started")  # ...and then it reads nothing for a while
+        blocks = _blocks("default", 600)
+        tokens = list(range(8000))  # ~16 KB per event, ~10 MB in all: more than HTTP/2 buffers for an unread stream
+        for start in range(0, len(blocks), 50):
+            batch = blocks[start : start + 50]
+            assert remote.put_many([(key_of(x), x) for x in batch], lineage=[(None, tokens)] * len(batch)) == 50
+        seen: list[pb.KVEvent] = []
+        with pytest.raises(RemoteStoreError) as exc:
+            for message in messages:
+                seen.extend(message.events)
+        assert exc.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "too slow" in str(exc.value)
+        assert len(seen) < len(blocks)
+        # it resumes where it stopped: every event exactly once
+        reader = Reader(remote.subscribe_events(subscription.next_seq))
+        rest = reader.wait_for(lambda ev: bool(ev) and ev[-1].seq == len(blocks))
+        reader.stop()
+        assert [e.seq for e in seen + rest] == list(range(1, len(blocks) + 1))
+        assert running.servicer.events.ended_slow == 1
+        remote.close()
+    finally:
+        running.stop(0)
+
+
+def test_subscriptions_are_capped_per_tenant(server):
+    limits = server.servicer.events
+    a = _remote(server, "team-a")
+    readers = [Reader(a.subscribe_events()) for _ in range(limits.tenant_subscriptions)]
+    for reader in readers:
+        reader.started()
+    with pytest.raises(RemoteStoreError) as exc:
+        next(iter(a.subscribe_events()))
+    assert exc.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--tenant-subscriptions" in str(exc.value)
+    other = Reader(_remote(server, "team-b").subscribe_events())  # another tenant still subscribes
+    assert other.started().started.namespace == "team-b"
+    a.put_many([(key_of(b), b) for b in _blocks("team-a", 1)])  # and puts still work
+    for reader in [*readers, other]:
+        reader.stop()
+    a.close()
+
+
+def test_damaged_log_tail_is_cut_off_at_start(data_dir):
+    running, store = _serve(data_dir)
+    remote = _remote(running, "default")
+    blocks = _blocks("default", 3)
+    remote.put_many([(key_of(x), x) for x in blocks[:2]])  # seqs 1-4
+    remote.close()
+    running.stop(0)
+    store.close()
+    (segment,) = (data_dir / "events").iterdir()
+    size = segment.stat().st_size
+    with open(segment, "r+b") as fh:  # a torn last record, as a crash mid-write leaves it
+        fh.truncate(size - 5)
+    running, store = _serve(data_dir)
+    try:
+        remote = _remote(running, "default")
+        remote.put_many([(key_of(blocks[2]), blocks[2])])
+        reader = Reader(remote.subscribe_events(1))
+        started = reader.started()
+        events = reader.wait_for(lambda ev: len(ev) >= 6)
+        reader.stop()
+        remote.close()
+    finally:
+        running.stop(0)
+        store.close()
+    # seq 4 (the torn record) is gone and reused; everything before it and after the restart is there, in order
+    assert started.started.next_seq == 7
+    assert [e.seq for e in events] == [1, 2, 3, 4, 5, 6]
+    assert _kind(events[3]) == ("cleared", "memory")
