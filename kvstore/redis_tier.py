@@ -378,6 +378,9 @@ class RedisTier(Tier):
         self._next_refused_warning = 0.0
         self._next_blind = 0.0  # INFO unreadable: monotonic time of the next pass usage() may run
         self._pass_evicted: int | None = None  # evicted_keys when the pass under way began
+        #: grows with each recount: values Redis evicted while the registry was lost (or before a recount) were
+        #: never reported one by one, so a store holding pins checks them again (``TieredStore.stats``)
+        self.loss_epoch = 0
 
     @classmethod
     def from_url(
@@ -1067,6 +1070,7 @@ class RedisTier(Tier):
         mark cleared. Returns the keys counted out: evictions to report."""
         self._script(client, INIT_SCRIPT, ["1" if force else "0"])
         self._stale = False
+        self.loss_epoch += 1
         keys = self._keys(client)
         found: list[bytes] = []
         for start in range(0, len(keys), SCAN_BATCH):

@@ -182,6 +182,7 @@ class TieredStore:
         self.counters = Counters()
         self._listeners: list[Listener] = []
         self._pinned: set[bytes] = set()
+        self._loss_epochs: dict[str, int] = {}  # tier -> its loss_epoch when the pins were last checked
         self._lock = threading.Lock()
         self._damaged_logged: set[str] = set()
         self._unavailable_log: dict[str, tuple[float, int]] = {}  # tier -> (last warning, failures unlogged since)
@@ -646,6 +647,19 @@ class TieredStore:
         if gone:
             self.unpin(gone)
 
+    def _check_pins_after_losses(self) -> None:
+        """Every pin checked again (``_forget_pins``) when a tier says it lost values without reporting each one
+        (its ``loss_epoch`` grew: a Redis tier rebuilt its usage registry, which Redis had evicted): rare, and
+        then one ``contains`` per pinned key the tiers above do not hold."""
+        changed = False
+        for spec in self.specs:
+            epoch = getattr(spec.tier, "loss_epoch", None)
+            if isinstance(epoch, int) and self._loss_epochs.get(spec.tier.name, 0) != epoch:
+                self._loss_epochs[spec.tier.name] = epoch
+                changed = True
+        if changed:
+            self._forget_pins(self.pinned_keys())
+
     def clear_prefix(self, prefix: bytes, length: int | None = None) -> int:
         """Remove every block whose key starts with ``prefix`` (a namespace's scope tag; of ``length`` bytes when
         given) from every reachable tier, and drop every pin of such a key (held or not); return how many distinct
@@ -700,6 +714,7 @@ class TieredStore:
                         "rejected", "unavailable")},
                 }
             )
+        self._check_pins_after_losses()
         lookups = self.counters.total("lookup_blocks", tier=ALL_TIERS)
         retrieves = self.counters.total("retrieve_blocks", tier=ALL_TIERS)
         return {

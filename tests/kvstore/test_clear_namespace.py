@@ -14,9 +14,13 @@ from typing import Any
 import pytest
 import redis
 import redis_servers
+from helpers import key_of, make_block
 
 from kvshelf.kvstore import MemoryTier, RedisTier, TieredStore
 from kvshelf.kvstore.stats import StoreEvent
+from kvshelf.service.auth import scope_tag
+from kvshelf.service.client import RemoteStore
+from kvshelf.service.server import start_server
 
 redis_server = redis_servers.redis_server
 redis_cluster = redis_servers.redis_cluster
@@ -139,4 +143,33 @@ def test_clear_after_redis_evicted_some_of_the_namespace(maxmemory_redis: Any, p
         usage = tier.usage()
         assert (usage.blocks, usage.bytes) == (len(kept), 40 * KiB * len(kept))
     finally:
+        store.close()
+
+
+def test_server_clear_finds_the_namespace_by_its_tag_not_key_by_key(redis_server: Any, prefix: str) -> None:
+    """The gRPC ``Clear`` over a Redis tier with 5,000 values of another namespace: exactly the namespace's blocks
+    go (the count it answers, what Redis holds after), the other's stay, and Redis served it with a few SCANs and
+    no per-key header reads (the old ``Clear`` listed all 5,040 values through a SCAN of the tier's prefix, then
+    asked each tier about each of the namespace's keys: a GETRANGE each)."""
+    tier = RedisTier.from_url(redis_server.url, prefix=prefix, socket_timeout=10)
+    store = TieredStore([tier])
+    running = start_server(store)
+    try:
+        other = scope_tag("b")
+        for batch in range(0, 5000, 1000):
+            assert tier.put_many([(key(other, i), b"v" * 64) for i in range(batch, batch + 1000)]) == 1000
+        with RemoteStore(f"127.0.0.1:{running.port}", namespace="a") as remote:
+            blocks = [make_block(4, namespace="a", start_pos=4 * i) for i in range(40)]
+            assert remote.put_many([(key_of(b), b) for b in blocks]) == 40
+            tier.usage()  # the first look at a new tier's counters recounts: not part of the clear
+            reset_stats(redis_server)
+            assert remote.clear() == 40
+            calls = command_calls(redis_server)
+            assert calls.get("cmdstat_getrange", 0) == 0
+            assert calls["cmdstat_scan"] <= 4
+            assert names_of(redis_server, prefix, scope_tag("a")) == []
+            assert len(names_of(redis_server, prefix, other)) == 5000
+            assert remote.get_many([key_of(b) for b in blocks], fingerprint=blocks[0].fingerprint) == [None] * 40
+    finally:
+        running.stop(0)
         store.close()
