@@ -62,7 +62,7 @@ def serve(
     max_call: Annotated[str | None, _opt("most bytes one PutBlocks call may carry (default 1GiB)")] = None,
     quota: Annotated[str | None, _opt("per-namespace byte quota, e.g. 10GiB (default none)")] = None,
     grace: Annotated[float | None, _opt("seconds to drain in-flight calls on SIGTERM (default 10)")] = None,
-    workers: Annotated[int | None, _opt("RPC worker threads (default 16)")] = None,
+    workers: Annotated[int | None, _opt("RPC worker threads (default 32)")] = None,
     metrics_port: Annotated[int | None, _opt("serve Prometheus /metrics on this port (default off)")] = None,
     metrics_addr: Annotated[str | None, _opt(
         "address of the metrics endpoint (default 127.0.0.1; any other needs --metrics-token-file)")] = None,
@@ -70,7 +70,7 @@ def serve(
     shared_memory: Annotated[bool | None, typer.Option(
         "--shared-memory/--no-shared-memory", show_default=False,
         help="same-host gets through /dev/shm arenas for loopback/Unix-socket clients (default on)")] = None,
-    tenant_streams: Annotated[int | None, _opt("streaming calls one tenant may have open at once (default 4)")
+    tenant_streams: Annotated[int | None, _opt("streaming calls one tenant may have open at once (default 8)")
                               ] = None,
     idle_timeout: Annotated[float | None, _opt("seconds a stream may make no progress (default 10)")] = None,
     min_rate: Annotated[str | None, _opt("slowest accepted upload per second, e.g. 1MiB (default 1MiB)")] = None,

@@ -44,7 +44,7 @@ class ServeConfig:
     data_dir: str = ""  # "" -> $KVSHELF_DATA_DIR, else $KVSHELF_CACHE/store (~/.cache/kvshelf/store)
     memory: str = "2GiB"  # memory tier capacity; "0" disables it
     max_disk: str = "1TiB"
-    disk_codec: str = "raw"
+    disk_codec: str = ""  # "": every tier keeps blocks as clients sent them; a codec: LMDB and Redis re-encode
     eviction_policy: str = DEFAULT_POLICY  # what the memory and LMDB tiers evict (kvstore.eviction.POLICIES)
     redis: str = ""  # redis://host:port/db or redis+cluster://host:port: adds the shared tier
     tokens_file: str = ""  # TOML [tokens] "token" = "namespace"; empty: dev mode (namespace from the request)
@@ -54,12 +54,12 @@ class ServeConfig:
     max_call: str = "1GiB"
     quota: str = ""  # per-namespace byte quota; empty: unlimited
     grace: float = 10.0  # seconds to drain in-flight calls on SIGTERM
-    workers: int = 16
+    workers: int = 32
     metrics_port: int = 0  # Prometheus /metrics on this port; 0: off
     metrics_addr: str = "127.0.0.1"
     history_interval: float = 10.0  # seconds between the stats-history samples `kvshelf stats --plot` draws
     shared_memory: bool = True  # same-host gets through client arenas in /dev/shm (loopback/Unix peers only)
-    tenant_streams: int = 4  # streaming calls (PutBlocks, GetBlocks) one tenant may have open at once
+    tenant_streams: int = 8  # streaming calls (PutBlocks, GetBlocks) one tenant may have open at once
     idle_timeout: float = 10.0  # seconds a stream may make no progress before the server cancels it
     min_rate: str = "1MiB"  # slowest accepted PutBlocks upload, bytes per second (checked after idle_timeout)
     max_inflight: str = ""  # put bytes buffered at once, all tenants together; empty: 2 x max_call
@@ -176,11 +176,24 @@ def load_config(flags: Mapping[str, Any], env: Mapping[str, str] | None = None,
 
 
 def open_store(config: ServeConfig) -> TieredStore:
-    """CPU memory + LMDB under the data directory, plus Redis when ``config.redis`` is set."""
+    """CPU memory + LMDB under the data directory, plus Redis when ``config.redis`` is set.
+
+    The tiers keep blocks in the codec their clients sent them in (``TierSpec.as_sent``: the server never decodes
+    them; clients decode); with ``config.disk_codec`` set, the LMDB and Redis tiers re-encode into it instead."""
+    store = _open_embedded(config)
+    for spec in store.specs:  # the memory tier always as sent; LMDB unless the operator named its codec
+        spec.as_sent = spec.tier is store.specs[0].tier and len(store.specs) > 1 or not config.disk_codec
+    if not config.redis:
+        return store
+    return _with_redis(store, config)
+
+
+def _open_embedded(config: ServeConfig) -> TieredStore:
     memory = size_setting("memory", config.memory)
+    disk_codec = config.disk_codec or "raw"
     try:
         store = open_embedded_store(config.resolved_data_dir(), memory_bytes=memory or None,
-                                    disk_codec=config.disk_codec, max_disk_bytes=config.max_disk,
+                                    disk_codec=disk_codec, max_disk_bytes=config.max_disk,
                                     eviction_policy=config.eviction_policy)
     except TierDamagedError as exc:
         if not config.reset_disk:
@@ -189,10 +202,12 @@ def open_store(config: ServeConfig) -> TieredStore:
         log.warning("--reset-disk: the damaged LMDB environment was moved to %s (kept, never deleted) and a new "
                     "empty one started; the damage: %s", moved, str(exc).split("; recover with", 1)[0])
         store = open_embedded_store(config.resolved_data_dir(), memory_bytes=memory or None,
-                                    disk_codec=config.disk_codec, max_disk_bytes=config.max_disk,
+                                    disk_codec=disk_codec, max_disk_bytes=config.max_disk,
                                     eviction_policy=config.eviction_policy)
-    if not config.redis:
-        return store
+    return store
+
+
+def _with_redis(store: TieredStore, config: ServeConfig) -> TieredStore:
     if not config.redis.startswith(("redis://", "rediss://", "redis+cluster://")):
         store.close()
         raise ConfigError(f"--redis must be a redis:// or redis+cluster:// URL, got {config.redis!r}")
@@ -210,7 +225,8 @@ def open_store(config: ServeConfig) -> TieredStore:
     except ConfigError:
         store.close()
         raise
-    return TieredStore([*store.specs, TierSpec(redis, config.disk_codec)], write_policy=store.write_policy)
+    return TieredStore([*store.specs, TierSpec(redis, config.disk_codec or "raw", as_sent=not config.disk_codec)],
+                       write_policy=store.write_policy)
 
 
 def serve(config: ServeConfig, *, ready: threading.Event | None = None, stop: threading.Event | None = None) -> int:

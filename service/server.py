@@ -104,7 +104,7 @@ class ServerLimits:
     max_call_bytes: int = 1 << 30  # one PutBlocks call (held until it ends); also one tenant's puts in flight together
     quota_bytes: int | None = None  # per namespace, in each tier (overwrites count what they add); None: unlimited
     shared_memory: bool = True  # same-host GetBlocks through client arenas in /dev/shm (service/arena.py)
-    tenant_streams: int = 4  # streaming calls one tenant may have open at once
+    tenant_streams: int = 8  # streaming calls one tenant may have open at once
     idle_timeout_s: float = 10.0  # a stream making no progress this long is cancelled
     min_rate_bytes: int = 1 << 20  # slowest accepted upload (bytes/s), checked once a put is idle_timeout_s old
     max_inflight_bytes: int | None = None  # put bytes buffered at once, all tenants; None: 2 x max_call_bytes
