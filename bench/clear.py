@@ -11,9 +11,9 @@ other namespaces (service tier keys: an 8-byte namespace tag + a 16-byte key, sp
   tag (Redis filters; only its manifests come back), each page removed at once (``GETDEL`` + ``UNLINK``).
 
 Each row: keys in Redis before, keys cleared, seconds, Redis's own counts from ``INFO commandstats`` (summed over
-primaries): SCAN calls and the microseconds Redis spent in them, all commands, and the longest single SCAN call
-(``usec_per_call`` is an average: the longest blocking is bounded by the ``COUNT`` hint). Standalone, and with
-``--cluster`` a local 3-primary Redis Cluster (started here, like the standalone server, on free ports).
+primaries): SCAN calls, the seconds Redis spent in them and their average per call (how long one call blocks Redis:
+set by the ``COUNT`` hint, ``--scan-count``), and all commands. Standalone, and with ``--cluster`` a local 3-primary
+Redis Cluster (started here, like the standalone server, on free ports).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from rich.table import Table
 from kvshelf.bench.common import machine_description, save_results
 from kvshelf.bench.servers import HOST, START_TIMEOUT_S, RedisProcess, binary, free_port
 from kvshelf.kvstore.errors import ConfigError
+from kvshelf.kvstore.redis_tier import CLEAR_SCAN_COUNT
 
 TAG_BYTES, KEY_BYTES = 8, 16
 PREFIX = "bench-clear:"
@@ -122,12 +123,14 @@ def _measure(path: str, store: Any, nodes: list[RedisProcess], tag: bytes) -> di
     after = _commandstats(nodes)
     return {"path": path, "keys_in_redis": before["keys"], "keys_cleared": cleared, "seconds": round(seconds, 4),
             "scan_calls": after["scan_calls"], "scan_redis_seconds": round(after["scan_usec"] / 1e6, 4),
-            "commands": after["commands"], "keys_left": after["keys"]}
+            "commands": after["commands"], "keys_left": after["keys"],
+            "avg_redis_ms_per_scan_call": None if not after["scan_calls"] else round(
+                after["scan_usec"] / after["scan_calls"] / 1e3, 3)}
 
 
 def run(*, json_path: str | None, other: int = 1_000_000, ns_keys: int = 10_000, namespaces: int = 100,
         value_bytes: int = 64, cluster: bool = False, paths: tuple[str, ...] = ("old", "new"),
-        console: Console | None = None) -> dict[str, Any]:
+        scan_count: int | None = None, console: Console | None = None) -> dict[str, Any]:
     from kvshelf.kvstore import RedisTier, TieredStore
 
     console = console or Console()
@@ -142,6 +145,8 @@ def run(*, json_path: str | None, other: int = 1_000_000, ns_keys: int = 10_000,
             url = nodes[0].url
         try:
             tier = RedisTier.from_url(url, prefix=PREFIX, socket_timeout=30)
+            if scan_count is not None:
+                tier.clear_scan_count = scan_count
             store = TieredStore([tier])
             started = time.perf_counter()
             per = max(other // max(namespaces, 1), 1)
@@ -171,7 +176,8 @@ def run(*, json_path: str | None, other: int = 1_000_000, ns_keys: int = 10_000,
                       str(row["scan_calls"]), f"{row['scan_redis_seconds']:.3f}", str(row["commands"]))
     console.print(table)
     payload = {"bench": "clear", "machine": machine_description(), "redis": mode, "other_keys": other,
-               "namespace_keys": ns_keys, "namespaces": namespaces, "value_bytes": value_bytes, "rows": rows,
+               "namespace_keys": ns_keys, "namespaces": namespaces, "value_bytes": value_bytes,
+               "new_scan_count": scan_count or CLEAR_SCAN_COUNT, "rows": rows,
                "usage_after": {"blocks": usage.blocks, "bytes": usage.bytes}}
     if len(rows) == 2:
         payload["speedup"] = round(rows[0]["seconds"] / rows[1]["seconds"], 2) if rows[1]["seconds"] else None

@@ -381,6 +381,8 @@ class RedisTier(Tier):
         #: grows with each recount: values Redis evicted while the registry was lost (or before a recount) were
         #: never reported one by one, so a store holding pins checks them again (``TieredStore.stats``)
         self.loss_epoch = 0
+        #: the COUNT hint of the SCANs that find a prefix's keys (a larger one: fewer calls, each blocking longer)
+        self.clear_scan_count = CLEAR_SCAN_COUNT
 
     @classmethod
     def from_url(
@@ -829,14 +831,13 @@ class RedisTier(Tier):
         namespaces is Redis-side time only (measured by ``kvshelf bench clear``), no round trip of their keys or
         per-key work here. A value of the prefix written during the clear may survive it, or lose a chunk (a miss),
         as with any delete racing a put."""
-        rest = "*" if length is None else "??" * (length - len(prefix)) + "}*"
-        pattern = "{" + _glob_escape(self.prefix + prefix.hex()) + rest
+        pattern = self._prefix_pattern(prefix, length, "*")
 
         def fn(client: Client) -> list[bytes]:
             removed: list[tuple[bytes, _Manifest | None]] = []
             page: list[bytes] = []
             chunks: dict[tuple[bytes, bytes], list[bytes]] = {}  # (key, generation) -> chunk names seen
-            for key, suffix, name in self._parse_all(self._scan(client, pattern, count=CLEAR_SCAN_COUNT)):
+            for key, suffix, name in self._parse_all(self._scan(client, pattern, count=self.clear_scan_count)):
                 if not key.startswith(prefix) or (length is not None and len(key) != length):
                     continue
                 if suffix == b"m":
@@ -855,6 +856,23 @@ class RedisTier(Tier):
             return [key for key, _ in removed]
 
         return self._run("clear", fn)
+
+    def _prefix_pattern(self, prefix: bytes, length: int | None, suffix: str) -> str:
+        """The SCAN pattern of the Redis names of keys starting with ``prefix`` (of ``length`` bytes when given),
+        ``suffix`` after the hash tag's ``}`` (``:m``: manifests; ``*``: manifests and chunks)."""
+        rest = "*}" if length is None else "??" * (length - len(prefix)) + "}"
+        return "{" + _glob_escape(self.prefix + prefix.hex()) + rest + suffix
+
+    def keys_with_prefix(self, prefix: bytes, length: int | None = None) -> list[bytes]:
+        """The keys with a manifest starting with ``prefix`` (``length`` bytes long when given): one SCAN matching
+        the prefix's hex (Redis filters; on Cluster, every primary), ``clear_scan_count`` slots a call."""
+        pattern = self._prefix_pattern(prefix, length, ":m")
+
+        def fn(client: Client) -> list[bytes]:
+            return [key for key in self._parse_names(self._scan(client, pattern, count=self.clear_scan_count))
+                    if key.startswith(prefix) and (length is None or len(key) == length)]
+
+        return self._run("keys", fn)
 
     def _drop_orphans(self, client: Client, groups: dict[tuple[bytes, bytes], list[bytes]]) -> None:
         """Chunks found by a clear whose value it did not remove: those whose manifest is absent or names another

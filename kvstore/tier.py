@@ -50,10 +50,15 @@ class Tier(ABC):
         """Every key held (for admin tools and tests; may be slow on large tiers)."""
         raise NotImplementedError(f"tier {self.name} cannot list its keys")
 
+    def keys_with_prefix(self, prefix: bytes, length: int | None = None) -> list[bytes]:
+        """Every key held starting with ``prefix``, of ``length`` bytes when given. This default lists every key;
+        tiers that find a prefix's keys cheaper override it."""
+        return [key for key in self.keys() if key.startswith(prefix) and (length is None or len(key) == length)]
+
     def delete_prefix(self, prefix: bytes, length: int | None = None) -> list[bytes]:
         """Remove every key starting with ``prefix`` (a namespace's scope tag), of ``length`` bytes when given;
         return the keys removed. This default lists every key; tiers that find a prefix's keys cheaper override it."""
-        held = [key for key in self.keys() if key.startswith(prefix) and (length is None or len(key) == length)]
+        held = self.keys_with_prefix(prefix, length)
         self.delete(held)
         return held
 

@@ -50,7 +50,9 @@ def serve(
     max_disk: Annotated[str | None, _opt(
         "LMDB tier capacity, e.g. 100GiB (default 1TiB): it evicts to stay under it; the file may pass it by a "
         "documented slack for LMDB's own pages (39.25MiB for 256MiB, ~2.7% for 1TiB)")] = None,
-    disk_codec: Annotated[str | None, _opt("codec of the LMDB (and Redis) tier (default raw)")] = None,
+    disk_codec: Annotated[str | None, _opt(
+        "codec the LMDB (and Redis) tier re-encodes blocks into (default none: every tier keeps blocks in the codec "
+        "clients sent them in; clients decode)")] = None,
     eviction_policy: Annotated[str | None, _opt(
         "what the memory and LMDB tiers evict: prefix (default), arc, s3fifo or lru (compare them with "
         "`kvshelf replay`)")] = None,
@@ -97,6 +99,12 @@ def serve(
                                     ] = None,
     subscriber_queue: Annotated[int | None, _opt(
         "events waiting for one subscriber before it is cut off as too slow (default 10000)")] = None,
+    durability: Annotated[str | None, _opt(
+        "fsync (default): a put is flushed to the disk before it is acknowledged; interval: committed to the OS "
+        "before it is acknowledged (a server crash or SIGKILL loses nothing), flushed every --sync-interval "
+        "seconds (an OS crash or power cut loses at most that)")] = None,
+    sync_interval: Annotated[float | None, _opt("seconds between flushes with --durability interval (default 1)")
+                             ] = None,
     config: Annotated[Path | None, _opt("TOML config file (or $KVSHELF_CONFIG)")] = None,
 ) -> None:
     """Run the gRPC KV service. Settings: flags > KVSHELF_* environment variables > --config TOML > defaults."""
@@ -114,7 +122,7 @@ def serve(
                  metrics_namespaces=metrics_namespaces, reset_disk=reset_disk,
                  arena_sweep_interval=arena_sweep_interval, events_log=events_log,
                  max_subscriptions=max_subscriptions, tenant_subscriptions=tenant_subscriptions,
-                 subscriber_queue=subscriber_queue)
+                 subscriber_queue=subscriber_queue, durability=durability, sync_interval=sync_interval)
     raise typer.Exit(run_server(load_config(flags, config_file=config)))
 
 
@@ -505,6 +513,7 @@ def bench_clear(
     ns_keys: Annotated[int, typer.Option("--ns-keys", help="values of the namespace cleared")] = 10_000,
     cluster: Annotated[bool, typer.Option(help="a local 3-primary Redis Cluster instead of one server")] = False,
     paths: Annotated[str, typer.Option(help="comma-separated: old (pre-issue-22 Clear, the anchor), new")] = "old,new",
+    scan_count: Annotated[int | None, typer.Option(help="the new path's SCAN COUNT hint (default 5000)")] = None,
 ) -> None:
     """Clear(namespace) on a large Redis: seconds and Redis's SCAN calls, old path vs new (bench/clear.py)."""
     from kvshelf.bench.clear import run
@@ -512,10 +521,10 @@ def bench_clear(
     chosen = tuple(p.strip() for p in paths.split(",") if p.strip())
     if not chosen or set(chosen) - {"old", "new"}:
         raise KVShelfError(f"--paths takes old and/or new, got {paths!r}")
-    if other < 0 or ns_keys <= 0:
-        raise KVShelfError("--other must be >= 0 and --ns-keys > 0")
+    if other < 0 or ns_keys <= 0 or (scan_count is not None and scan_count <= 0):
+        raise KVShelfError("--other must be >= 0, --ns-keys and --scan-count > 0")
     run(json_path=str(json_path) if json_path else None, other=other, ns_keys=ns_keys, cluster=cluster,
-        paths=chosen, console=console)
+        paths=chosen, scan_count=scan_count, console=console)
 
 
 @bench_app.command("chaos")

@@ -173,10 +173,9 @@ class InflightBudget:
 def tier_keys(tier: Any, tag: bytes) -> list[bytes]:
     """The tier keys of one namespace (tag + 16-byte key) in ``tier``; [] if it cannot list or is unreachable."""
     try:
-        keys = tier.keys()
+        return tier.keys_with_prefix(tag, SCOPE_BYTES + KEY_BYTES)  # Redis: a SCAN matching the tag
     except (NotImplementedError, TierUnavailableError):
         return []
-    return [k for k in keys if len(k) == SCOPE_BYTES + KEY_BYTES and k.startswith(tag)]
 
 
 def add_tier_bytes(total: TierBytes, new: TierBytes, old: TierBytes) -> None:

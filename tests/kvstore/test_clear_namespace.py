@@ -91,6 +91,8 @@ def test_clear_removes_exactly_the_namespace_and_scans_by_its_tag(request: pytes
         for k_, v in gone[:50]:  # the memory tier holds some of them too
             store.specs[0].tier.put_many([(k_, v)])
         kept_names = sorted(names_of(servers, prefix, OTHER))
+        assert sorted(tier.keys_with_prefix(OTHER, SCOPED)) == sorted(k_ for k_, _ in others)
+        assert sorted(tier.keys_with_prefix(TAG, SCOPED)) == sorted(k_ for k_, _ in gone)
         tier.usage()  # the first look at a new tier's counters recounts: not part of the clear
         reset_stats(servers)
 
