@@ -77,6 +77,7 @@ def open_embedded_store(
     disk_codec_params: dict[str, Any] | None = None,
     max_disk_bytes: int | str = 1 << 40,
     durable: bool = True,
+    sync_interval_s: float | None = None,
     write_policy: Literal["through", "back"] = "through",
     namespace: str = DEFAULT_NAMESPACE,
     eviction_policy: str = DEFAULT_POLICY,
@@ -84,6 +85,10 @@ def open_embedded_store(
     """A ``TieredStore`` of a memory tier (omitted when ``memory_bytes`` is None) over LMDB in ``data_dir``;
     reads default to ``namespace``. ``eviction_policy`` (a name of ``kvstore.eviction.POLICIES``) picks what
     each bounded tier evicts.
+
+    ``durable``: each commit to LMDB is flushed to the disk before the put returns; ``False``: commits reach the
+    operating system before the put returns (a crash of this process loses nothing) and are flushed every
+    ``sync_interval_s`` seconds when given (``kvstore.periodic_sync``), else when the OS writes them back.
 
     ``max_disk_bytes`` is the LMDB tier's capacity: it holds at most that many bytes of blocks and evicts (by
     ``eviction_policy``) to stay under it; its file stays under the capacity plus a slack for LMDB's own pages
@@ -108,7 +113,8 @@ def open_embedded_store(
         specs.append(TierSpec(MemoryTier(memory, policy=eviction_policy), memory_codec))
     specs.append(
         TierSpec(
-            LMDBTier(path / "lmdb", capacity_bytes=max_disk, policy=eviction_policy, durable=durable),
+            LMDBTier(path / "lmdb", capacity_bytes=max_disk, policy=eviction_policy, durable=durable,
+                     sync_interval_s=sync_interval_s),
             disk_codec,
             dict(disk_codec_params or {}),
         )

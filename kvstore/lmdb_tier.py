@@ -97,6 +97,7 @@ from kvshelf.kvstore.errors import (
 )
 from kvshelf.kvstore.eviction import DEFAULT_POLICY, EvictionPolicy, make_policy
 from kvshelf.kvstore.lmdb_file import check_file, db_keys, verify_tree
+from kvshelf.kvstore.periodic_sync import PeriodicSync
 from kvshelf.kvstore.rwlock import RWLock
 from kvshelf.kvstore.tier import EvictionCallback, Tier, TierUsage
 
@@ -244,6 +245,11 @@ class LMDBTier(Tier):
 
     ``verify``: judge the file before opening it and its trees before using them (``check_file_fits``,
     ``check_trees``; on by default: reads every branch and leaf page once, not the values).
+
+    ``durable``: every commit is flushed to the disk (``fdatasync``) before the put returns. ``False``: commits
+    go to the operating system (a crash of this process loses nothing; an OS crash or power cut may lose recent
+    ones), flushed every ``sync_interval_s`` seconds when given (``kvstore.periodic_sync``), else when the OS
+    writes them back.
     """
 
     def __init__(
@@ -256,6 +262,7 @@ class LMDBTier(Tier):
         initial_map_bytes: int = 256 * MiB,
         max_map_bytes: int = 1024 * GiB,
         durable: bool = True,
+        sync_interval_s: float | None = None,
         name: str = "disk",
         verify: bool = True,
     ) -> None:
@@ -279,12 +286,16 @@ class LMDBTier(Tier):
                                   f"(256 KiB: LMDB's meta pages and tree roots), got {slack_bytes!r}")
             initial_map_bytes = max_map_bytes = max(-(-(self.capacity_bytes + slack_bytes) // 4096) * 4096,
                                                     MIN_MAP_BYTES)
+        if sync_interval_s is not None and (isinstance(sync_interval_s, bool) or not sync_interval_s > 0):
+            raise ConfigError(f"LMDB tier sync_interval_s must be a number of seconds > 0, got {sync_interval_s!r}")
         self.slack_bytes = slack_bytes
+        self.durable = durable
         self.name = name
         self.path = Path(path)
         self.max_map_bytes = max_map_bytes
         self._damaged: TierDamagedError | None = None
         self._closed = False
+        self._syncer: PeriodicSync | None = None  # durable=False with sync_interval_s: flushes every few seconds
         self._lock = RWLock()
         self._wlock = threading.Lock()  # one write transaction of this process at a time (``_write_once``)
         self._plock = threading.Lock()  # the policy, ``_known`` and ``_pinned``
@@ -317,6 +328,7 @@ class LMDBTier(Tier):
         except BaseException:
             self._env.close()
             raise
+        self._syncer = None if durable or sync_interval_s is None else PeriodicSync(self._sync, sync_interval_s)
 
     def _open_env(self, map_size: int, durable: bool) -> lmdb.Environment:
         """``lmdb.open`` (it begins a transaction: another process growing the map meanwhile is retried)."""
@@ -487,6 +499,8 @@ class LMDBTier(Tier):
             try:
                 result = fn(txn)
                 txn.commit()
+                if self._syncer is not None:
+                    self._syncer.dirty()
                 return result
             except BaseException as exc:
                 error = exc
@@ -930,7 +944,15 @@ class LMDBTier(Tier):
     def map_size(self) -> int:
         return int(self._env.info()["map_size"])
 
+    def _sync(self) -> None:
+        """Flush the commits so far to the disk (``fdatasync``): what ``PeriodicSync`` calls."""
+        with self._lock.read():
+            if not self._closed:
+                self._env.sync(True)
+
     def close(self) -> None:
+        if self._syncer is not None:
+            self._syncer.close()  # a last flush of what was committed
         with self._lock.write():
             self._closed = True
             self._env.close()

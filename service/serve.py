@@ -74,10 +74,18 @@ class ServeConfig:
     max_subscriptions: int = 8  # SubscribeEvents streams open at once, all tenants (each has a thread of its own)
     tenant_subscriptions: int = 2  # SubscribeEvents streams one tenant may have open at once
     subscriber_queue: int = 10_000  # events waiting for one subscriber before it is cut off as too slow
+    durability: str = "fsync"  # fsync: each put flushed to disk before it is acknowledged; interval: see DURABILITY
+    sync_interval: float = 1.0  # seconds between flushes to disk with durability "interval"
 
     def resolved_data_dir(self) -> Path:
         return Path(self.data_dir) if self.data_dir else default_data_dir()
 
+
+#: ``--durability``: what an acknowledged put survives. ``fsync``: anything (power cut included): each put's commit is
+#: flushed to the disk before the put returns. ``interval``: a crash or SIGKILL of the server (the commit is in the
+#: operating system before the put returns); the disk is flushed every ``--sync-interval`` seconds, so an OS crash
+#: or power cut loses at most that many seconds of puts (lost blocks are misses; the file is checked at open).
+DURABILITY = ("fsync", "interval")
 
 FIELDS = {f.name: f for f in dataclasses.fields(ServeConfig)}
 # the size settings and the least each accepts; quota and max_inflight may also be "" (unset)
@@ -172,6 +180,10 @@ def load_config(flags: Mapping[str, Any], env: Mapping[str, str] | None = None,
         raise ConfigError("max_subscriptions, tenant_subscriptions and subscriber_queue must be >= 1")
     if not 0 < config.arena_sweep_interval < float("inf"):
         raise ConfigError(f"arena_sweep_interval must be > 0 seconds, got {config.arena_sweep_interval!r}")
+    if config.durability not in DURABILITY:
+        raise ConfigError(f"durability must be one of {', '.join(DURABILITY)}, got {config.durability!r}")
+    if not 0 < config.sync_interval < float("inf"):
+        raise ConfigError(f"sync_interval must be > 0 seconds, got {config.sync_interval!r}")
     return config
 
 
@@ -181,8 +193,10 @@ def open_store(config: ServeConfig) -> TieredStore:
     The tiers keep blocks in the codec their clients sent them in (``TierSpec.as_sent``: the server never decodes
     them; clients decode); with ``config.disk_codec`` set, the LMDB and Redis tiers re-encode into it instead."""
     store = _open_embedded(config)
-    for spec in store.specs:  # the memory tier always as sent; LMDB unless the operator named its codec
-        spec.as_sent = spec.tier is store.specs[0].tier and len(store.specs) > 1 or not config.disk_codec
+    *memory, disk = store.specs  # the memory tier (if any) always as sent; LMDB unless the operator named its codec
+    for spec in memory:
+        spec.as_sent = True
+    disk.as_sent = not config.disk_codec
     if not config.redis:
         return store
     return _with_redis(store, config)
@@ -191,10 +205,13 @@ def open_store(config: ServeConfig) -> TieredStore:
 def _open_embedded(config: ServeConfig) -> TieredStore:
     memory = size_setting("memory", config.memory)
     disk_codec = config.disk_codec or "raw"
+    durable = config.durability == "fsync"
+    sync_interval_s = None if durable else config.sync_interval
     try:
         store = open_embedded_store(config.resolved_data_dir(), memory_bytes=memory or None,
                                     disk_codec=disk_codec, max_disk_bytes=config.max_disk,
-                                    eviction_policy=config.eviction_policy)
+                                    eviction_policy=config.eviction_policy, durable=durable,
+                                    sync_interval_s=sync_interval_s)
     except TierDamagedError as exc:
         if not config.reset_disk:
             raise
@@ -203,7 +220,8 @@ def _open_embedded(config: ServeConfig) -> TieredStore:
                     "empty one started; the damage: %s", moved, str(exc).split("; recover with", 1)[0])
         store = open_embedded_store(config.resolved_data_dir(), memory_bytes=memory or None,
                                     disk_codec=disk_codec, max_disk_bytes=config.max_disk,
-                                    eviction_policy=config.eviction_policy)
+                                    eviction_policy=config.eviction_policy, durable=durable,
+                                    sync_interval_s=sync_interval_s)
     return store
 
 
