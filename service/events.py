@@ -524,6 +524,16 @@ class EventHub:
         with self._lock:
             return sum(self._count.values()) if namespace is None else self._count.get(namespace, 0)
 
+    def stats(self, namespace: str) -> dict[str, Any]:
+        """The ``events`` part of a namespace's Stats: sequences, its subscriptions and the server's cut-offs."""
+        with self._lock:
+            next_seq = self.next_seq
+            return {"next_seq": next_seq, "oldest_seq": self.log.oldest_seq(next_seq),
+                    "persistent": self.log.persistent, "subscriptions": self._count.get(namespace, 0),
+                    "cap": self.tenant_subscriptions, "server_subscriptions": sum(self._count.values()),
+                    "server_max_subscriptions": self.max_subscriptions, "server_refused": self.refused,
+                    "server_ended_slow": self.ended_slow, "log_failing": self._log_failed}
+
     def end_subscriptions(self) -> None:
         """End every subscription (UNAVAILABLE: the server is stopping); events are still logged until ``close``."""
         with self._lock:

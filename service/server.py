@@ -630,6 +630,7 @@ class KVShelfServicer:
                         "server_refused": self.streams.refused, "server_refused_strikes": self.streams.refused_strikes,
                         "server_ended_idle": self.streams.ended_idle,
                         "server_ended_slow": self.streams.ended_slow},
+            "events": self.events.stats(namespace),
         }
         if self.tokens is None:  # dev mode: the whole store (every namespace) and its history for the admin tool
             out["store"] = full

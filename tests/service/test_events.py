@@ -299,7 +299,8 @@ def test_slow_subscriber_is_cut_off_without_blocking_puts():
         rest = reader.wait_for(lambda ev: bool(ev) and ev[-1].seq == len(blocks))
         reader.stop()
         assert [e.seq for e in seen + rest] == list(range(1, len(blocks) + 1))
-        assert running.servicer.events.ended_slow == 1
+        events = remote.stats()["events"]
+        assert events["server_ended_slow"] == 1 and events["next_seq"] == len(blocks) + 1
         remote.close()
     finally:
         running.stop(0)
