@@ -61,11 +61,18 @@ def header_key(tier_key: bytes) -> bytes:
 
 @dataclass
 class TierSpec:
-    """A tier plus the codec its values are stored in (memory ``raw``, disk and Redis compressed...)."""
+    """A tier plus the codec its values are stored in (memory ``raw``, disk and Redis compressed...).
+
+    ``as_sent``: the tier keeps already-encoded values (``put_encoded_many``: a remote client's blocks, and the
+    promotions and write-downs of such values) in the codec they come in, never decoding or re-encoding them;
+    ``codec`` is then only what the store encodes its own ``put_many`` blocks in. ``kvshelf serve``'s tiers are
+    ``as_sent`` unless the operator names a tier codec (``--disk-codec``).
+    """
 
     tier: Tier
     codec: str = "raw"
     codec_params: dict[str, Any] = field(default_factory=dict)
+    as_sent: bool = False
 
     def __post_init__(self) -> None:
         # fail fast on an unknown codec or parameter; keep the full parameters (defaults filled in), the form
@@ -75,9 +82,14 @@ class TierSpec:
     def same_codec(self, other: TierSpec) -> bool:
         return self.codec == other.codec and self.codec_params == other.codec_params
 
+    @property
+    def codec_label(self) -> str:
+        """The codec as stats show it: ``as-sent`` for an ``as_sent`` tier."""
+        return "as-sent" if self.as_sent else self.codec
+
     def stores_as_is(self, header: BlockHeader) -> bool:
         """Whether a block with ``header`` is stored in this tier as it is (else it is re-encoded)."""
-        return header.codec == self.codec and header.params == self.codec_params
+        return self.as_sent or (header.codec == self.codec and header.params == self.codec_params)
 
     def stored_nbytes(self, header: BlockHeader, encoded_len: int) -> int:
         """An upper bound of the bytes this tier stores for an encoded block of ``encoded_len`` bytes: the block
@@ -157,6 +169,8 @@ class TieredStore:
     * ``namespace``: what reads default to (``namespace=None``). The store holds blocks of every namespace;
       each is written under the namespace its header carries.
     * Keys are 16-byte block keys, or the service's scoped tier keys (an 8-byte namespace tag before the key).
+    * Pins name held blocks only: a pinned key that no tier holds any more (a tier dropped it for a value it could not
+      hold, no tier took a pinned put, Redis evicted it, a read dropped it as damaged, ``clear_prefix``) loses its pin.
     """
 
     def __init__(
@@ -346,7 +360,11 @@ class TieredStore:
 
     def _write_down(self, index: int, key: bytes, value: bytes) -> None:
         lower = self.specs[index + 1]
-        if not lower.same_codec(self.specs[index]):
+        try:  # the value's own codec decides (an as_sent tier above holds values of any codec)
+            as_is = lower.stores_as_is(read_header(value))
+        except KVShelfError:
+            as_is = False  # verified below, and not written down
+        if not as_is:
             try:
                 header = verify_block(value, expected_key=header_key(key))
                 bound = self._reencode_bound(lower)
@@ -508,16 +526,20 @@ class TieredStore:
 
     def _promote(self, found_in: int, hits: list[tuple[bytes, bytes]]) -> None:
         """Copy verified ``(key, value)`` hits of tier ``found_in`` into every tier above it."""
-        source = self.specs[found_in]
         headers = [read_header(v) for _, v in hits]
         owners = [(h.namespace, h.fingerprint) for h in headers]
         for spec in self.specs[:found_in]:
             encoded, spec_owners = hits, owners
-            if not spec.same_codec(source):
+            # each value's own codec decides (an as_sent tier holds values of any codec)
+            if not all(map(spec.stores_as_is, headers)):
                 bound = self._reencode_bound(spec)
                 # never decode a value for a tier it cannot fit in (or past the store's bound): skip its promotion
                 encoded, spec_owners = [], []
                 for i, ((key, value), header) in enumerate(zip(hits, headers, strict=True)):
+                    if spec.stores_as_is(header):
+                        encoded.append((key, value))
+                        spec_owners.append(owners[i])
+                        continue
                     if bound is not None and decoded_nbytes(header) > bound:
                         continue
                     try:
@@ -703,7 +725,7 @@ class TieredStore:
             tiers.append(
                 {
                     "name": name,
-                    "codec": spec.codec,
+                    "codec": spec.codec_label,
                     "available": usage is not None,
                     "damaged": bool(getattr(spec.tier, "damaged", False)),
                     "blocks": usage.blocks if usage else None,
