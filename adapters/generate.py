@@ -56,7 +56,7 @@ from kvshelf.adapters.prompts import Prompt, batch_prompt_ids, is_batch, prompt_
 from kvshelf.adapters.streaming import FirstTokenTimer, TokenStream
 from kvshelf.kvstore.block import KVBlock
 from kvshelf.kvstore.errors import ConfigError
-from kvshelf.kvstore.keys import prefix_block_spans
+from kvshelf.kvstore.keys import PARENT_EXTRA, prefix_block_spans
 from kvshelf.kvstore.protocol import BlockStore, namespace_of
 from kvshelf.kvstore.write_behind import DEFAULT_MAX_PENDING_BLOCKS, WriteBehind
 
@@ -245,16 +245,20 @@ class CachedGenerator(Closable):
     def _block_entries(self, ids: list[int], cache: Any, loaded: int, limit: int, partial: bool,
                        fingerprint: str) -> list[tuple[bytes, KVBlock]]:
         """The blocks of ``ids[:limit]`` (``limit`` at most the cache's tokens) past the ``loaded`` tokens' (the
-        blocks found need no second copy), with the trailing partial block when ``partial``."""
+        blocks found need no second copy), with the trailing partial block when ``partial``. Each block names its
+        parent in the chain (``PARENT_EXTRA``: a server's BlockStored events carry it, for routers)."""
         limit = min(limit, cache.get_seq_length())
-        spans = [s for s in prefix_block_spans(fingerprint, self.namespace, ids[:limit], self.block_size,
-                                               partial=partial) if s.end > loaded]
+        spans = prefix_block_spans(fingerprint, self.namespace, ids[:limit], self.block_size, partial=partial)
         entries = []
-        for start, end, key in spans:
+        for i, (start, end, key) in enumerate(spans):
+            if end <= loaded:
+                continue
             (block,) = blocks_from_cache(
                 cache, ids, start=start, end=end, block_size=end - start,
                 fingerprint=fingerprint, namespace=self.namespace,
             )
+            if i:
+                block.extra[PARENT_EXTRA] = spans[i - 1].key.hex()
             entries.append((key, block))
         return entries
 

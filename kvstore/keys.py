@@ -83,6 +83,10 @@ def chunk_key(fingerprint: str, namespace: str, tokens: Sequence[int]) -> bytes:
     return _digest(b"chunk", fingerprint.encode(), namespace.encode(), _tokens_bytes(tokens))
 
 
+#: the ``KVBlock.extra`` entry naming a prefix block's parent key (hex) in its chain: set by the generate adapter,
+#: passed on by the service in the block's BlockStored events (``service/events.py``)
+PARENT_EXTRA = "parent"
+
 #: bytes of the tag the service puts before a block key to scope it to a namespace (``service.auth.scope_tag``)
 SCOPE_BYTES = 8
 

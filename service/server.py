@@ -37,7 +37,7 @@ from kvshelf.kvstore.errors import (
     CorruptBlockError,
     ForeignBlockError,
 )
-from kvshelf.kvstore.keys import KEY_BYTES
+from kvshelf.kvstore.keys import KEY_BYTES, PARENT_EXTRA
 from kvshelf.kvstore.stats import ALL_TIERS, TIER_METRICS
 from kvshelf.kvstore.store import TieredStore, TierSpec
 from kvshelf.proto import kvshelf_pb2 as pb
@@ -645,7 +645,17 @@ def _annotations(items: Sequence[tuple[bytes, bytes]], values: Sequence[tuple[by
     """``(tier key, parent key, token ids)`` per stored value: what the client sent, else its header's tokens."""
     for (tier_key, _), (key, _), header in zip(items, values, headers, strict=True):
         parent, tokens = lineage.get(key, (b"", []))
-        yield tier_key, parent, tokens or header.token_ids
+        yield tier_key, parent or _header_parent(header), tokens or header.token_ids
+
+
+def _header_parent(header: BlockHeader) -> bytes:
+    """The parent key a block's header names (``PARENT_EXTRA``, hex; the generate adapter sets it), else b"": advisory
+    only, so a malformed one is ignored."""
+    try:
+        parent = bytes.fromhex(header.extra.get(PARENT_EXTRA, ""))
+    except ValueError:
+        return b""
+    return parent if len(parent) == KEY_BYTES else b""
 
 
 def _lineage(chunk: pb.Chunk) -> tuple[bytes, list[int]]:

@@ -351,3 +351,29 @@ def test_damaged_log_tail_is_cut_off_at_start(data_dir):
     assert started.started.next_seq == 7
     assert [e.seq for e in events] == [1, 2, 3, 4, 5, 6]
     assert _kind(events[3]) == ("cleared", "memory")
+
+
+def test_generate_adapter_blocks_name_their_parents(server):
+    """A worker's ``CachedGenerator`` over ``RemoteStore``: each stored block's event names its chain parent and its
+    tokens, as a router rebuilding vLLM-style prefix chains needs."""
+    import torch
+
+    from kvshelf.adapters.generate import CachedGenerator
+    from kvshelf.adapters.model import tiny_llama
+    from kvshelf.kvstore import prefix_block_spans
+
+    remote = _remote(server, "default")
+    reader = Reader(remote.subscribe_events())
+    reader.started()
+    gen = CachedGenerator(tiny_llama(seed=0), store=remote, block_size=16, write_behind=False)
+    prompt = torch.randint(3, 500, (64,), generator=torch.Generator().manual_seed(1)).tolist()
+    gen.generate(prompt, max_new_tokens=2, eos_token_id=None)
+    spans = prefix_block_spans(gen.fingerprint, "default", prompt, 16)
+    events = reader.wait_for(lambda ev: len([e for e in ev if e.stored.medium == "disk"]) >= len(spans))
+    reader.stop()
+    remote.close()
+    stored = [e.stored for e in events if e.stored.medium == "memory"][: len(spans)]
+    assert [s.block_hashes[0] for s in stored] == [span.key for span in spans]
+    assert [s.parent_block_hash for s in stored] == [b""] + [span.key for span in spans[:-1]]
+    assert [list(s.token_ids) for s in stored] == [prompt[span.start : span.end] for span in spans]
+
