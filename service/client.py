@@ -33,7 +33,7 @@ from kvshelf.proto import kvshelf_pb2_grpc as pb_grpc
 from kvshelf.service.arena import DEFAULT_ARENA_BYTES, ArenaPool, ClientArena, shared_memory_supported
 from kvshelf.service.errors import ArenaUnavailable, RemoteStoreError, WireError
 from kvshelf.service.fairness import RETRY_AFTER_METADATA
-from kvshelf.service.server import MAX_CHUNK_BYTES, MAX_MESSAGE_BYTES, iter_chunks
+from kvshelf.service.server import MAX_CHUNK_BYTES, MAX_MESSAGE_BYTES
 from kvshelf.service.wire import decode_response, encode_put_request
 
 T = TypeVar("T")
@@ -46,16 +46,26 @@ _MAX_RETRY_PAUSE_S = 0.5
 Lineage = Sequence[tuple[bytes | None, Sequence[int] | None]]
 
 
+#: Data in a PutBlocks call's first message: small, so a server that reads the first message before it admits the
+#: call (dev mode: the message names the namespace) gets it at once, however large the first value is.
+FIRST_MESSAGE_DATA_BYTES = 64 << 10
+
+
 def put_requests(items: Iterable[tuple[bytes, bytes]], namespace: str, *, pin: bool = False,
                  lineage: Lineage | None = None, chunk_bytes: int = MAX_CHUNK_BYTES) -> Iterator[bytes]:
     """The serialised ``PutBlocks`` requests of encoded ``(key, value)`` pairs: each value in chunks of at most
-    ``chunk_bytes``, its first chunk naming its key and total size (and its ``lineage`` entry, when given), the
-    call's first message its namespace and ``pin``. One copy of the data (``service/wire.py``)."""
+    ``chunk_bytes`` (the call's first chunk at most ``FIRST_MESSAGE_DATA_BYTES``), its first chunk naming its key
+    and total size (and its ``lineage`` entry, when given), the call's first message its namespace and ``pin``.
+    One copy of the data (``service/wire.py``)."""
     first = True
     for i, (key, value) in enumerate(items):
-        for n, (data, last) in enumerate(iter_chunks(value, chunk_bytes)):
+        view, start = memoryview(value), 0
+        while True:
+            size = min(chunk_bytes, FIRST_MESSAGE_DATA_BYTES) if first else chunk_bytes
+            data = view[start : start + size]
+            last = start + size >= len(view)
             meta = pb.Chunk(last=last)
-            if n == 0:
+            if start == 0:
                 meta.key, meta.total_size = key, len(value)
                 if lineage is not None:
                     parent, tokens = lineage[i]
@@ -64,6 +74,9 @@ def put_requests(items: Iterable[tuple[bytes, bytes]], namespace: str, *, pin: b
             head = pb.PutBlocksRequest(namespace=namespace, pin=pin) if first else None
             first = False
             yield encode_put_request(data, meta, head)
+            start += size
+            if last:
+                break
 
 
 def _retry_after_s(exc: grpc.RpcError) -> float | None:
