@@ -29,7 +29,9 @@ cap (``tenant_subscriptions``) keep them from taking the threads of puts and get
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 import struct
 import threading
 import time
@@ -133,8 +135,15 @@ class FileEventLog:
         self.segment_bytes = segment_bytes or max(4096, max_bytes // 8)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
+            self._lock_fd: int | None = os.open(self.directory / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
             raise ConfigError(f"cannot create the event log directory {self.directory}: {exc}") from exc
+        try:  # one writer: two servers on one data dir would interleave their sequences
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(self._lock_fd)
+            raise ConfigError(f"the event log {self.directory} is in use by another kvshelf server (one server per "
+                              "data dir)") from None
         self._lock = threading.Lock()
         self._segments: list[tuple[int, Path]] = sorted(self._list_segments())
         self._sizes = {first: path.stat().st_size for first, path in self._segments}
@@ -232,6 +241,9 @@ class FileEventLog:
             if self._file is not None:
                 self._file.close()
                 self._file = None
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)  # releases the flock
+                self._lock_fd = None
 
 
 def _records(fh: Any, first: int) -> Iterator[Record | str]:

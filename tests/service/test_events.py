@@ -13,7 +13,7 @@ from helpers import FINGERPRINT, key_of, make_block
 from service_helpers import TOKENS, write_tokens
 
 from kvshelf.kvstore import MemoryTier, TieredStore, open_embedded_store
-from kvshelf.kvstore.errors import TierUnavailableError
+from kvshelf.kvstore.errors import ConfigError, TierUnavailableError
 from kvshelf.proto import kvshelf_pb2 as pb
 from kvshelf.service.auth import TokenTable
 from kvshelf.service.client import EventSubscription, RemoteStore, RemoteStoreError
@@ -271,7 +271,7 @@ def test_from_seq_older_than_the_log_keeps_says_lost(data_dir):
     finally:
         running.stop(0)
         store.close()
-    segments = list((data_dir / "events").iterdir())
+    segments = list((data_dir / "events").glob("*.events"))
     assert sum(p.stat().st_size for p in segments) <= 8192 + 8192  # the bound, plus the segment being written
 
 
@@ -323,6 +323,15 @@ def test_subscriptions_are_capped_per_tenant(server):
     a.close()
 
 
+def test_one_server_per_event_log(server, data_dir):
+    other = open_embedded_store(data_dir.parent / "other")
+    try:
+        with pytest.raises(ConfigError, match="in use by another kvshelf server"):
+            start_server(other, events_dir=data_dir / "events")
+    finally:
+        other.close()
+
+
 def test_damaged_log_tail_is_cut_off_at_start(data_dir):
     running, store = _serve(data_dir)
     remote = _remote(running, "default")
@@ -331,7 +340,7 @@ def test_damaged_log_tail_is_cut_off_at_start(data_dir):
     remote.close()
     running.stop(0)
     store.close()
-    (segment,) = (data_dir / "events").iterdir()
+    (segment,) = (data_dir / "events").glob("*.events")
     size = segment.stat().st_size
     with open(segment, "r+b") as fh:  # a torn last record, as a crash mid-write leaves it
         fh.truncate(size - 5)
