@@ -1,7 +1,8 @@
 """``kvshelf bench chaos``: a reliability run of the service with Redis as the shared tier.
 
 ``clients`` threads do mixed put / get / lookup against one ``kvshelf serve`` for ``seconds``. Midway the
-server is SIGKILLed and restarted on the same port and data directory; later Redis is stopped for
+server (``--durability`` as given: what an acknowledged put survives) is SIGKILLed and restarted on the same port
+and data directory; later Redis is stopped for
 ``redis_down_s`` seconds and started again (empty: no persistence). Every get is verified byte for byte
 against what was put: a wrong block is counted as ``wrong`` and must be 0. Clients recover from errors on
 their own; at the end every block whose put was acknowledged before the kill must still be readable.
@@ -93,7 +94,7 @@ def _client(index: int, address: str, ledger: Ledger, stop: threading.Event) -> 
 
 
 def run(*, json_path: str | None, seconds: float = 60, clients: int = 8, redis_down_s: float = 10,
-        console: Console | None = None) -> dict[str, Any]:
+        durability: str = "fsync", console: Console | None = None) -> dict[str, Any]:
     from kvshelf.service.client import RemoteStore
 
     console = console or Console()
@@ -103,7 +104,8 @@ def run(*, json_path: str | None, seconds: float = 60, clients: int = 8, redis_d
     with tempfile.TemporaryDirectory(prefix="kvshelf-chaos-") as tmp:
         redis = RedisProcess(free_port(), Path(tmp) / "redis")
         redis.start()
-        server = KVShelfProcess(Path(tmp) / "data", "--memory", "256MiB", "--redis", redis.url, "--grace", "1")
+        server = KVShelfProcess(Path(tmp) / "data", "--memory", "256MiB", "--redis", redis.url, "--grace", "1",
+                                "--durability", durability)
         server.start()
         started = time.monotonic()
         threads = [threading.Thread(target=_client, args=(i, server.address, ledger, stop)) for i in range(clients)]
@@ -143,11 +145,12 @@ def run(*, json_path: str | None, seconds: float = 60, clients: int = 8, redis_d
     counts = dict(sorted(ledger.counts.items()))
     payload = {
         "machine": machine_description(), "seconds": seconds, "clients": clients, "redis_down_s": redis_down_s,
+        "durability": durability,
         "events": events, "counts": counts, "wrong": counts.get("wrong", 0),
         "acked_before_kill": len(before_kill), "readable_after_restart": readable,
         "ok": counts.get("wrong", 0) == 0 and readable == len(before_kill),
     }
-    table = Table(title=f"chaos: {clients} clients, {seconds:g} s ({payload['machine']})")
+    table = Table(title=f"chaos: {clients} clients, {seconds:g} s, --durability {durability} ({payload['machine']})")
     table.add_column("what")
     table.add_column("count", justify="right")
     for name, value in counts.items():

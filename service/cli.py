@@ -533,12 +533,16 @@ def bench_chaos(
     seconds: Annotated[float, typer.Option(min=5, help="length of the run")] = 60,
     clients: Annotated[int, typer.Option(min=1, max=64)] = 8,
     redis_down: Annotated[float, typer.Option(min=0, help="seconds Redis stays down")] = 10,
+    durability: Annotated[str, typer.Option(help="the server's --durability: fsync or interval")] = "fsync",
 ) -> None:
     """Reliability: mixed traffic while the server is SIGKILLed and restarted and Redis goes away."""
     from kvshelf.bench.chaos import run
+    from kvshelf.service.serve import DURABILITY
 
+    if durability not in DURABILITY:
+        raise KVShelfError(f"--durability must be one of {', '.join(DURABILITY)}, got {durability!r}")
     result = run(json_path=str(json_path) if json_path else None, seconds=seconds, clients=clients,
-                 redis_down_s=redis_down, console=console)
+                 redis_down_s=redis_down, durability=durability, console=console)
     if not result["ok"]:
         raise typer.Exit(1)
 
