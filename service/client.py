@@ -212,24 +212,19 @@ class RemoteStore:
 
     # -- writes ---------------------------------------------------------------------------------------
 
-    def put_encoded_many(self, items: Sequence[tuple[bytes, bytes]], *, pin: bool = False,
-                         lineage: Lineage | None = None) -> int:
+    def put_encoded_many(self, items: Sequence[tuple[bytes, bytes]], *, pin: bool = False) -> int:
         """Send already-encoded ``(key, value)`` pairs; return how many the server's first tier accepted.
 
-        ``lineage``: per item ``(parent key, token ids)`` (either may be None), passed on in the blocks'
-        BlockStored events (``subscribe_events``; without tokens the server uses the block header's)."""
+        The blocks' BlockStored events (``subscribe_events``) carry the tokens their headers hold and the parent key
+        their header's ``extra[PARENT_EXTRA]`` names (the generate adapter sets it): the signature stays the
+        ``BlockStore`` protocol's. Other clients may send both in the first chunk (``put_requests(lineage=...)``)."""
         items = list(items)
         check_keys(k for k, _ in items)
         if not items:
             return 0
-        if lineage is not None:
-            lineage = list(lineage)
-            if len(lineage) != len(items):
-                raise ConfigError(f"lineage has {len(lineage)} entries for {len(items)} blocks")
-            check_keys(parent for parent, _ in lineage if parent)
 
         def attempt() -> pb.PutBlocksResponse:
-            return self._put_blocks_raw(put_requests(items, self.namespace, pin=pin, lineage=lineage),
+            return self._put_blocks_raw(put_requests(items, self.namespace, pin=pin),
                                         timeout=self.timeout_s, metadata=self._metadata)
 
         try:
@@ -237,15 +232,12 @@ class RemoteStore:
         except grpc.RpcError as exc:
             raise self._error(exc) from None
 
-    def put_many(self, entries: Sequence[tuple[bytes, KVBlock]], *, pin: bool = False,
-                 lineage: Lineage | None = None) -> int:
-        """Encode ``(key, block)`` pairs with this store's codec and send them (``lineage``: see
-        ``put_encoded_many``)."""
+    def put_many(self, entries: Sequence[tuple[bytes, KVBlock]], *, pin: bool = False) -> int:
+        """Encode ``(key, block)`` pairs with this store's codec and send them."""
         entries = list(entries)
         check_keys(k for k, _ in entries)
         return self.put_encoded_many(
-            [(key, encode_block(block, key, self.codec, self.codec_params)) for key, block in entries], pin=pin,
-            lineage=lineage,
+            [(key, encode_block(block, key, self.codec, self.codec_params)) for key, block in entries], pin=pin
         )
 
     # -- reads ----------------------------------------------------------------------------------------

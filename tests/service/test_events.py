@@ -12,12 +12,12 @@ import pytest
 from helpers import FINGERPRINT, key_of, make_block
 from service_helpers import TOKENS, write_tokens
 
-from kvshelf.kvstore import MemoryTier, TieredStore, open_embedded_store
+from kvshelf.kvstore import MemoryTier, TieredStore, encode_block, open_embedded_store
 from kvshelf.kvstore.errors import ConfigError, TierUnavailableError
 from kvshelf.proto import kvshelf_pb2 as pb
 from kvshelf.service.auth import TokenTable
-from kvshelf.service.client import EventSubscription, RemoteStore, RemoteStoreError
-from kvshelf.service.server import RunningServer, ServerLimits, start_server
+from kvshelf.service.client import EventSubscription, RemoteStore, RemoteStoreError, put_requests
+from kvshelf.service.server import SERVICE_NAME, RunningServer, ServerLimits, start_server
 
 TOKEN_A, TOKEN_B = list(TOKENS)
 WAIT_S = 30.0  # generous: only a broken server makes a reader wait this long
@@ -105,6 +105,15 @@ def _remote(server: RunningServer, namespace: str, token: str | None = None) -> 
     return RemoteStore(f"127.0.0.1:{server.port}", namespace=namespace, token=token, shared_memory=False)
 
 
+def _put_lineage(server: RunningServer, namespace: str, entries: list, lineage: list) -> int:
+    """PutBlocks whose first chunks carry ``(parent_key, token_ids)`` (what any client may send), on a raw channel."""
+    items = [(key, encode_block(block, key)) for key, block in entries]
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        call = channel.stream_unary(f"/{SERVICE_NAME}/PutBlocks", request_serializer=None,
+                                    response_deserializer=pb.PutBlocksResponse.FromString)
+        return call(put_requests(items, namespace, lineage=lineage), timeout=60).stored
+
+
 def test_subscriber_sees_its_namespace_in_order(server):
     a, b = _remote(server, "team-a"), _remote(server, "team-b")
     reader = Reader(a.subscribe_events())  # live events only
@@ -113,7 +122,7 @@ def test_subscriber_sees_its_namespace_in_order(server):
     blocks_a, blocks_b = _blocks("team-a", 3), _blocks("team-b", 2, base=100)
     keys_a = [key_of(x) for x in blocks_a]
     parent = key_of(make_block([9, 9], namespace="team-a"))
-    assert a.put_many([(keys_a[0], blocks_a[0])], lineage=[(parent, [11, 12, 13])]) == 1
+    assert _put_lineage(server, "team-a", [(keys_a[0], blocks_a[0])], [(parent, [11, 12, 13])]) == 1
     assert b.put_many([(key_of(x), x) for x in blocks_b]) == 2
     assert a.put_many([(k, x) for k, x in zip(keys_a[1:], blocks_a[1:], strict=True)]) == 2
     assert a.delete([keys_a[1]]) == 1
@@ -141,6 +150,13 @@ def test_subscriber_sees_its_namespace_in_order(server):
     assert seqs[-1] - seqs[0] + 1 > len(seqs)
     a.close()
     b.close()
+
+
+def test_a_parent_key_that_is_not_a_key_is_refused(server):
+    block = make_block([3, 4])
+    with pytest.raises(grpc.RpcError) as exc:
+        _put_lineage(server, "default", [(key_of(block), block)], [(b"short", None)])
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "parent_key" in exc.value.details()
 
 
 def test_evictions_are_removals_per_tier(tmp_path):
@@ -250,7 +266,7 @@ def test_from_seq_older_than_the_log_keeps_says_lost(data_dir):
         remote = _remote(running, "default")
         blocks = _blocks("default", 40)
         for block in blocks:  # ~270 bytes per event with 64 tokens: the log rotates and drops old segments
-            remote.put_many([(key_of(block), block)], lineage=[(None, list(range(64)))])
+            _put_lineage(running, "default", [(key_of(block), block)], [(None, list(range(64)))])
         reader = Reader(remote.subscribe_events(1))
         started = reader.started()
         oldest = started.started.oldest_seq
@@ -287,7 +303,7 @@ def test_slow_subscriber_is_cut_off_without_blocking_puts():
         tokens = list(range(8000))  # ~16 KB per event, ~10 MB in all: more than HTTP/2 buffers for an unread stream
         for start in range(0, len(blocks), 50):
             batch = blocks[start : start + 50]
-            assert remote.put_many([(key_of(x), x) for x in batch], lineage=[(None, tokens)] * len(batch)) == 50
+            assert _put_lineage(running, "default", [(key_of(x), x) for x in batch], [(None, tokens)] * 50) == 50
         seen: list[pb.KVEvent] = []
         with pytest.raises(RemoteStoreError) as exc:
             for message in messages:
