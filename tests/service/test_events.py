@@ -9,10 +9,11 @@ from pathlib import Path
 
 import grpc
 import pytest
+import redis_servers
 from helpers import FINGERPRINT, key_of, make_block
 from service_helpers import TOKENS, write_tokens
 
-from kvshelf.kvstore import MemoryTier, TieredStore, encode_block, open_embedded_store
+from kvshelf.kvstore import MemoryTier, RedisTier, TieredStore, encode_block, open_embedded_store
 from kvshelf.kvstore.errors import ConfigError, TierUnavailableError
 from kvshelf.proto import kvshelf_pb2 as pb
 from kvshelf.service.auth import TokenTable
@@ -20,6 +21,7 @@ from kvshelf.service.client import EventSubscription, RemoteStore, RemoteStoreEr
 from kvshelf.service.server import SERVICE_NAME, RunningServer, ServerLimits, start_server
 
 TOKEN_A, TOKEN_B = list(TOKENS)
+maxmemory_redis = redis_servers.maxmemory_redis  # a real redis-server of one test, --maxmemory 4mb allkeys-lru
 WAIT_S = 30.0  # generous: only a broken server makes a reader wait this long
 
 
@@ -178,6 +180,46 @@ def test_evictions_are_removals_per_tier(tmp_path):
         remote.close()
     finally:
         running.stop(0)
+
+
+def test_redis_evictions_reach_the_router(maxmemory_redis):
+    """Redis evicting on its own (maxmemory, allkeys-lru): every eviction the Redis tier finds (a read, the reconcile
+    pass) is a BlockRemoved(medium=redis, evicted), and a router replaying the events never misses a block Redis
+    holds. (Values whose usage-registry entry Redis evicted too are found only by a recount: until then a router
+    believes them held, as the tier's own usage does.)"""
+    tier = RedisTier.from_url(maxmemory_redis.url)
+    store = TieredStore([tier])
+    running = start_server(store)
+    try:
+        remote = _remote(running, "default")
+        blocks = [make_block(64, start_pos=64 * i) for i in range(400)]  # ~16 KiB each: ~6 MiB into 4 MiB
+        keys = [key_of(b) for b in blocks]
+        for start in range(0, len(blocks), 20):
+            remote.put_many(list(zip(keys[start : start + 20], blocks[start : start + 20], strict=True)))
+        tier.reconcile()
+        remote.get_encoded_many(keys)  # a read finds evicted values too
+        held = {k for k, h in zip(keys, remote.held(keys), strict=True) if h}
+        found_evicted = sum(t["evictions"] for t in store.stats()["tiers"] if t["name"] == tier.name)
+        reader = Reader(remote.subscribe_events(1))
+        next_seq = reader.started().started.next_seq
+        events = reader.wait_for(lambda ev: bool(ev) and ev[-1].seq == next_seq - 1)
+        reader.stop()
+        remote.close()
+    finally:
+        running.stop(0)
+        store.close()
+    router: set[bytes] = set()
+    removed = 0
+    for event in events:
+        if event.HasField("stored"):
+            router.add(event.stored.block_hashes[0])
+        else:
+            assert (event.removed.medium, event.removed.reason) == (tier.name, "evicted")
+            router.discard(event.removed.block_hashes[0])
+            removed += 1
+    assert 0 < len(held) < len(blocks)
+    # how many the tier finds varies from run to run (Redis's sampled LRU also evicts the registry): all reach
+    assert removed == found_evicted and held <= router
 
 
 def test_tokens_bad_or_missing_is_unauthenticated(tmp_path):
