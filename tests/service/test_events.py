@@ -11,7 +11,7 @@ import grpc
 import pytest
 import redis_servers
 from helpers import FINGERPRINT, key_of, make_block
-from service_helpers import TOKENS, write_tokens
+from service_helpers import TOKENS, ServeProcess, write_tokens
 
 from kvshelf.kvstore import MemoryTier, RedisTier, TieredStore, encode_block, open_embedded_store
 from kvshelf.kvstore.errors import ConfigError, TierUnavailableError
@@ -443,4 +443,31 @@ def test_generate_adapter_blocks_name_their_parents(server):
     assert [s.block_hashes[0] for s in stored] == [span.key for span in spans]
     assert [s.parent_block_hash for s in stored] == [b""] + [span.key for span in spans[:-1]]
     assert [list(s.token_ids) for s in stored] == [prompt[span.start : span.end] for span in spans]
+
+
+def test_a_killed_server_loses_no_event(tmp_path):
+    """`kvshelf serve` SIGKILLed right after acknowledged puts: every event is in the log after the restart (each is
+    written to the page cache before the put returns), followed by the restart's memory-tier AllBlocksCleared."""
+    args = ("--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "data"), "--memory", "64MiB")
+    blocks = _blocks("default", 5)
+    server = ServeProcess(*args)
+    try:
+        with RemoteStore(server.address, shared_memory=False) as remote:
+            for block in blocks:
+                assert remote.put_many([(key_of(block), block)]) == 1
+    finally:
+        server.stop()  # SIGKILL
+    server = ServeProcess(*args)
+    try:
+        with RemoteStore(server.address, shared_memory=False) as remote:
+            reader = Reader(remote.subscribe_events(1))
+            assert reader.started().started.next_seq == 2 * len(blocks) + 2
+            events = reader.wait_for(lambda ev: len(ev) >= 2 * len(blocks) + 1)
+            reader.stop()
+    finally:
+        server.stop()
+    assert [e.seq for e in events] == list(range(1, 2 * len(blocks) + 2))
+    assert [(_kind(e), _key(e)) for e in events[:-1]] == [
+        (("stored", tier), key_of(b)) for b in blocks for tier in ("memory", "disk")]
+    assert _kind(events[-1]) == ("cleared", "memory")
 
