@@ -47,6 +47,16 @@ found evicted is reported through the eviction callback (the store counts it in 
 ``capacity_bytes`` is Redis's ``maxmemory`` (summed over Cluster primaries; ``None`` when one is unlimited, or
 INFO is refused). ``reconcile()`` looks for evictions now; ``recount()`` rebuilds everything with a SCAN.
 
+Clearing a namespace. ``delete_prefix`` (the server's ``Clear``) and ``keys_with_prefix`` find a namespace's values
+with a ``SCAN`` whose ``MATCH`` names the namespace tag's hex (keys are hex in the hash tag, so the tag is a prefix of
+the name): Redis filters, only the namespace's names come back, and each page is removed at once (``GETDEL``, the
+accounting, ``UNLINK`` of chunks; chunks whose manifest Redis evicted are counted out and unlinked too). Redis still
+walks its whole keyspace, ``clear_scan_count`` slots a call (under 1 ms of Redis time a call at the default 1000):
+on the 2-core dev machine, 10,000 values among 1,000,000 of other namespaces clear in ~1 s (0.7 s of it Redis's
+SCAN), 3.5 s before (``kvshelf bench clear``). A per-namespace index would make it proportional to the namespace
+alone, at the price of a round trip and ~60 bytes of Redis memory on every put: not done, Clear being rare and puts
+not.
+
 Availability. The client connects lazily: constructing the tier never fails because Redis is down. Every
 command is bounded by ``socket_timeout`` (connect and each read; a timed-out command is not retried), and a
 connection error or timeout raises ``TierUnavailableError``, which the ``TieredStore`` turns into a counted
@@ -112,7 +122,7 @@ DEFAULT_MAX_VALUE_BYTES = 1 * GiB
 _ROUND_COMMANDS = 256
 _ROUND_BYTES = 64 * MiB
 #: ``delete_prefix``: slots a SCAN call walks (Redis's ``COUNT`` hint), and keys removed per round
-CLEAR_SCAN_COUNT = 5000
+CLEAR_SCAN_COUNT = 1000
 CLEAR_BATCH = 1000
 #: the most chunk keys removed of one value found broken, and checked (EXISTS) by a reconciliation
 _DROP_CHUNKS = 4096

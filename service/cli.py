@@ -280,29 +280,56 @@ def bench_ttft(
     runs: Annotated[int, typer.Option(min=1, help="runs per mode (median reported)")] = 3,
     model: ModelOpt = "smollm2-135m",
     block_size: Annotated[int, typer.Option(min=1)] = 256,
-    codec: Annotated[str, typer.Option(help="codec of the disk tier (warm-disk reads it)")] = "raw",
+    codec: Annotated[list[str] | None, typer.Option(
+        help="codec of the disk tier (warm-disk reads it; default raw); with --remote/--redis: the codecs to "
+             "compare with raw (repeatable or comma-separated, e.g. int8,xquant,cachegen)")] = None,
     codec_params: Annotated[str | None, typer.Option(
-        help='the disk codec\'s parameters as JSON, e.g. \'{"step": 0.45}\' (xquant also takes "basis")')] = None,
+        help='the codec\'s parameters as JSON, e.g. \'{"step": 0.45}\' (xquant also takes "basis"); with several '
+             'codecs an object by codec, e.g. \'{"xquant": {"step": 0.35}, "cachegen": {"bits": 4}}\'')] = None,
     rounds: Annotated[int, typer.Option(
-        min=1, help="fresh warm-disk processes per disk mode, alternating raw and the codec")] = 3,
+        min=1, help="fresh processes per disk (or remote) mode, alternating raw and the codec(s)")] = 3,
     cold: Annotated[bool, typer.Option(
         "--cold", help="cold-disk instead of warm-disk: the LMDB file is dropped from the page cache before each "
                        "timed call")] = False,
+    remote: Annotated[bool, typer.Option(
+        "--remote", help="warm-remote instead of the disk modes: blocks loaded over the gRPC wire from a `kvshelf "
+                         "serve` in another process (no shared memory), raw and each --codec")] = False,
+    redis: Annotated[bool, typer.Option(
+        "--redis", help="warm-redis instead of the disk modes: a store whose only tier is a real redis-server, raw "
+                        "and each --codec")] = False,
 ) -> None:
-    """TTFT of full prefill vs warm-memory vs warm-disk reuse, with same-output checks."""
+    """TTFT of full prefill vs warm-memory vs warm-disk (or warm-remote / warm-redis) reuse, with same-output
+    checks."""
     from kvshelf.bench.ttft import run
     from kvshelf.kvstore.codec import get_codec
 
-    params = _json_object(codec_params, "--codec-params")
-    # an unknown codec or parameter is a clear error before the model loads (xquant's "basis" is the adapter's)
-    get_codec(codec, {k: v for k, v in params.items() if not (codec == "xquant" and k == "basis")})
+    names = [name.strip() for value in (codec or ["raw"]) for name in value.split(",") if name.strip()] or ["raw"]
+    if len(names) > 1 and not (remote or redis):
+        raise KVShelfError(f"several codecs ({', '.join(names)}) need --remote or --redis (the disk modes take one)")
+    if cold and (remote or redis):
+        raise KVShelfError("--cold is a disk mode: it does not go with --remote/--redis")
+    raw_params = _json_object(codec_params, "--codec-params")
+    keyed = len(names) > 1 or (bool(raw_params) and set(raw_params) <= set(names)
+                               and all(isinstance(v, dict) for v in raw_params.values()))
+    if keyed and set(raw_params) - set(names):
+        raise KVShelfError(f"--codec-params: {sorted(set(raw_params) - set(names))} are not among the codecs "
+                           f"{names}; with several codecs give an object by codec name")
+    chosen_params = [dict(raw_params.get(name, {})) if keyed else dict(raw_params) for name in names]
+    for name, params in zip(names, chosen_params, strict=True):
+        if not isinstance(params, dict):
+            raise KVShelfError(f"--codec-params: the parameters of {name} must be a JSON object")
+        # an unknown codec or parameter is a clear error before the model loads (xquant's "basis" is the adapter's)
+        get_codec(name, {k: v for k, v in params.items() if not (name == "xquant" and k == "basis")})
+    remote_modes = remote or redis  # the codecs go to the remote modes; the bench's own store stays raw
+    disk, params = ("raw", {}) if remote_modes else (names[0], chosen_params[0])
     chosen = _corpus(corpus)
     parsed = _ints(lengths, "--lengths")
     if any(n < block_size for n in parsed):
         raise KVShelfError(f"every length must be >= the block size {block_size}: {parsed}")
     run(json_path=str(json_path) if json_path else None, corpus=str(chosen) if chosen else None,
-        lengths=parsed, runs=runs, model_name=model, block_size=block_size, console=console, disk_codec=codec,
-        disk_codec_params=params, rounds=rounds, cold=cold)
+        lengths=parsed, runs=runs, model_name=model, block_size=block_size, console=console, disk_codec=disk,
+        disk_codec_params=params, rounds=rounds, cold=cold, remote=remote, redis=redis,
+        codecs=list(zip(names, chosen_params, strict=True)))
 
 
 @app.command()
@@ -513,7 +540,7 @@ def bench_clear(
     ns_keys: Annotated[int, typer.Option("--ns-keys", help="values of the namespace cleared")] = 10_000,
     cluster: Annotated[bool, typer.Option(help="a local 3-primary Redis Cluster instead of one server")] = False,
     paths: Annotated[str, typer.Option(help="comma-separated: old (pre-issue-22 Clear, the anchor), new")] = "old,new",
-    scan_count: Annotated[int | None, typer.Option(help="the new path's SCAN COUNT hint (default 5000)")] = None,
+    scan_count: Annotated[int | None, typer.Option(help="the new path's SCAN COUNT hint (default 1000)")] = None,
 ) -> None:
     """Clear(namespace) on a large Redis: seconds and Redis's SCAN calls, old path vs new (bench/clear.py)."""
     from kvshelf.bench.clear import run
