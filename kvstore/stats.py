@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from kvshelf.kvstore.encoding import BlockHeader
 
 TIER_METRICS = (
     "hits",
@@ -38,7 +41,10 @@ class StoreEvent:
     nbytes: int
     namespace: str = UNKNOWN
     model: str = UNKNOWN
-    codec: str = ""  # the codec of the stored or evicted bytes ("" when not known: removals)
+    # details, not compared: the codec of the stored or evicted bytes ("" when not known: removals), and for
+    # "stored" the stored value's header (its tokens, extra...)
+    codec: str = field(default="", compare=False)
+    header: BlockHeader | None = field(default=None, compare=False)
 
 
 class Counters:

@@ -45,12 +45,12 @@ Listener = Callable[[StoreEvent], None]
 T = TypeVar("T")
 
 
-def _codec_of(value: bytes) -> str:
-    """The codec an encoded value's header names ("" when it has none readable)."""
+def _header_of(value: bytes) -> BlockHeader | None:
+    """An encoded value's header (None when it has none readable): for the stored events."""
     try:
-        return read_header(value).codec
+        return read_header(value)
     except KVShelfError:
-        return ""
+        return None
 
 
 def header_key(tier_key: bytes) -> bytes:
@@ -333,7 +333,8 @@ class TieredStore:
                 continue
             self.counters.add(name, ns, model, "blocks_written")
             self.counters.add(name, ns, model, "bytes_written", len(value))
-            self._emit(StoreEvent("stored", name, key, len(value), ns, model, _codec_of(value)))
+            header = _header_of(value)
+            self._emit(StoreEvent("stored", name, key, len(value), ns, model, header.codec if header else "", header))
         return rejected
 
     def _on_evict(self, index: int, key: bytes, value: bytes) -> None:
@@ -384,7 +385,7 @@ class TieredStore:
             self.counters.add(lower.tier.name, header.namespace, header.fingerprint, "blocks_written")
             self.counters.add(lower.tier.name, header.namespace, header.fingerprint, "bytes_written", len(value))
             self._emit(StoreEvent("stored", lower.tier.name, key, len(value), header.namespace, header.fingerprint,
-                                  header.codec))
+                                  header.codec, header))
 
     # -- reads ----------------------------------------------------------------------------------------
 

@@ -47,7 +47,7 @@ from typing import Any
 import grpc
 
 from kvshelf.kvstore.errors import ConfigError
-from kvshelf.kvstore.keys import KEY_BYTES, SCOPE_BYTES
+from kvshelf.kvstore.keys import KEY_BYTES, PARENT_EXTRA, SCOPE_BYTES
 from kvshelf.kvstore.memory_tier import MemoryTier
 from kvshelf.kvstore.stats import UNKNOWN, StoreEvent
 from kvshelf.kvstore.store import TieredStore
@@ -336,7 +336,7 @@ class EventHub:
 
     def __init__(self, store: TieredStore, event_log: EventLog, *, queue_events: int = 10_000,
                  max_subscriptions: int = 8, tenant_subscriptions: int = 2, heartbeat_s: float = 5.0,
-                 annotation_tokens: int = 1 << 20) -> None:
+                 annotation_tokens: int = 1 << 20, annotation_blocks: int = 1 << 16) -> None:
         if queue_events < 1 or max_subscriptions < 1 or tenant_subscriptions < 1 or heartbeat_s <= 0:
             raise ConfigError("subscriber queue, subscription caps and heartbeat must be > 0")
         self.log = event_log
@@ -345,6 +345,7 @@ class EventHub:
         self.tenant_subscriptions = min(tenant_subscriptions, max_subscriptions)
         self.heartbeat_s = heartbeat_s
         self.annotation_tokens = annotation_tokens
+        self.annotation_blocks = annotation_blocks
         self.next_seq = event_log.next_seq
         self.refused = 0
         self.ended_slow = 0
@@ -365,8 +366,9 @@ class EventHub:
     # -- producing -----------------------------------------------------------------------------------
 
     def annotate(self, items: Iterable[tuple[bytes, bytes, Iterable[int]]]) -> None:
-        """Remember ``(tier_key, parent_key, token_ids)`` of blocks about to be stored: their BlockStored events
-        carry them (the newest ``annotation_tokens`` tokens' worth are kept, for later promotions too)."""
+        """Remember ``(tier_key, parent_key, token_ids)`` a client sent with blocks about to be stored: their
+        BlockStored events carry them, before what the blocks' headers say (the newest ``annotation_blocks``
+        blocks, ``annotation_tokens`` tokens at most, are kept, for later promotions and write-downs too)."""
         with self._lock:
             for key, parent, tokens in items:
                 packed = array("I", tokens)
@@ -375,7 +377,8 @@ class EventHub:
                     self._annotated_tokens -= len(old[1])
                 self._annotations[key] = (parent, packed)
                 self._annotated_tokens += len(packed)
-            while self._annotated_tokens > self.annotation_tokens and self._annotations:
+            while self._annotations and (self._annotated_tokens > self.annotation_tokens
+                                         or len(self._annotations) > self.annotation_blocks):
                 _, (_, dropped) = self._annotations.popitem(last=False)
                 self._annotated_tokens -= len(dropped)
 
@@ -400,6 +403,10 @@ class EventHub:
         if event.kind == "stored":
             with self._lock:
                 parent, tokens = self._annotations.get(key, (b"", array("I")))
+            header = event.header
+            if header is not None:  # what the client sent comes first, then what the block's header says
+                tokens = tokens or header.token_ids
+                parent = parent or _header_parent(header.extra)
             model = "" if event.model == UNKNOWN else event.model
             stored = pb.BlockStored(block_hashes=[block], parent_block_hash=parent, token_ids=tokens,
                                     block_size=len(tokens), medium=event.tier, model=model, codec=event.codec,
@@ -562,6 +569,16 @@ class EventHub:
             self._unsubscribe()
             self._unsubscribe = None
         self.log.close()
+
+
+def _header_parent(extra: dict[str, str]) -> bytes:
+    """The parent key a block's header names (``PARENT_EXTRA``, hex; the generate adapter sets it), else b"": advisory
+    only, so a malformed one is ignored."""
+    try:
+        parent = bytes.fromhex(extra.get(PARENT_EXTRA, ""))
+    except ValueError:
+        return b""
+    return parent if len(parent) == KEY_BYTES else b""
 
 
 def _varint(n: int) -> bytes:

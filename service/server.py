@@ -37,7 +37,7 @@ from kvshelf.kvstore.errors import (
     CorruptBlockError,
     ForeignBlockError,
 )
-from kvshelf.kvstore.keys import KEY_BYTES, PARENT_EXTRA
+from kvshelf.kvstore.keys import KEY_BYTES
 from kvshelf.kvstore.stats import ALL_TIERS, TIER_METRICS
 from kvshelf.kvstore.store import TieredStore, TierSpec
 from kvshelf.proto import kvshelf_pb2 as pb
@@ -471,8 +471,8 @@ class KVShelfServicer:
             call.hold_more(max(reencoded.values(), default=0))  # in-flight budget for the re-encoded copies
             if not context.is_active():
                 fail(grpc.StatusCode.CANCELLED, "the call was cancelled; nothing stored")
-            # BlockStored events carry each block's parent (when sent) and tokens (sent, else its header's)
-            self.events.annotate(_annotations(items, values, headers, lineage))
+            if lineage:  # the BlockStored events carry what the client sent, else what the headers say
+                self.events.annotate(_annotations(items, values, lineage))
             stored = self.store.put_encoded_many(items, pin=pin)  # re-encodes bounded by store.max_decoded_bytes
             return pb.PutBlocksResponse(received=len(items), stored=stored)
         finally:
@@ -640,22 +640,11 @@ class KVShelfServicer:
 
 
 def _annotations(items: Sequence[tuple[bytes, bytes]], values: Sequence[tuple[bytes, bytes]],
-                 headers: Sequence[BlockHeader], lineage: dict[bytes, tuple[bytes, list[int]]]
-                 ) -> Iterator[tuple[bytes, bytes, Sequence[int]]]:
-    """``(tier key, parent key, token ids)`` per stored value: what the client sent, else its header's tokens."""
-    for (tier_key, _), (key, _), header in zip(items, values, headers, strict=True):
-        parent, tokens = lineage.get(key, (b"", []))
-        yield tier_key, parent or _header_parent(header), tokens or header.token_ids
-
-
-def _header_parent(header: BlockHeader) -> bytes:
-    """The parent key a block's header names (``PARENT_EXTRA``, hex; the generate adapter sets it), else b"": advisory
-    only, so a malformed one is ignored."""
-    try:
-        parent = bytes.fromhex(header.extra.get(PARENT_EXTRA, ""))
-    except ValueError:
-        return b""
-    return parent if len(parent) == KEY_BYTES else b""
+                 lineage: dict[bytes, tuple[bytes, list[int]]]) -> Iterator[tuple[bytes, bytes, Sequence[int]]]:
+    """``(tier key, parent key, token ids)`` of the stored values whose first chunk named them."""
+    for (tier_key, _), (key, _) in zip(items, values, strict=True):
+        if key in lineage:
+            yield tier_key, *lineage[key]
 
 
 def _lineage(chunk: pb.Chunk) -> tuple[bytes, list[int]]:

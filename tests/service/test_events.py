@@ -15,6 +15,7 @@ from service_helpers import TOKENS, ServeProcess, write_tokens
 
 from kvshelf.kvstore import MemoryTier, RedisTier, TieredStore, encode_block, open_embedded_store
 from kvshelf.kvstore.errors import ConfigError, TierUnavailableError
+from kvshelf.kvstore.keys import PARENT_EXTRA
 from kvshelf.proto import kvshelf_pb2 as pb
 from kvshelf.service.auth import TokenTable
 from kvshelf.service.client import EventSubscription, RemoteStore, RemoteStoreError, put_requests
@@ -300,6 +301,31 @@ def test_replay_across_restart_has_no_gap_and_no_duplicate(data_dir):
         (("stored", "memory"), keys[5]), (("stored", "disk"), keys[5]),
     ]
     assert len(events) == 11
+
+
+def test_a_promotion_after_a_restart_names_tokens_and_parent(data_dir):
+    """A read that promotes a block from disk to memory (the memory tier is empty after a restart) is a BlockStored in
+    memory with the block's tokens and parent, from its header."""
+    parent = key_of(make_block([1, 1]))
+    block = make_block([5, 6, 7], extra={PARENT_EXTRA: parent.hex()})
+    running, store = _serve(data_dir)
+    with _remote(running, "default") as remote:
+        remote.put_many([(key_of(block), block)])
+    running.stop(0)
+    store.close()
+    running, store = _serve(data_dir)
+    try:
+        with _remote(running, "default") as remote:
+            reader = Reader(remote.subscribe_events())
+            reader.started()
+            assert remote.get_many([key_of(block)], fingerprint=FINGERPRINT)[0] is not None
+            (promoted,) = reader.wait_for(lambda ev: len(ev) >= 1)
+            reader.stop()
+    finally:
+        running.stop(0)
+        store.close()
+    assert promoted.stored.medium == "memory" and promoted.stored.block_hashes == [key_of(block)]
+    assert list(promoted.stored.token_ids) == [5, 6, 7] and promoted.stored.parent_block_hash == parent
 
 
 def test_from_seq_older_than_the_log_keeps_says_lost(data_dir):
