@@ -252,6 +252,7 @@ def serve(config: ServeConfig, *, ready: threading.Event | None = None, stop: th
 
     Prints ``kvshelf serving on HOST:PORT`` once it accepts calls (the real port when ``listen`` ends in :0).
     """
+    from kvshelf.service.allocator import keep_large_buffers
     from kvshelf.service.arena import ArenaSweeper, shared_memory_supported
     from kvshelf.service.auth import TokenTable
     from kvshelf.service.history import StatsHistory
@@ -259,6 +260,7 @@ def serve(config: ServeConfig, *, ready: threading.Event | None = None, stop: th
     from kvshelf.service.server import ServerLimits, start_server
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    keep_large_buffers()  # reuse freed message buffers instead of faulting in fresh pages (service/allocator.py)
     tokens = TokenTable.from_file(config.tokens_file) if config.tokens_file else None
     sizes = {name: size_setting(name, getattr(config, name)) for name in SIZE_SETTINGS}
     limits = ServerLimits(max_block_bytes=sizes["max_block"], max_call_bytes=sizes["max_call"],
