@@ -8,13 +8,16 @@ asked each tier about each key).
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 import redis_servers
 from helpers import key_of, make_block
+from service_helpers import kvshelf_cli
 
 from kvshelf.kvstore import MemoryTier, RedisTier, TieredStore
 from kvshelf.kvstore.redis_tier import CLEAR_SCAN_COUNT
@@ -186,3 +189,16 @@ def test_server_clear_finds_the_namespace_by_its_tag_not_key_by_key(redis_server
     finally:
         running.stop(0)
         store.close()
+
+
+def test_bench_clear_command_writes_its_json(tmp_path: Path) -> None:
+    """``kvshelf bench clear`` (small): both paths clear every key of the namespace and say what Redis did."""
+    out = tmp_path / "clear.json"
+    done = kvshelf_cli("bench", "clear", "--other", "2000", "--ns-keys", "50", "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert [row["path"] for row in result["rows"]] == ["old", "new"]
+    for row in result["rows"]:
+        assert row["keys_cleared"] == 50 and row["scan_calls"] >= 1 and row["keys_left"] == row["keys_in_redis"] - 50
+    bad = kvshelf_cli("bench", "clear", "--paths", "fast")
+    assert bad.returncode != 0 and "error: --paths takes old and/or new" in bad.stderr + bad.stdout
