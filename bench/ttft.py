@@ -31,6 +31,23 @@ whether the ~190 MB a raw 4,096-token read copies out of LMDB land in recycled m
 allocator's mood rather than the codecs.
 
 Each mode's TTFT is the median of ``runs`` calls; ``same_output`` compares 16 greedy tokens with ``full``.
+
+Remote reuse (``remote=True``: ``--remote``; ``redis=True``: ``--redis``) replaces the disk modes:
+
+* ``warm-remote``: a ``kvshelf serve`` in another process (``bench.servers.kvshelf_server``: its tiers keep the
+  blocks as sent) holds the contexts' blocks, one namespace per codec; a fresh process whose store is a
+  ``RemoteStore(..., codec=..., shared_memory=False)`` (the wire path, as a worker on another host gets it) loads
+  them over gRPC, decodes them and prefills the question;
+* ``warm-redis``: a real ``redis-server`` (``bench.servers.redis_server``) is the only tier of the fresh process's
+  ``TieredStore`` (one key prefix per codec, values encoded with it).
+
+Each codec of ``codecs`` runs, and ``raw`` always as the anchor: all in ``rounds`` of fresh processes (the order
+reversed in odd rounds, as the disk modes alternate). The blocks are the ones the full prefill stored, re-keyed
+per namespace and encoded with each codec by its client. Rows carry ``codec``, ``vs_raw`` (raw's TTFT over the
+codec's), ``bytes`` (what one load of the context moves), ``fetch_s`` (fetching those bytes alone, undecoded),
+``load_s`` (fetch + decode into a cache, no forward pass: ``ttft_s - load_s`` is the question's prefill) and
+``dppl_rel`` (the codec's relative perplexity increase from ``bench/results/codecs.json``, when it measured these
+parameters).
 """
 
 from __future__ import annotations
@@ -40,6 +57,8 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +67,11 @@ from rich.table import Table
 from tqdm import tqdm
 
 from kvshelf.bench.common import corpus_texts, machine_description, median, save_results
+
+#: codecs whose round trip is exact (a lossy codec's "same output" may be "no")
+LOSSLESS = ("raw", "zstd")
+CODECS_RESULTS = Path(__file__).resolve().parent / "results" / "codecs.json"
+REMOTE_MODES = {"remote": "warm-remote", "redis": "warm-redis"}
 
 QUESTION = (
     "\n\nQuestion: Which problem does the first abstract above address, and which method do its authors "
@@ -95,7 +119,7 @@ def _merged(parts: list[dict]) -> dict:
 
 
 def _codec_params(model: Any, tokenizer: Any, corpus: str | None, codec: str, params: dict[str, Any], tmp: str,
-                  ) -> tuple[dict[str, Any] | None, str | None]:
+                  label: str = "xquant") -> tuple[dict[str, Any] | None, str | None]:
     """The disk codec's parameters, and for ``xquant`` the file of the model tables they need (else None)."""
     if codec != "xquant":
         return (params or None), None
@@ -105,7 +129,7 @@ def _codec_params(model: Any, tokenizer: Any, corpus: str | None, codec: str, pa
 
     rest = {k: v for k, v in params.items() if k != "basis"}
     bound = xquant_params(model, xquant_calibration(tokenizer, corpus), basis=params.get("basis", "klt"), **rest)
-    tables_path = str(Path(tmp) / "xquant-tables.safetensors")
+    tables_path = str(Path(tmp) / f"{label}-tables.safetensors")
     save_tables(bound_tables(bound["model"]), tables_path)
     return bound, tables_path
 
@@ -124,6 +148,14 @@ def disk_worker(spec_path: str) -> None:
         bind_tables(load_tables(spec["xquant_tables"]))
 
     def open_store() -> Any:
+        backend = spec.get("backend", "lmdb")
+        if backend == "remote":
+            from kvshelf.service.client import RemoteStore
+
+            return RemoteStore(spec["address"], namespace=spec["namespace"], codec=spec["disk_codec"],
+                               codec_params=spec.get("disk_codec_params"), shared_memory=False, timeout_s=600)
+        if backend == "redis":
+            return _redis_store(spec["redis_url"], spec["namespace"], spec["disk_codec"], spec.get("disk_codec_params"))
         return open_embedded_store(spec["data_dir"], memory_bytes=None, disk_codec=spec.get("disk_codec", "raw"),
                                    disk_codec_params=spec.get("disk_codec_params"))
 
@@ -135,6 +167,10 @@ def disk_worker(spec_path: str) -> None:
         # one untimed load of this context first: a process's first load of a size faults in its buffers (the
         # cache, the decode scratch, the forward's concatenation), ~0.3 s at 4,096 tokens, paid once per process
         generator.generate(case, max_new_tokens=1, reuse=True, store=False)
+        if spec.get("backend", "lmdb") != "lmdb":
+            timed = _timed_runs(generator, case, spec["runs"], spec["new_tokens"], reuse=True, store=False)
+            results.append({**timed, **_load_breakdown(generator, case)})
+            continue
         if not spec.get("cold"):
             results.append(_timed_runs(generator, case, spec["runs"], spec["new_tokens"], reuse=True, store=False))
             continue
@@ -148,6 +184,34 @@ def disk_worker(spec_path: str) -> None:
     results_stats = store.stats()
     store.close()
     Path(spec["out"]).write_text(json.dumps({"results": results, "stats": results_stats}))
+
+
+def _redis_store(url: str, namespace: str, codec: str, params: dict[str, Any] | None) -> Any:
+    """A ``TieredStore`` (reads in ``namespace``) whose only tier is the Redis at ``url``, values in ``codec``."""
+    from kvshelf.kvstore.redis_tier import RedisTier
+    from kvshelf.kvstore.store import TieredStore, TierSpec
+
+    tier = RedisTier.from_url(url, prefix="kvshelf-ttft:", socket_timeout=60)
+    return TieredStore([TierSpec(tier, codec, dict(params or {}))], namespace=namespace)
+
+
+def _load_breakdown(generator: Any, prompt: list[int], runs: int = 3) -> dict[str, Any]:
+    """Where a warm load's time goes: ``fetch_s`` (the context's encoded blocks fetched, not decoded), ``load_s``
+    (fetched and decoded into a cache: ``generator.load_prefix``, no forward pass), ``bytes`` (fetched); medians."""
+    from kvshelf.kvstore.keys import prefix_block_keys
+
+    keys = prefix_block_keys(generator.fingerprint, generator.namespace, prompt, generator.block_size)
+    fetches, loads, nbytes = [], [], 0
+    for _ in range(runs):
+        start = time.perf_counter()
+        values = generator.store.get_encoded_many(keys, namespace=generator.namespace)
+        fetches.append(time.perf_counter() - start)
+        nbytes = sum(len(v) for v in values if v is not None)
+        del values
+        start = time.perf_counter()
+        generator.load_prefix(prompt)
+        loads.append(time.perf_counter() - start)
+    return {"fetch_s": median(fetches), "load_s": median(loads), "bytes": nbytes}
 
 
 def _drop_from_page_cache(data_dir: Path) -> None:
@@ -175,7 +239,12 @@ def run(
     disk_codec_params: dict[str, Any] | None = None,
     rounds: int = 3,
     cold: bool = False,
+    remote: bool = False,
+    redis: bool = False,
+    codecs: Sequence[tuple[str, dict[str, Any]]] = (),
 ) -> dict[str, Any]:
+    """The TTFT table (see the module); with ``remote`` and/or ``redis`` the remote modes replace the disk modes,
+    for ``raw`` and each of ``codecs`` (``(name, params)``)."""
     from kvshelf.adapters.generate import CachedGenerator
     from kvshelf.adapters.model import load_model
     from kvshelf.kvstore.embedded import open_embedded_store
@@ -204,6 +273,15 @@ def run(
             }
             measured[(n, "full")] = full
             measured[(n, "warm-memory")] = _timed_runs(generator, prompt, runs, new_tokens, reuse=True, store=False)
+        if remote or redis:
+            remote_rows = _remote_modes(
+                model, tokenizer, store, generator.fingerprint, prompts, lengths, measured, tmp=tmp,
+                model_name=model_name, corpus=corpus, block_size=block_size, runs=runs, new_tokens=new_tokens,
+                rounds=rounds, modes=[m for m, on in (("remote", remote), ("redis", redis)) if on], codecs=codecs,
+                console=console)
+            store.close()
+            return _finish_remote(remote_rows, measured, lengths, question, json_path, console, model_name=model_name,
+                                  runs=runs, rounds=rounds, block_size=block_size, corpus=corpus)
         store.close()
         disk_mode = "cold-disk" if cold else "warm-disk"
         disk_runs = [(disk_mode, tmp, disk_codec)]
@@ -274,19 +352,213 @@ def run(
     return payload
 
 
+def codec_variants(codecs: Sequence[tuple[str, dict[str, Any]]]) -> list[tuple[str, str, dict[str, Any]]]:
+    """``(label, codec, params)`` of the remote modes: ``raw`` first (the anchor), then each codec (a repeated
+    codec gets ``-2``, ``-3``... in its label)."""
+    out: list[tuple[str, str, dict[str, Any]]] = [("raw", "raw", {})]
+    for codec, params in codecs:
+        if codec == "raw" and not params:
+            continue
+        label, n = codec, 2
+        while label in {taken for taken, _, _ in out}:
+            label, n = f"{codec}-{n}", n + 1
+        out.append((label, codec, dict(params)))
+    return out
+
+
+def _rekeyed(store: Any, fingerprint: str, prompts: list[list[int]], block_size: int,
+             namespace: str) -> list[tuple[bytes, Any]]:
+    """The contexts' blocks the full prefill stored in ``store``, as blocks of ``namespace`` under its keys."""
+    import dataclasses
+
+    from kvshelf.kvstore.keys import prefix_block_spans
+
+    entries: dict[bytes, Any] = {}
+    for prompt in prompts:
+        source = prefix_block_spans(fingerprint, store.namespace, prompt, block_size)
+        target = prefix_block_spans(fingerprint, namespace, prompt, block_size)
+        blocks = store.get_many([span.key for span in source], fingerprint=fingerprint)
+        for span, block in zip(target, blocks, strict=True):
+            if block is None:
+                raise RuntimeError(f"block at tokens {span.start}-{span.end} missing from the bench's store")
+            entries[span.key] = dataclasses.replace(block, namespace=namespace)
+    return list(entries.items())
+
+
+def _remote_modes(model: Any, tokenizer: Any, store: Any, fingerprint: str, prompts: list[list[int]],
+                  lengths: tuple[int, ...], measured: dict, *, tmp: str, model_name: str, corpus: str | None,
+                  block_size: int, runs: int, new_tokens: int, rounds: int, modes: list[str],
+                  codecs: Sequence[tuple[str, dict[str, Any]]], console: Console) -> list[dict[str, Any]]:
+    """Fill the blocks in a ``kvshelf serve`` and/or a Redis per codec, time the fresh worker processes in rounds;
+    return one description per ``(mode, variant)`` (its measurements are added to ``measured``)."""
+    from contextlib import ExitStack
+
+    from kvshelf.bench.servers import kvshelf_server, redis_server
+    from kvshelf.service.client import RemoteStore
+
+    variants = []
+    for label, codec, params in codec_variants(codecs):
+        bound, tables = _codec_params(model, tokenizer, corpus, codec, params, tmp, label=label)
+        variants.append({"label": label, "codec": codec, "params": params, "bound": bound or {}, "tables": tables,
+                         "namespace": f"ttft-{label}"})
+    described = []
+    with ExitStack() as stack:
+        backends: dict[str, dict[str, Any]] = {}
+        if "remote" in modes:
+            address = stack.enter_context(kvshelf_server(str(Path(tmp) / "served")))
+            backends["remote"] = {"address": address}
+        if "redis" in modes:
+            server = stack.enter_context(redis_server("8gb"))
+            backends["redis"] = {"redis_url": server.url}
+        for v in tqdm(variants, desc="blocks per codec", unit="codec"):
+            entries = _rekeyed(store, fingerprint, prompts, block_size, v["namespace"])
+            for mode, where in backends.items():
+                target = (RemoteStore(where["address"], namespace=v["namespace"], codec=v["codec"],
+                                      codec_params=v["bound"], shared_memory=False, timeout_s=600)
+                          if mode == "remote" else
+                          _redis_store(where["redis_url"], v["namespace"], v["codec"], v["bound"]))
+                try:
+                    for i in range(0, len(entries), 4):  # a few blocks per call: bounded memory
+                        if target.put_many(entries[i : i + 4]) != len(entries[i : i + 4]):
+                            raise RuntimeError(f"{mode}: the store refused blocks of codec {v['label']}")
+                finally:
+                    target.close()
+            del entries
+        calls: dict[tuple[int, str, str], list[dict]] = {}
+        for round_index in range(rounds):
+            order = variants if round_index % 2 == 0 else variants[::-1]
+            for v in order:
+                for mode, where in backends.items():
+                    console.print(f"[dim]round {round_index + 1}/{rounds}, {REMOTE_MODES[mode]} {v['label']}: a "
+                                  "fresh process...[/dim]")
+                    spec = Path(tmp) / f"spec-{mode}-{v['label']}.json"
+                    out = Path(tmp) / f"out-{mode}-{v['label']}.json"
+                    spec.write_text(json.dumps({
+                        "model": model_name, "backend": mode, **where, "namespace": v["namespace"],
+                        "block_size": block_size, "runs": runs, "new_tokens": new_tokens, "prompts": prompts,
+                        "out": str(out), "disk_codec": v["codec"], "disk_codec_params": v["bound"],
+                        "xquant_tables": v["tables"]}))
+                    subprocess.run([sys.executable, "-m", "kvshelf.bench.ttft", "--worker", str(spec)], check=True,
+                                   env={**os.environ, "GLIBC_TUNABLES": WORKER_MALLOC})
+                    result = json.loads(out.read_text())
+                    for n, part in zip(lengths, result["results"], strict=True):
+                        calls.setdefault((n, mode, v["label"]), []).append(part)
+    for (n, mode, label), parts in calls.items():
+        merged = _merged(parts)
+        for field in ("fetch_s", "load_s"):
+            merged[field] = median([p[field] for p in parts])
+        merged["bytes"] = parts[-1]["bytes"]
+        measured[(n, REMOTE_MODES[mode], label)] = merged
+    for mode in modes:
+        for v in variants:
+            described.append({"mode": REMOTE_MODES[mode], "label": v["label"], "codec": v["codec"],
+                              "params": v["params"]})
+    return described
+
+
+def _finish_remote(described: list[dict[str, Any]], measured: dict, lengths: tuple[int, ...], question: list[int],
+                   json_path: str | None, console: Console, *, model_name: str, runs: int, rounds: int,
+                   block_size: int, corpus: str | None) -> dict[str, Any]:
+    results: list[dict[str, Any]] = []
+    for n in lengths:
+        reference = measured[(n, "full")]
+        for mode in ("full", "warm-memory"):
+            m = measured[(n, mode)]
+            results.append({"tokens": n, "prompt_tokens": n + len(question), "mode": mode, "codec": "raw",
+                            "ttft_s": round(m["ttft_s"], 4), "speedup": round(reference["ttft_s"] / m["ttft_s"], 2),
+                            "same_output": all(ids == reference["new_ids"][0] for ids in m["new_ids"]),
+                            "reused_tokens": m["reused_tokens"]})
+        for d in described:
+            m = measured[(n, d["mode"], d["label"])]
+            raw = measured[(n, d["mode"], "raw")]
+            results.append({
+                "tokens": n, "prompt_tokens": n + len(question), "mode": d["mode"], "codec": d["codec"],
+                "codec_params": d["params"], "ttft_s": round(m["ttft_s"], 4),
+                "speedup": round(reference["ttft_s"] / m["ttft_s"], 2),
+                "vs_raw": round(raw["ttft_s"] / m["ttft_s"], 3),
+                "same_output": all(ids == reference["new_ids"][0] for ids in m["new_ids"]),
+                "lossy": d["codec"] not in LOSSLESS,
+                "dppl_rel": codec_dppl_rel(d["codec"], d["params"]),
+                "bytes": m["bytes"], "fetch_s": round(m["fetch_s"], 4), "load_s": round(m["load_s"], 4),
+                "reused_tokens": m["reused_tokens"], "all_ttft_s": [round(t, 4) for t in m["all_ttft_s"]],
+            })
+    payload = {
+        "model": model_name,
+        "machine": machine_description(),
+        "runs": runs,
+        "rounds": rounds,
+        "block_size": block_size,
+        "question_tokens": len(question),
+        "remote_server": "kvshelf serve in another process (bench.servers.kvshelf_server: 4 GiB memory tier over "
+                         "LMDB, tiers keep blocks as sent), RemoteStore(shared_memory=False): the gRPC wire path",
+        "redis_server": "redis-server (bench.servers.redis_server, maxmemory 8gb), the only tier of a TieredStore",
+        "worker_env": {"GLIBC_TUNABLES": WORKER_MALLOC},
+        "dppl_source": str(CODECS_RESULTS.relative_to(CODECS_RESULTS.parents[2])),
+        "corpus": corpus or "synthetic (no corpus found)",
+        "results": results,
+    }
+    _print_table(console, payload)
+    save_results(json_path, payload, console)
+    return payload
+
+
+def _codec_key(codec: str, params: dict[str, Any]) -> tuple[str, str] | None:
+    """A codec's parameters with its defaults filled in (xquant: without its tables' digest, with its basis)."""
+    from kvshelf.kvstore.codec import get_codec
+    from kvshelf.kvstore.errors import KVShelfError
+
+    try:
+        full = get_codec(codec, {k: v for k, v in params.items() if k not in ("model", "basis")}).params()
+    except KVShelfError:
+        return None
+    full.pop("model", None)
+    if codec == "xquant":
+        full["basis"] = params.get("basis", "klt")
+    return codec, json.dumps(full, sort_keys=True)
+
+
+def codec_dppl_rel(codec: str, params: dict[str, Any], results: Path = CODECS_RESULTS) -> float | None:
+    """The relative perplexity increase ``kvshelf bench codecs`` measured for ``codec`` with ``params`` (saved in
+    ``results``); 0 for ``raw``; None when it measured no such setting."""
+    if codec == "raw":
+        return 0.0
+    try:
+        rows = json.loads(results.read_text())["results"]
+    except (OSError, ValueError, KeyError):
+        return None
+    want = _codec_key(codec, params)
+    for row in rows:
+        if row.get("codec") == codec and want is not None and _codec_key(codec, row.get("params") or {}) == want:
+            return row.get("dppl_rel")
+    return None
+
+
 def _print_table(console: Console, payload: dict[str, Any]) -> None:
-    rounds = payload.get("disk_rounds", 1)
-    disk = "cold" if payload.get("cold_disk") else "warm"
-    table = Table(title=f"TTFT, {payload['model']}, disk codec {payload.get('disk_codec', 'raw')}, median of "
-                        f"{payload['runs']} ({disk}-disk: {payload['runs'] * rounds} in {rounds} fresh processes) "
-                        f"({payload['machine']})")
-    for column in ("context tokens", "mode", "disk codec", "TTFT (s)", "speedup vs full", "vs raw disk",
-                   "reused tokens", "same output"):
+    if "disk_rounds" in payload:
+        rounds = payload["disk_rounds"]
+        disk = "cold" if payload.get("cold_disk") else "warm"
+        title = (f"TTFT, {payload['model']}, disk codec {payload.get('disk_codec', 'raw')}, median of "
+                 f"{payload['runs']} ({disk}-disk: {payload['runs'] * rounds} in {rounds} fresh processes) "
+                 f"({payload['machine']})")
+    else:
+        rounds = payload["rounds"]
+        title = (f"TTFT, {payload['model']}, remote reuse, median of {payload['runs']} (remote modes: "
+                 f"{payload['runs'] * rounds} in {rounds} fresh processes) ({payload['machine']})")
+    table = Table(title=title)
+    for column in ("context tokens", "mode", "codec", "TTFT (s)", "speedup vs full", "vs raw", "MB loaded",
+                   "fetch (s)", "load (s)", "Δppl", "reused tokens", "same output"):
         table.add_column(column, justify="right")
     for r in payload["results"]:
-        table.add_row(str(r["tokens"]), r["mode"], r.get("disk_codec", "-"), f"{r['ttft_s']:.3f}",
+        codec = r.get("codec", r.get("disk_codec", "-"))
+        if r.get("codec_params"):
+            codec += " " + ", ".join(f"{k}={v}" for k, v in r["codec_params"].items())
+        same = "yes" if r["same_output"] else "no (lossy)" if r.get("lossy") else "NO"
+        dppl = r.get("dppl_rel")
+        table.add_row(str(r["tokens"]), r["mode"], codec, f"{r['ttft_s']:.3f}",
                       f"{r['speedup']:.1f}x", f"{r['vs_raw']:.2f}x" if "vs_raw" in r else "-",
-                      str(r["reused_tokens"]), "yes" if r["same_output"] else "NO")
+                      f"{r['bytes'] / 1e6:.1f}" if "bytes" in r else "-",
+                      f"{r['fetch_s']:.3f}" if "fetch_s" in r else "-", f"{r['load_s']:.3f}" if "load_s" in r else "-",
+                      f"{100 * dppl:+.2f}%" if dppl is not None else "-", str(r["reused_tokens"]), same)
     console.print(table, width=max(console.width, 130))
 
 

@@ -713,7 +713,9 @@ def events(
     Ctrl-C (exit 0). Resume after a disconnect with --from-seq = the last seq printed + 1."""
     import threading
 
-    from kvshelf.service.client import RemoteStore
+    import grpc
+
+    from kvshelf.service.client import RemoteStore, RemoteStoreError
     from kvshelf.service.event_format import format_message
 
     try:
@@ -724,16 +726,29 @@ def events(
         raise KVShelfError(f"--from-seq must be an integer >= 0, got {from_seq!r}")
     remote = RemoteStore(server, token=token, namespace=namespace, tls_ca=tls_ca, shared_memory=False,
                          connect_timeout_s=connect_timeout)
-    subscription = remote.subscribe_events(start)
+    current = [remote.subscribe_events(start)]
+    stopping = threading.Event()
     failure: list[KVShelfError] = []
 
     def read() -> None:  # in a thread: the main one stays interruptible by Ctrl-C
-        try:
-            for message in subscription:
-                for line in format_message(message, as_json=as_json):
-                    print(line, flush=True)
-        except KVShelfError as exc:
-            failure.append(exc)
+        while True:
+            subscription = current[0]
+            try:
+                for message in subscription:
+                    for line in format_message(message, as_json=as_json):
+                        print(line, flush=True)
+                return
+            except RemoteStoreError as exc:  # cut off as too slow (a slow terminal or pipe): resume where it stopped
+                if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED or "too slow" not in str(exc) or stopping.is_set():
+                    failure.append(exc)
+                    return
+                resume = subscription.next_seq
+                print(json.dumps({"type": "resumed", "from_seq": resume}) if as_json else
+                      f"# fell behind: resuming from seq {resume}", flush=True)
+                current[0] = remote.subscribe_events(resume)
+            except KVShelfError as exc:
+                failure.append(exc)
+                return
 
     reader = threading.Thread(target=read, name="kvshelf-events", daemon=True)
     reader.start()
@@ -741,7 +756,8 @@ def events(
         while reader.is_alive():
             reader.join(0.2)
     except KeyboardInterrupt:
-        subscription.cancel()
+        stopping.set()
+        current[0].cancel()
         reader.join(5)
         return
     finally:
