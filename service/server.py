@@ -1,8 +1,10 @@
 """The kvshelf gRPC servicer over a ``TieredStore`` of encoded blocks.
 
 The server verifies each value (checksum, key, namespace, codec, payload size) and stores the bytes with
-``put_encoded_many`` / ``get_encoded_many``; it decodes a block only to re-encode it for a tier of another codec,
-and only when its declared shape decodes within the max block size and the namespace's quota. Puts take quota and
+``put_encoded_many`` / ``get_encoded_many``; ``GetBlocks`` returns the bytes as stored. ``kvshelf serve``'s tiers
+keep blocks as sent, in any codec (``TierSpec.as_sent``: clients decode, xquant with their own model tables); it
+decodes a block only to re-encode it for a tier of another codec (``--disk-codec``, an operator's choice), and only
+when its declared shape decodes within the max block size and the namespace's quota. Puts take quota and
 in-flight budget (server-wide, and a per-tenant share of ``max_call_bytes``) at each value's first chunk, so an
 over-limit put is refused before it is buffered. Tenants are isolated by key scoping: a tier key is
 ``scope_tag(namespace) + key``, so one namespace can never read, test, pin, list or delete another's blocks.
