@@ -5,8 +5,12 @@ glibc serves such sizes with a fresh ``mmap`` and unmaps them when freed, so eac
 faults in and zeroes 2,048 new pages. Measured (``perf``, a loop of 8 MiB gRPC gets on loopback): a third of
 the CPU time was page faults and page clearing. With the mmap threshold raised above the largest message and the
 heap not trimmed below ``keep_bytes``, freed buffers are reused instead. ``kvshelf serve`` calls
-``keep_large_buffers()`` at start (its process is ours); a client process may set the same with
-``GLIBC_TUNABLES=glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824``.
+``keep_large_buffers()`` at start (its process is ours). A client process gets the same from its environment,
+``GLIBC_TUNABLES=glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824``
+(``LARGE_BUFFER_TUNABLES``), or by calling ``keep_large_buffers()`` itself: kvshelf never changes the allocator of
+a process it does not own. Measured in one process: a copy of 8 MiB into a new buffer, 6-9 ms with glibc's
+defaults (an 8 MiB allocation is a fresh mapping every time: glibc raises its mmap threshold to the size of a
+freed mapping, and a request of that same size is again mapped), 0.5 ms with these settings.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ _M_TRIM_THRESHOLD = -1  # malloc.h
 _M_MMAP_THRESHOLD = -3
 MAX_HEAP_BUFFER_BYTES = 32 << 20  # glibc's ceiling for the mmap threshold on 64-bit (HEAP_MAX_SIZE / 2)
 KEEP_BYTES = 1 << 30
+#: The same settings for a process started with them (a client): its ``GLIBC_TUNABLES`` environment variable.
+LARGE_BUFFER_TUNABLES = (f"glibc.malloc.mmap_threshold={MAX_HEAP_BUFFER_BYTES}:"
+                         f"glibc.malloc.trim_threshold={KEEP_BYTES}")
 
 
 def keep_large_buffers(max_buffer_bytes: int = MAX_HEAP_BUFFER_BYTES, keep_bytes: int = KEEP_BYTES) -> bool:
