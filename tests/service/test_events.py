@@ -11,15 +11,15 @@ import grpc
 import pytest
 import redis_servers
 from helpers import FINGERPRINT, key_of, make_block
-from service_helpers import TOKENS, ServeProcess, write_tokens
+from service_helpers import TOKENS, ServeProcess, put_with_lineage, write_tokens
 
-from kvshelf.kvstore import MemoryTier, RedisTier, TieredStore, encode_block, open_embedded_store
+from kvshelf.kvstore import MemoryTier, RedisTier, TieredStore, open_embedded_store
 from kvshelf.kvstore.errors import ConfigError, TierUnavailableError
 from kvshelf.kvstore.keys import PARENT_EXTRA
 from kvshelf.proto import kvshelf_pb2 as pb
 from kvshelf.service.auth import TokenTable
-from kvshelf.service.client import EventSubscription, RemoteStore, RemoteStoreError, put_requests
-from kvshelf.service.server import SERVICE_NAME, RunningServer, ServerLimits, start_server
+from kvshelf.service.client import EventSubscription, RemoteStore, RemoteStoreError
+from kvshelf.service.server import RunningServer, ServerLimits, start_server
 
 TOKEN_A, TOKEN_B = list(TOKENS)
 maxmemory_redis = redis_servers.maxmemory_redis  # a real redis-server of one test, --maxmemory 4mb allkeys-lru
@@ -109,12 +109,7 @@ def _remote(server: RunningServer, namespace: str, token: str | None = None) -> 
 
 
 def _put_lineage(server: RunningServer, namespace: str, entries: list, lineage: list) -> int:
-    """PutBlocks whose first chunks carry ``(parent_key, token_ids)`` (what any client may send), on a raw channel."""
-    items = [(key, encode_block(block, key)) for key, block in entries]
-    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-        call = channel.stream_unary(f"/{SERVICE_NAME}/PutBlocks", request_serializer=None,
-                                    response_deserializer=pb.PutBlocksResponse.FromString)
-        return call(put_requests(items, namespace, lineage=lineage), timeout=60).stored
+    return put_with_lineage(server.port, namespace, entries, lineage)
 
 
 def test_subscriber_sees_its_namespace_in_order(server):

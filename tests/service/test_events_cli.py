@@ -13,11 +13,11 @@ import threading
 
 import pytest
 from helpers import REPO_ROOT, key_of, make_block
-from service_helpers import kvshelf_cli
+from service_helpers import kvshelf_cli, put_with_lineage
 
-from kvshelf.kvstore import open_embedded_store
+from kvshelf.kvstore import MemoryTier, TieredStore, open_embedded_store
 from kvshelf.service.client import RemoteStore
-from kvshelf.service.server import start_server
+from kvshelf.service.server import ServerLimits, start_server
 
 WAIT_S = 60.0  # generous: the subprocess imports torch before it connects
 
@@ -25,12 +25,17 @@ WAIT_S = 60.0  # generous: the subprocess imports torch before it connects
 class EventsProcess:
     """``kvshelf events ARGS`` running; its stdout lines arrive in a queue (read with a timeout)."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, read: bool = True) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-P", "-c", "from kvshelf.service.cli import main; main()", "events", *args],
             cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ),
         )
         self.lines: queue.Queue[str] = queue.Queue()
+        if read:
+            self.read()
+
+    def read(self) -> None:
+        """Start reading its output (until then it fills the pipe and blocks: a slow terminal)."""
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -121,3 +126,36 @@ def test_bad_from_seq_is_refused(value):
     result = kvshelf_cli("events", "--server", "127.0.0.1:1", f"--from-seq={value}")
     assert result.returncode == 2
     assert result.stderr.strip() == f"error: --from-seq must be an integer >= 0, got '{value}'"
+
+
+def test_a_slow_terminal_is_resumed_without_gaps_or_duplicates(tmp_path):
+    """Nobody reads the CLI's output for a while (its pipe fills, its prints block): the server cuts the subscription
+    off as too slow, and the CLI resumes from where it stopped: every event printed exactly once."""
+    store = TieredStore([MemoryTier(1 << 30)])
+    running = start_server(store, limits=ServerLimits(subscriber_queue=20))
+    events = EventsProcess("--server", f"127.0.0.1:{running.port}", "--from-seq", "1", "--json", read=False)
+    try:
+        assert json.loads(events.proc.stdout.readline())["type"] == "started"
+        blocks = [make_block([i, 7]) for i in range(600)]
+        tokens = list(range(8000))  # ~40 KB per JSON line, ~16 KB per event on the wire
+        for start in range(0, len(blocks), 50):
+            batch = blocks[start : start + 50]
+            entries = [(key_of(b), b) for b in batch]
+            assert put_with_lineage(running.port, "default", entries, [(None, tokens)] * 50) == 50
+        events.read()
+        seqs, resumed = [], 0
+        while len(seqs) < len(blocks):
+            line = json.loads(events.line())
+            if line["type"] == "resumed":
+                resumed += 1
+                assert line["from_seq"] == seqs[-1] + 1 if seqs else 1
+            elif line["type"] == "BlockStored":
+                seqs.append(line["seq"])
+        assert resumed >= 1 and running.servicer.events.ended_slow >= 1
+        assert seqs == list(range(1, len(blocks) + 1))
+        events.proc.send_signal(signal.SIGINT)
+        assert events.proc.wait(timeout=WAIT_S) == 0
+    finally:
+        events.stop()
+        running.stop(0)
+

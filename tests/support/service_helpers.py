@@ -102,3 +102,21 @@ class ServeProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=30)
+
+
+def put_with_lineage(port: int, namespace: str, entries: list, lineage: list) -> int:
+    """PutBlocks on 127.0.0.1:``port`` whose first chunks carry ``(parent_key, token_ids)`` per block (what any client
+    may send for the blocks' KV events), on a raw channel; returns how many were stored."""
+    import grpc
+
+    from kvshelf.kvstore import encode_block
+    from kvshelf.proto import kvshelf_pb2 as pb
+    from kvshelf.service.client import put_requests
+    from kvshelf.service.server import SERVICE_NAME
+
+    items = [(key, encode_block(block, key)) for key, block in entries]
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = channel.stream_unary(f"/{SERVICE_NAME}/PutBlocks", request_serializer=None,
+                                    response_deserializer=pb.PutBlocksResponse.FromString)
+        return call(put_requests(items, namespace, lineage=lineage), timeout=60).stored
+
