@@ -94,12 +94,13 @@ def test_clear_removes_exactly_the_namespace_and_scans_by_its_tag(request: pytes
     store.subscribe(events.append)
     try:
         small, large = b"s" * 100, os.urandom(3 * KiB + 7)  # large: 4 chunks
-        others = [(key(OTHER, i), small) for i in range(6000)]
+        count = 6000 if kind == "standalone" else 2000  # a Cluster's cross-slot pipelines are slower to fill
+        others = [(key(OTHER, i), small) for i in range(count)]
         # 16-byte keys that happen to start with the cleared tag: not scoped keys of its namespace
         lookalikes = [(TAG + b"\xff" * 4 + i.to_bytes(4, "big"), small) for i in range(20)]
         gone = [(key(TAG, i), large if i % 3 == 0 else small) for i in range(300)]
         for batch in range(0, len(others), 1000):
-            assert tier.put_many(others[batch:batch + 1000]) == 1000
+            assert tier.put_many(others[batch:batch + 1000]) == len(others[batch:batch + 1000])
         assert tier.put_many(lookalikes) == 20
         assert tier.put_many(gone) == 300
         for k_, v in gone[:50]:  # the memory tier holds some of them too
@@ -124,7 +125,7 @@ def test_clear_removes_exactly_the_namespace_and_scans_by_its_tag(request: pytes
         assert tier.get_many([k_ for k_, _ in lookalikes]) == [small] * 20
         assert store.specs[0].tier.usage().blocks == 0
         usage = tier.usage()
-        assert (usage.blocks, usage.bytes) == (6020, 6020 * len(small))
+        assert (usage.blocks, usage.bytes) == (count + 20, (count + 20) * len(small))
         removed = [e for e in events if e.kind == "removed"]
         assert sorted((e.tier, e.key) for e in removed) == sorted(
             [("redis", k_) for k_, _ in gone] + [("memory", k_) for k_, _ in gone[:50]])
