@@ -64,6 +64,7 @@ MAX_RECORD_PAYLOAD = 16 << 20  # larger is damage
 SEGMENT_SUFFIX = ".events"
 MESSAGE_BYTES = 512 << 10  # events per SubscribeEventsResponse: at most this many bytes (well under the gRPC limit)
 MESSAGE_EVENTS = 512
+QUEUE_BYTES = 32 << 20  # events waiting for one subscriber: at most this many bytes too (token lists can be long)
 REMOVAL_REASONS = {"removed": "deleted", "evicted": "evicted"}
 #: the namespace tag of events for every namespace (a restart's AllBlocksCleared of the memory tier)
 BROADCAST = b"\x00" * SCOPE_BYTES
@@ -299,6 +300,7 @@ class _Subscriber:
     def __init__(self, namespace: str, tag: bytes, context: grpc.ServicerContext, limit: int) -> None:
         self.namespace, self.tag, self.context, self.limit = namespace, tag, context, limit
         self.queue: deque[tuple[int, bytes]] = deque()
+        self.queued_bytes = 0
         self.cond = threading.Condition(threading.Lock())
         self.overflowed = False
         self.ended: str | None = None  # "cancelled" (the client went) or "shutdown"
@@ -310,19 +312,21 @@ class _Subscriber:
         with self.cond:
             if self.overflowed or self.ended:
                 return False
-            if len(self.queue) >= self.limit:
+            if len(self.queue) >= self.limit or self.queued_bytes + len(payload) > QUEUE_BYTES:
                 self.overflowed = True
                 self.queue.clear()
+                self.queued_bytes = 0
                 self.cond.notify()
                 return True
             self.queue.append((seq, payload))
+            self.queued_bytes += len(payload)
             self.cond.notify()
             return False
 
     def overflow_message(self) -> str:
-        return (f"subscriber too slow: more than {self.limit} events of namespace {self.namespace!r} waited for it "
-                f"(--subscriber-queue); reconnect with from_seq = the next_seq of the last message read "
-                f"(the server had sent everything below {self.sent_seq})")
+        return (f"subscriber too slow: more than {self.limit} events (or {QUEUE_BYTES >> 20} MiB) of namespace "
+                f"{self.namespace!r} waited for it (--subscriber-queue); reconnect with from_seq = the next_seq of the "
+                f"last message read (the server had sent everything below {self.sent_seq})")
 
     def end(self, why: str) -> None:
         with self.cond:
@@ -529,6 +533,7 @@ class EventHub:
                     last, payload = sub.queue.popleft()
                     batch.append(payload)
                     size += len(payload)
+                sub.queued_bytes -= size
             if batch:
                 sub.sent_seq = last + 1
                 yield _events_message(batch, last + 1)
