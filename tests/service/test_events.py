@@ -354,6 +354,35 @@ def test_from_seq_older_than_the_log_keeps_says_lost(data_dir):
     assert sum(p.stat().st_size for p in segments) <= 8192 + 8192  # the bound, plus the segment being written
 
 
+def test_a_damaged_record_in_the_log_is_announced_as_lost(data_dir):
+    running, store = _serve(data_dir, events_log_bytes=64 << 10)  # segments of 8 KiB
+    try:
+        remote = _remote(running, "default")
+        for block in _blocks("default", 40):  # ~180 bytes per event: two segments
+            _put_lineage(running, "default", [(key_of(block), block)], [(None, list(range(64)))])
+        segments = sorted((data_dir / "events").glob("*.events"))
+        assert len(segments) >= 2
+        second = int(segments[1].stem)
+        with open(segments[0], "r+b") as fh:  # one flipped byte in the middle of the first segment
+            fh.seek(segments[0].stat().st_size // 2)
+            byte = fh.read(1)
+            fh.seek(-1, 1)
+            fh.write(bytes([byte[0] ^ 0xFF]))
+        reader = Reader(remote.subscribe_events(1))
+        next_seq = reader.started().started.next_seq
+        events = reader.wait_for(lambda ev: bool(ev) and ev[-1].seq == next_seq - 1)
+        lost = [m.lost for m in list(reader.messages.queue) if m.HasField("lost")]
+        reader.stop()
+        remote.close()
+    finally:
+        running.stop(0)
+        store.close()
+    (gap,) = lost
+    assert "damaged event log record" in gap.reason and gap.to_seq == second
+    seqs = [e.seq for e in events]
+    assert seqs == list(range(1, gap.from_seq)) + list(range(second, next_seq))
+
+
 def test_slow_subscriber_is_cut_off_without_blocking_puts():
     store = TieredStore([MemoryTier(capacity_bytes=1 << 30)])
     running = start_server(store, limits=ServerLimits(subscriber_queue=20))
