@@ -109,7 +109,7 @@ _HEADER_SLACK = 256
 _PARALLEL_MIN_BYTES = 1 << 20
 
 
-def _decode_all(decode: Callable[[bytes, bytes], T], keys: Sequence[bytes], values: Sequence[bytes | None],
+def decode_all(decode: Callable[[bytes, bytes], T], keys: Sequence[bytes], values: Sequence[bytes | None],
                 *, parallel: bool) -> list[T | BaseException | None]:
     """``decode`` every present value: the result, or the exception it raised (``None`` for a missing value).
 
@@ -487,7 +487,7 @@ class TieredStore:
                 self._unavailable(spec, exc)
                 continue
             missed, promote = [], []
-            outcomes = _decode_all(decode, [keys[j] for j in remaining], values, parallel=parallel)
+            outcomes = decode_all(decode, [keys[j] for j in remaining], values, parallel=parallel)
             for j, value, outcome in zip(remaining, values, outcomes, strict=True):
                 if value is None:
                     missed.append(j)

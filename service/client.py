@@ -28,6 +28,7 @@ from kvshelf.kvstore.encoding import decode_block, encode_block, prepare_block
 from kvshelf.kvstore.errors import ConfigError, KVShelfError, TierUnavailableError
 from kvshelf.kvstore.keys import check_keys
 from kvshelf.kvstore.protocol import DEFAULT_NAMESPACE, UNKNOWN_MODEL
+from kvshelf.kvstore.store import decode_all
 from kvshelf.proto import kvshelf_pb2 as pb
 from kvshelf.proto import kvshelf_pb2_grpc as pb_grpc
 from kvshelf.service.arena import DEFAULT_ARENA_BYTES, ArenaPool, ClientArena, shared_memory_supported
@@ -332,24 +333,27 @@ class RemoteStore:
     ) -> list[PreparedBlock | None]:
         """Like ``get_many``, but checked and parsed only (see ``TieredStore.get_prepared_many``): the caller's
         ``cache_from_prepared`` decodes them straight into a cache."""
-        return self._checked(keys, fingerprint, namespace, tokens, prepare_block)
+        return self._checked(keys, fingerprint, namespace, tokens, prepare_block, parallel=True)
 
     def _checked(self, keys: Sequence[bytes], fingerprint: str, namespace: str | None,
-                 tokens: Sequence[int] | None, read: Callable[..., T]) -> list[T | None]:
+                 tokens: Sequence[int] | None, read: Callable[..., T], *, parallel: bool = False) -> list[T | None]:
+        """``read`` every fetched value (``parallel``: the entropy decoding of compressed blocks on a few threads,
+        as ``TieredStore.get_prepared_many`` does); a damaged or foreign one is a miss."""
         keys = list(keys)
         namespace = namespace or self.namespace
         values = self.get_encoded_many(keys, namespace=namespace, fingerprint=fingerprint, tokens=tokens)
+
+        def one(key: bytes, value: bytes) -> T:
+            return read(value, expected_key=key, expected_fingerprint=fingerprint, expected_namespace=namespace)
+
         out: list[T | None] = []
-        for key, value in zip(keys, values, strict=True):
-            if value is None:
-                out.append(None)
-                continue
-            try:
-                out.append(read(value, expected_key=key, expected_fingerprint=fingerprint,
-                                expected_namespace=namespace))
-            except KVShelfError as exc:
-                log.warning("remote block %s rejected: %s", key.hex(), exc)
-                out.append(None)
+        for key, outcome in zip(keys, decode_all(one, keys, values, parallel=parallel), strict=True):
+            if isinstance(outcome, KVShelfError):
+                log.warning("remote block %s rejected: %s", key.hex(), outcome)
+                outcome = None
+            elif isinstance(outcome, BaseException):
+                raise outcome
+            out.append(outcome)
         return out
 
     def lookup_prefix(
