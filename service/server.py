@@ -728,11 +728,15 @@ def start_server(
     reflection.enable_server_reflection(
         (pb.DESCRIPTOR.services_by_name["KVShelf"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    if tls_cert is not None and tls_key is not None:
-        port = server.add_secure_port(listen, grpc.ssl_server_credentials([(tls_key, tls_cert)]))
-    else:
-        port = server.add_insecure_port(listen)
+    try:
+        if tls_cert is not None and tls_key is not None:
+            port = server.add_secure_port(listen, grpc.ssl_server_credentials([(tls_key, tls_cert)]))
+        else:
+            port = server.add_insecure_port(listen)
+    except RuntimeError:  # newer grpcio raises where older ones returned 0
+        port = 0
     if port == 0:
+        servicer.events.close()  # the event log's lock and the store listener go with the server that never ran
         raise ConfigError(f"cannot listen on {listen!r} (address in use or invalid)")
     servicer.start_health_probe(health_interval_s)
     server.start()

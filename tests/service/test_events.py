@@ -431,6 +431,17 @@ def test_subscriptions_are_capped_per_tenant(server):
     a.close()
 
 
+def test_a_server_that_cannot_listen_releases_its_event_log(server, data_dir):
+    other = open_embedded_store(data_dir.parent / "other")
+    try:
+        with pytest.raises(ConfigError, match="cannot listen"):
+            start_server(other, f"127.0.0.1:{server.port}", events_dir=data_dir.parent / "other-events")
+        again = start_server(other, events_dir=data_dir.parent / "other-events")  # the log is free again
+        again.stop(0)
+    finally:
+        other.close()
+
+
 def test_one_server_per_event_log(server, data_dir):
     other = open_embedded_store(data_dir.parent / "other")
     try:
