@@ -72,6 +72,8 @@ CHUNK_BYTES = 4 << 20  # GetBlocks chunks for a client that asks for no size (th
 MAX_CHUNK_BYTES = 16 << 20  # the most data one Chunk carries: PutBlocks, and GetBlocks when asked for
 MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + (64 << 10)  # gRPC message limit: one full chunk plus framing
 MAX_KEYS_PER_CALL = 100_000
+#: gRPC core transport settings of both ends (server and ``RemoteStore``), for multi-megabyte messages.
+TRANSPORT_OPTIONS: list[tuple[str, int]] = []
 
 
 def iter_chunks(value: bytes | memoryview, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[memoryview, bool]]:
@@ -102,7 +104,7 @@ def is_local_peer(peer: str) -> bool:
 class ServerLimits:
     """Size limits and quotas of one server."""
 
-    max_block_bytes: int = 256 << 20  # one encoded value, and what one may decode to when a tier re-encodes it
+    max_block_bytes: int = 256 << 20  # one encoded value, and what one may decode to (server or client)
     max_call_bytes: int = 1 << 30  # one PutBlocks call (held until it ends); also one tenant's puts in flight together
     quota_bytes: int | None = None  # per namespace, in each tier (overwrites count what they add); None: unlimited
     shared_memory: bool = True  # same-host GetBlocks through client arenas in /dev/shm (service/arena.py)
@@ -482,20 +484,20 @@ class KVShelfServicer:
                 call.close()
 
     def _check_reencode(self, tier_key: bytes, header: BlockHeader, nbytes: int, targets: Sequence[TierSpec]) -> None:
-        """RESOURCE_EXHAUSTED when a tier that re-encodes the block would decode or store more than the max block
-        size: from the declared shape and dtype, before anything is allocated."""
+        """RESOURCE_EXHAUSTED when the block would decode to more than the max block size (a tier that re-encodes
+        it decodes it; a tier that keeps it as sent hands it to clients that decode it), or a tier that re-encodes
+        it would store more: from the declared shape and dtype, before anything is allocated."""
         reencoding = [spec for spec in targets if not spec.stores_as_is(header)]
-        if not reencoding:
-            return
         limit = self.limits.max_block_bytes
         decoded = decoded_nbytes(header)
-        stored = max(spec.stored_nbytes(header, nbytes) for spec in reencoding)
-        if max(decoded, stored) > limit:
-            fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                  f"block {tier_key[SCOPE_BYTES:].hex()} of declared shape {list(header.shape)} "
-                  f"{DTYPE_NAMES[header.dtype]} decodes to {decoded} bytes (up to {stored} stored) to be re-encoded "
-                  f"from {header.codec} for tier(s) {', '.join(s.tier.name for s in reencoding)}: over the max block "
-                  f"size of {limit} bytes")
+        stored = max((spec.stored_nbytes(header, nbytes) for spec in reencoding), default=0)
+        if max(decoded, stored) <= limit:
+            return
+        why = (f"(up to {stored} stored) to be re-encoded from {header.codec} for tier(s) "
+               f"{', '.join(s.tier.name for s in reencoding)}" if reencoding else f"from {header.codec} once fetched")
+        fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
+              f"block {tier_key[SCOPE_BYTES:].hex()} of declared shape {list(header.shape)} "
+              f"{DTYPE_NAMES[header.dtype]} decodes to {decoded} bytes {why}: over the max block size of {limit} bytes")
 
     def _verify(self, namespace: str, key: bytes, value: bytes) -> BlockHeader:
         try:
@@ -721,7 +723,7 @@ def start_server(
         interceptors=[RequestWatch(servicer.streams, servicer.tenant_of, SERVICE_NAME), *interceptors],
         options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                  ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                 ("grpc.so_reuseport", 0)],
+                 ("grpc.so_reuseport", 0), *TRANSPORT_OPTIONS],
     )
     server.add_generic_rpc_handlers((servicer.generic_handler(),))
     health_pb2_grpc.add_HealthServicer_to_server(servicer.health, server)

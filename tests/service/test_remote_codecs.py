@@ -133,6 +133,34 @@ def test_an_explicit_disk_codec_still_reencodes_within_the_max_block(tmp_path):
         store.close()
 
 
+def test_blocks_kept_as_sent_still_decode_within_the_max_block(tmp_path):
+    """Tiers that keep blocks as sent never decode them, but their clients do: a small zstd block of zeros that
+    decodes to 4 MiB is refused by a 1 MiB max block (a decompression bomb for the readers), before it is stored."""
+    import dataclasses
+
+    from kvshelf.service.client import RemoteStoreError
+    from kvshelf.service.server import ServerLimits
+
+    store = open_store(ServeConfig(data_dir=str(tmp_path / "data"), memory="64MiB"))
+    running = start_server(store, limits=ServerLimits(max_block_bytes=1 << 20))
+    try:
+        with RemoteStore(f"127.0.0.1:{running.port}", namespace="default", codec="zstd",
+                         shared_memory=False) as remote:
+            block = make_block(1024, layers=2, heads=2, head_dim=128)
+            zeros = dataclasses.replace(block, keys=torch.zeros_like(block.keys), values=torch.zeros_like(block.values))
+            assert len(encode_block(zeros, key_of(zeros), "zstd")) < 64 << 10
+            with pytest.raises(RemoteStoreError) as excinfo:
+                remote.put_many([(key_of(zeros), zeros)])
+            assert excinfo.value.code.name == "RESOURCE_EXHAUSTED"
+            assert "decodes to 4194304 bytes" in str(excinfo.value) and "max block" in str(excinfo.value)
+            assert remote.stats()["usage"]["bytes"] == 0
+            small = _blocks("default")  # real blocks within the limit are stored as sent
+            assert remote.put_many(small) == 2
+    finally:
+        running.stop(0)
+        store.close()
+
+
 def test_the_adapter_path_over_int8_matches_the_embedded_store(model, tmp_path):
     """CachedGenerator over RemoteStore(int8, wire path) gives the same tokens and logits as over the embedded
     store whose tier is int8: the same blocks, decoded by the same code, once on each side."""
