@@ -60,7 +60,7 @@ def serve(
     tokens_file: Annotated[str | None, _opt("TOML \\[tokens] \"token\" = \"namespace\" (none: dev mode)")] = None,
     tls_cert: Annotated[str | None, _opt("PEM certificate (with --tls-key: serve TLS)")] = None,
     tls_key: Annotated[str | None, _opt("PEM private key")] = None,
-    max_block: Annotated[str | None, _opt("largest encoded block accepted (default 256MiB)")] = None,
+    max_block: Annotated[str | None, _opt("largest block accepted, encoded or once decoded (default 256MiB)")] = None,
     max_call: Annotated[str | None, _opt("most bytes one PutBlocks call may carry (default 1GiB)")] = None,
     quota: Annotated[str | None, _opt("per-namespace byte quota, e.g. 10GiB (default none)")] = None,
     grace: Annotated[float | None, _opt("seconds to drain in-flight calls on SIGTERM (default 10)")] = None,
