@@ -74,6 +74,20 @@ def grpc_backend(shared_memory: bool | None = None) -> Iterator[dict[str, Any]]:
 
 
 @contextmanager
+def grpc_bare_backend() -> Iterator[dict[str, Any]]:
+    """The floor of the wire path: a bare gRPC Python server with nothing of kvshelf in it (``bench/grpc_bare.py``)."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvshelf.bench.grpc_bare"], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        if not line.strip().isdigit():
+            raise RuntimeError(f"the bare gRPC server did not start (exit {proc.poll()}): {line.strip()!r}")
+        yield {"kind": "grpc-bare", "address": f"127.0.0.1:{line.strip()}"}
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@contextmanager
 def grpc_wire_backend() -> Iterator[dict[str, Any]]:
     """The gRPC service with the same-host shared-memory path off: every byte over the wire."""
     with grpc_backend(shared_memory=False) as target:
@@ -99,6 +113,11 @@ def connect(target: dict[str, Any]) -> tuple[ClientPair, Callable[[], None]]:
 
         client = redis.Redis.from_url(target["url"])
         return ((lambda k, v: client.set(k, v)), client.get), client.close
+    if target["kind"] == "grpc-bare":
+        from kvshelf.bench.grpc_bare import BareClient
+
+        bare = BareClient(target["address"])
+        return (bare.put, bare.get), bare.close
     if target["kind"] == "grpc":
         from kvshelf.service.client import RemoteStore
 
@@ -241,8 +260,8 @@ def run_case(target: dict[str, Any], block_mib: int, clients: int, ops: int, set
     return [put, _run_op(target, "get", block_mib, clients, ops)]
 
 
-BACKENDS: dict[str, Backend] = {"grpc": grpc_backend, "grpc-wire": grpc_wire_backend, "redis": redis_backend,
-                                "lmdb": lmdb_backend}
+BACKENDS: dict[str, Backend] = {"grpc": grpc_backend, "grpc-wire": grpc_wire_backend, "grpc-bare": grpc_bare_backend,
+                                "redis": redis_backend, "lmdb": lmdb_backend}
 
 
 def add_redis_ratios(results: list[dict[str, Any]]) -> None:
