@@ -13,10 +13,12 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import random
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Self, TypeVar
 
@@ -41,6 +43,8 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 _UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 _MAX_RETRY_PAUSE_S = 0.5
+#: Fetched values at least this large are decoded on a few threads while the rest still arrive (``get_prepared_many``).
+STREAM_DECODE_MIN_BYTES = 256 << 10
 
 
 #: per value, optional: ``(parent key, token ids)`` for its BlockStored events (``None`` parts: not sent)
@@ -252,6 +256,13 @@ class RemoteStore:
 
         ``tokens``: tokens per key, so the server counts the retrieve hit rate in tokens too.
         """
+        return self._fetch(keys, fingerprint=fingerprint, namespace=namespace, tokens=tokens)
+
+    def _fetch(
+        self, keys: Sequence[bytes], *, fingerprint: str | None, namespace: str | None,
+        tokens: Sequence[int] | None, arrived: Callable[[int, bytes], None] | None = None,
+    ) -> list[bytes | None]:
+        """``get_encoded_many``; ``arrived(index, value)`` is called as each value is whole (in order)."""
         keys = check_keys(keys)
         out: list[bytes | None] = [None] * len(keys)
         if not keys:
@@ -262,7 +273,7 @@ class RemoteStore:
         if arena is not None:
             request.arena.name, request.arena.token = arena.name, arena.token
         try:
-            self._receive(request, out, arena)
+            self._receive(request, out, arena, arrived)
         except BaseException:
             if arena is not None:  # a server handler may still write into it: never reuse it
                 arena.close()
@@ -281,7 +292,8 @@ class RemoteStore:
             self._arenas = None
             return None
 
-    def _receive(self, request: pb.GetBlocksRequest, out: list[bytes | None], arena: ClientArena | None) -> None:
+    def _receive(self, request: pb.GetBlocksRequest, out: list[bytes | None], arena: ClientArena | None,
+                 arrived: Callable[[int, bytes], None] | None = None) -> None:
         parts: list[memoryview] = []
         try:
             for raw in self._get_stream(request):
@@ -295,12 +307,16 @@ class RemoteStore:
                     if arena is None:
                         raise RemoteStoreError(grpc.StatusCode.DATA_LOSS, "server sent an arena offset unasked")
                     if msg.index < len(out):
-                        out[msg.index] = arena.read(msg.arena_offset, msg.total_size)
+                        out[msg.index] = value = arena.read(msg.arena_offset, msg.total_size)
+                        if arrived is not None:
+                            arrived(msg.index, value)
                     continue
                 parts.append(msg.data)
                 if msg.last:
                     if msg.index < len(out):
-                        out[msg.index] = b"".join(parts)
+                        out[msg.index] = value = b"".join(parts)
+                        if arrived is not None:
+                            arrived(msg.index, value)
                     parts = []
         except grpc.RpcError as exc:
             raise self._error(exc) from None
@@ -341,13 +357,17 @@ class RemoteStore:
         as ``TieredStore.get_prepared_many`` does); a damaged or foreign one is a miss."""
         keys = list(keys)
         namespace = namespace or self.namespace
-        values = self.get_encoded_many(keys, namespace=namespace, fingerprint=fingerprint, tokens=tokens)
 
         def one(key: bytes, value: bytes) -> T:
             return read(value, expected_key=key, expected_fingerprint=fingerprint, expected_namespace=namespace)
 
+        if parallel and len(keys) > 1:
+            outcomes = self._fetch_decoding(keys, namespace, fingerprint, tokens, one)
+        else:
+            values = self._fetch(keys, namespace=namespace, fingerprint=fingerprint, tokens=tokens)
+            outcomes = decode_all(one, keys, values, parallel=False)
         out: list[T | None] = []
-        for key, outcome in zip(keys, decode_all(one, keys, values, parallel=parallel), strict=True):
+        for key, outcome in zip(keys, outcomes, strict=True):
             if isinstance(outcome, KVShelfError):
                 log.warning("remote block %s rejected: %s", key.hex(), outcome)
                 outcome = None
@@ -355,6 +375,38 @@ class RemoteStore:
                 raise outcome
             out.append(outcome)
         return out
+
+    def _fetch_decoding(self, keys: list[bytes], namespace: str, fingerprint: str, tokens: Sequence[int] | None,
+                        read: Callable[[bytes, bytes], T]) -> list[T | BaseException | None]:
+        """Fetch ``keys`` and ``read`` each large value on a few threads as soon as it has arrived, so that its
+        decoding overlaps the transfer of the ones after it (small values are read at the end, in this thread).
+        Like ``decode_all``: each result, or the exception ``read`` raised, or None for a miss. The threads exit
+        when the call ends (see ``decode_all`` on idle threads)."""
+
+        def guarded(key: bytes, value: bytes) -> T | BaseException:
+            try:
+                return read(key, value)
+            except Exception as exc:  # noqa: BLE001 - handed back to the caller, which sorts them out
+                return exc
+
+        pending: dict[int, Future[T | BaseException]] = {}
+        pool: ThreadPoolExecutor | None = None
+
+        def arrived(index: int, value: bytes) -> None:
+            nonlocal pool
+            if len(value) < STREAM_DECODE_MIN_BYTES:
+                return
+            if pool is None:
+                pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="kvshelf-decode")
+            pending[index] = pool.submit(guarded, keys[index], value)
+
+        try:
+            values = self._fetch(keys, namespace=namespace, fingerprint=fingerprint, tokens=tokens, arrived=arrived)
+            return [pending[i].result() if i in pending else None if value is None else guarded(key, value)
+                    for i, (key, value) in enumerate(zip(keys, values, strict=True))]
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
 
     def lookup_prefix(
         self, keys: Sequence[bytes], *, namespace: str | None = None, model: str = UNKNOWN_MODEL,

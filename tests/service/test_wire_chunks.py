@@ -10,6 +10,7 @@ import os
 
 import grpc
 import pytest
+import torch
 from helpers import key_of, make_block
 
 from kvshelf.kvstore import encode_block, open_embedded_store
@@ -135,3 +136,38 @@ def test_malformed_put_message_is_invalid_argument(server):
     with RemoteStore(f"127.0.0.1:{server.port}", shared_memory=False) as remote:  # still serving
         key, value = _big_value()
         assert remote.put_encoded_many([(key, value)]) == 1
+
+
+def test_prepared_blocks_are_decoded_while_the_rest_arrive(server):
+    """get_prepared_many reads each large fetched value on a decode thread as soon as it is whole (the decoding
+    overlaps the transfer of the values after it), small ones in the caller's thread; the results are the same
+    as fetching everything first, misses and damaged values included."""
+    import threading
+
+    from kvshelf.kvstore.encoding import prepare_block
+    from kvshelf.service.client import STREAM_DECODE_MIN_BYTES
+
+    big = [make_block(list(range(i * 1000, i * 1000 + 300)), layers=4, heads=4, head_dim=64, seed=i) for i in range(3)]
+    small = make_block([1, 2, 3])
+    blocks = [*big, small]
+    keys = [key_of(b) for b in blocks]
+    with RemoteStore(f"127.0.0.1:{server.port}", shared_memory=False) as remote:
+        assert remote.put_encoded_many([(k, encode_block(b, k)) for k, b in zip(keys, blocks, strict=True)]) == 4
+        values = remote.get_encoded_many(keys)
+        assert all(len(v) >= STREAM_DECODE_MIN_BYTES for v in values[:3]) and len(values[3]) < STREAM_DECODE_MIN_BYTES
+        threads: dict[bytes, str] = {}
+
+        def read(key: bytes, value: bytes):
+            threads[key] = threading.current_thread().name
+            return prepare_block(value, expected_key=key)
+
+        missing = b"\x07" * 16
+        outcomes = remote._fetch_decoding([*keys, missing], "default", blocks[0].fingerprint, None, read)
+    assert outcomes[-1] is None
+    for block, outcome in zip(blocks, outcomes, strict=False):
+        assert outcome.shape == tuple(block.keys.shape) and outcome.token_ids == block.token_ids
+        got_k, got_v = torch.empty_like(block.keys), torch.empty_like(block.values)
+        outcome.payload.write(got_k, got_v)
+        assert torch.equal(got_k, block.keys) and torch.equal(got_v, block.values)
+    assert all(threads[k].startswith("kvshelf-decode") for k in keys[:3])
+    assert threads[keys[3]] == threading.current_thread().name
