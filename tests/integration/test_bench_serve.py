@@ -6,16 +6,27 @@ import json
 
 from rich.console import Console
 
-from kvshelf.bench.common import default_corpus
 from kvshelf.bench.serve import run
+from kvshelf.service.demo import make_documents
 
 RESULT_KEYS = {"system", "workload", "requests_per_s", "ttft_p50_s", "ttft_p99_s", "accuracy"}
 
 
+def abstract_sized_corpus(path) -> str:
+    """A JSONL corpus of records the size of the abstracts corpus's (~14 sentences, ~320 tokens), cut from the demo's
+    synthetic documents: the run is the same with or without ``../shared`` (whose documents, 4 to a chat, would
+    otherwise be ~1,800-token demo documents and make one HF chat request take ~40 s here)."""
+    sentences = [s.strip() + "." for d in make_documents(count=4, target_tokens=None) for s in d.text.split(". ")]
+    records = [sentences[i: i + 14] for i in range(0, len(sentences) - 13, 14)]
+    path.write_text("".join(json.dumps({"title": f"Record {n}", "abstract": " ".join(r)}) + "\n"
+                            for n, r in enumerate(records)))
+    return str(path)
+
+
 def test_bench_serve_small_run_writes_its_schema(tmp_path):
     out = tmp_path / "serve.json"
-    corpus = default_corpus()
-    payload = run(json_path=str(out), corpus=str(corpus) if corpus else None, seconds=2, clients=2, turns=2,
+    corpus = abstract_sized_corpus(tmp_path / "corpus.jsonl")
+    payload = run(json_path=str(out), corpus=corpus, seconds=2, clients=2, turns=2,
                   turn_new_tokens=4, pool=7, documents=2, console=Console(quiet=True), progress=False)
     written = json.loads(out.read_text())
     assert written["results"] == payload["results"]
