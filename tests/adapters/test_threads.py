@@ -204,7 +204,7 @@ def test_attention_implementation_seen_from_another_thread_never_changes(model, 
     stop = threading.Event()
 
     def poll() -> None:
-        while not stop.is_set():
+        while not stop.wait(0.0002):  # ~thousands of looks a second, without starving the calls of the GIL
             seen.add(hf.attn_implementation(model))
 
     poller = threading.Thread(target=poll)
