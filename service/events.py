@@ -56,6 +56,7 @@ from kvshelf.service.auth import scope_tag
 from kvshelf.service.errors import StreamRefusedError
 from kvshelf.service.fairness import end_call
 from kvshelf.service.status import fail
+from kvshelf.service.wire import varint
 
 log = logging.getLogger(__name__)
 
@@ -586,22 +587,10 @@ def _header_parent(extra: dict[str, str]) -> bytes:
     return parent if len(parent) == KEY_BYTES else b""
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
 def _events_message(payloads: list[bytes], next_seq: int) -> bytes:
     """A serialized ``SubscribeEventsResponse`` of already serialized ``KVEvent``s (no re-parsing)."""
-    parts = [b"\x0a" + _varint(len(p)) + p for p in payloads]  # field 1 (events), length-delimited
-    parts.append(b"\x10" + _varint(next_seq))  # field 2 (next_seq), varint
+    parts = [b"\x0a" + varint(len(p)) + p for p in payloads]  # field 1 (events), length-delimited
+    parts.append(b"\x10" + varint(next_seq))  # field 2 (next_seq), varint
     return b"".join(parts)
 
 

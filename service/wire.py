@@ -22,7 +22,8 @@ _VARINT, _LEN = 0, 2
 _PUT_CHUNK, _CHUNK_DATA = 3, 2  # PutBlocksRequest.chunk, Chunk.data
 
 
-def _varint(n: int) -> bytes:
+def varint(n: int) -> bytes:
+    """``n`` (>= 0) as a protobuf base-128 varint."""
     out = bytearray()
     while True:
         byte = n & 0x7F
@@ -48,7 +49,7 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
 
 
 def _field(number: int, wire_type: int) -> bytes:
-    return _varint(number << 3 | wire_type)
+    return varint(number << 3 | wire_type)
 
 
 def encode_chunk_response(index: int, data: bytes | memoryview, *, key: bytes = b"", last: bool = False,
@@ -56,15 +57,15 @@ def encode_chunk_response(index: int, data: bytes | memoryview, *, key: bytes = 
     """``GetBlocksResponse(index, chunk=Chunk(key, data, last, total_size))`` serialised (one copy of ``data``)."""
     head = bytearray()
     if key:
-        head += _field(1, _LEN) + _varint(len(key)) + key
-    data_head = _field(2, _LEN) + _varint(len(data)) if len(data) else b""
+        head += _field(1, _LEN) + varint(len(key)) + key
+    data_head = _field(2, _LEN) + varint(len(data)) if len(data) else b""
     tail = bytearray()
     if last:
         tail += _field(3, _VARINT) + b"\x01"
     if total_size:
-        tail += _field(4, _VARINT) + _varint(total_size)
+        tail += _field(4, _VARINT) + varint(total_size)
     chunk_len = len(head) + len(data_head) + len(data) + len(tail)
-    prefix = (_field(1, _VARINT) + _varint(index) if index else b"") + _field(2, _LEN) + _varint(chunk_len)
+    prefix = (_field(1, _VARINT) + varint(index) if index else b"") + _field(2, _LEN) + varint(chunk_len)
     return b"".join([prefix, head, data_head, data if len(data) else b"", tail])
 
 
@@ -72,20 +73,20 @@ def encode_arena_response(index: int, key: bytes, offset: int, size: int) -> byt
     """``GetBlocksResponse(index, chunk=Chunk(key, last, total_size=size, in_arena, arena_offset=offset))``."""
     body = bytearray()
     if key:
-        body += _field(1, _LEN) + _varint(len(key)) + key
+        body += _field(1, _LEN) + varint(len(key)) + key
     body += _field(3, _VARINT) + b"\x01"
     if size:
-        body += _field(4, _VARINT) + _varint(size)
+        body += _field(4, _VARINT) + varint(size)
     body += _field(5, _VARINT) + b"\x01"
     if offset:
-        body += _field(6, _VARINT) + _varint(offset)
-    prefix = (_field(1, _VARINT) + _varint(index) if index else b"") + _field(2, _LEN) + _varint(len(body))
+        body += _field(6, _VARINT) + varint(offset)
+    prefix = (_field(1, _VARINT) + varint(index) if index else b"") + _field(2, _LEN) + varint(len(body))
     return prefix + bytes(body)
 
 
 def encode_miss_response(index: int) -> bytes:
     """``GetBlocksResponse(index, miss=True)`` serialised."""
-    return (_field(1, _VARINT) + _varint(index) if index else b"") + _field(3, _VARINT) + b"\x01"
+    return (_field(1, _VARINT) + varint(index) if index else b"") + _field(3, _VARINT) + b"\x01"
 
 
 @dataclass(frozen=True)
@@ -158,9 +159,9 @@ def encode_put_request(data: bytes | memoryview, meta: pb.Chunk, head: pb.PutBlo
     if meta.data:
         raise WireError("encode_put_request takes the chunk's data apart from its metadata")
     chunk_head = meta.SerializeToString()
-    data_head = _field(_CHUNK_DATA, _LEN) + _varint(len(data)) if len(data) else b""
+    data_head = _field(_CHUNK_DATA, _LEN) + varint(len(data)) if len(data) else b""
     chunk_len = len(chunk_head) + len(data_head) + len(data)
-    outer = (head.SerializeToString() if head is not None else b"") + _field(_PUT_CHUNK, _LEN) + _varint(chunk_len)
+    outer = (head.SerializeToString() if head is not None else b"") + _field(_PUT_CHUNK, _LEN) + varint(chunk_len)
     return b"".join([outer, chunk_head, data_head, data if len(data) else b""])
 
 
@@ -196,7 +197,7 @@ def decode_put_request(raw: bytes) -> tuple[pb.PutBlocksRequest, memoryview]:
         length_at, chunk_end = chunk_at
         _, chunk_start = _read_varint(buf, length_at)
         chunk_len = chunk_end - chunk_start - (data_end - data_start)
-        rest = b"".join([buf[:length_at], _varint(chunk_len), buf[chunk_start:data_start], buf[data_end:]])
+        rest = b"".join([buf[:length_at], varint(chunk_len), buf[chunk_start:data_start], buf[data_end:]])
     message = pb.PutBlocksRequest()
     try:
         message.ParseFromString(bytes(rest))
