@@ -139,11 +139,6 @@ def _percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if values else float("nan")
 
 
-#: Every client process, whatever its backend, runs with glibc's large-buffer settings (``service/allocator.py``:
-#: without them each 8 MiB value a client receives is a freshly faulted mapping, which costs about as much as moving
-#: it), so the table compares the backends, not the allocator's state. ``kvshelf serve`` sets them for itself.
-CLIENT_TUNABLES = True
-
 #: Seconds between a case's put and get phases (see ``run_case``).
 SETTLE_S = 2.0
 
@@ -214,7 +209,10 @@ def _run_op(target: dict[str, Any], op: str, block_mib: int, clients: int, ops: 
     """One phase of a case with ``clients`` worker processes (``python -m bench.store_worker``) that start
     together once all are connected and warm; JSON lines over their pipes."""
     spec = {"target": target, "op": op, "block_mib": block_mib, "clients": clients, "ops": ops}
-    env = {**os.environ, "GLIBC_TUNABLES": LARGE_BUFFER_TUNABLES} if CLIENT_TUNABLES else None
+    # every client process, whatever its backend, with glibc's large-buffer settings (service/allocator.py: without
+    # them each 8 MiB value a client receives is a freshly faulted mapping, which costs about as much as moving it),
+    # so the table compares the backends, not the allocator's state; kvshelf serve sets them for itself
+    env = {**os.environ, "GLIBC_TUNABLES": LARGE_BUFFER_TUNABLES}
     workers = [subprocess.Popen([sys.executable, "-m", "kvshelf.bench.store_worker", json.dumps({**spec, "client": c})],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
                for c in range(clients)]
@@ -290,7 +288,7 @@ def run(
                         results.append({"backend": name, **row})
     add_redis_ratios(results)
     payload = {"machine": machine_description(), "results": results,
-               "client_env": {"GLIBC_TUNABLES": LARGE_BUFFER_TUNABLES} if CLIENT_TUNABLES else {},
+               "client_env": {"GLIBC_TUNABLES": LARGE_BUFFER_TUNABLES},
                "note": "grpc: a same-host client's default (gets through a /dev/shm arena); grpc-wire: every byte "
                        "over gRPC/HTTP/2 on loopback; vs_redis: MB/s over raw redis-py's in this run"}
     table = Table(title=f"store throughput ({payload['machine']})")

@@ -920,13 +920,9 @@ class RedisTier(Tier):
                 continue
 
     def _parse_names(self, names: Iterable[bytes]) -> Iterator[bytes]:
-        """The keys of manifest names ``{<prefix><hex>}:m`` (names not of this tier's layout skipped)."""
-        start = 1 + len(self.prefix.encode())
-        for name in names:
-            try:
-                yield bytes.fromhex(name[start:-3].decode("ascii", "replace"))
-            except ValueError:
-                continue  # not one of ours (a prefix that is a prefix of another tier's)
+        """The keys of manifest names ``{<prefix><hex>}:m`` (names not of this tier's layout skipped: a prefix that
+        is a prefix of another tier's)."""
+        return (key for key, suffix, _ in self._parse_all(names) if suffix == b"m")
 
     def _keys(self, client: Client) -> list[bytes]:
         return list(self._parse_names(self._scan(client, "{" + _glob_escape(self.prefix) + "*}:m")))

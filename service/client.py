@@ -36,7 +36,7 @@ from kvshelf.proto import kvshelf_pb2_grpc as pb_grpc
 from kvshelf.service.arena import DEFAULT_ARENA_BYTES, ArenaPool, ClientArena, shared_memory_supported
 from kvshelf.service.errors import ArenaUnavailable, RemoteStoreError, WireError
 from kvshelf.service.fairness import RETRY_AFTER_METADATA
-from kvshelf.service.server import MAX_CHUNK_BYTES, MAX_MESSAGE_BYTES, TRANSPORT_OPTIONS
+from kvshelf.service.server import MAX_CHUNK_BYTES, MAX_MESSAGE_BYTES
 from kvshelf.service.wire import decode_response, encode_put_request
 
 T = TypeVar("T")
@@ -154,7 +154,7 @@ class RemoteStore:
         options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    # server-streaming calls run in the caller's thread (no helper thread per call: ~1.5x faster)
-                   (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1), *TRANSPORT_OPTIONS]
+                   (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)]
         if tls_ca is not None:
             ca = tls_ca if isinstance(tls_ca, bytes) else Path(tls_ca).read_bytes()
             self._channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ca), options)

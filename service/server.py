@@ -72,8 +72,6 @@ CHUNK_BYTES = 4 << 20  # GetBlocks chunks for a client that asks for no size (th
 MAX_CHUNK_BYTES = 16 << 20  # the most data one Chunk carries: PutBlocks, and GetBlocks when asked for
 MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + (64 << 10)  # gRPC message limit: one full chunk plus framing
 MAX_KEYS_PER_CALL = 100_000
-#: gRPC core transport settings of both ends (server and ``RemoteStore``), for multi-megabyte messages.
-TRANSPORT_OPTIONS: list[tuple[str, int]] = []
 
 
 def iter_chunks(value: bytes | memoryview, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[memoryview, bool]]:
@@ -186,7 +184,7 @@ class _PutCall:
                 fail(grpc.StatusCode.INVALID_ARGUMENT,
                       f"value of key {self._key.hex()} ended after {self._filled} bytes; its declared total_size "
                       f"is {self._declared}")
-            value = bytes(self._parts[0]) if len(self._parts) == 1 else b"".join(self._parts)  # one copy
+            value = b"".join(self._parts)  # one copy
             self._parts = []
             done = (self._key, value)
             self._done.append(done)
@@ -723,7 +721,7 @@ def start_server(
         interceptors=[RequestWatch(servicer.streams, servicer.tenant_of, SERVICE_NAME), *interceptors],
         options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                  ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                 ("grpc.so_reuseport", 0), *TRANSPORT_OPTIONS],
+                 ("grpc.so_reuseport", 0)],
     )
     server.add_generic_rpc_handlers((servicer.generic_handler(),))
     health_pb2_grpc.add_HealthServicer_to_server(servicer.health, server)

@@ -11,6 +11,7 @@ Any other client may still use the generated classes: the bytes on the wire are 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
@@ -101,25 +102,37 @@ class ChunkResponse:
     arena_offset: int = 0
 
 
-def _fields(buf: memoryview) -> list[tuple[int, int | memoryview]]:
-    """``(field number, value)`` pairs: an int for varints, a view for length-delimited fields."""
-    out: list[tuple[int, int | memoryview]] = []
-    pos = 0
-    while pos < len(buf):
+_Field = tuple[int, int, int | None, int, int]  # number, field start, varint value or None, value start, field end
+
+
+def _walk(buf: memoryview, start: int, end: int, where: str = "message") -> Iterator[_Field]:
+    """Each field of the message at ``buf[start:end]``, in order: ``(number, field start, value, value start, field
+    end)``, ``value`` the integer of a varint field and None for a length-delimited one (``buf[value start:field
+    end]``). Malformed bytes raise ``WireError`` naming ``where``."""
+    pos = start
+    while pos < end:
+        field_start = pos
         tag, pos = _read_varint(buf, pos)
         number, wire_type = tag >> 3, tag & 7
         if wire_type == _VARINT:
             value, pos = _read_varint(buf, pos)
-            out.append((number, value))
+            if pos > end:
+                raise WireError(f"a varint runs past its {where}")
+            yield number, field_start, value, pos, pos
         elif wire_type == _LEN:
-            length, pos = _read_varint(buf, pos)
-            if pos + length > len(buf):
-                raise WireError("length-delimited field runs past the message")
-            out.append((number, buf[pos : pos + length]))
-            pos += length
+            length, value_start = _read_varint(buf, pos)
+            pos = value_start + length
+            if pos > end:
+                raise WireError(f"length-delimited field runs past its {where}")
+            yield number, field_start, None, value_start, pos
         else:
-            raise WireError(f"unexpected wire type {wire_type} for field {number}")
-    return out
+            raise WireError(f"unexpected wire type {wire_type} for {where} field {number}")
+
+
+def _fields(buf: memoryview) -> list[tuple[int, int | memoryview]]:
+    """``(field number, value)`` pairs: an int for varints, a view for length-delimited fields."""
+    return [(number, buf[value_start:end] if value is None else value)
+            for number, _, value, value_start, end in _walk(buf, 0, len(buf))]
 
 
 def decode_response(raw: bytes) -> ChunkResponse:
@@ -169,65 +182,30 @@ def decode_put_request(raw: bytes) -> tuple[pb.PutBlocksRequest, memoryview]:
     """Parse a serialised ``PutBlocksRequest``: the message without its chunk's data, and that data as a view of
     ``raw`` (no copy). Malformed bytes raise ``WireError``."""
     buf = memoryview(raw)
-    cut: tuple[int, int] | None = None  # [start, end) of the chunk.data field (tag, length and bytes) in raw
-    chunk_at: tuple[int, int] | None = None  # where the chunk field's length varint starts and the chunk ends
-    pos = 0
-    while pos < len(buf):
-        tag, after_tag = _read_varint(buf, pos)
-        number, wire_type = tag >> 3, tag & 7
-        if wire_type == _VARINT:
-            _, pos = _read_varint(buf, after_tag)
-        elif wire_type == _LEN:
-            length, start = _read_varint(buf, after_tag)
-            if start + length > len(buf):
-                raise WireError("length-delimited field runs past the message")
-            if number == _PUT_CHUNK:
-                if chunk_at is not None:
-                    raise WireError("PutBlocksRequest carries its chunk field twice")
-                chunk_at = (after_tag, start + length)
-                cut = _data_field(buf, start, start + length)
-            pos = start + length
-        else:
-            raise WireError(f"unexpected wire type {wire_type} for field {number}")
+    chunk: tuple[int, int, int] | None = None  # (field start, value start, field end) of the chunk field
+    for number, field_start, value, value_start, end in _walk(buf, 0, len(buf)):
+        if number == _PUT_CHUNK and value is None:
+            if chunk is not None:
+                raise WireError("PutBlocksRequest carries its chunk field twice")
+            chunk = (field_start, value_start, end)
     data = memoryview(b"")
     rest: bytes | memoryview = buf
-    if cut is not None and chunk_at is not None:
-        data_start, data_end, value_start = cut
-        data = buf[value_start:data_end]
-        length_at, chunk_end = chunk_at
-        _, chunk_start = _read_varint(buf, length_at)
-        chunk_len = chunk_end - chunk_start - (data_end - data_start)
-        rest = b"".join([buf[:length_at], varint(chunk_len), buf[chunk_start:data_start], buf[data_end:]])
+    if chunk is not None:
+        chunk_start, chunk_value_start, chunk_end = chunk
+        data_fields = [(field_start, value_start, end)
+                       for number, field_start, value, value_start, end in
+                       _walk(buf, chunk_value_start, chunk_end, "chunk") if number == _CHUNK_DATA and value is None]
+        if len(data_fields) > 1:  # protobuf would keep the last; we keep nothing ambiguous
+            raise WireError("a chunk carries its data field twice")
+        if data_fields:
+            data_start, value_start, data_end = data_fields[0]
+            data = buf[value_start:data_end]
+            chunk_len = chunk_end - chunk_value_start - (data_end - data_start)
+            rest = b"".join([buf[:chunk_start], _field(_PUT_CHUNK, _LEN), varint(chunk_len),
+                             buf[chunk_value_start:data_start], buf[data_end:]])
     message = pb.PutBlocksRequest()
     try:
         message.ParseFromString(bytes(rest))
     except (DecodeError, RuntimeWarning) as exc:
         raise WireError(str(exc)) from None
     return message, data
-
-
-def _data_field(buf: memoryview, start: int, end: int) -> tuple[int, int, int] | None:
-    """In the ``Chunk`` at ``buf[start:end]``: ``(field start, field end, value start)`` of its ``data`` field
-    (None without one). Data given twice is refused (protobuf would keep the last; we keep nothing ambiguous)."""
-    found: tuple[int, int, int] | None = None
-    pos = start
-    while pos < end:
-        field_start = pos
-        tag, pos = _read_varint(buf, pos)
-        number, wire_type = tag >> 3, tag & 7
-        if wire_type == _VARINT:
-            _, pos = _read_varint(buf, pos)
-        elif wire_type == _LEN:
-            length, value_start = _read_varint(buf, pos)
-            pos = value_start + length
-            if pos > end:
-                raise WireError("length-delimited field runs past its chunk")
-            if number == _CHUNK_DATA:
-                if found is not None:
-                    raise WireError("a chunk carries its data field twice")
-                found = (field_start, pos, value_start)
-        else:
-            raise WireError(f"unexpected wire type {wire_type} for chunk field {number}")
-        if pos > end:
-            raise WireError("a varint runs past its chunk")
-    return found
