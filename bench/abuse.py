@@ -59,6 +59,7 @@ HONEST_KEYS, HONEST_BATCH = 32, 4
 SAFETY_RSS_GROWTH = 3 << 30
 START_TIMEOUT_S = 60.0
 INTERNAL_CODES = ("INTERNAL", "UNKNOWN")
+CLIENT_DECODE_GROWTH = 128 << 20  # the most a client may grow decoding one hostile block (the Hadamard bomb)
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class AbuseSettings:
     tenant_streams: int | None = None  # None: the server's default
     idle_timeout: float | None = None  # None: the server's default (10 s)
     strike_burst: int | None = None  # None: the server's default (0: strikes off, every abuse reaches its check)
+    disk_codec: str | None = None  # the server's --disk-codec (None: as sent; "int8": the server decodes puts)
     idle_streams: int = 16  # idle PutBlocks streams the abuser keeps open (the server's default worker count)
     slow_streams: int = 2
     honest_interval_s: float = 0.05
@@ -92,7 +94,8 @@ class AbuseSettings:
                 "--tokens-file", str(tokens), "--max-block", self.max_block, "--max-call", self.max_call,
                 "--quota", self.quota, "--grace", "1"]
         for flag, value in (("--max-inflight", self.max_inflight), ("--tenant-streams", self.tenant_streams),
-                            ("--idle-timeout", self.idle_timeout), ("--strike-burst", self.strike_burst)):
+                            ("--idle-timeout", self.idle_timeout), ("--strike-burst", self.strike_burst),
+                            ("--disk-codec", self.disk_codec)):
             if value is not None:
                 args += [flag, str(value)]
         return args
@@ -456,6 +459,7 @@ def checks(results: list[dict[str, Any]]) -> list[tuple[str, bool, str]]:
     internal = sum(r["internal_errors"] for r in results)
     wrong = sum(r["wrong_blocks"] for r in results)
     held, quota = abuse.get("max_held_bytes", 0), under["quota_bytes"]
+    decode_growth = abuse.get("client_decode_growth", 0)
     return [
         ("honest p99 under abuse <= 2 x alone", under["p99_ms"] <= 2 * alone["p99_ms"] and under["honest_calls"] > 0,
          f"{under['p99_ms']:.1f} ms vs 2 x {alone['p99_ms']:.1f} ms"),
@@ -468,6 +472,8 @@ def checks(results: list[dict[str, Any]]) -> list[tuple[str, bool, str]]:
         ("the abuser ran and no abuse was accepted", abuse.get("ran", False) and abuse.get("accepted", 0) == 0,
          f"{abuse.get('accepted', 0)} accepted" if abuse.get("ran") else abuse.get("error", "did not run")),
         ("the abuser never held more than its quota", held <= quota, f"{held / 2**20:.1f} MiB of {quota / 2**20:.0f}"),
+        ("a client decoding a hostile block grows <= 128 MiB", decode_growth <= CLIENT_DECODE_GROWTH,
+         f"{decode_growth / 2**20:.1f} MiB"),
     ]
 
 
@@ -492,6 +498,8 @@ def _print(results: list[dict[str, Any]], verdicts: list[tuple[str, bool, str]],
                                              f"{r['abuser']['cpu_s']:.1f}" if r.get("abuser", {}).get("ran")
                                              else f"{r['server_cpu_s']:.1f} / -"),
         ("abuser errors", lambda r: _codes(r["abuser_errors"])),
+        ("abuser decode growth MiB", lambda r: f"{r['abuser'].get('client_decode_growth', 0) / 2**20:.1f}"
+                                               if r.get("abuser", {}).get("ran") else "-"),
         ("INTERNAL / UNKNOWN", lambda r: r["internal_errors"]),
         ("server RSS start MiB", lambda r: f"{r['server_rss_start_bytes'] / 2**20:.0f}"),
         ("server RSS growth MiB", lambda r: f"{r['server_rss_growth_bytes'] / 2**20:.1f}"),

@@ -18,6 +18,13 @@ Two threads of calls, plus one holding streams (the abuse the issue lists; ``spe
   garbage and truncated protobuf (``malformed``), keys of the wrong length (``wrong_key``), a block header of
   100,000 nested JSON arrays (``nested_header``) and a raw block whose payload does not match its shape
   (``bad_payload``).
+- memory: calls that would make the server hold memory past its limits (issue findings H1 and H2): 60 PutBlocks
+  messages of 8 MiB padding each (an unknown field, ``padded_unknown``; or token ids, ``padded_token_ids``) with
+  empty data, then one small value; a valid block sent 1 KiB at a time in messages padded to 256 KiB
+  (``padded_chunks``: stored, holding its data only); a 40 KB ``cachegen`` block whose header says ``rotate`` at
+  ``head_dim`` 8192 (``hadamard_bomb``, a dense Walsh-Hadamard matrix of 512 MiB for a naive decoder), then read back
+  and decoded here as a client does (``hadamard_read``; this process's peak RSS growth while decoding is reported
+  as ``client_decode_growth``).
 - quota: every ``REFILL_S`` seconds clears its namespace, puts new blocks until the quota refuses them
   (``over_quota``), one large put while over quota (``over_quota_big``), then holds tiny blocks and overwrites
   them with large ones (``overwrite_quota``); in between, while at its quota, keeps sending all three kinds,
@@ -50,6 +57,7 @@ from kvshelf.kvstore import KVBlock, encode_block
 from kvshelf.proto import kvshelf_pb2 as pb
 from kvshelf.service.client import put_requests
 from kvshelf.service.server import CHUNK_BYTES, MAX_MESSAGE_BYTES
+from kvshelf.service.wire import varint
 
 KiB, MiB = 1 << 10, 1 << 20
 METHOD = "/kvshelf.v1.KVShelf/"
@@ -72,6 +80,13 @@ EXPECTED: dict[str, frozenset[str]] = {
     "wrong_key": frozenset({"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}),
     "nested_header": frozenset({"DATA_LOSS", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}),
     "bad_payload": frozenset({"DATA_LOSS", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}),
+    "padded_unknown": frozenset({"RESOURCE_EXHAUSTED"}),
+    "padded_token_ids": frozenset({"RESOURCE_EXHAUSTED"}),
+    # within every limit once the padding is dropped: stored (or refused at the tenant's quota)
+    "padded_chunks": frozenset({"OK", "RESOURCE_EXHAUSTED"}),
+    # a valid block: served within the limits (its decode is bounded) or refused by a header limit
+    "hadamard_bomb": frozenset({"OK", "RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "DATA_LOSS"}),
+    "hadamard_read": frozenset({"OK", "RESOURCE_EXHAUSTED"}),
     "over_quota": frozenset({"OK", "RESOURCE_EXHAUSTED"}),
     "over_quota_big": frozenset({"RESOURCE_EXHAUSTED"}),
     "overwrite_quota": frozenset({"OK", "RESOURCE_EXHAUSTED"}),
@@ -81,7 +96,7 @@ EXPECTED: dict[str, frozenset[str]] = {
 #: Seconds between two clear-and-refill cycles of the quota attack.
 REFILL_S = 5.0
 #: The abuser's threads: held streams, bad input, quota abuse (``--attacks`` picks some).
-ATTACKS = ("streams", "bad", "quota")
+ATTACKS = ("streams", "bad", "memory", "quota")
 #: Kinds that must never be accepted (``OK``): the abuse itself.
 MUST_REFUSE = frozenset(k for k, codes in EXPECTED.items() if "OK" not in codes)
 #: A RESOURCE_EXHAUSTED refusal at admission (the tenant's stream cap, or no stream slot left), before the
@@ -97,6 +112,7 @@ class Tally:
     kinds: dict[str, Counter[str]] = field(default_factory=dict)
     admission: Counter[str] = field(default_factory=Counter)
     max_held_bytes: int = 0
+    client_decode_growth: int = 0  # the most this process's RSS grew while decoding a fetched hostile block
 
     def record(self, kind: str, code: str, details: str = "") -> None:
         with self.lock:
@@ -111,6 +127,10 @@ class Tally:
         self.record(kind, code, details if isinstance(details, str) else "")
         return code
 
+    def decode_growth(self, nbytes: int) -> None:
+        with self.lock:
+            self.client_decode_growth = max(self.client_decode_growth, nbytes)
+
     def held(self, nbytes: int) -> None:
         with self.lock:
             self.max_held_bytes = max(self.max_held_bytes, nbytes)
@@ -121,7 +141,8 @@ class Tally:
             admission = dict(sorted(self.admission.items()))
         calls = sum(n for codes in kinds.values() for code, n in codes.items() if code != "HELD")
         return {"seconds": round(seconds, 3), "calls": calls, "calls_per_s": round(calls / max(seconds, 1e-9), 1),
-                "kinds": kinds, "refused_at_admission": admission, "max_held_bytes": self.max_held_bytes}
+                "kinds": kinds, "refused_at_admission": admission, "max_held_bytes": self.max_held_bytes,
+                "client_decode_growth": self.client_decode_growth}
 
 
 def code_of(exc: grpc.RpcError) -> str:
@@ -176,6 +197,44 @@ def bad_payload_block(key: bytes, namespace: str) -> bytes:
         h["token_ids"] = [0, 1, 2, 3]
 
     return _reframe(encoded, edit)
+
+
+def hadamard_block(key: bytes, namespace: str, head_dim: int = 8192) -> bytes:
+    """A ~40 KB ``cachegen`` block with ``rotate: true`` at ``head_dim`` (2 tokens, float16): a decoder that builds
+    the dense ``[head_dim, head_dim]`` Hadamard matrix allocates 512 MiB (float64) for it."""
+    block = _block((1, 1, 2, head_dim), namespace)
+    return encode_block(block, key, "cachegen", {"rotate": True})
+
+
+def _raw_field(number: int, body: bytes) -> bytes:
+    """A length-delimited protobuf field, serialised."""
+    return varint(number << 3 | 2) + varint(len(body)) + body
+
+
+def padded_message(namespace: str, chunk: pb.Chunk, padding: str, nbytes: int) -> bytes:
+    """A PutBlocksRequest carrying ``chunk`` and ``nbytes`` of padding: an unknown field (number 15) beside the
+    chunk (``padding="unknown"``) or token ids inside it (``"token_ids"``, 3 bytes each)."""
+    head = pb.PutBlocksRequest(namespace=namespace).SerializeToString()
+    body = chunk.SerializeToString()
+    if padding == "token_ids":
+        return head + _raw_field(3, body + _raw_field(8, varint(100_000) * (nbytes // 3)))
+    return head + _raw_field(3, body) + _raw_field(15, bytes(nbytes))
+
+
+def _peak_rss_growth(fn: Callable[[], Any]) -> int:
+    """Bytes this process's peak RSS grew by while ``fn`` ran (``/proc/self/clear_refs`` resets the peak)."""
+    def kib(field: str) -> int:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
+
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+    except OSError:
+        pass
+    start = kib("VmRSS")
+    fn()
+    return max(0, kib("VmHWM") - start) * 1024
 
 
 def put_messages(values: Iterable[tuple[bytes, bytes]], namespace: str) -> Iterator[bytes]:
@@ -311,6 +370,68 @@ class Abuser:
             chunk = pb.Chunk(key=self._key("call"), data=self.garbage[:size], last=True, total_size=size)
             yield pb.PutBlocksRequest(namespace=self.namespace if n == 0 else "", chunk=chunk).SerializeToString()
 
+    # -- memory (H1, H2) --------------------------------------------------------------------------------
+
+    def memory_round(self) -> None:
+        ns, pace = self.namespace, self.spec["pace_s"]
+        for padding in ("unknown", "token_ids"):
+            if self.stop.is_set():
+                return
+            self.call_put(f"padded_{padding}", self._padded(padding))
+            time.sleep(pace)
+        key = self._key("padded-chunks")
+        self.call_put("padded_chunks", self._padded_chunks(key, encode_block(self.tiny_template, key)))
+        time.sleep(pace)
+        key = self._key("hadamard")
+        if self.call_put("hadamard_bomb", put_messages([(key, hadamard_block(key, ns))], ns)) == "OK":
+            self._read_hadamard(key)
+        time.sleep(pace)
+
+    def _padded(self, padding: str) -> Iterator[bytes]:
+        """60 messages of 8 MiB padding with empty data (the first names a small value), then the value."""
+        key = self._key("padded")
+        value = encode_block(self.tiny_template, key)
+        for n in range(60):
+            if self.stop.is_set():
+                return
+            chunk = pb.Chunk(key=key, total_size=len(value)) if n == 0 else pb.Chunk()
+            yield padded_message(self.namespace if n == 0 else "", chunk, padding, 8 * MiB)
+        yield pb.PutBlocksRequest(chunk=pb.Chunk(data=value, last=True)).SerializeToString()
+
+    def _padded_chunks(self, key: bytes, value: bytes) -> Iterator[bytes]:
+        """``value`` 1 KiB at a time, each message padded to 256 KiB with an unknown field."""
+        for n, start in enumerate(range(0, len(value), KiB)):
+            chunk = pb.Chunk(data=value[start : start + KiB], last=start + KiB >= len(value))
+            if n == 0:
+                chunk.key, chunk.total_size = key, len(value)
+            yield padded_message(self.namespace if n == 0 else "", chunk, "unknown", 256 * KiB)
+
+    def _read_hadamard(self, key: bytes) -> None:
+        """Get the stored Hadamard block back and decode it as a client does; record the decode's RSS growth."""
+        from kvshelf.kvstore import decode_block
+        from kvshelf.kvstore.errors import KVShelfError
+
+        chunks: list[bytes] = []
+
+        def fetch() -> int:
+            for raw in self.get(pb.GetBlocksRequest(namespace=self.namespace, keys=[key]).SerializeToString(),
+                                timeout=CALL_TIMEOUT_S, metadata=self.metadata):
+                chunks.append(raw)
+            return len(chunks)
+
+        code, _ = self._outcome("hadamard_read", fetch, None)
+        if code != "OK":
+            return
+        value = b"".join(bytes(pb.GetBlocksResponse.FromString(raw).chunk.data) for raw in chunks)
+
+        def decode() -> None:
+            try:
+                decode_block(value, expected_key=key)
+            except KVShelfError:
+                pass
+
+        self.tally.decode_growth(_peak_rss_growth(decode))
+
     # -- quota ----------------------------------------------------------------------------------------
 
     def _held_bytes(self) -> None:
@@ -440,6 +561,7 @@ class Abuser:
                 self.stop.wait(min(self.spec["gap_s"], max(0.0, end - time.monotonic())))
 
         groups: dict[str, Callable[[], None]] = {"streams": holder, "bad": lambda: loop(self.bad_input_round),
+                                                 "memory": lambda: loop(self.memory_round),
                                                  "quota": lambda: loop(self.quota_round)}
         threads = [threading.Thread(target=fn, daemon=True) for name, fn in groups.items()
                    if name in self.spec.get("attacks", ATTACKS)]

@@ -6,8 +6,9 @@ A tokens file is TOML::
     "s3cret-token-of-team-a" = "team-a"
     "another-token" = "team-b"
 
-With one, every call must carry ``authorization: Bearer <token>`` metadata and works in that token's
-namespace. Without one (dev mode) a call works in the namespace its request names.
+With one, every call must carry ``authorization: Bearer <token>`` metadata (one such header; the scheme in any
+case, RFC 6750 / RFC 9110) and works in that token's namespace. Without one (dev mode) a call works in the
+namespace its request names. ``bearer_token`` is the one reading of that header, for auth and fairness alike.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from kvshelf.kvstore.errors import ConfigError
 from kvshelf.kvstore.keys import SCOPE_BYTES
@@ -27,6 +29,30 @@ MAX_NAMESPACE_CHARS = 256
 def scope_tag(namespace: str) -> bytes:
     """The 8-byte BLAKE2b tag of ``namespace`` that prefixes its tier keys (tier key = tag + 16-byte key)."""
     return hashlib.blake2b(namespace.encode(), digest_size=SCOPE_BYTES, person=b"kvshelf-scope-v1").digest()
+
+
+class BearerError(ValueError):
+    """The call's ``authorization`` metadata cannot be read as one bearer token (the message says why)."""
+
+
+def bearer_token(metadata: Sequence[tuple[str, Any]] | None) -> str:
+    """The token of a call's ``authorization: Bearer <token>`` metadata (the header name and the scheme in any
+    case). Raises ``BearerError`` when there is no such header, it is not a bearer token, it is empty, or the call
+    carries two ``authorization`` headers (which one counts would be ambiguous: refused)."""
+    values = [v for k, v in metadata or () if k.lower() == "authorization"]
+    if not values:
+        raise BearerError("missing 'authorization: Bearer <token>' metadata")
+    if len(values) > 1:
+        raise BearerError(f"{len(values)} 'authorization' headers; send exactly one")
+    value = values[0]
+    if not isinstance(value, str):
+        raise BearerError("the 'authorization' header is binary; send 'Bearer <token>' as text")
+    scheme, _, token = value.strip().partition(" ")
+    if scheme.lower() != "bearer":
+        raise BearerError(f"the 'authorization' header's scheme is {scheme[:20]!r}; expected 'Bearer <token>'")
+    if not token.strip():
+        raise BearerError("the 'authorization' header carries an empty bearer token")
+    return token.strip()
 
 
 def _digest(token: str) -> bytes:

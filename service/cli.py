@@ -589,7 +589,10 @@ def bench_abuse(
     idle_streams: Annotated[int, typer.Option(min=0, help="idle PutBlocks streams the abuser holds open")] = 16,
     strike_burst: Annotated[int | None, _opt("the server's --strike-burst (default: the server's; 0: off)")] = None,
     attacks: Annotated[str, typer.Option(help="the abuser's attacks, comma-separated: streams (idle and slow), "
-                                              "bad (oversized, bomb, malformed), quota")] = "streams,bad,quota",
+                                              "bad (oversized, bomb, malformed), memory (padded messages, the "
+                                              "Hadamard bomb), quota")] = "streams,bad,memory,quota",
+    disk_codec: Annotated[str | None, _opt("the server's --disk-codec (default: as sent; int8: the server "
+                                           "decodes every put to re-encode it)")] = None,
 ) -> None:
     """Fairness: an honest tenant's p50/p99 alone and while another tenant abuses the server; RSS, INTERNALs."""
     from kvshelf.bench.abuse import AbuseSettings, run
@@ -600,7 +603,8 @@ def bench_abuse(
         raise KVShelfError(f"--attacks must be a comma-separated subset of {', '.join(ATTACKS)}, got {attacks!r}")
     settings = AbuseSettings(seconds=seconds, max_block=max_block, max_call=max_call, quota=quota,
                              max_inflight=max_inflight, tenant_streams=tenant_streams, idle_timeout=idle_timeout,
-                             idle_streams=idle_streams, attacks=chosen, strike_burst=strike_burst)
+                             idle_streams=idle_streams, attacks=chosen, strike_burst=strike_burst,
+                             disk_codec=disk_codec)
     result = run(json_path=str(json_path) if json_path else None, settings=settings, console=console)
     if not result["ok"]:
         raise typer.Exit(1)

@@ -473,9 +473,10 @@ class EventHub:
             yield pb.SubscribeEventsResponse(
                 started=pb.SubscriptionStarted(namespace=namespace, next_seq=stop, oldest_seq=oldest),
                 next_seq=from_seq if 0 < from_seq <= stop else stop).SerializeToString()
-            if from_seq > stop:
-                yield _lost_message(Lost(from_seq, stop, f"from_seq {from_seq} is past this server's last event "
-                                                         f"{stop - 1}: its event log was reset or lost its tail"),
+            if from_seq > stop:  # the events [stop, from_seq) the client counts on are not this server's
+                yield _lost_message(Lost(stop, from_seq, f"from_seq {from_seq} is past this server's last event "
+                                                         f"{stop - 1}: its event log was reset or lost its tail; "
+                                                         f"resync, then resume from {stop}"),
                                     stop)
             elif from_seq:
                 yield from self._replay(from_seq, stop, tag, oldest)

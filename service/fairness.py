@@ -103,8 +103,9 @@ class StreamTicket:
         self.nbytes += nbytes
         self.waiting_since = None
 
-    def received(self, raws: Iterator[bytes]) -> Iterator[bytes]:
-        """The messages of a request stream, each one counted as progress."""
+    def received(self, raws: Iterator[bytes], *, count_bytes: bool = True) -> Iterator[bytes]:
+        """The messages of a request stream, each one counted as progress (with its size in bytes towards the
+        min rate; ``count_bytes=False``: the caller counts what it deems progress with ``progress``)."""
         while True:
             self.waiting()
             try:
@@ -113,7 +114,7 @@ class StreamTicket:
                 break
             finally:
                 self.waiting_since = None
-            self.progress(_size(raw))
+            self.progress(_size(raw) if count_bytes else 0)
             yield raw
         self.receiving = False
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
@@ -30,7 +31,6 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from kvshelf.kvstore.codec import get_codec
 from kvshelf.kvstore.encoding import DTYPE_NAMES, BlockHeader, decoded_nbytes, verify_block
@@ -44,8 +44,15 @@ from kvshelf.kvstore.stats import ALL_TIERS, TIER_METRICS
 from kvshelf.kvstore.store import TieredStore, TierSpec
 from kvshelf.proto import kvshelf_pb2 as pb
 from kvshelf.service.arena import ArenaWriter
-from kvshelf.service.auth import MAX_NAMESPACE_CHARS, SCOPE_BYTES, TokenTable, scope_tag
-from kvshelf.service.errors import ArenaUnavailable, WireError
+from kvshelf.service.auth import (
+    MAX_NAMESPACE_CHARS,
+    SCOPE_BYTES,
+    BearerError,
+    TokenTable,
+    bearer_token,
+    scope_tag,
+)
+from kvshelf.service.errors import ArenaUnavailable, WireError, WireLimitError
 from kvshelf.service.events import EventHub, open_event_log
 from kvshelf.service.fairness import (
     RequestWatch,
@@ -53,6 +60,7 @@ from kvshelf.service.fairness import (
     reserved_workers,
 )
 from kvshelf.service.history import StatsHistory
+from kvshelf.service.reflection import enable_reflection
 from kvshelf.service.status import abort_call, client_fault, fail
 from kvshelf.service.strikes import TenantStrikes
 from kvshelf.service.usage import InflightBudget, NamespaceUsage, TierBytes, add_tier_bytes
@@ -68,9 +76,22 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "kvshelf.v1.KVShelf"
 #: Health service name that is NOT_SERVING while some tier is unreachable (the server itself still serves).
 TIERS_HEALTH_NAME = "kvshelf.v1.KVShelf/tiers"
-CHUNK_BYTES = 4 << 20  # GetBlocks chunks for a client that asks for no size (the 0.1.0 protocol's chunk)
+#: Bytes of a ``GetBlocksResponse`` besides its chunk's data, at most: index, chunk, key, data, last and total_size
+#: fields with their tags and lengths (< 64 bytes; rounded up).
+RESPONSE_FRAMING_BYTES = 256
+#: GetBlocks chunks for a client that asks for no size: each message, framing included, fits the 4 MiB receive limit
+#: of stock gRPC clients (grpc-js, Python and Go with default channel options).
+CHUNK_BYTES = (4 << 20) - RESPONSE_FRAMING_BYTES
+MIN_CHUNK_BYTES = 64 << 10  # a smaller GetBlocksRequest.max_chunk_bytes is raised to this (documented in the proto)
 MAX_CHUNK_BYTES = 16 << 20  # the most data one Chunk carries: PutBlocks, and GetBlocks when asked for
 MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + (64 << 10)  # gRPC message limit: one full chunk plus framing
+#: Bytes one PutBlocksRequest may carry besides its chunk's data (namespace, key, parent key, token ids, and any
+#: unknown fields): a block's token ids take ~1-5 bytes each, so this admits blocks of 200k+ tokens. A larger
+#: message is refused (RESOURCE_EXHAUSTED) before protobuf parses it: padding cannot make a call hold memory.
+MAX_PUT_METADATA_BYTES = 1 << 20
+#: A received message whose data is a view keeps the whole message alive. When the message carries more than this
+#: besides its data, the data is copied out and the message freed, so a call holds its data, not its padding.
+KEEP_VIEW_OVERHEAD_BYTES = 64 << 10
 MAX_KEYS_PER_CALL = 100_000
 
 
@@ -130,9 +151,13 @@ class ServerLimits:
 class _PutCall:
     """The values of one PutBlocks call as they arrive, and the in-flight budget and quota they hold.
 
-    Each value's buffer is allocated once from its declared ``total_size`` (already bounded by the max block
-    size) and filled in place; budget and quota for it are taken at its first chunk, before its data is buffered
-    (values without a declared size take them chunk by chunk). ``close`` gives everything back.
+    Memory is counted by what the call holds, not by data bytes: a chunk kept as a view of its received message
+    holds the whole message (a message padded with other fields is copied out instead, see
+    ``KEEP_VIEW_OVERHEAD_BYTES``), and the lineage a value's first chunk names (parent key, token ids) is held until
+    the call ends. A value holds budget and quota for its declared ``total_size`` (already bounded by the max block
+    size) from its first chunk, before its data is buffered, and for more if its messages hold more; values without
+    a declared size take them chunk by chunk. Everything is checked against the per-call limit, the in-flight budget
+    and the quota before it is kept. ``close`` gives everything back.
     """
 
     def __init__(self, servicer: KVShelfServicer, namespace: str) -> None:
@@ -140,7 +165,9 @@ class _PutCall:
         self.namespace, self.tag = namespace, scope_tag(namespace)
         self._done: list[tuple[bytes, bytes]] = []
         self._key: bytes | None = None
-        self._parts: list[memoryview] = []  # the current value's chunks (views of the received messages)
+        self._parts: list[memoryview] = []  # the current value's chunks (views of the received messages, or copies)
+        self._parts_held = 0  # bytes those parts keep alive (whole messages for views)
+        self.lineage: dict[bytes, tuple[bytes, array]] = {}  # key -> (parent key, token ids) its first chunk named
         self._filled = 0
         self._declared = 0  # the current value's total_size (0: not declared)
         self._call_bytes = 0  # bytes of the finished values plus what the current one holds
@@ -149,9 +176,9 @@ class _PutCall:
         self._quota: TierBytes = {}  # quota reserved (the finished values, then the current one)
         self._value_quota: TierBytes = {}
 
-    def add(self, chunk: pb.Chunk, data: memoryview) -> tuple[bytes, bytes] | None:
-        """Take one chunk (``data``: its bytes, apart from the message); return ``(key, value)`` when it completes
-        a value, else None."""
+    def add(self, chunk: pb.Chunk, data: memoryview, message_bytes: int) -> tuple[bytes, bytes] | None:
+        """Take one chunk (``data``: its bytes, apart from the message; ``message_bytes``: the size of the received
+        message it came in); return ``(key, value)`` when it completes a value, else None."""
         limits = self.limits
         if chunk.in_arena:
             fail(grpc.StatusCode.INVALID_ARGUMENT, "PutBlocks chunks carry their data: in_arena is GetBlocks-only")
@@ -163,11 +190,17 @@ class _PutCall:
                 fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
                       f"a block of {chunk.total_size} bytes exceeds the max block size {limits.max_block_bytes}")
             self._key, self._declared, self._filled = chunk.key, chunk.total_size, 0
-            self._value_quota, self._value_held = {}, 0
+            self._value_quota, self._value_held, self._parts_held = {}, 0, 0
+            self._take_lineage(chunk)
             self._hold(self._declared or len(data))
-        elif chunk.key and chunk.key != self._key:
-            fail(grpc.StatusCode.INVALID_ARGUMENT,
-                  f"chunk for key {chunk.key.hex()} before the value of {self._key.hex()} ended (no last=true)")
+        else:
+            if chunk.key and chunk.key != self._key:
+                fail(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"chunk for key {chunk.key.hex()} before the value of {self._key.hex()} ended (no last=true)")
+            if chunk.parent_key or chunk.token_ids or chunk.total_size:
+                fail(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"parent_key, token_ids and total_size belong on the first chunk of a value; a later chunk of "
+                      f"key {self._key.hex()} carries them")
         end = self._filled + len(data)
         if self._declared and end > self._declared:
             fail(grpc.StatusCode.INVALID_ARGUMENT,
@@ -175,9 +208,15 @@ class _PutCall:
         if end > limits.max_block_bytes:
             fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
                   f"block {self._key.hex()} exceeds the max block size of {limits.max_block_bytes} bytes")
-        if not self._declared:  # no declared size: budget and quota grow with what arrives
-            self._hold(end)
-        self._parts.append(data)
+        if len(data):
+            if message_bytes - len(data) > KEEP_VIEW_OVERHEAD_BYTES:
+                data, holds = memoryview(bytes(data)), len(data)  # frees the padded message: hold the data only
+            else:
+                holds = max(message_bytes, len(data))  # the view keeps the whole message alive
+            # budget and quota for what the value holds (at least its declared size) before the chunk is kept
+            self._hold(max(self._declared, self._parts_held + holds))
+            self._parts.append(data)
+            self._parts_held += holds
         self._filled = end
         if chunk.last:
             if self._declared and self._filled != self._declared:
@@ -185,21 +224,43 @@ class _PutCall:
                       f"value of key {self._key.hex()} ended after {self._filled} bytes; its declared total_size "
                       f"is {self._declared}")
             value = b"".join(self._parts)  # one copy
-            self._parts = []
+            self._parts, self._parts_held = [], 0
             done = (self._key, value)
             self._done.append(done)
             self._key = None
             return done
         return None
 
+    def _take_lineage(self, chunk: pb.Chunk) -> None:
+        """Keep the ``(parent key, token ids)`` a value's first chunk names for its BlockStored events, holding
+        budget for them (4 bytes a token id) until the call ends."""
+        if not (chunk.parent_key or chunk.token_ids):
+            return
+        parent, tokens = _lineage(chunk)
+        self._take(len(parent) + tokens.itemsize * len(tokens) + LINEAGE_ENTRY_BYTES)
+        assert self._key is not None
+        self.lineage[self._key] = (parent, tokens)
+
+    def _take(self, nbytes: int) -> None:
+        """Hold ``nbytes`` of the call's own (not a value's) against the per-call limit and the in-flight budget."""
+        self._check_call(nbytes)
+        self.servicer.inflight.take(self.tag, self.namespace, nbytes)
+        self._budget += nbytes
+        self._call_bytes += nbytes
+
+    def _check_call(self, grow: int) -> None:
+        if self._call_bytes + grow > self.limits.max_call_bytes:
+            fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                  f"one PutBlocks call may hold at most {self.limits.max_call_bytes} bytes (its values, the messages "
+                  f"that carry them, and their token ids); this one would hold {self._call_bytes + grow}: split it")
+
     def _hold(self, size: int) -> None:
-        """Make the current value hold budget and quota for ``size`` bytes (its declared or received size)."""
+        """Make the current value hold budget and quota for ``size`` bytes (its declared size, or what its
+        received messages hold)."""
         grow = size - self._value_held
         if grow <= 0:
             return
-        if self._call_bytes + grow > self.limits.max_call_bytes:
-            fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                  f"one PutBlocks call may carry at most {self.limits.max_call_bytes} bytes; split it")
+        self._check_call(grow)
         if self.limits.quota_bytes is not None:
             assert self._key is not None
             usage = self.servicer.usage
@@ -302,21 +363,26 @@ class KVShelfServicer:
 
         def put_stream(raws: Iterator[bytes], context: grpc.ServicerContext) -> Message:
             try:
-                first: tuple[pb.PutBlocksRequest, memoryview] | None = None
-                first_size = 0
+                first: tuple[pb.PutBlocksRequest, memoryview, int] | None = None
                 if self.tokens is None:  # dev mode: the first message names the tenant; read it like a unary request
                     raw = self.streams.read_request(context, "PutBlocks", raws, None)
                     first = None if raw is None else _parse_put(raw)
-                    first_size = 0 if raw is None else len(raw)
+                    del raw  # the parsed message holds what it needs: the call counts what it keeps
                 with self.streams.open(context, "PutBlocks", check_rate=True) as ticket:
                     ticket.admit(self.namespace(context, "" if first is None else first[0].namespace))
 
-                    def requests() -> Iterator[tuple[pb.PutBlocksRequest, memoryview]]:
+                    # the watchdog's min rate counts data bytes: padding (other fields) is no progress
+                    def requests() -> Iterator[tuple[pb.PutBlocksRequest, memoryview, int]]:
+                        nonlocal first
                         if first is not None:
-                            ticket.progress(first_size)
-                            yield first
-                        for raw in ticket.received(raws):
-                            yield _parse_put(raw)
+                            ticket.progress(len(first[1]))
+                            parsed, first = first, None
+                            yield parsed
+                        for raw in ticket.received(raws, count_bytes=False):
+                            parsed = _parse_put(raw)
+                            del raw
+                            ticket.progress(len(parsed[1]))
+                            yield parsed
 
                     try:
                         return self.PutBlocks(requests(), context)
@@ -352,8 +418,10 @@ class KVShelfServicer:
         """The namespace a call's bearer token names (None: dev mode, no token or an unknown one)."""
         if self.tokens is None:
             return None
-        auth = next((v for k, v in metadata or () if k.lower() == "authorization" and isinstance(v, str)), "")
-        return self.tokens.namespace_of(auth[7:].strip()) if auth.startswith("Bearer ") else None
+        try:
+            return self.tokens.namespace_of(bearer_token(metadata))
+        except BearerError:
+            return None
 
     def namespace(self, context: grpc.ServicerContext, requested: str) -> str:
         """The caller's namespace: its token's (a differing ``requested`` is PERMISSION_DENIED), or in dev
@@ -361,11 +429,11 @@ class KVShelfServicer:
         if self.tokens is None:
             namespace = requested or "default"
         else:
-            metadata = {k.lower(): v for k, v in context.invocation_metadata() if isinstance(v, str)}
-            auth = metadata.get("authorization", "")
-            if not auth.startswith("Bearer ") or not auth[7:].strip():
-                fail(grpc.StatusCode.UNAUTHENTICATED, "missing 'authorization: Bearer <token>' metadata")
-            namespace = self.tokens.namespace_of(auth[7:].strip())
+            try:
+                token = bearer_token(context.invocation_metadata())
+            except BearerError as exc:
+                fail(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+            namespace = self.tokens.namespace_of(token)
             if namespace is None:
                 fail(grpc.StatusCode.UNAUTHENTICATED, "unknown bearer token")
             if requested and requested != namespace:
@@ -432,7 +500,7 @@ class KVShelfServicer:
 
     # -- RPCs -----------------------------------------------------------------------------------------
 
-    def PutBlocks(self, requests: Iterable[tuple[pb.PutBlocksRequest, memoryview]],
+    def PutBlocks(self, requests: Iterable[tuple[pb.PutBlocksRequest, memoryview, int]],
                   context: grpc.ServicerContext) -> Message:
         """Buffer the call's values as they arrive (each into a buffer of its declared size), holding in-flight
         budget and quota for them from each value's first chunk, so an over-quota or over-budget put is refused
@@ -440,9 +508,8 @@ class KVShelfServicer:
         reserve the exact sizes, store."""
         call: _PutCall | None = None
         headers: list[BlockHeader] = []
-        lineage: dict[bytes, tuple[bytes, list[int]]] = {}  # key -> (parent key, token ids) the client sent
         try:
-            for req, data in requests:  # data: the chunk's bytes, a view of the received message (service/wire.py)
+            for req, data, message_bytes in requests:  # data: the chunk's bytes, a view of the message (wire.py)
                 if call is None:
                     call = _PutCall(self, self.namespace(context, req.namespace))
                     pin = req.pin
@@ -450,9 +517,7 @@ class KVShelfServicer:
                     fail(grpc.StatusCode.INVALID_ARGUMENT, "the namespace may only be set on the first message")
                 if not req.HasField("chunk"):
                     fail(grpc.StatusCode.INVALID_ARGUMENT, "malformed PutBlocks message: no chunk")
-                if req.chunk.parent_key or req.chunk.token_ids:
-                    lineage[req.chunk.key] = _lineage(req.chunk)
-                done = call.add(req.chunk, data)
+                done = call.add(req.chunk, data, message_bytes)
                 if done is not None:  # checked as soon as it is whole: a damaged value ends the call before the rest
                     headers.append(self._verify(call.namespace, *done))
             if call is None:  # an empty stream: still authenticate
@@ -473,8 +538,8 @@ class KVShelfServicer:
             call.hold_more(max(reencoded.values(), default=0))  # in-flight budget for the re-encoded copies
             if not context.is_active():
                 fail(grpc.StatusCode.CANCELLED, "the call was cancelled; nothing stored")
-            if lineage:  # the BlockStored events carry what the client sent, else what the headers say
-                self.events.annotate(_annotations(items, values, lineage))
+            if call.lineage:  # the BlockStored events carry what the client sent, else what the headers say
+                self.events.annotate(_annotations(items, values, call.lineage))
             stored = self.store.put_encoded_many(items, pin=pin)  # re-encodes bounded by store.max_decoded_bytes
             return pb.PutBlocksResponse(received=len(items), stored=stored)
         finally:
@@ -540,7 +605,8 @@ class KVShelfServicer:
 
     def _get_blocks(self, keys: list[bytes], req: pb.GetBlocksRequest, namespace: str, fingerprint: str | None,
                     arena: ArenaWriter | None) -> Iterator[bytes]:
-        chunk_bytes = min(max(req.max_chunk_bytes, 64 << 10), MAX_CHUNK_BYTES) if req.max_chunk_bytes else CHUNK_BYTES
+        chunk_bytes = (min(max(req.max_chunk_bytes, MIN_CHUNK_BYTES), MAX_CHUNK_BYTES) if req.max_chunk_bytes
+                       else CHUNK_BYTES)
         for start in range(0, len(keys), 16):  # bounded memory: a few blocks at a time
             batch = keys[start : start + 16]
             tokens = list(req.tokens[start : start + 16]) if len(req.tokens) == len(keys) else None
@@ -642,19 +708,23 @@ class KVShelfServicer:
 
 
 def _annotations(items: Sequence[tuple[bytes, bytes]], values: Sequence[tuple[bytes, bytes]],
-                 lineage: dict[bytes, tuple[bytes, list[int]]]) -> Iterator[tuple[bytes, bytes, Sequence[int]]]:
+                 lineage: dict[bytes, tuple[bytes, array]]) -> Iterator[tuple[bytes, bytes, Sequence[int]]]:
     """``(tier key, parent key, token ids)`` of the stored values whose first chunk named them."""
     for (tier_key, _), (key, _) in zip(items, values, strict=True):
         if key in lineage:
             yield tier_key, *lineage[key]
 
 
-def _lineage(chunk: pb.Chunk) -> tuple[bytes, list[int]]:
-    """The ``(parent key, token ids)`` a put's first chunk names for its block's events."""
+LINEAGE_ENTRY_BYTES = 256  # a lineage entry's own objects (dict slot, tuple, key, array header), rounded up
+
+
+def _lineage(chunk: pb.Chunk) -> tuple[bytes, array]:
+    """The ``(parent key, token ids)`` a put's first chunk names for its block's events (token ids packed 4 bytes
+    each)."""
     if chunk.parent_key and len(chunk.parent_key) != KEY_BYTES:
         fail(grpc.StatusCode.INVALID_ARGUMENT,
              f"parent_key of block {chunk.key.hex()} is {len(chunk.parent_key)} bytes; block keys are {KEY_BYTES}")
-    return bytes(chunk.parent_key), list(chunk.token_ids)
+    return bytes(chunk.parent_key), array("I", chunk.token_ids)
 
 
 def _parse(raw: bytes, cls: type[Message]) -> Any:
@@ -666,12 +736,17 @@ def _parse(raw: bytes, cls: type[Message]) -> Any:
     return message
 
 
-def _parse_put(raw: bytes) -> tuple[pb.PutBlocksRequest, memoryview]:
-    """A ``PutBlocksRequest`` and its chunk's data as a view of ``raw`` (``service/wire.py``: no copy)."""
+def _parse_put(raw: bytes) -> tuple[pb.PutBlocksRequest, memoryview, int]:
+    """A ``PutBlocksRequest``, its chunk's data as a view of ``raw`` (``service/wire.py``: no copy), and the size
+    of ``raw``. A message carrying more than ``MAX_PUT_METADATA_BYTES`` besides its data is RESOURCE_EXHAUSTED,
+    before protobuf parses it."""
     try:
-        return decode_put_request(raw)
+        message, data = decode_put_request(raw, max_rest_bytes=MAX_PUT_METADATA_BYTES)
+    except WireLimitError as exc:
+        fail(grpc.StatusCode.RESOURCE_EXHAUSTED, f"PutBlocksRequest too large: {exc}")
     except WireError as exc:
         fail(grpc.StatusCode.INVALID_ARGUMENT, f"malformed PutBlocksRequest: {exc}")
+    return message, data, len(raw)
 
 
 def _serialize(message: Message) -> bytes:
@@ -725,9 +800,7 @@ def start_server(
     )
     server.add_generic_rpc_handlers((servicer.generic_handler(),))
     health_pb2_grpc.add_HealthServicer_to_server(servicer.health, server)
-    reflection.enable_server_reflection(
-        (pb.DESCRIPTOR.services_by_name["KVShelf"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
+    enable_reflection(server, (pb.DESCRIPTOR.services_by_name["KVShelf"].full_name, health.SERVICE_NAME))
     try:
         if tls_cert is not None and tls_key is not None:
             port = server.add_secure_port(listen, grpc.ssl_server_credentials([(tls_key, tls_cert)]))

@@ -345,7 +345,15 @@ def test_from_seq_older_than_the_log_keeps_says_lost(data_dir):
         future.started()
         lost = future.messages.get(timeout=WAIT_S)
         assert lost.HasField("lost") and "past this server's last event" in lost.lost.reason
+        next_seq = started.started.next_seq
+        assert (lost.lost.from_seq, lost.lost.to_seq, lost.next_seq) == (next_seq, 10_000, next_seq)
         future.stop()
+        # the largest from_seq a client can send: a sane range too (from <= to), never an inverted one
+        farthest = Reader(remote.subscribe_events((1 << 64) - 1))
+        farthest.started()
+        lost = farthest.messages.get(timeout=WAIT_S)
+        assert (lost.lost.from_seq, lost.lost.to_seq) == (next_seq, (1 << 64) - 1)
+        farthest.stop()
         remote.close()
     finally:
         running.stop(0)

@@ -114,6 +114,23 @@ def test_health_and_reflection(server):
     channel.close()
 
 
+def test_reflection_v1_beside_v1alpha(server):
+    """Tools that speak reflection v1 only (newer grpcurl, Postman) list the services and fetch the contract: the v1
+    service answers with the same messages (v1 and v1alpha share field numbers)."""
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    v1 = channel.stream_stream("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                               request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                               response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+    listed = list(v1(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10))
+    names = {s.name for r in listed for s in r.list_services_response.service}
+    assert {"kvshelf.v1.KVShelf", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection"} <= names
+    found = list(v1(iter([reflection_pb2.ServerReflectionRequest(file_containing_symbol="kvshelf.v1.KVShelf")]),
+                    timeout=10))
+    assert found[0].file_descriptor_response.file_descriptor_proto, found[0]
+    channel.close()
+
+
 # -- round trips --------------------------------------------------------------------------------------
 
 
@@ -216,6 +233,43 @@ def test_wrong_or_missing_token_is_unauthenticated(tenant_server):
             store.put_many([(key_of(make_block([1], namespace="tenant-a")), make_block([1], namespace="tenant-a"))])
         assert exc.value.code == grpc.StatusCode.UNAUTHENTICATED
         store.close()
+    _still_serving(_tenant(tenant_server, TOKEN_A, "tenant-a"))
+
+
+def _unary_contains(tenant_server, metadata):
+    channel, stub = _stub(tenant_server)
+    try:
+        return stub.Contains(pb.KeysRequest(keys=[MISSING]), metadata=metadata, timeout=10)
+    finally:
+        channel.close()
+
+
+@pytest.mark.parametrize("scheme", ["bearer", "BEARER", "Bearer"])
+def test_bearer_scheme_is_case_insensitive(tenant_server, scheme):
+    """RFC 9110: the auth scheme is case-insensitive; ``bearer <token>`` works as ``Bearer <token>`` does."""
+    response = _unary_contains(tenant_server, (("authorization", f"{scheme} {TOKEN_A}"),))
+    assert list(response.present) == [False]
+
+
+def test_two_authorization_headers_are_unauthenticated(tenant_server):
+    """Two ``authorization`` headers (auth read the last, fairness the first): refused, on unary and streaming
+    calls, naming why; one header still works."""
+    two = (("authorization", f"Bearer {TOKEN_A}"), ("authorization", f"Bearer {TOKEN_B}"))
+    with pytest.raises(grpc.RpcError) as exc:
+        _unary_contains(tenant_server, two)
+    assert _code(exc) == grpc.StatusCode.UNAUTHENTICATED and "2 'authorization' headers" in exc.value.details()
+    channel, stub = _stub(tenant_server)
+    with pytest.raises(grpc.RpcError) as exc:
+        list(stub.GetBlocks(pb.GetBlocksRequest(keys=[MISSING]), metadata=two, timeout=10))
+    assert _code(exc) == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.RpcError) as exc:
+        stub.PutBlocks(iter([_put_request(MISSING, b"x")]), metadata=two, timeout=10)
+    assert _code(exc) == grpc.StatusCode.UNAUTHENTICATED
+    channel.close()
+    for bad in ("Basic abc", "Bearer ", "Bearer"):
+        with pytest.raises(grpc.RpcError) as exc:
+            _unary_contains(tenant_server, (("authorization", bad),))
+        assert _code(exc) == grpc.StatusCode.UNAUTHENTICATED
     _still_serving(_tenant(tenant_server, TOKEN_A, "tenant-a"))
 
 

@@ -171,3 +171,23 @@ def test_prepared_blocks_are_decoded_while_the_rest_arrive(server):
         assert torch.equal(got_k, block.keys) and torch.equal(got_v, block.values)
     assert all(threads[k].startswith("kvshelf-decode") for k in keys[:3])
     assert threads[keys[3]] == threading.current_thread().name
+
+
+def test_a_stock_client_with_default_options_gets_a_large_value(server):
+    """Plain generated stubs on a channel with default options (a 4 MiB receive limit, as grpc-js and Go have) get
+    a value of over 8 MiB with the default chunk size: every message fits the limit, framing included. The old
+    default sent messages of 4 MiB + 33 bytes, which such a client refuses (``Received message larger than max``)."""
+    key, value = _big_value()
+    assert len(value) > 2 * CHUNK_BYTES
+    with RemoteStore(f"127.0.0.1:{server.port}", shared_memory=False) as remote:
+        remote.put_encoded_many([(key, value)])
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")  # default options
+    stub = pb_grpc.KVShelfStub(channel)
+    responses = list(stub.GetBlocks(pb.GetBlocksRequest(namespace="default", keys=[key]), timeout=30))
+    assert max(r.ByteSize() for r in responses) <= 4 << 20
+    assert b"".join(r.chunk.data for r in responses) == value
+    # a client asking for 4 MiB chunks gets data of 4 MiB per message (plus framing: it must accept that)
+    asked = list(stub.GetBlocks(pb.GetBlocksRequest(namespace="default", keys=[key], max_chunk_bytes=CHUNK_BYTES),
+                                timeout=30))
+    assert max(r.ByteSize() for r in asked) <= 4 << 20
+    channel.close()
