@@ -99,6 +99,7 @@ _EXPORTS: dict[str, str] = {
     "ServiceError": "kvshelf.service.errors",
     "RemoteStoreError": "kvshelf.service.errors",
     "WireError": "kvshelf.service.errors",
+    "WireLimitError": "kvshelf.service.errors",
     "ArenaUnavailable": "kvshelf.service.errors",
     "StreamRefusedError": "kvshelf.service.errors",
     "TraceError": "kvshelf.kvstore.errors",
@@ -117,7 +118,8 @@ __all__ = [  # the literal list static tools read; a test checks it against _EXP
     "ModelLoadError", "ReuseError", "SchemaError", "UnknownModuleError", "UnknownParameterError",
     "MissingParameterError", "ParameterTooLongError", "PromptLayoutError", "ContextTooLongError", "ChunkMissingError",
     "ForeignChunkError", "XQuantUnboundError", "PruningError", "BudgetError", "AttentionImplementationError",
-    "UnsupportedArchitectureError", "ServiceError", "RemoteStoreError", "WireError", "ArenaUnavailable",
+    "UnsupportedArchitectureError", "ServiceError", "RemoteStoreError", "WireError", "WireLimitError",
+    "ArenaUnavailable",
     "TierDamagedError", "BlockTooLargeError", "StreamRefusedError", "EvictionPolicy", "make_policy", "TraceError",
 ]
 
@@ -196,4 +198,5 @@ if TYPE_CHECKING:  # what static type checkers and IDEs see
         ServiceError,
         StreamRefusedError,
         WireError,
+        WireLimitError,
     )

@@ -13,14 +13,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from google.protobuf.message import DecodeError
 
 from kvshelf.proto import kvshelf_pb2 as pb
-from kvshelf.service.errors import WireError
+from kvshelf.service.errors import WireError, WireLimitError
 
-_VARINT, _LEN = 0, 2
+_VARINT, _FIXED64, _LEN, _START_GROUP, _END_GROUP, _FIXED32 = range(6)  # protobuf's wire types (6, 7: invalid)
 _PUT_CHUNK, _CHUNK_DATA = 3, 2  # PutBlocksRequest.chunk, Chunk.data
+_MAX_DEPTH = 100  # protobuf's recursion limit: messages and groups nested at most this deep below the top message
+_MASK32, _MASK64 = (1 << 32) - 1, (1 << 64) - 1
 
 
 def varint(n: int) -> bytes:
@@ -34,19 +37,6 @@ def varint(n: int) -> bytes:
         else:
             out.append(byte)
             return bytes(out)
-
-
-def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
-    result, shift = 0, 0
-    while True:
-        if pos >= len(buf) or shift > 63:
-            raise WireError("truncated or overlong varint")
-        byte = buf[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return result, pos
-        shift += 7
 
 
 def _field(number: int, wire_type: int) -> bytes:
@@ -102,65 +92,172 @@ class ChunkResponse:
     arena_offset: int = 0
 
 
-_Field = tuple[int, int, int | None, int, int]  # number, field start, varint value or None, value start, field end
+class _Field(NamedTuple):
+    """One field of a message as ``_walk`` finds it: ``buf[start:end]`` is the whole field (tag included),
+    ``buf[value_start:end]`` its value; ``value`` is the integer of a varint (64 bits, as protobuf reads it) and
+    None for every other wire type."""
+
+    number: int
+    wire_type: int
+    start: int
+    value: int | None
+    value_start: int
+    end: int
 
 
-def _walk(buf: memoryview, start: int, end: int, where: str = "message") -> Iterator[_Field]:
-    """Each field of the message at ``buf[start:end]``, in order: ``(number, field start, value, value start, field
-    end)``, ``value`` the integer of a varint field and None for a length-delimited one (``buf[value start:field
-    end]``). Malformed bytes raise ``WireError`` naming ``where``."""
+@dataclass
+class _Budget:
+    """The bytes of a ``PutBlocksRequest`` besides its kept data, counted while it is walked: past ``limit`` the walk
+    stops with ``WireLimitError``. ``kept`` is the payload size of the last data field seen so far (the one
+    protobuf keeps if no later one comes), so ``position - kept`` never exceeds the final count."""
+
+    limit: int | None
+    kept: int = 0
+
+    def check(self, pos: int) -> None:
+        """Refuse once the bytes up to ``pos`` other than the kept data already pass the limit."""
+        if self.limit is not None and pos - self.kept > self.limit:
+            raise WireLimitError(pos - self.kept, self.limit, exact=False)
+
+
+def _read_varint(buf: memoryview, pos: int, end: int, max_bytes: int = 10, what: str = "varint") -> tuple[int, int]:
+    """The varint at ``buf[pos:end]`` and the position after it. Like protobuf: at most ``max_bytes`` bytes (10 for
+    values, 5 for tags and lengths), the value cut to 64 bits."""
+    result, shift, limit = 0, 0, min(end, pos + max_bytes)
+    start = pos
+    while pos < limit:
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result & _MASK64, pos
+        shift += 7
+    if limit == end and pos - start < max_bytes:
+        raise WireError(f"truncated {what} at byte {start}")
+    raise WireError(f"{what} at byte {start} is longer than {max_bytes} bytes")
+
+
+def _read_tag(buf: memoryview, pos: int, end: int, where: str, in_group: bool = False) -> tuple[int, int, int]:
+    """``(field number, wire type, position after the tag)`` of the tag at ``buf[pos:end]``; tags protobuf refuses
+    (over 5 bytes or 32 bits, field number 0, wire type 6 or 7) raise ``WireError``. Like protobuf (upb), field
+    number 0 passes ``in_group`` (inside an unknown group, whose content it skips with fewer checks)."""
+    tag, after = _read_varint(buf, pos, end, 5, f"tag in {where}")
+    number, wire_type = tag >> 3, tag & 7
+    if tag > _MASK32:
+        raise WireError(f"tag at byte {pos} of {where} exceeds 32 bits")
+    if number == 0 and not in_group:
+        raise WireError(f"field number 0 at byte {pos} of {where}")
+    if wire_type > _FIXED32:
+        raise WireError(f"invalid wire type {wire_type} at byte {pos} of {where} (field {number})")
+    return number, wire_type, after
+
+
+def _skip_group(buf: memoryview, pos: int, end: int, number: int, depth: int, where: str,
+                budget: _Budget | None) -> int:
+    """The position after the group of field ``number`` whose content starts at ``pos`` (its start tag read), nested
+    groups included, without recursion. ``depth``: how many messages and groups enclose the group's start tag; like
+    protobuf, more than ``_MAX_DEPTH`` in all is refused."""
+    open_groups = [number]
+    if depth + 1 > _MAX_DEPTH:
+        raise WireError(f"groups in {where} nest deeper than {_MAX_DEPTH}")
+    while open_groups:
+        if budget is not None:
+            budget.check(pos)
+        if pos >= end:
+            raise WireError(f"group of field {open_groups[-1]} in {where} has no end")
+        tag_at = pos
+        inner, wire_type, pos = _read_tag(buf, pos, end, where, in_group=True)
+        if wire_type == _END_GROUP:
+            if inner != open_groups[-1]:
+                raise WireError(f"end of group {inner} at byte {tag_at} of {where} closes group {open_groups[-1]}")
+            open_groups.pop()
+        elif wire_type == _START_GROUP:
+            open_groups.append(inner)
+            if depth + len(open_groups) > _MAX_DEPTH:
+                raise WireError(f"groups in {where} nest deeper than {_MAX_DEPTH}")
+        else:
+            pos = _skip_value(buf, pos, end, wire_type, where)[2]
+    return pos
+
+
+def _skip_value(buf: memoryview, pos: int, end: int, wire_type: int, where: str) -> tuple[int | None, int, int]:
+    """``(varint value or None, value start, value end)`` of a value of ``wire_type`` (not a group) whose tag ends at
+    ``pos``; a length-delimited value starts after its length."""
+    if wire_type == _VARINT:
+        value, after = _read_varint(buf, pos, end, 10, f"varint in {where}")
+        return value, pos, after
+    if wire_type == _LEN:
+        size, pos = _read_varint(buf, pos, end, 5, f"length in {where}")
+    elif wire_type == _FIXED64:
+        size = 8
+    elif wire_type == _FIXED32:
+        size = 4
+    else:
+        raise WireError(f"end of a group that was not started, at byte {pos} of {where}")
+    if size > end - pos:
+        raise WireError(f"field at byte {pos} runs past the end of its {where}")
+    return None, pos, pos + size
+
+
+def _walk(buf: memoryview, start: int, end: int, where: str = "message", depth: int = 0,
+          budget: _Budget | None = None) -> Iterator[_Field]:
+    """Each field of the message at ``buf[start:end]``, in order, every wire type (a group as one field, its content
+    checked and skipped). ``depth``: how many messages enclose this one (0: the top). Malformed bytes raise
+    ``WireError`` naming ``where``; ``budget`` (if any) is checked before each field."""
     pos = start
     while pos < end:
+        if budget is not None:
+            budget.check(pos)
         field_start = pos
-        tag, pos = _read_varint(buf, pos)
-        number, wire_type = tag >> 3, tag & 7
-        if wire_type == _VARINT:
-            value, pos = _read_varint(buf, pos)
-            if pos > end:
-                raise WireError(f"a varint runs past its {where}")
-            yield number, field_start, value, pos, pos
-        elif wire_type == _LEN:
-            length, value_start = _read_varint(buf, pos)
-            pos = value_start + length
-            if pos > end:
-                raise WireError(f"length-delimited field runs past its {where}")
-            yield number, field_start, None, value_start, pos
+        number, wire_type, pos = _read_tag(buf, pos, end, where)
+        if wire_type == _START_GROUP:
+            value, value_start, pos = None, pos, _skip_group(buf, pos, end, number, depth, where, budget)
         else:
-            raise WireError(f"unexpected wire type {wire_type} for {where} field {number}")
+            value, value_start, pos = _skip_value(buf, pos, end, wire_type, where)
+        yield _Field(number, wire_type, field_start, value, value_start, pos)
 
 
-def _fields(buf: memoryview) -> list[tuple[int, int | memoryview]]:
-    """``(field number, value)`` pairs: an int for varints, a view for length-delimited fields."""
-    return [(number, buf[value_start:end] if value is None else value)
-            for number, _, value, value_start, end in _walk(buf, 0, len(buf))]
+def _response_item(buf: memoryview) -> tuple[int, bool, list[_Field]]:
+    """``(index, miss, chunk occurrences)`` of a ``GetBlocksResponse`` as protobuf reads them: ``index`` cut to 32
+    bits; the ``item`` oneof is its last member: a ``miss`` drops the chunk occurrences before it, a chunk after a
+    miss unsets it, consecutive chunk occurrences merge. A field of another wire type than its own is unknown."""
+    index, miss, chunks = 0, False, []
+    for field in _walk(buf, 0, len(buf), "GetBlocksResponse"):
+        if field.number == 1 and field.value is not None:
+            index = field.value & _MASK32
+        elif field.number == 2 and field.wire_type == _LEN:
+            miss = False
+            chunks.append(field)
+        elif field.number == 3 and field.value is not None:
+            miss, chunks = field.value != 0, []
+    return index, miss, chunks
 
 
 def decode_response(raw: bytes) -> ChunkResponse:
-    """Parse a serialised ``GetBlocksResponse``; ``data`` is a view of ``raw`` (no copy)."""
-    index, miss, chunk = 0, False, None
-    for number, value in _fields(memoryview(raw)):
-        if number == 1 and isinstance(value, int):
-            index = value
-        elif number == 2 and isinstance(value, memoryview):
-            chunk = value
-        elif number == 3 and isinstance(value, int):
-            miss = bool(value)
-    if chunk is None:
+    """Parse a serialised ``GetBlocksResponse``; ``data`` is a view of ``raw`` (no copy). Read as protobuf reads it:
+    unknown fields of every wire type skipped, chunk occurrences merged, a field's last value kept. The chunk fields
+    this client does not use (``parent_key``, ``token_ids``) are skipped unchecked. Malformed bytes raise
+    ``WireError``."""
+    buf = memoryview(raw)
+    index, miss, chunks = _response_item(buf)
+    if not chunks:
         return ChunkResponse(index=index, miss=miss)
-    key, data, last, total, in_arena, arena_offset = b"", memoryview(b""), False, 0, False, 0
-    for number, value in _fields(chunk):
-        if number == 1 and isinstance(value, memoryview):
-            key = bytes(value)
-        elif number == 2 and isinstance(value, memoryview):
-            data = value
-        elif number == 3 and isinstance(value, int):
-            last = bool(value)
-        elif number == 4 and isinstance(value, int):
-            total = value
-        elif number == 5 and isinstance(value, int):
-            in_arena = bool(value)
-        elif number == 6 and isinstance(value, int):
-            arena_offset = value
+    key, data, last, total, in_arena, arena_offset = b"", buf[0:0], False, 0, False, 0
+    for chunk in chunks:
+        for field in _walk(buf, chunk.value_start, chunk.end, "chunk", 1):
+            number, value = field.number, field.value
+            if field.wire_type == _LEN and number == 1:
+                key = bytes(buf[field.value_start:field.end])
+            elif field.wire_type == _LEN and number == 2:
+                data = buf[field.value_start:field.end]
+            elif value is not None and number == 3:
+                last = value != 0
+            elif value is not None and number == 4:
+                total = value
+            elif value is not None and number == 5:
+                in_arena = value != 0
+            elif value is not None and number == 6:
+                arena_offset = value
     return ChunkResponse(index=index, miss=False, key=key, data=data, last=last, total_size=total,
                          in_arena=in_arena, arena_offset=arena_offset)
 
@@ -178,34 +275,67 @@ def encode_put_request(data: bytes | memoryview, meta: pb.Chunk, head: pb.PutBlo
     return b"".join([outer, chunk_head, data_head, data if len(data) else b""])
 
 
-def decode_put_request(raw: bytes) -> tuple[pb.PutBlocksRequest, memoryview]:
-    """Parse a serialised ``PutBlocksRequest``: the message without its chunk's data, and that data as a view of
-    ``raw`` (no copy). Malformed bytes raise ``WireError``."""
+_PutChunk = tuple[_Field, list[_Field]]  # a chunk occurrence and its data fields
+
+
+def _put_chunks(buf: memoryview, budget: _Budget) -> list[_PutChunk]:
+    """The chunk occurrences of the ``PutBlocksRequest`` in ``buf`` that carry data fields, with those fields, in
+    order; the whole message is walked (malformed framing raises ``WireError``), ``budget`` checked as it goes."""
+    found: list[_PutChunk] = []
+    for field in _walk(buf, 0, len(buf), "PutBlocksRequest", 0, budget):
+        if field.number != _PUT_CHUNK or field.wire_type != _LEN:
+            continue  # a chunk of another wire type (a group) is an unknown field to protobuf
+        data = []
+        for inner in _walk(buf, field.value_start, field.end, "chunk", 1, budget):
+            if inner.number == _CHUNK_DATA and inner.wire_type == _LEN:
+                data.append(inner)
+                budget.kept = inner.end - inner.value_start
+        if data:
+            found.append((field, data))
+    return found
+
+
+def _without_data(buf: memoryview, chunks: list[_PutChunk]) -> bytes:
+    """The message in ``buf`` without the data fields of ``chunks`` (each chunk occurrence's length rewritten)."""
+    parts: list[bytes | memoryview] = []
+    pos = 0
+    for chunk, data in chunks:
+        body, inner = [], chunk.value_start
+        for field in data:
+            body.append(buf[inner:field.start])
+            inner = field.end
+        body.append(buf[inner:chunk.end])
+        parts += [buf[pos:chunk.start], _field(_PUT_CHUNK, _LEN), varint(sum(len(b) for b in body)), *body]
+        pos = chunk.end
+    parts.append(buf[pos:])
+    return b"".join(parts)
+
+
+def decode_put_request(raw: bytes, *, max_rest_bytes: int | None = None) -> tuple[pb.PutBlocksRequest, memoryview]:
+    """Parse a serialised ``PutBlocksRequest`` exactly as protobuf does: the message without its chunk's data, and
+    that data as a view of ``raw`` (no copy).
+
+    Every valid encoding is read: unknown fields of every wire type (groups too) at any level, fields in any order,
+    the chunk in several occurrences (merged: the data is the last ``data`` field of all of them, even an empty
+    one), the data field repeated. Every data field is cut out and the rest parsed by the generated class, so every
+    other field keeps its protobuf meaning. Malformed bytes (anything protobuf refuses) raise ``WireError``.
+
+    ``len(raw) - len(data)`` is what the message carries besides the data it delivers: every other field, the
+    framing, and the data fields protobuf drops (all but the last). With ``max_rest_bytes``, a message where that
+    exceeds the limit raises ``WireLimitError`` before protobuf parses anything (the walk stops as soon as it
+    knows)."""
     buf = memoryview(raw)
-    chunk: tuple[int, int, int] | None = None  # (field start, value start, field end) of the chunk field
-    for number, field_start, value, value_start, end in _walk(buf, 0, len(buf)):
-        if number == _PUT_CHUNK and value is None:
-            if chunk is not None:
-                raise WireError("PutBlocksRequest carries its chunk field twice")
-            chunk = (field_start, value_start, end)
-    data = memoryview(b"")
-    rest: bytes | memoryview = buf
-    if chunk is not None:
-        chunk_start, chunk_value_start, chunk_end = chunk
-        data_fields = [(field_start, value_start, end)
-                       for number, field_start, value, value_start, end in
-                       _walk(buf, chunk_value_start, chunk_end, "chunk") if number == _CHUNK_DATA and value is None]
-        if len(data_fields) > 1:  # protobuf would keep the last; we keep nothing ambiguous
-            raise WireError("a chunk carries its data field twice")
-        if data_fields:
-            data_start, value_start, data_end = data_fields[0]
-            data = buf[value_start:data_end]
-            chunk_len = chunk_end - chunk_value_start - (data_end - data_start)
-            rest = b"".join([buf[:chunk_start], _field(_PUT_CHUNK, _LEN), varint(chunk_len),
-                             buf[chunk_value_start:data_start], buf[data_end:]])
+    chunks = _put_chunks(buf, _Budget(max_rest_bytes))
+    data = buf[0:0]
+    if chunks:
+        last = chunks[-1][1][-1]
+        data = buf[last.value_start:last.end]
+    rest_bytes = len(buf) - len(data)
+    if max_rest_bytes is not None and rest_bytes > max_rest_bytes:
+        raise WireLimitError(rest_bytes, max_rest_bytes)
     message = pb.PutBlocksRequest()
     try:
-        message.ParseFromString(bytes(rest))
+        message.ParseFromString(_without_data(buf, chunks) if chunks else raw)
     except (DecodeError, RuntimeWarning) as exc:
         raise WireError(str(exc)) from None
     return message, data

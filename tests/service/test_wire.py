@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from google.protobuf.message import DecodeError
 
 from kvshelf.proto import kvshelf_pb2 as pb
 from kvshelf.service.wire import (
@@ -52,7 +53,22 @@ def test_miss_response_matches_protobuf(index):
 
 
 @pytest.mark.parametrize("raw", [b"\x12\x05abc", b"\x08", b"\x08\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01",
-                                 b"\x0d\x00\x00\x00\x00"])
+                                 b"\x0d\x00\x00", b"\x0e", b"\x0c", b"\x3b\x08\x01", b"\x00\x01"])
 def test_malformed_bytes_are_a_clear_error(raw):
+    with pytest.raises(DecodeError):
+        pb.GetBlocksResponse.FromString(raw)  # protobuf refuses them too
     with pytest.raises(WireError):
         decode_response(raw)
+
+
+@pytest.mark.parametrize("raw", [
+    b"\x0d\x00\x00\x00\x00" + encode_miss_response(4),  # field 1 as fixed32: an unknown field to protobuf
+    b"\x3b\x08\x01\x43\x44\x3c" + encode_chunk_response(4, b"abc", key=b"k"),  # an unknown group, nested
+    encode_chunk_response(4, b"abc", key=b"k") + b"\x12\x02\x18\x01",  # the chunk in two occurrences: merged
+    encode_chunk_response(4, b"abc") + encode_miss_response(4),  # the oneof's last member wins
+])
+def test_valid_encodings_read_as_protobuf_does(raw):
+    expected = pb.GetBlocksResponse.FromString(raw)
+    parsed = decode_response(raw)
+    assert (parsed.index, parsed.miss, parsed.key, bytes(parsed.data), parsed.last) == \
+        (expected.index, expected.miss, expected.chunk.key, expected.chunk.data, expected.chunk.last)

@@ -17,6 +17,7 @@ from kvshelf.kvstore import encode_block, open_embedded_store
 from kvshelf.proto import kvshelf_pb2 as pb
 from kvshelf.proto import kvshelf_pb2_grpc as pb_grpc
 from kvshelf.service.client import FIRST_MESSAGE_DATA_BYTES, RemoteStore, put_requests
+from kvshelf.service.errors import WireLimitError
 from kvshelf.service.server import CHUNK_BYTES, MAX_CHUNK_BYTES, ServerLimits, start_server
 from kvshelf.service.wire import WireError, decode_put_request, decode_response, encode_put_request
 
@@ -55,15 +56,58 @@ def test_put_request_refuses_data_in_the_metadata():
 
 @pytest.mark.parametrize("raw", [
     b"\x1a\x05\x12\x10abc",  # chunk.data longer than its chunk
-    b"\x1a\x09\x12\x01a\x12\x01b\x18\x01",  # data twice in one chunk
-    b"\x1a\x00\x1a\x00",  # the chunk field twice
     b"\x1a\x80",  # truncated length varint
-    b"\x1d\x00\x00\x00\x00",  # field 3 as fixed32
     b"\x0a\x02\xff\xfe",  # a namespace that is not UTF-8
+    b"\x1a\x02\x12\x02",  # a data field whose value is cut off
+    b"\x3e",  # wire type 6
+    b"\x3c",  # the end of a group never started
+    b"\x1a\x03\x3b\x3c\x3c",  # ... inside the chunk
+    b"\x00\x01",  # field number 0
+    b"\x3b" * 101 + b"\x3c" * 101,  # groups nested deeper than protobuf's limit of 100
 ])
 def test_malformed_put_requests_are_a_wire_error(raw):
     with pytest.raises(WireError):
         decode_put_request(raw)
+
+
+@pytest.mark.parametrize("raw", [
+    b"\x1a\x08\x12\x01a\x12\x01b\x18\x01",  # data twice in one chunk: protobuf keeps the last
+    b"\x1a\x03\x12\x01a\x1a\x02\x12\x00",  # ... over two chunk occurrences, the last one empty
+    b"\x1a\x00\x1a\x00",  # the chunk field twice
+    b"\x1a\x03\x12\x01a\x10\x01\x1a\x02\x18\x01",  # the chunk split in two, the namespace between
+    b"\x1d\x00\x00\x00\x00",  # field 3 as fixed32: an unknown field
+    b"\x1a\x0c\x12\x01a\x19" + bytes(8),  # a fixed64 field in the chunk
+    b"\x3b\x08\x01\x43\x12\x01x\x44\x3c\x1a\x03\x12\x01a",  # an unknown group, nested, with a "data" inside
+    b"\x3b" * 100 + b"\x3c" * 100,  # groups nested as deep as protobuf allows
+])
+def test_valid_put_requests_read_as_protobuf_does(raw):
+    expected = pb.PutBlocksRequest.FromString(raw)
+    message, view = decode_put_request(raw)
+    assert bytes(view) == expected.chunk.data and view.obj is raw
+    if expected.HasField("chunk"):
+        expected.chunk.ClearField("data")
+    assert message == expected
+
+
+def test_rest_of_a_put_request_is_bounded():
+    """``max_rest_bytes`` bounds what a message carries besides its data (padding: unknown fields, token ids, a
+    data field repeated) before protobuf parses it; the data itself does not count."""
+    data = os.urandom(1000)
+    raw = encode_put_request(data, pb.Chunk(key=b"k" * 16, last=True), pb.PutBlocksRequest(namespace="ns"))
+    _, view = decode_put_request(raw, max_rest_bytes=len(raw) - len(data))
+    assert bytes(view) == data
+    padded = [
+        b"\x3a\x90\x4e" + bytes(10000) + raw,  # one unknown field of 10 kB
+        b"\x38\x01" * 5000 + raw,  # 5000 small unknown fields
+        b"\x3b" + b"\x08\x01" * 5000 + b"\x3c" + raw,  # ... in a group
+        raw + raw,  # the chunk twice: the first data field is dropped by protobuf, so it counts
+    ]
+    for message in padded:
+        with pytest.raises(WireLimitError) as exc:
+            decode_put_request(message, max_rest_bytes=100)
+        assert exc.value.limit == 100 and exc.value.size > 100 and "100" in str(exc.value)
+        assert isinstance(exc.value, WireError)
+        decode_put_request(message)  # valid all the same
 
 
 @pytest.fixture
