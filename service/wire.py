@@ -219,14 +219,14 @@ def _walk(buf: memoryview, start: int, end: int, where: str = "message", depth: 
 
 def _response_item(buf: memoryview) -> tuple[int, bool, list[_Field]]:
     """``(index, miss, chunk occurrences)`` of a ``GetBlocksResponse`` as protobuf reads them: ``index`` cut to 32
-    bits; the ``item`` oneof is its last member: a ``miss`` drops the chunk occurrences before it, a chunk after a
-    miss unsets it, consecutive chunk occurrences merge. A field of another wire type than its own is unknown."""
+    bits; the ``item`` oneof is its last member: a ``miss`` drops the chunk occurrences before it (``miss`` counts
+    only when no chunk follows it), consecutive chunk occurrences merge. A field under a foreign wire type is
+    unknown."""
     index, miss, chunks = 0, False, []
     for field in _walk(buf, 0, len(buf), "GetBlocksResponse"):
         if field.number == 1 and field.value is not None:
             index = field.value & _MASK32
         elif field.number == 2 and field.wire_type == _LEN:
-            miss = False
             chunks.append(field)
         elif field.number == 3 and field.value is not None:
             miss, chunks = field.value != 0, []
