@@ -743,7 +743,7 @@ def _parse_put(raw: bytes) -> tuple[pb.PutBlocksRequest, memoryview, int]:
     try:
         message, data = decode_put_request(raw, max_rest_bytes=MAX_PUT_METADATA_BYTES)
     except WireLimitError as exc:
-        fail(grpc.StatusCode.RESOURCE_EXHAUSTED, f"PutBlocksRequest too large: {exc}")
+        fail(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc} (a chunk's key, lineage and any other fields)")
     except WireError as exc:
         fail(grpc.StatusCode.INVALID_ARGUMENT, f"malformed PutBlocksRequest: {exc}")
     return message, data, len(raw)

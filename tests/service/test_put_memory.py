@@ -184,7 +184,7 @@ def test_a_chunk_kept_as_a_view_holds_its_whole_message(server):
 def test_padded_chunks_are_copied_out_and_the_value_is_stored_exactly(server):
     """Data chunks in messages padded past 64 KiB are copied out of their message (the message is freed): such a
     value is accepted under a per-call limit that the whole messages would exceed, and stored byte for byte."""
-    running = server(max_call_bytes=2 * MiB)
+    running = server(max_call_bytes=MiB)
     block = make_block(list(range(32)))
     key = key_of(block)
     value = encode_block(block, key)
@@ -196,7 +196,7 @@ def test_padded_chunks_are_copied_out_and_the_value_is_stored_exactly(server):
                              total_size=len(value) if n == 0 else 0, last=start + piece >= len(value))
             yield _message(chunk, namespace="default" if n == 0 else "", extra=_padding(256 << 10))
 
-    assert len(value) // piece * (256 << 10) > 2 * MiB  # the whole messages would not fit the limit
+    assert len(value) // piece * (256 << 10) > MiB  # the whole messages would not fit the limit
     channel, put = _raw_put(f"127.0.0.1:{running.port}")
     assert put(messages()).stored == 1
     channel.close()
