@@ -27,14 +27,15 @@ class WireError(ServiceError):
 class WireLimitError(WireError):
     """A ``PutBlocksRequest`` that carries more bytes besides its chunk's data than the caller allows
     (``decode_put_request(max_rest_bytes=...)``), refused before protobuf parses them. ``size`` is the count of
-    those bytes (a lower bound when the reader stopped early: it stops as soon as the limit is passed), ``limit``
-    the caller's limit."""
+    those bytes, or with ``exact`` False a lower bound (the reader stops as soon as it knows the limit is passed),
+    ``limit`` the caller's limit."""
 
     def __init__(self, size: int, limit: int, *, exact: bool = True) -> None:
         counted = f"{size}" if exact else f"at least {size}"
         super().__init__(f"PutBlocksRequest carries {counted} bytes besides its data, more than the limit of {limit}")
         self.size = size
         self.limit = limit
+        self.exact = exact
 
 
 class ArenaUnavailable(ServiceError, OSError):  # noqa: N818 - a condition the caller falls back from

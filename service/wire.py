@@ -24,6 +24,8 @@ _VARINT, _FIXED64, _LEN, _START_GROUP, _END_GROUP, _FIXED32 = range(6)  # protob
 _PUT_CHUNK, _CHUNK_DATA = 3, 2  # PutBlocksRequest.chunk, Chunk.data
 _MAX_DEPTH = 100  # protobuf's recursion limit: messages and groups nested at most this deep below the top message
 _MASK32, _MASK64 = (1 << 32) - 1, (1 << 64) - 1
+# the fields decode_put_request looks at; the same number under another wire type is an unknown field to protobuf
+_CHUNK_FIELD, _DATA_FIELD = frozenset({(_PUT_CHUNK, _LEN)}), frozenset({(_CHUNK_DATA, _LEN)})
 
 
 def varint(n: int) -> bytes:
@@ -114,10 +116,13 @@ class _Budget:
     limit: int | None
     kept: int = 0
 
-    def check(self, pos: int) -> None:
-        """Refuse once the bytes up to ``pos`` other than the kept data already pass the limit."""
-        if self.limit is not None and pos - self.kept > self.limit:
-            raise WireLimitError(pos - self.kept, self.limit, exact=False)
+    def stop(self, end: int) -> int:
+        """The position past which the walk is over the limit (``end`` when there is none: never passed)."""
+        return end if self.limit is None else self.limit + self.kept
+
+    def refuse(self, pos: int) -> WireLimitError:
+        """The error for a walk that reached ``pos`` past ``stop``."""
+        return WireLimitError(pos - self.kept, self.limit or 0, exact=False)
 
 
 def _read_varint(buf: memoryview, pos: int, end: int, max_bytes: int = 10, what: str = "varint") -> tuple[int, int]:
@@ -141,6 +146,9 @@ def _read_tag(buf: memoryview, pos: int, end: int, where: str, in_group: bool = 
     """``(field number, wire type, position after the tag)`` of the tag at ``buf[pos:end]``; tags protobuf refuses
     (over 5 bytes or 32 bits, field number 0, wire type 6 or 7) raise ``WireError``. Like protobuf (upb), field
     number 0 passes ``in_group`` (inside an unknown group, whose content it skips with fewer checks)."""
+    tag = buf[pos]
+    if 8 <= tag < 0x80 and tag & 7 <= _FIXED32:  # the common case: one byte, fields 1 to 15
+        return tag >> 3, tag & 7, pos + 1
     tag, after = _read_varint(buf, pos, end, 5, f"tag in {where}")
     number, wire_type = tag >> 3, tag & 7
     if tag > _MASK32:
@@ -152,6 +160,30 @@ def _read_tag(buf: memoryview, pos: int, end: int, where: str, in_group: bool = 
     return number, wire_type, after
 
 
+def _skip_value(buf: memoryview, pos: int, end: int, wire_type: int, where: str) -> tuple[int | None, int, int]:
+    """``(varint value or None, value start, value end)`` of a value of ``wire_type`` (not a group) whose tag ends at
+    ``pos``; a length-delimited value starts after its length."""
+    if wire_type == _VARINT:
+        if pos < end and buf[pos] < 0x80:  # the common case: one byte
+            return buf[pos], pos, pos + 1
+        value, after = _read_varint(buf, pos, end, 10, f"varint in {where}")
+        return value, pos, after
+    if wire_type == _LEN:
+        if pos < end and buf[pos] < 0x80:
+            size, pos = buf[pos], pos + 1
+        else:
+            size, pos = _read_varint(buf, pos, end, 5, f"length in {where}")
+    elif wire_type == _FIXED64:
+        size = 8
+    elif wire_type == _FIXED32:
+        size = 4
+    else:
+        raise WireError(f"end of a group that was not started, at byte {pos} of {where}")
+    if size > end - pos:
+        raise WireError(f"field at byte {pos} runs past the end of its {where}")
+    return None, pos, pos + size
+
+
 def _skip_group(buf: memoryview, pos: int, end: int, number: int, depth: int, where: str,
                 budget: _Budget | None) -> int:
     """The position after the group of field ``number`` whose content starts at ``pos`` (its start tag read), nested
@@ -160,9 +192,10 @@ def _skip_group(buf: memoryview, pos: int, end: int, number: int, depth: int, wh
     open_groups = [number]
     if depth + 1 > _MAX_DEPTH:
         raise WireError(f"groups in {where} nest deeper than {_MAX_DEPTH}")
+    stop = end if budget is None else budget.stop(end)
     while open_groups:
-        if budget is not None:
-            budget.check(pos)
+        if pos > stop and budget is not None:
+            raise budget.refuse(pos)
         if pos >= end:
             raise WireError(f"group of field {open_groups[-1]} in {where} has no end")
         tag_at = pos
@@ -180,41 +213,33 @@ def _skip_group(buf: memoryview, pos: int, end: int, number: int, depth: int, wh
     return pos
 
 
-def _skip_value(buf: memoryview, pos: int, end: int, wire_type: int, where: str) -> tuple[int | None, int, int]:
-    """``(varint value or None, value start, value end)`` of a value of ``wire_type`` (not a group) whose tag ends at
-    ``pos``; a length-delimited value starts after its length."""
-    if wire_type == _VARINT:
-        value, after = _read_varint(buf, pos, end, 10, f"varint in {where}")
-        return value, pos, after
-    if wire_type == _LEN:
-        size, pos = _read_varint(buf, pos, end, 5, f"length in {where}")
-    elif wire_type == _FIXED64:
-        size = 8
-    elif wire_type == _FIXED32:
-        size = 4
-    else:
-        raise WireError(f"end of a group that was not started, at byte {pos} of {where}")
-    if size > end - pos:
-        raise WireError(f"field at byte {pos} runs past the end of its {where}")
-    return None, pos, pos + size
-
-
 def _walk(buf: memoryview, start: int, end: int, where: str = "message", depth: int = 0,
-          budget: _Budget | None = None) -> Iterator[_Field]:
-    """Each field of the message at ``buf[start:end]``, in order, every wire type (a group as one field, its content
-    checked and skipped). ``depth``: how many messages enclose this one (0: the top). Malformed bytes raise
-    ``WireError`` naming ``where``; ``budget`` (if any) is checked before each field."""
+          budget: _Budget | None = None, select: frozenset[tuple[int, int]] | None = None) -> Iterator[_Field]:
+    """The fields of the message at ``buf[start:end]``, in order: every one, or those whose ``(number, wire type)``
+    is in ``select`` (the others are checked and skipped at less cost). Every wire type is read, a group as one
+    field (its content checked and skipped). ``depth``: how many messages enclose this one (0: the top). Malformed
+    bytes raise ``WireError`` naming ``where``; past ``budget``'s limit, ``WireLimitError``."""
     pos = start
+    stop = end if budget is None else budget.stop(end)
     while pos < end:
-        if budget is not None:
-            budget.check(pos)
+        if pos > stop and budget is not None:
+            raise budget.refuse(pos)
         field_start = pos
+        tag = buf[pos]
+        if 8 <= tag < 0x80 and tag & 7 == _VARINT and pos + 1 < end and buf[pos + 1] < 0x80:
+            pos += 2  # the common case, inline: a one-byte tag and a one-byte varint (padding's cheapest field too)
+            if select is None or (tag >> 3, _VARINT) in select:
+                yield _Field(tag >> 3, _VARINT, field_start, buf[pos - 1], pos - 1, pos)
+                stop = end if budget is None else budget.stop(end)
+            continue
         number, wire_type, pos = _read_tag(buf, pos, end, where)
         if wire_type == _START_GROUP:
             value, value_start, pos = None, pos, _skip_group(buf, pos, end, number, depth, where, budget)
         else:
             value, value_start, pos = _skip_value(buf, pos, end, wire_type, where)
-        yield _Field(number, wire_type, field_start, value, value_start, pos)
+        if select is None or (number, wire_type) in select:
+            yield _Field(number, wire_type, field_start, value, value_start, pos)
+            stop = end if budget is None else budget.stop(end)  # the caller may have counted a data field
 
 
 def _response_item(buf: memoryview) -> tuple[int, bool, list[_Field]]:
@@ -282,14 +307,11 @@ def _put_chunks(buf: memoryview, budget: _Budget) -> list[_PutChunk]:
     """The chunk occurrences of the ``PutBlocksRequest`` in ``buf`` that carry data fields, with those fields, in
     order; the whole message is walked (malformed framing raises ``WireError``), ``budget`` checked as it goes."""
     found: list[_PutChunk] = []
-    for field in _walk(buf, 0, len(buf), "PutBlocksRequest", 0, budget):
-        if field.number != _PUT_CHUNK or field.wire_type != _LEN:
-            continue  # a chunk of another wire type (a group) is an unknown field to protobuf
+    for field in _walk(buf, 0, len(buf), "PutBlocksRequest", 0, budget, _CHUNK_FIELD):
         data = []
-        for inner in _walk(buf, field.value_start, field.end, "chunk", 1, budget):
-            if inner.number == _CHUNK_DATA and inner.wire_type == _LEN:
-                data.append(inner)
-                budget.kept = inner.end - inner.value_start
+        for inner in _walk(buf, field.value_start, field.end, "chunk", 1, budget, _DATA_FIELD):
+            data.append(inner)
+            budget.kept = inner.end - inner.value_start
         if data:
             found.append((field, data))
     return found

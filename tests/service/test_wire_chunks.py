@@ -96,17 +96,19 @@ def test_rest_of_a_put_request_is_bounded():
     raw = encode_put_request(data, pb.Chunk(key=b"k" * 16, last=True), pb.PutBlocksRequest(namespace="ns"))
     _, view = decode_put_request(raw, max_rest_bytes=len(raw) - len(data))
     assert bytes(view) == data
-    padded = [
-        b"\x3a\x90\x4e" + bytes(10000) + raw,  # one unknown field of 10 kB
-        b"\x38\x01" * 5000 + raw,  # 5000 small unknown fields
-        b"\x3b" + b"\x08\x01" * 5000 + b"\x3c" + raw,  # ... in a group
-        raw + raw,  # the chunk twice: the first data field is dropped by protobuf, so it counts
+    padded = [  # (message, whether the walk stops early: soon after the limit, not at the end of the padding)
+        (b"\x3a\x90\x4e" + bytes(10000) + raw, False),  # one unknown field of 10 kB
+        (b"\x38\x01" * 5000 + raw, True),  # 5000 small unknown fields
+        (b"\x3b" + b"\x08\x01" * 5000 + b"\x3c" + raw, True),  # ... in a group
+        (b"\x1a\x90\x4e" + b"\x40\x01" * 5000, True),  # 5000 token ids, unpacked
+        (raw + raw, False),  # the chunk twice: the first data field is dropped by protobuf, so it counts
     ]
-    for message in padded:
+    for message, early in padded:
         with pytest.raises(WireLimitError) as exc:
             decode_put_request(message, max_rest_bytes=100)
         assert exc.value.limit == 100 and exc.value.size > 100 and "100" in str(exc.value)
         assert isinstance(exc.value, WireError)
+        assert (exc.value.size < 110) == early
         decode_put_request(message)  # valid all the same
 
 
