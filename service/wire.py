@@ -7,6 +7,14 @@ omitted; a test checks them against the generated classes) with one copy, and re
 A ``PutBlocksRequest`` is read by cutting its ``chunk.data`` out as a view and parsing the small rest with the
 generated class, so every other field (present or added later) keeps its protobuf meaning.
 Any other client may still use the generated classes: the bytes on the wire are the same.
+
+The readers take every encoding protobuf's own parser takes, and read it the same way: unknown fields of every wire
+type (groups nested up to protobuf's depth limit, skipped without recursion), fields in any order, a message field
+in several occurrences (merged), a field repeated (the last value kept); what protobuf refuses raises ``WireError``
+(``tests/service/test_wire_protobuf.py`` checks this against the generated classes; ``tests/support/fuzz_wire.py``
+is a fuzz target). The walk over the fields runs in Python, 0.15 to 0.7 us per field skipped (1 MiB of the
+cheapest padding: 80 to 300 ms): the cost of a message padded with small fields grows with ``decode_put_request``'s
+``max_rest_bytes``, where the walk stops.
 """
 
 from __future__ import annotations
