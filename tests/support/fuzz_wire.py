@@ -17,12 +17,14 @@ Without atheris the script runs a seeded random mutation loop instead (``python 
 
 from __future__ import annotations
 
+import inspect
 import random
 import sys
 
 from google.protobuf.message import DecodeError
 
 from kvshelf.proto import kvshelf_pb2 as pb
+from kvshelf.service import wire
 from kvshelf.service.wire import WireError, decode_put_request, decode_response
 
 #: valid messages the fallback loop mutates (the atheris run starts from nothing and finds its own)
@@ -131,8 +133,10 @@ def main() -> None:
     if atheris is None:
         _fallback(int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else 100_000)
         return
-    atheris.instrument_func(fuzz_one)
-    atheris.Setup(sys.argv, lambda data: fuzz_one(bytes(data)))
+    for function in vars(wire).values():  # coverage guidance from the code of service/wire.py
+        if inspect.isfunction(function) and function.__module__ == wire.__name__:
+            atheris.instrument_func(function)
+    atheris.Setup(sys.argv, fuzz_one)
     atheris.Fuzz()
 
 
