@@ -20,7 +20,7 @@ Two threads of calls, plus one holding streams (the abuse the issue lists; ``spe
   (``bad_payload``).
 - memory: calls that would make the server hold memory past its limits (issue findings H1 and H2): 60 PutBlocks
   messages of 8 MiB padding each (an unknown field, ``padded_unknown``; or token ids, ``padded_token_ids``) with
-  empty data, then one small value; a valid block sent 1 KiB at a time in messages padded to 256 KiB
+  empty data, then one small value; a valid block sent 1 KiB at a time in messages padded to 200 KiB
   (``padded_chunks``: stored, holding its data only); a 40 KB ``cachegen`` block whose header says ``rotate`` at
   ``head_dim`` 8192 (``hadamard_bomb``, a dense Walsh-Hadamard matrix of 512 MiB for a naive decoder), then read back
   and decoded here as a client does (``hadamard_read``; this process's peak RSS growth while decoding is reported
@@ -35,6 +35,7 @@ Each call is counted by kind and by the status code the server ended it with (``
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -399,12 +400,12 @@ class Abuser:
         yield pb.PutBlocksRequest(chunk=pb.Chunk(data=value, last=True)).SerializeToString()
 
     def _padded_chunks(self, key: bytes, value: bytes) -> Iterator[bytes]:
-        """``value`` 1 KiB at a time, each message padded to 256 KiB with an unknown field."""
+        """``value`` 1 KiB at a time, each message padded with 200 KiB of an unknown field."""
         for n, start in enumerate(range(0, len(value), KiB)):
             chunk = pb.Chunk(data=value[start : start + KiB], last=start + KiB >= len(value))
             if n == 0:
                 chunk.key, chunk.total_size = key, len(value)
-            yield padded_message(self.namespace if n == 0 else "", chunk, "unknown", 256 * KiB)
+            yield padded_message(self.namespace if n == 0 else "", chunk, "unknown", 200 * KiB)
 
     def _read_hadamard(self, key: bytes) -> None:
         """Get the stored Hadamard block back and decode it as a client does; record the decode's RSS growth."""
@@ -425,10 +426,8 @@ class Abuser:
         value = b"".join(bytes(pb.GetBlocksResponse.FromString(raw).chunk.data) for raw in chunks)
 
         def decode() -> None:
-            try:
+            with contextlib.suppress(KVShelfError):
                 decode_block(value, expected_key=key)
-            except KVShelfError:
-                pass
 
         self.tally.decode_growth(_peak_rss_growth(decode))
 

@@ -100,6 +100,7 @@ _EXPORTS: dict[str, str] = {
     "RemoteStoreError": "kvshelf.service.errors",
     "WireError": "kvshelf.service.errors",
     "WireLimitError": "kvshelf.service.errors",
+    "BearerError": "kvshelf.service.errors",
     "ArenaUnavailable": "kvshelf.service.errors",
     "StreamRefusedError": "kvshelf.service.errors",
     "TraceError": "kvshelf.kvstore.errors",
@@ -119,7 +120,7 @@ __all__ = [  # the literal list static tools read; a test checks it against _EXP
     "MissingParameterError", "ParameterTooLongError", "PromptLayoutError", "ContextTooLongError", "ChunkMissingError",
     "ForeignChunkError", "XQuantUnboundError", "PruningError", "BudgetError", "AttentionImplementationError",
     "UnsupportedArchitectureError", "ServiceError", "RemoteStoreError", "WireError", "WireLimitError",
-    "ArenaUnavailable",
+    "BearerError", "ArenaUnavailable",
     "TierDamagedError", "BlockTooLargeError", "StreamRefusedError", "EvictionPolicy", "make_policy", "TraceError",
 ]
 
@@ -194,6 +195,7 @@ if TYPE_CHECKING:  # what static type checkers and IDEs see
     from kvshelf.service.client import RemoteStore
     from kvshelf.service.errors import (
         ArenaUnavailable,
+        BearerError,
         RemoteStoreError,
         ServiceError,
         StreamRefusedError,

@@ -22,6 +22,7 @@ from typing import Any
 
 from kvshelf.kvstore.errors import ConfigError
 from kvshelf.kvstore.keys import SCOPE_BYTES
+from kvshelf.service.errors import BearerError
 
 MAX_NAMESPACE_CHARS = 256
 
@@ -29,10 +30,6 @@ MAX_NAMESPACE_CHARS = 256
 def scope_tag(namespace: str) -> bytes:
     """The 8-byte BLAKE2b tag of ``namespace`` that prefixes its tier keys (tier key = tag + 16-byte key)."""
     return hashlib.blake2b(namespace.encode(), digest_size=SCOPE_BYTES, person=b"kvshelf-scope-v1").digest()
-
-
-class BearerError(ValueError):
-    """The call's ``authorization`` metadata cannot be read as one bearer token (the message says why)."""
 
 
 def bearer_token(metadata: Sequence[tuple[str, Any]] | None) -> str:

@@ -19,6 +19,11 @@ class RemoteStoreError(ServiceError):
         self.code = code
 
 
+class BearerError(ServiceError):
+    """A call's ``authorization`` metadata cannot be read as one bearer token (missing, two headers, another
+    scheme, empty): the server answers UNAUTHENTICATED with this message."""
+
+
 class WireError(ServiceError):
     """Bytes that are not a well-formed message of the hand-read wire format (``service/wire.py``): a
     ``GetBlocksResponse`` or a ``PutBlocksRequest``."""

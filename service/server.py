@@ -33,7 +33,7 @@ from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvshelf.kvstore.codec import get_codec
-from kvshelf.kvstore.encoding import DTYPE_NAMES, BlockHeader, decoded_nbytes, verify_block
+from kvshelf.kvstore.encoding import DTYPE_NAMES, BlockHeader, decode_cost_bytes, verify_block
 from kvshelf.kvstore.errors import (
     ConfigError,
     CorruptBlockError,
@@ -86,9 +86,10 @@ MIN_CHUNK_BYTES = 64 << 10  # a smaller GetBlocksRequest.max_chunk_bytes is rais
 MAX_CHUNK_BYTES = 16 << 20  # the most data one Chunk carries: PutBlocks, and GetBlocks when asked for
 MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + (64 << 10)  # gRPC message limit: one full chunk plus framing
 #: Bytes one PutBlocksRequest may carry besides its chunk's data (namespace, key, parent key, token ids, and any
-#: unknown fields): a block's token ids take ~1-5 bytes each, so this admits blocks of 200k+ tokens. A larger
-#: message is refused (RESOURCE_EXHAUSTED) before protobuf parses it: padding cannot make a call hold memory.
-MAX_PUT_METADATA_BYTES = 1 << 20
+#: unknown fields): a block's token ids take ~1-5 bytes each, so this admits blocks of 50k+ tokens (blocks are 256
+#: by default). A larger message is refused (RESOURCE_EXHAUSTED) before protobuf parses it, so padding can make a
+#: call neither hold memory nor cost more than ~50-80 ms of CPU (the hand-written walk over tiny fields).
+MAX_PUT_METADATA_BYTES = 256 << 10
 #: A received message whose data is a view keeps the whole message alive. When the message carries more than this
 #: besides its data, the data is copied out and the message freed, so a call holds its data, not its padding.
 KEEP_VIEW_OVERHEAD_BYTES = 64 << 10
@@ -552,7 +553,7 @@ class KVShelfServicer:
         it would store more: from the declared shape and dtype, before anything is allocated."""
         reencoding = [spec for spec in targets if not spec.stores_as_is(header)]
         limit = self.limits.max_block_bytes
-        decoded = decoded_nbytes(header)
+        decoded = decode_cost_bytes(header)
         stored = max((spec.stored_nbytes(header, nbytes) for spec in reencoding), default=0)
         if max(decoded, stored) <= limit:
             return

@@ -122,8 +122,8 @@ def test_h1_padded_messages_are_refused_before_they_are_held(h1_server, padding)
 
 
 def test_padding_under_the_metadata_cap_holds_nothing(h1_server):
-    """60 messages each padded just under the 1 MiB cap, with empty data, then the value: accepted, the value stored
-    as sent, and the padding never held (growth well under what the messages carried: 60 MiB)."""
+    """60 messages each padded just under the cap on what a message carries besides its data, with empty data, then
+    the value: accepted, the value stored as sent, and the padding never held."""
     key, block, value = _honest_block("tenant-a", seed=200)
     pad = MAX_PUT_METADATA_BYTES - 4096
 
@@ -182,8 +182,8 @@ def test_a_chunk_kept_as_a_view_holds_its_whole_message(server):
 
 
 def test_padded_chunks_are_copied_out_and_the_value_is_stored_exactly(server):
-    """Data chunks in messages padded past 64 KiB are copied out of their message (the message is freed): such a
-    value is accepted under a per-call limit that the whole messages would exceed, and stored byte for byte."""
+    """Data chunks in messages padded past 64 KiB (here 200 KiB) are copied out of their message (the message is
+    freed): such a value is accepted under a per-call limit that the whole messages would exceed, stored exactly."""
     running = server(max_call_bytes=MiB)
     block = make_block(list(range(32)))
     key = key_of(block)
@@ -194,9 +194,9 @@ def test_padded_chunks_are_copied_out_and_the_value_is_stored_exactly(server):
         for n, start in enumerate(range(0, len(value), piece)):
             chunk = pb.Chunk(key=key if n == 0 else b"", data=value[start : start + piece],
                              total_size=len(value) if n == 0 else 0, last=start + piece >= len(value))
-            yield _message(chunk, namespace="default" if n == 0 else "", extra=_padding(256 << 10))
+            yield _message(chunk, namespace="default" if n == 0 else "", extra=_padding(200 << 10))
 
-    assert len(value) // piece * (256 << 10) > MiB  # the whole messages would not fit the limit
+    assert len(value) // piece * (200 << 10) > MiB  # the whole messages would not fit the limit
     channel, put = _raw_put(f"127.0.0.1:{running.port}")
     assert put(messages()).stored == 1
     channel.close()
@@ -207,12 +207,12 @@ def test_padded_chunks_are_copied_out_and_the_value_is_stored_exactly(server):
 
 def test_lineage_token_ids_count_against_the_call(server):
     """Token ids a value's first chunk names are kept until the call ends: they count (4 bytes each) against the
-    per-call limit. 30 tiny values naming 200,000 token ids each (~24 MiB of ids) under a 4 MiB limit: refused."""
+    per-call limit. 40 tiny values naming 60,000 token ids each (~9 MiB of ids held) under a 4 MiB limit: refused."""
     running = server(max_call_bytes=4 * MiB)
-    tokens = list(range(1000, 201_000))
+    tokens = list(range(100_000, 160_000))
 
     def messages():
-        for n in range(30):
+        for n in range(40):
             block = make_block([n])
             key = key_of(block)
             value = encode_block(block, key)
@@ -250,18 +250,18 @@ def test_first_chunk_fields_on_a_later_chunk_are_invalid(server, field):
 
 
 def test_padding_is_no_progress_for_the_min_rate(server):
-    """A stream sending 512 KiB of padding every 50 ms (10 MiB/s of bytes, no data) is ended by the min-rate
+    """A stream sending 200 KiB of padding every 20 ms (10 MiB/s of bytes, no data) is ended by the min-rate
     watchdog: padding is not progress. The old watchdog counted the padding and let it run."""
     running = server(idle_timeout_s=1.0, min_rate_bytes=64 << 10)
     stop = threading.Event()
     key = b"k" * 16
 
     def messages():
-        yield _message(pb.Chunk(key=key, data=b""), namespace="default", extra=_padding(512 << 10))
+        yield _message(pb.Chunk(key=key, data=b""), namespace="default", extra=_padding(200 << 10))
         deadline = time.monotonic() + 15
         while not stop.is_set() and time.monotonic() < deadline:
-            time.sleep(0.05)
-            yield _message(pb.Chunk(data=b""), extra=_padding(512 << 10))
+            time.sleep(0.02)
+            yield _message(pb.Chunk(data=b""), extra=_padding(200 << 10))
 
     channel, put = _raw_put(f"127.0.0.1:{running.port}")
     started = time.monotonic()
