@@ -27,7 +27,7 @@ from transformers import PreTrainedModel
 
 from kvshelf.adapters import hf
 from kvshelf.adapters.fingerprint import kv_geometry
-from kvshelf.compress.xquant import XQuantTables, bind_tables
+from kvshelf.compress.xquant import XQuantTables, bind_tables, keep_plan
 from kvshelf.kvstore.errors import ConfigError, UnsupportedModelError
 from kvshelf.reuse.rope import rope_cos_sin, unrope
 
@@ -132,5 +132,8 @@ def bind_xquant(model: PreTrainedModel, calibration: Sequence[int] | None = None
 def xquant_params(
     model: PreTrainedModel, calibration: Sequence[int] | None = None, *, basis: str = "klt", **codec_params: Any
 ) -> dict[str, Any]:
-    """Codec parameters for ``xquant`` on ``model`` (its tables computed and bound); ``codec_params`` are added."""
-    return {"model": bind_xquant(model, calibration, basis=basis), **codec_params}
+    """Codec parameters for ``xquant`` on ``model`` (its tables computed and bound, and the decode plan of these
+    parameters built and kept: ``compress.xquant.keep_plan``); ``codec_params`` are added."""
+    params = {"model": bind_xquant(model, calibration, basis=basis), **codec_params}
+    keep_plan(params)
+    return params

@@ -6,6 +6,7 @@ import torch
 
 from kvshelf.compress.container import expect_len, frame_bytes, pack_sections, unpack_sections
 from kvshelf.compress.raw import tensor_bytes, tensor_from_bytes
+from kvshelf.kvstore.codec import DecodedPayload
 
 
 def numel(shape: tuple[int, ...]) -> int:
@@ -44,3 +45,11 @@ def cast_decode(
         t = tensor_from_bytes(expect_len(buf, nbytes, what, codec), stored, shape, copy=copy and dtype == stored)
         out.append(t if t.dtype == dtype else t.to(dtype))
     return out[0], out[1]
+
+
+def cast_prepare(payload: memoryview, shape: tuple[int, int, int, int], stored: torch.dtype,
+                 codec: str) -> DecodedPayload:
+    """The payload checked, its keys and values as read-only ``stored``-dtype views of it (``[layers, kv_heads,
+    tokens, head_dim]``): ``write`` casts them straight into the destination, nothing decoded in between."""
+    keys, values = cast_decode(payload, shape, stored, stored, codec, copy=False)
+    return DecodedPayload(keys, values)

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from kvshelf.compress._cast import cast_decode, cast_encode, cast_payload_bytes
-from kvshelf.kvstore.codec import Codec, register_codec
+from kvshelf.compress._cast import cast_decode, cast_encode, cast_payload_bytes, cast_prepare
+from kvshelf.kvstore.codec import Codec, DecodedPayload, register_codec
 
 
 @register_codec
@@ -30,6 +30,13 @@ class Bf16Codec(Codec):
         n = cast_payload_bytes(shape)
         return n, n
 
+    @classmethod
+    def decode_workspace_bytes(
+        cls, params: Mapping[str, Any], shape: tuple[int, int, int, int], itemsize: int, payload_len: int
+    ) -> int:
+        """None: ``decode`` casts views of the payload into the decoded tensors, ``prepare_at`` keeps the views."""
+        return 0
+
     def encode(self, keys: torch.Tensor, values: torch.Tensor) -> list[bytes | memoryview]:
         return cast_encode(keys, values, torch.bfloat16)
 
@@ -37,3 +44,8 @@ class Bf16Codec(Codec):
         self, payload: memoryview, shape: tuple[int, int, int, int], dtype: torch.dtype, copy: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return cast_decode(payload, shape, dtype, torch.bfloat16, self.name, copy)
+
+    def prepare_at(
+        self, payload: memoryview, shape: tuple[int, int, int, int], dtype: torch.dtype, start_pos: int
+    ) -> DecodedPayload:
+        return cast_prepare(payload, shape, torch.bfloat16, self.name)

@@ -49,7 +49,9 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import constriction
 import numpy as np
@@ -57,11 +59,12 @@ import torch
 
 from kvshelf.compress._cast import numel
 from kvshelf.compress.bitpack import half_bytes, half_from, pack_bits, packed_len
-from kvshelf.compress.container import pack_sections, unpack_sections
-from kvshelf.compress.hadamard import hadamard, is_power_of_two, rotate
-from kvshelf.compress.raw import tensor_bytes
+from kvshelf.compress.container import expect_len, pack_sections, unpack_sections
+from kvshelf.compress.hadamard import factors, is_power_of_two, rotate
+from kvshelf.compress.raw import tensor_bytes, tensor_from_bytes
 from kvshelf.kvstore.codec import Codec, register_codec
 from kvshelf.kvstore.errors import CorruptBlockError
+from kvshelf.kvstore.limits import MAX_GROUP_SIZE
 
 _HALF_MAX = 65504.0
 _MIN_STEP = 2.0**-24
@@ -75,6 +78,8 @@ _COARSE_OVERFLOW = -128  # an escape coarse part outside [-127, 127] is stored a
 _P_LEVELS = 8  # flag probabilities are rounded to 2**(k / 8), so few distinct ANS models exist
 _MAX_SINKS = 8
 _HIST_LIMIT = 1 << 12
+_CHUNK = 1 << 18  # elements a decode's index and product temporaries cover at once (2 MiB of int64 indices)
+_SYMBOLS_PEAK = 20  # bytes per element while symbols are built: flags, signs, int32 symbols, a width's planes
 
 
 def _coarse_masks() -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,7 +160,7 @@ class CacheGenCodec(Codec):
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or not isinstance(self.bits, int | float) or not 1 <= self.bits <= 7:
             raise ValueError(f"bits must be a number in [1, 7], got {self.bits!r}")
-        for field_name, low, high in (("early_extra_bits", 0, 3), ("group_size", 2, 1 << 20),
+        for field_name, low, high in (("early_extra_bits", 0, 3), ("group_size", 2, MAX_GROUP_SIZE),
                                        ("key_extra_bits", 0, 3), ("value_extra_bits", 0, 3)):
             value = getattr(self, field_name)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
@@ -172,6 +177,30 @@ class CacheGenCodec(Codec):
             raise ValueError(f"sink_ratio must be a number in [0, 1), got {self.sink_ratio!r}")
         if not isinstance(self.rotate, bool):
             raise ValueError(f"rotate must be a boolean, got {self.rotate!r}")
+
+    @classmethod
+    def decode_workspace_bytes(
+        cls, params: Mapping[str, Any], shape: tuple[int, int, int, int], itemsize: int, payload_len: int
+    ) -> int:
+        """The peak of the decode's phases, per element of keys and values, whatever the payload holds: the
+        symbols (flags, signs, and up to two widths' int32 planes: ``_SYMBOLS_PEAK`` bytes), the float32 values
+        with the escapes (~40 bytes each; each takes 3 payload bytes), the anchors (``8 / group_size``), the
+        rotation (one or two float32 buffers beside the values) with the fp16 sinks read (2 payload bytes each);
+        plus per channel and per token arrays and the ANS words. ``prepare_at`` keeps the decoded tensors for
+        ``write`` (the default): less than any of these phases. The chunked temporaries (3 MiB) and the flag models
+        made for new probabilities (~2.7 KiB each, 5.5 MiB for ``MAX_LAYERS``; a bounded cache) are within
+        ``DECODE_OVERHEAD_BYTES``."""
+        layers, heads, tokens, dim = shape
+        elements = 2 * numel(shape)
+        if elements == 0:
+            return 0
+        escapes, sink_values = min(elements, payload_len // 3), min(elements, payload_len // 2)
+        rotated = bool(params.get("rotate")) and is_power_of_two(dim) and dim > 1
+        rotation = (4 + 4 * len(factors(dim)) if rotated else 0) * elements  # input, then one or two outputs
+        anchors = 8 * elements // max(int(params.get("group_size", 2)), 2)
+        phases = (_SYMBOLS_PEAK * elements, 8 * elements + 40 * escapes, 4 * elements + anchors,
+                  4 * elements + rotation + 4 * sink_values)
+        return max(phases) + 16 * 2 * layers * heads * dim + 16 * tokens + payload_len
 
     # -- layout -----------------------------------------------------------------------------------------
 
@@ -374,24 +403,26 @@ class CacheGenCodec(Codec):
         sinks = np.frombuffer(parts[12], dtype="<i4").astype(np.int64)
         if len(sinks) and (int(sinks[0]) < 0 or int(sinks[-1]) >= tokens or bool((np.diff(sinks) <= 0).any())):
             raise CorruptBlockError("cachegen payload: bad sink token indices")
-        sink_kv = half_from(parts[13], (2, layers, heads, len(sinks), dim), "sink tokens", self.name)
+        sink_shape = (2, layers, heads, len(sinks), dim)
+        sink_bytes = expect_len(parts[13], 2 * numel(sink_shape), "sink tokens", self.name)  # read at the end
 
-        flags, set_at, negative = self._flags(parts, p.numpy(), streams, per_stream)
+        flags, negative = self._flags(parts, p.numpy(), streams, per_stream)
         scale = np.float32(self._scale(dim))
         step = step16.numpy() * scale  # [S]
         mean = mean16.numpy() * scale  # [S, H, D]
-        sym = self._symbols(flags, set_at, negative, r, parts[7])  # [S, E]: int8 / int16 / int32
+        sym = self._symbols(flags, negative, r, parts[7])  # [S, E]: int8 / int16 / int32
+        del flags, negative  # (the working arrays go as soon as they are used: see decode_workspace_bytes)
         x = np.empty((streams, heads, tokens, dim), dtype=np.float32)
         np.multiply(sym, step[:, None], out=x.reshape(streams, per_stream), casting="unsafe")  # symbol * step
-        esc_at, esc_symbol = self._escapes(parts, sym, r)
-        if len(esc_at):
-            x.reshape(-1)[esc_at] = esc_symbol.astype(np.float32) * step[esc_at // per_stream]
+        self._escapes(parts, sym, r, x.reshape(streams, per_stream), step)
+        del sym
         self._add_base(x, mean, use_delta)
         out = torch.from_numpy(x).view(2, layers, heads, tokens, dim)
         if self._rotated(dim):
-            out = torch.matmul(out, hadamard(dim))
+            out = rotate(out)  # a fast Walsh-Hadamard transform: O(head_dim) memory per vector
         if len(sinks):
-            out[:, :, :, torch.from_numpy(sinks)] = sink_kv
+            out[:, :, :, torch.from_numpy(sinks)] = tensor_from_bytes(sink_bytes, torch.float16, sink_shape,
+                                                                      copy=False).float()
         if dtype != torch.float32:
             out = out.to(dtype)
         return out[0], out[1]
@@ -417,12 +448,10 @@ class CacheGenCodec(Codec):
         x[:, :, ::g, :] = anchor_hat
 
     @staticmethod
-    def _symbols(
-        flags: np.ndarray, set_at: np.ndarray, negative: np.ndarray, r: np.ndarray, fine_buf: memoryview
-    ) -> np.ndarray:
+    def _symbols(flags: np.ndarray, negative: np.ndarray, r: np.ndarray, fine_buf: memoryview) -> np.ndarray:
         """The symbols ``[S, E]``, ``fine + coarse * 2**r - 2**r // 2``, from the significance flags ``[S, E]``
-        (uint8, consumed), their flat indices ``set_at`` with sign bits ``negative`` and the fine bits (widths
-        ``r [S]``); in the narrowest integer type that holds every stream's range (int8 up to ``r = 6``),
+        (uint8, consumed), the signs of the set ones (``negative [S, E]`` bool: coarse part -1) and the fine bits
+        (widths ``r [S]``); in the narrowest integer type that holds every stream's range (int8 up to ``r = 6``),
         computed in its unsigned twin (modular arithmetic). Escaped symbols are completed by ``_escapes``."""
         streams, per_stream = flags.shape
         top = int(r.max())
@@ -443,7 +472,8 @@ class CacheGenCodec(Codec):
                 t = f
             else:
                 t = _unpack_planes(fine_buf[pos : pos + nbytes], count, width).reshape(len(sel), per_stream)
-                t = t if t.dtype == unsigned else t.astype(unsigned)
+                if t.dtype != unsigned:  # int32 planes in uint32: a view; uint8 ones in a wider type: a copy
+                    t = t.view(unsigned) if t.dtype.itemsize == np.dtype(unsigned).itemsize else t.astype(unsigned)
                 f *= unsigned(1 << width)  # (a multiply: numpy's uint8 shift is not vectorised)
                 t += f
                 t -= unsigned(1 << (width - 1))
@@ -455,50 +485,52 @@ class CacheGenCodec(Codec):
         if pos != len(fine_buf):
             raise CorruptBlockError("cachegen payload: the fine bits have the wrong length")
         assert out is not None
-        neg_at = set_at[np.flatnonzero(negative.view(np.bool_))]  # coarse -1: twice 2**r less than the +1 just added
-        if len(widths) == 1:
-            out.reshape(-1)[neg_at] -= unsigned((2 << widths[0]) & np.iinfo(unsigned).max)
-        else:
-            out.reshape(-1)[neg_at] -= ((2 << r) & np.iinfo(unsigned).max).astype(unsigned)[neg_at // per_stream]
+        less = ((2 << r) & np.iinfo(unsigned).max).astype(unsigned)  # coarse -1: 2**(r + 1) less than the +1 added
+        for row, signs, amount in zip(out, negative, less, strict=True):  # a stream at a time
+            _subtract_where(row, signs, amount)
         return out.view(dtype)
 
     @staticmethod
-    def _escapes(parts: list[memoryview], sym: np.ndarray, r: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Flat indices (ascending) and symbols of the escapes (``|coarse| >= 2``): uint16 index gaps and int8
-        coarse parts, wider ones apart (uint32 / int32); their fine bits are in ``sym`` (as for coarse 0)."""
-        gaps = np.frombuffer(parts[9], dtype="<u2").astype(np.int64)
-        if not len(gaps):
+    def _escapes(parts: list[memoryview], sym: np.ndarray, r: np.ndarray, x: np.ndarray, step: np.ndarray) -> None:
+        """Write the escapes (``|coarse| >= 2``) into ``x`` ``[S, E]`` (float32, ``symbol * step``): their flat
+        indices as uint16 gaps (ascending) and their int8 coarse parts, wider ones apart (uint32 / int32); their
+        fine bits are in ``sym`` ``[S, E]`` (as for coarse 0). In place where it can: ~40 bytes per escape."""
+        at = np.frombuffer(parts[9], dtype="<u2").astype(np.int64)  # the gaps, then (cumsum) the indices
+        if not len(at):
             if len(parts[14]) or len(parts[15]):
                 raise CorruptBlockError("cachegen payload: wide escape parts without escapes")
-            return gaps, gaps
-        long_gap = gaps == _GAP_OVERFLOW
+            return
+        long_gap = at == _GAP_OVERFLOW
         if len(parts[14]) != 4 * int(long_gap.sum()):
             raise CorruptBlockError("cachegen payload: the wide escape gaps have the wrong length")
-        gaps[long_gap] = np.frombuffer(parts[14], dtype="<u4")
-        if bool((gaps[1:] == 0).any()):
+        at[long_gap] = np.frombuffer(parts[14], dtype="<u4")
+        del long_gap
+        if bool((at[1:] == 0).any()):
             raise CorruptBlockError("cachegen payload: repeated escape index")
-        at = np.cumsum(gaps)
+        np.cumsum(at, out=at)
         if int(at[-1]) >= sym.size:
             raise CorruptBlockError("cachegen payload: an escape index is out of range")
         coarse8 = np.frombuffer(parts[10], dtype=np.int8)
-        coarse = coarse8.astype(np.int64)
         wide = coarse8 == _COARSE_OVERFLOW
         if len(parts[15]) != 4 * int(wide.sum()):
             raise CorruptBlockError("cachegen payload: the wide escape parts have the wrong length")
-        coarse[wide] = np.frombuffer(parts[15], dtype="<i4")
-        if bool((np.abs(coarse) < 2).any()) or bool((np.abs(coarse) > _SYMBOL_LIMIT).any()):
+        symbol = coarse8.astype(np.int64)  # the coarse parts, then (shifted, plus the fine bits) the symbols
+        symbol[wide] = np.frombuffer(parts[15], dtype="<i4")
+        del wide
+        if bool((np.abs(symbol) < 2).any()) or bool((np.abs(symbol) > _SYMBOL_LIMIT).any()):
             raise CorruptBlockError("cachegen payload: an escape's coarse part is out of range")
-        symbol = sym.reshape(-1)[at].astype(np.int64) + (coarse << r[at // sym.shape[1]])
+        stream = at // sym.shape[1]
+        np.left_shift(symbol, r[stream], out=symbol)
+        symbol += sym.reshape(-1)[at]
         if bool((np.abs(symbol) > _SYMBOL_LIMIT).any()):
             raise CorruptBlockError("cachegen payload: an escaped symbol is out of range")
-        return at, symbol
+        x.reshape(-1)[at] = symbol.astype(np.float32) * step[stream]
 
     @staticmethod
-    def _flags(
-        parts: list[memoryview], p: np.ndarray, streams: int, per_stream: int
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _flags(parts: list[memoryview], p: np.ndarray, streams: int, per_stream: int) -> tuple[np.ndarray, np.ndarray]:
         """The ANS-coded significance flags ``[streams, per_stream]`` (uint8 0/1; 16 per symbol, escaped words
-        raw), the flat indices of the set ones and their sign bits (uint8, 1: coarse part -1)."""
+        raw) and the sign of each set one (``[streams, per_stream]`` bool, True: coarse part -1); about 4.5
+        bytes per flag at their peak, whatever the payload holds."""
         padded = (per_stream + _FLAGS - 1) // _FLAGS * _FLAGS
         joint = np.empty((streams, padded // _FLAGS), dtype=np.int32)
         try:
@@ -512,19 +544,40 @@ class CacheGenCodec(Codec):
             raise CorruptBlockError("cachegen payload: the ANS stream has data left over")
         words = _TO_WORD[joint]
         escaped = joint == _ESCAPE_WORD
+        del joint
         if len(parts[11]) != 2 * int(escaped.sum()):
             raise CorruptBlockError("cachegen payload: the escaped flag words have the wrong length")
         words.reshape(-1)[np.flatnonzero(escaped)] = np.frombuffer(parts[11], dtype="<u2")
+        del escaped
         flags = np.unpackbits(words.view(np.uint8), bitorder="little").reshape(streams, padded)
+        del words
         if padded != per_stream:
             if flags[:, per_stream:].any():
                 raise CorruptBlockError("cachegen payload: a padding flag is set")
             flags = np.ascontiguousarray(flags[:, :per_stream])
-        set_at = np.flatnonzero(flags.view(np.bool_))
-        if len(parts[8]) != (len(set_at) + 7) // 8:
+        set_count = int(np.count_nonzero(flags))
+        if len(parts[8]) != (set_count + 7) // 8:
             raise CorruptBlockError("cachegen payload: the sign bits have the wrong length")
-        negative = np.unpackbits(np.frombuffer(parts[8], dtype=np.uint8), count=len(set_at), bitorder="little")
-        return flags, set_at, negative
+        signs = np.unpackbits(np.frombuffer(parts[8], dtype=np.uint8), count=set_count, bitorder="little")
+        negative = np.zeros(flags.shape, dtype=np.bool_)
+        flat_flags, flat_negative = flags.reshape(-1).view(np.bool_), negative.reshape(-1)
+        done = 0
+        for start in range(0, flags.size, _CHUNK):  # the set flags' indices a chunk at a time (int64: 8 bytes each)
+            at = np.flatnonzero(flat_flags[start : start + _CHUNK])
+            flat_negative[start : start + _CHUNK][at] = signs[done : done + len(at)]
+            done += len(at)
+        return flags, negative
+
+def _subtract_where(row: np.ndarray, mask: np.ndarray, amount: np.unsignedinteger) -> None:
+    """``row -= amount`` where ``mask`` (both flat, ``row`` unsigned), ``_CHUNK`` elements at a time: a product
+    temporary of at most ``_CHUNK`` elements (numpy's ``where=`` is ~15x slower than a product and a subtraction)."""
+    flags = mask.view(np.uint8)
+    tmp = np.empty(min(_CHUNK, len(row)), dtype=row.dtype)
+    for start in range(0, len(row), _CHUNK):
+        end = min(start + _CHUNK, len(row))
+        part = tmp[: end - start]
+        np.multiply(flags[start:end], amount, out=part, casting="unsafe")
+        np.subtract(row[start:end], part, out=row[start:end])
 
 
 def _spread_tables() -> dict[tuple[int, int], np.ndarray]:
@@ -585,7 +638,8 @@ def _unpack_planes(buf: memoryview, count: int, width: int) -> np.ndarray:
         pos += nbytes
         if width > 8:
             part = packed if bits == 8 else np.take(_SPREAD[bits, 0], packed).view(np.uint8)[:count]
-            part = part.astype(np.int32) << shift
+            part = part.astype(np.int32)
+            part <<= shift
         elif bits == 8:
             part = packed.copy()
         else:

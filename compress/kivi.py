@@ -29,6 +29,7 @@ from kvshelf.compress.bitpack import half_bytes, half_from, pack_bits, packed_le
 from kvshelf.compress.container import frame_bytes, pack_sections, unpack_sections
 from kvshelf.kvstore.codec import Codec, PreparedPayload, register_codec
 from kvshelf.kvstore.errors import CorruptBlockError
+from kvshelf.kvstore.limits import MAX_GROUP_SIZE
 
 _HALF_MAX = 65504.0
 
@@ -39,6 +40,7 @@ def quantize_groups(x: torch.Tensor, group_size: int, bits: int) -> tuple[torch.
     Returns ``(codes [rows, n] uint8, zero [rows, groups] fp16, scale [rows, groups] fp16)``.
     """
     rows, n = x.shape
+    group_size = min(group_size, max(n, 1))  # a group wider than a row is the row (no padding to its width)
     groups = (n + group_size - 1) // group_size
     x = x.float().clamp(-_HALF_MAX, _HALF_MAX)
     pad = groups * group_size - n
@@ -61,6 +63,7 @@ def dequantize_groups(
 ) -> torch.Tensor:
     """Inverse of ``quantize_groups``: ``codes [rows, n]`` with ``zero``/``scale [rows, groups]`` (float32)."""
     rows, n = codes.shape
+    group_size = min(group_size, max(n, 1))
     groups = zero.shape[1]
     pad = groups * group_size - n
     c = codes.to(torch.float32)
@@ -80,8 +83,39 @@ class KiviCodec(Codec):
     group_size: int
 
     def __post_init__(self) -> None:
-        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
-            raise ValueError(f"group_size must be a positive integer, got {self.group_size!r}")
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or not (
+            1 <= self.group_size <= MAX_GROUP_SIZE
+        ):
+            raise ValueError(f"group_size must be an integer in [1, {MAX_GROUP_SIZE}], got {self.group_size!r}")
+
+    @staticmethod
+    def _halves(shape: tuple[int, int, int, int], group_size: int) -> list[tuple[int, int, int, int]]:
+        """``(rows, cols, group, groups)`` of the keys (rows: layer, head, channel) and the values (rows: layer,
+        token) of a block of ``shape``; ``group`` is ``group_size`` capped at ``cols`` (a wider one is the row)."""
+        layers, heads, tokens, dim = shape
+        out = []
+        for rows, cols in ((layers * heads * dim, tokens), (layers * tokens, heads * dim)):
+            g = min(group_size, max(cols, 1))
+            out.append((rows, cols, g, -(-cols // g)))
+        return out
+
+    @classmethod
+    def decode_workspace_bytes(
+        cls, params: Mapping[str, Any], shape: tuple[int, int, int, int], itemsize: int, payload_len: int
+    ) -> int:
+        """What ``prepare_at`` keeps (the unpacked codes, one byte each below 8 bits, and a float32 zero point and
+        scale per group) plus the larger half's ``write`` in the worst case, a destination the groups cannot view:
+        the codes as float32, their padded copy (a partial last group), the dequantized float32 groups, and a cast
+        to the destination's dtype (``itemsize``: the block's; a float32 destination needs none)."""
+        if numel(shape) == 0:
+            return 0
+        halves = cls._halves(shape, int(params["group_size"]))
+        kept = sum((rows * cols if cls.bits < 8 else 0) + 8 * rows * groups for rows, cols, _, groups in halves)
+        write = 0
+        for rows, cols, g, groups in halves:
+            n, padded = rows * cols, rows * groups * g
+            write = max(write, 4 * n + 4 * padded * (2 if padded > n else 1) + (itemsize * n if itemsize != 4 else 0))
+        return kept + write
 
     @classmethod
     def payload_bounds(
@@ -129,15 +163,13 @@ class KiviCodec(Codec):
         self, payload: memoryview, shape: tuple[int, int, int, int], dtype: torch.dtype, start_pos: int
     ) -> KiviPayload:
         """Check the payload and unpack its codes; ``write`` dequantizes them into the destination."""
-        layers, heads, tokens, dim = shape
         parts = unpack_sections(payload, 6, self.name)
         if numel(shape) == 0:
             if any(len(p) for p in parts):
                 raise CorruptBlockError(f"{self.name} payload has data for an empty block")
             return KiviPayload(self, shape, [])
         halves = []
-        for n, (rows, cols) in enumerate(((layers * heads * dim, tokens), (layers * tokens, heads * dim))):
-            groups = (cols + self.group_size - 1) // self.group_size
+        for n, (rows, cols, _, groups) in enumerate(self._halves(shape, self.group_size)):
             packed, zero_buf, scale_buf = parts[3 * n : 3 * n + 3]
             if len(packed) != packed_len(rows * cols, self.bits):
                 raise CorruptBlockError(f"{self.name} payload: codes are {len(packed)} bytes for {shape}")
@@ -161,8 +193,8 @@ class KiviPayload(PreparedPayload):
         if not self.halves:
             return
         layers, heads, tokens, dim = self.shape
-        g = self.codec.group_size
-        for n, (codes, zero, scale) in enumerate(self.halves):
+        for n, ((codes, zero, scale), (_, _, g, _)) in enumerate(zip(self.halves, KiviCodec._halves(
+                self.shape, self.codec.group_size), strict=True)):
             out = keys_out if n == 0 else values_out
             direct = _group_view(out, n, g) if out.dtype == torch.float32 else None
             if direct is None:  # groups the layout cannot hold as a view: dequantize, then one transposing copy

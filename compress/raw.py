@@ -43,6 +43,13 @@ class RawCodec(Codec):
         n = 2 * numel(shape) * itemsize
         return n, n
 
+    @classmethod
+    def decode_workspace_bytes(
+        cls, params: Mapping[str, Any], shape: tuple[int, int, int, int], itemsize: int, payload_len: int
+    ) -> int:
+        """None: the decoded tensors are copies (or views) of the payload, ``prepare_at`` keeps views."""
+        return 0
+
     def encode(self, keys: torch.Tensor, values: torch.Tensor) -> list[bytes | memoryview]:
         return [tensor_bytes(keys), tensor_bytes(values)]
 

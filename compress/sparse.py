@@ -28,7 +28,7 @@ import torch
 from kvshelf.compress.bitpack import pack_bits, packed_len, unpack_bits
 from kvshelf.compress.container import frame_bytes, pack_sections, unpack_sections
 from kvshelf.kvstore.block import KVBlock
-from kvshelf.kvstore.codec import Codec, get_codec, payload_len_bounds, register_codec
+from kvshelf.kvstore.codec import Codec, get_codec, numel, payload_len_bounds, register_codec
 from kvshelf.kvstore.errors import CorruptBlockError
 
 _FILLS = {"nan": float("nan"), "zero": 0.0}
@@ -105,6 +105,17 @@ class SparseCodec(Codec):
             return None
         fixed = frame_bytes(3) + 16 + packed_len(tokens, 1)
         return fixed + none_kept[0], None if all_kept[1] is None else fixed + all_kept[1]
+
+    @classmethod
+    def decode_workspace_bytes(
+        cls, params: Mapping[str, Any], shape: tuple[int, int, int, int], itemsize: int, payload_len: int
+    ) -> int:
+        """The inner codec's decode of up to every token (its decoded kept tokens and its own working memory), or
+        those kept tokens beside the outputs being filled, or (``prepare_at``) the decoded block kept for
+        ``write``; plus the kept-token mask and indices (9 bytes per token)."""
+        inner = get_codec(params["inner"], params["inner_params"])
+        inner_workspace = type(inner).decode_workspace_bytes(inner.params(), shape, itemsize, payload_len)
+        return max(inner_workspace, 2 * numel(shape) * itemsize) + 9 * shape[2]
 
     def params(self) -> dict[str, Any]:
         return {"inner": self.inner, "inner_params": dict(self.inner_params), "fill": self.fill}

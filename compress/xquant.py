@@ -69,10 +69,11 @@ import hashlib
 import math
 import struct
 import threading
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -81,7 +82,8 @@ import zstandard
 from kvshelf.compress import hugepages, xquant_kernels
 from kvshelf.compress.container import expect_len, pack_sections, unpack_sections
 from kvshelf.compress.raw import tensor_bytes
-from kvshelf.kvstore.codec import Codec, PreparedPayload, register_codec, write_each
+from kvshelf.compress.zstd import decompress_exact
+from kvshelf.kvstore.codec import Codec, PreparedPayload, numel, register_codec, write_each
 from kvshelf.kvstore.errors import CodecParamError, ConfigError, CorruptBlockError
 
 NAME = "xquant"
@@ -162,7 +164,10 @@ def bind_tables(tables: XQuantTables) -> str:
 def unbind_tables(digest: str) -> None:
     """Forget the tables bound under ``digest`` (blocks using them then fail to decode with a clear error)."""
     _BOUND.pop(digest, None)
-    _plan.cache_clear()
+    with _PLANS_LOCK:
+        _PLANS.clear()
+        for key in [k for k in _KEPT_PLANS if k[0] == digest]:
+            del _KEPT_PLANS[key]
     _cos_sin.cache_clear()
 
 
@@ -263,8 +268,59 @@ class _Plan:
         return layer, offset // count, self.class_slots[cls, layer] + offset % count
 
 
-@functools.lru_cache(maxsize=16)
+#: plans kept for parameters read from block headers, the most recently used: a plan is ~7 x layers x C**2 bytes
+#: (~31 MB on SmolLM2) and a header may name any parameters, so only a few are kept. The plans of this process's
+#: own parameters (``keep_plan``, which ``adapters.xquant.xquant_params`` calls) stay apart, for good; a block
+#: whose parameters have no plan yet builds one, counted in ``XQuantCodec.decode_workspace_bytes``.
+PLAN_CACHE_SIZE = 4
+_PlanKey = tuple[str, float, float, float]  # (tables digest, step, key_step_scale, drop_below)
+_PLANS: OrderedDict[_PlanKey, _Plan] = OrderedDict()
+_KEPT_PLANS: dict[_PlanKey, _Plan] = {}
+_PLANS_LOCK = threading.Lock()
+
+
 def _plan(digest: str, step: float, key_step_scale: float, drop_below: float) -> _Plan:
+    """The plan of bound tables ``digest`` and these parameters: a kept one, else one of the ``PLAN_CACHE_SIZE``
+    most recently used, else built."""
+    key = (digest, step, key_step_scale, drop_below)
+    with _PLANS_LOCK:
+        plan = _KEPT_PLANS.get(key) or _PLANS.get(key)
+        if plan is not None:
+            if key in _PLANS:
+                _PLANS.move_to_end(key)
+            return plan
+    plan = _build_plan(digest, step, key_step_scale, drop_below)
+    with _PLANS_LOCK:
+        _PLANS[key] = plan
+        while len(_PLANS) > PLAN_CACHE_SIZE:
+            _PLANS.popitem(last=False)
+    return plan
+
+
+def _plan_ready(key: _PlanKey) -> bool:
+    """Whether the plan of ``key`` is built (a decode with these parameters builds none)."""
+    with _PLANS_LOCK:
+        return key in _KEPT_PLANS or key in _PLANS
+
+
+def keep_plan(params: Mapping[str, Any]) -> None:
+    """Build the plan of the ``xquant`` codec parameters ``params`` (tables bound) now and keep it for the
+    process's life (until ``unbind_tables``): this process's own configuration, never evicted by blocks that
+    name other parameters, and never counted in a block's decode cost."""
+    codec = XQuantCodec(**params)
+    key = (codec.model, float(codec.step), float(codec.key_step_scale), float(codec.drop_below))
+    plan = codec._plan()
+    with _PLANS_LOCK:
+        _KEPT_PLANS[key] = plan
+
+
+def plan_build_bytes(tables: XQuantTables) -> int:
+    """Peak bytes building a plan of ``tables`` takes: ~31 x layers x C**2 (the basis's key half in float64, the
+    gathered basis rows, the folded float32 matrix and its int8 and bf16 copies), measured; a bound."""
+    return 32 * tables.layers * tables.width**2
+
+
+def _build_plan(digest: str, step: float, key_step_scale: float, drop_below: float) -> _Plan:
     tables = bound_tables(digest)
     layers, width_c = tables.layers, tables.width
     half = tables.kv_heads * tables.head_dim
@@ -392,13 +448,8 @@ def _zstd(data: bytes) -> bytes:
 
 
 def _unzstd(data: memoryview, size: int, what: str) -> bytes:
-    try:
-        out = zstandard.ZstdDecompressor().decompress(data, max_output_size=size + 1)
-    except zstandard.ZstdError as exc:
-        raise CorruptBlockError(f"xquant payload: {what} does not decompress: {exc}") from exc
-    if len(out) != size:
-        raise CorruptBlockError(f"xquant payload: {what} is {len(out)} bytes, expected {size}")
-    return out
+    """The ``size`` bytes of a zstd frame, refused from its header when it declares another size."""
+    return decompress_exact(data, size, what, NAME)
 
 
 @register_codec
@@ -458,6 +509,28 @@ class XQuantCodec(Codec):
 
     def _plan(self) -> _Plan:
         return _plan(self.model, float(self.step), float(self.key_step_scale), float(self.drop_below))
+
+    @classmethod
+    def decode_workspace_bytes(
+        cls, params: Mapping[str, Any], shape: tuple[int, int, int, int], itemsize: int, payload_len: int
+    ) -> int:
+        """Per element of keys and values (``e``), whatever the payload holds: ``prepare_at`` peaks at ~18 bytes
+        (the int8 rows, the class streams, and every symbol an int32 escape with its int64 + int32 place), keeps
+        ~13 of them for ``write``, which adds the layers' symbol matrix, escapes beyond int8 sorted by layer
+        (~60 bytes each at most), and per layer the product and the torch epilogue's temporaries (~32 x T x C
+        bytes); plus the plan when the block's parameters have none built yet (``plan_build_bytes``: the bound
+        model's size, not the block's), RoPE tables and the fp16 sinks. Tables not bound, or of another layout:
+        the decode is refused before any allocation."""
+        tables = _BOUND.get(str(params.get("model", "")))
+        layers, heads, tokens, dim = shape
+        if tables is None or (layers, heads, dim) != (tables.layers, tables.kv_heads, tables.head_dim):
+            return 0
+        e, per_layer = 2 * numel(shape), tokens * tables.width
+        key = (tables.digest, float(params["step"]), float(params["key_step_scale"]), float(params["drop_below"]))
+        plan = 0 if _plan_ready(key) else plan_build_bytes(tables)
+        write = 13 * e + e + 60 * e + 36 * per_layer
+        sinks = 2 * layers * heads * int(params["max_sinks"]) * dim * (2 + 4)
+        return max(18 * e, write) + plan + sinks + 8 * tokens * dim + 8 * layers * tables.width
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor) -> list[bytes | memoryview]:
         raise CodecParamError("xquant needs the block's start position: encode through kvstore.encoding.encode_block")

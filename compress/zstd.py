@@ -30,6 +30,29 @@ from kvshelf.kvstore.errors import CorruptBlockError
 _KEEP_RAW = 0.97  # store a plane as is unless zstd makes it at least 3% smaller
 
 
+def decompress_exact(frame: bytes | memoryview, size: int, what: str, codec: str) -> bytes:
+    """The ``size`` bytes a zstd ``frame`` holds; ``CorruptBlockError`` naming ``codec`` and ``what`` otherwise.
+
+    The frame's header must declare its content size, and declare ``size``, before anything is decompressed:
+    ``zstandard`` allocates the declared content size whatever ``max_output_size`` says (a 32 KiB frame of zeros
+    declaring 1 GiB is a 1 GiB allocation), so a frame declaring more than the block's shape allows is refused
+    from its header. Our encoders always write the content size.
+    """
+    try:
+        declared = zstandard.get_frame_parameters(frame).content_size
+    except zstandard.ZstdError as exc:
+        raise CorruptBlockError(f"{codec} payload: {what} is not a zstd frame: {exc}") from exc
+    if declared != size:  # an unknown content size reads as 2**64 - 1
+        raise CorruptBlockError(f"{codec} payload: {what} declares {declared} bytes, expected {size}")
+    try:
+        out = zstandard.ZstdDecompressor().decompress(frame, max_output_size=size)
+    except zstandard.ZstdError as exc:
+        raise CorruptBlockError(f"{codec} payload: {what} does not decompress: {exc}") from exc
+    if len(out) != size:
+        raise CorruptBlockError(f"{codec} payload: {what} is {len(out)} bytes, expected {size}")
+    return out
+
+
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -72,6 +95,15 @@ class ZstdCodec(Codec):
             raise ValueError(f"level must be an integer in [-7, 22], got {self.level!r}")
 
     @classmethod
+    def decode_workspace_bytes(
+        cls, params: Mapping[str, Any], shape: tuple[int, int, int, int], itemsize: int, payload_len: int
+    ) -> int:
+        """One tensor's decompressed planes (keys, then values: ``prod(shape) * itemsize``) and the decoded tensors
+        ``prepare_at`` keeps for ``write`` (``2 * prod(shape) * itemsize``). A decompression context (one-shot into
+        a buffer of the frame's content size, no window buffer: ~0.2 MiB) is within ``DECODE_OVERHEAD_BYTES``."""
+        return 3 * numel(shape) * itemsize
+
+    @classmethod
     def payload_bounds(
         cls, params: Mapping[str, Any], shape: tuple[int, int, int, int], itemsize: int
     ) -> tuple[int, int | None]:
@@ -102,17 +134,13 @@ class ZstdCodec(Codec):
         flags = bytes(parts[0])
         if len(flags) != 2 * itemsize or any(f not in (0, 1) for f in flags):
             raise CorruptBlockError(f"zstd payload: bad plane flags {flags!r}")
-        decompressor = zstandard.ZstdDecompressor()
-        planes: list[bytes | memoryview] = []
-        for flag, frame in zip(flags, parts[1:], strict=True):
-            if flag:
-                try:
-                    plane: bytes | memoryview = decompressor.decompress(frame, max_output_size=n)
-                except zstandard.ZstdError as exc:
-                    raise CorruptBlockError(f"zstd payload does not decompress: {exc}") from exc
-            else:
-                plane = frame
-            if len(plane) != n:
-                raise CorruptBlockError(f"zstd plane holds {len(plane)} bytes, expected {n} for {shape}")
-            planes.append(plane)
-        return (unshuffle_planes(planes[:itemsize], dtype, shape), unshuffle_planes(planes[itemsize:], dtype, shape))
+        out = []
+        for half in range(2):  # keys, then values: one tensor's planes at a time
+            planes = [decompress_exact(frame, n, "a plane", self.name) if flag else frame  # checked: no more than n
+                      for flag, frame in zip(flags[half * itemsize : (half + 1) * itemsize],
+                                             parts[1 + half * itemsize : 1 + (half + 1) * itemsize], strict=True)]
+            if any(len(plane) != n for plane in planes):
+                raise CorruptBlockError(f"zstd plane holds the wrong number of bytes, expected {n} for {shape}")
+            out.append(unshuffle_planes(planes, dtype, shape))
+            del planes
+        return out[0], out[1]

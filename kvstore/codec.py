@@ -21,6 +21,14 @@ import torch
 from kvshelf.kvstore.errors import CodecParamError, UnknownCodecError
 
 _REGISTRY: dict[str, type[Codec]] = {}
+#: a codec that does not state its decode working memory (``Codec.decode_workspace_bytes``) is assumed to need
+#: this many times the block's decoded size
+DEFAULT_WORKSPACE_FACTOR = 4
+#: what one decode may allocate beyond its decoded size and its ``decode_workspace_bytes``, whatever the block:
+#: library contexts (a zstd decompressor), temporaries allocated a fixed-size chunk at a time, cache entries of
+#: bounded caches (``cachegen``'s flag models). Not a per-block cost: left out of ``decode_cost_bytes``, so a small
+#: bound on blocks (a server's max block) still admits small blocks.
+DECODE_OVERHEAD_BYTES = 16 << 20
 _BUILTINS = "kvshelf.compress"  # importing it registers the built-in codecs
 _builtins_loaded = False
 
@@ -116,6 +124,25 @@ class Codec(ABC):
         ``itemsize`` bytes, encoded with ``params`` (as a header carries them, unchecked); ``None`` when the codec
         cannot state them. O(1): ``verify_block`` calls it for every block it checks."""
         return None
+
+    @classmethod
+    def decode_workspace_bytes(
+        cls, params: Mapping[str, Any], shape: tuple[int, int, int, int], itemsize: int, payload_len: int
+    ) -> int:
+        """Peak bytes that decoding a block of ``shape`` (keys and values ``[layers, kv_heads, tokens, head_dim]``)
+        whose dtype has ``itemsize`` bytes, encoded with ``params`` (the codec's own, checked: ``codec.params()``)
+        in a payload of ``payload_len`` bytes, allocates beyond its decoded keys and values, on every decode path:
+        ``decode_at``, and ``prepare_at`` plus ``write`` into a caller's tensors (what ``prepare_at`` keeps for
+        ``write`` counts). From the header alone, an upper bound whatever the payload holds:
+        ``kvstore.encoding.decode_cost_bytes`` adds it to the decoded size, and every "may I decode this" check
+        compares that to its bound before anything is allocated. It must grow at most in proportion to the
+        decoded size and the payload, never with a parameter alone; fixed costs within
+        ``DECODE_OVERHEAD_BYTES`` are left out.
+
+        Each codec states its own (the tests measure them); this default, for a codec that does not, assumes
+        ``DEFAULT_WORKSPACE_FACTOR`` times the decoded size.
+        """
+        return DEFAULT_WORKSPACE_FACTOR * 2 * numel(shape) * itemsize
 
     def encode_at(self, keys: torch.Tensor, values: torch.Tensor, start_pos: int) -> list[bytes | memoryview]:
         """``encode`` of a block whose first token is at position ``start_pos`` (codecs that need it override)."""

@@ -21,13 +21,20 @@ import xxhash
 
 from kvshelf.kvstore.block import KVBlock, PreparedBlock
 from kvshelf.kvstore.codec import Codec, get_codec, numel, payload_len_bounds
-from kvshelf.kvstore.errors import CorruptBlockError, ForeignBlockError, KVShelfError
+from kvshelf.kvstore.errors import (
+    BlockTooLargeError,
+    CodecParamError,
+    ConfigError,
+    CorruptBlockError,
+    ForeignBlockError,
+    KVShelfError,
+)
+from kvshelf.kvstore.limits import MAX_HEADER_BYTES, MAX_HEADER_CONTAINERS, check_block_fields
 
 MAGIC = b"KVSH"
 FORMAT_VERSION = 1
 _PREFIX = struct.Struct("<4sHI")
 _CHECKSUM_BYTES = 8
-MAX_HEADER_BYTES = 16 * 1024 * 1024
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -58,14 +65,52 @@ class BlockHeader:
 
 def decoded_nbytes(header: BlockHeader) -> int:
     """Bytes the keys and values of a block with this header take once decoded (``2 x prod(shape) x itemsize``),
-    from its declared shape and dtype alone: what decoding (or re-encoding) it would allocate, known before."""
+    from its declared shape and dtype alone. Not what decoding it costs: see ``decode_cost_bytes``."""
     return 2 * numel(header.shape) * ITEMSIZES[header.dtype]
+
+
+def header_codec(header: BlockHeader) -> Codec:
+    """The codec of a block with this header; ``CorruptBlockError`` when its parameters are invalid or past
+    their limits (a damaged or hostile header), ``UnknownCodecError`` when this build has no such codec."""
+    try:
+        return get_codec(header.codec, header.params)
+    except CodecParamError as exc:
+        raise CorruptBlockError(f"block header: {exc}"[:500]) from exc
+
+
+def decode_cost_bytes(header: BlockHeader) -> int:
+    """The most bytes decoding a block with this header may allocate, from the header alone, before anything is
+    decoded: its decoded keys and values (``decoded_nbytes``) plus its codec's working memory
+    (``Codec.decode_workspace_bytes``: every decode path, whatever the payload holds). What every "may I decode
+    this" check compares to its bound (a store's ``max_decoded_bytes``, a server's max block size, a client's
+    ``max_decode_bytes``). Raises like ``header_codec``."""
+    codec = header_codec(header)
+    workspace = type(codec).decode_workspace_bytes(codec.params(), header.shape, ITEMSIZES[header.dtype],
+                                                   header.payload_len)
+    return decoded_nbytes(header) + workspace
+
+
+def check_decode_cost(header: BlockHeader, bound: int | None) -> None:
+    """``BlockTooLargeError`` when decoding a block with this header may take more than ``bound`` bytes (None:
+    unbounded), naming the block's shape, its cost and the bound."""
+    if bound is None:
+        return
+    cost = decode_cost_bytes(header)
+    if cost > bound:
+        raise BlockTooLargeError(
+            f"block {header.key.hex()} of declared shape {list(header.shape)} {DTYPE_NAMES[header.dtype]} "
+            f"({header.codec}) needs up to {cost} bytes to decode ({decoded_nbytes(header)} decoded): more than the "
+            f"limit of {bound} bytes")
 
 
 def encode_block(block: KVBlock, key: bytes, codec_name: str = "raw", codec_params: dict | None = None) -> bytes:
     """Encode ``block`` stored under ``key`` with the named codec."""
     if block.dtype not in DTYPE_NAMES:
         raise KVShelfError(f"unsupported KV dtype {block.dtype}; supported: {sorted(DTYPES)}")
+    check_block_fields(codec=codec_name, shapes=[tuple(block.keys.shape), tuple(block.values.shape)],
+                       itemsize=ITEMSIZES[block.dtype], start_pos=block.start_pos, token_ids=block.token_ids,
+                       fingerprint=block.fingerprint, namespace=block.namespace, key=key, extra=block.extra,
+                       error=ConfigError)  # what every reader would refuse is never written
     codec = get_codec(codec_name, codec_params)
     parts = codec.encode_at(block.keys, block.values, block.start_pos)
     payload_len = sum(len(p) for p in parts)
@@ -85,6 +130,9 @@ def encode_block(block: KVBlock, key: bytes, codec_name: str = "raw", codec_para
         },
         separators=(",", ":"),
     ).encode()
+    if len(header) > MAX_HEADER_BYTES or header.count(b"[") + header.count(b"{") > MAX_HEADER_CONTAINERS:
+        raise ConfigError(f"the block's header is {len(header)} bytes with {header.count(b'[') + header.count(b'{')} "
+                          f"brackets: the limits are {MAX_HEADER_BYTES} bytes and {MAX_HEADER_CONTAINERS} brackets")
     prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(header))
     hasher = xxhash.xxh3_64()
     for part in (prefix, header, *parts):
@@ -100,13 +148,16 @@ def _parse_header(data: memoryview) -> tuple[BlockHeader, int]:
         raise CorruptBlockError(f"not a kvshelf block (magic {bytes(magic)!r})")
     if version != FORMAT_VERSION:
         raise CorruptBlockError(f"unsupported block format version {version} (this build reads {FORMAT_VERSION})")
-    if header_len > MAX_HEADER_BYTES or _PREFIX.size + header_len + _CHECKSUM_BYTES > len(data):
+    if header_len > MAX_HEADER_BYTES:
+        raise CorruptBlockError(f"block header of {header_len} bytes: the limit is {MAX_HEADER_BYTES}")
+    if _PREFIX.size + header_len + _CHECKSUM_BYTES > len(data):
         raise CorruptBlockError(f"encoded block truncated: header of {header_len} bytes does not fit")
+    text = bytes(data[_PREFIX.size : _PREFIX.size + header_len])
+    if text.count(b"[") + text.count(b"{") > MAX_HEADER_CONTAINERS:  # before parsing: JSON containers cost ~27x
+        raise CorruptBlockError(f"block header with more than {MAX_HEADER_CONTAINERS} brackets (kvstore.limits)")
     try:
-        raw = json.loads(bytes(data[_PREFIX.size : _PREFIX.size + header_len]))
+        raw = json.loads(text)
         shape = tuple(int(x) for x in raw["shape"])
-        if len(shape) != 4 or min(shape) < 0:
-            raise ValueError(f"bad shape {shape}")
         header = BlockHeader(
             codec=str(raw["codec"]),
             params=dict(raw["params"]),
@@ -120,12 +171,13 @@ def _parse_header(data: memoryview) -> tuple[BlockHeader, int]:
             key=bytes.fromhex(raw["key"]),
             extra={str(k): str(v) for k, v in raw.get("extra", {}).items()},
         )
-        if header.start_pos < 0:
-            raise ValueError(f"bad start_pos {header.start_pos}")
     except RecursionError as exc:  # a deeply nested JSON header
         raise CorruptBlockError("unreadable block header: nested too deeply") from exc
     except Exception as exc:  # noqa: BLE001 - whatever the bytes hold, a bad header is a damaged block
         raise CorruptBlockError(f"unreadable block header: {type(exc).__name__}: {exc}"[:500]) from exc
+    check_block_fields(codec=header.codec, shapes=[header.shape, header.shape], itemsize=ITEMSIZES[header.dtype],
+                       start_pos=header.start_pos, token_ids=header.token_ids, fingerprint=header.fingerprint,
+                       namespace=header.namespace, key=header.key, extra=header.extra, error=CorruptBlockError)
     return header, _PREFIX.size + header_len
 
 
@@ -172,14 +224,17 @@ def verify_block(
 
 def _verified_payload(
     data: bytes | memoryview, expected_key: bytes | None, expected_fingerprint: str | None,
-    expected_namespace: str | None,
+    expected_namespace: str | None, max_decode_bytes: int | None,
 ) -> tuple[BlockHeader, Codec, memoryview]:
-    """``verify_block``, then the block's codec and a view of its payload."""
+    """``verify_block``, then the block's codec (``header_codec``) and a view of its payload, once its decode cost
+    is known to be within ``max_decode_bytes`` (``check_decode_cost``)."""
     view = memoryview(data)
     header = verify_block(view, expected_key=expected_key, expected_fingerprint=expected_fingerprint,
                           expected_namespace=expected_namespace)
+    codec = header_codec(header)
+    check_decode_cost(header, max_decode_bytes)
     body_end = len(view) - _CHECKSUM_BYTES
-    return header, get_codec(header.codec, header.params), view[body_end - header.payload_len : body_end]
+    return header, codec, view[body_end - header.payload_len : body_end]
 
 
 def decode_block(
@@ -189,12 +244,15 @@ def decode_block(
     expected_fingerprint: str | None = None,
     expected_namespace: str | None = None,
     copy: bool = True,
+    max_decode_bytes: int | None = None,
 ) -> KVBlock:
     """Validate (see ``verify_block``) and decode an encoded block.
 
-    With ``copy=False`` tensors may be read-only views of ``data``.
+    With ``copy=False`` tensors may be read-only views of ``data``. ``max_decode_bytes``: a block that may take
+    more to decode (``decode_cost_bytes``) is ``BlockTooLargeError``, before anything is allocated for it.
     """
-    header, codec, payload = _verified_payload(data, expected_key, expected_fingerprint, expected_namespace)
+    header, codec, payload = _verified_payload(data, expected_key, expected_fingerprint, expected_namespace,
+                                               max_decode_bytes)
     keys, values = codec.decode_at(payload, header.shape, header.dtype, copy, header.start_pos)
     return KVBlock(
         keys=keys,
@@ -213,13 +271,15 @@ def prepare_block(
     expected_key: bytes | None = None,
     expected_fingerprint: str | None = None,
     expected_namespace: str | None = None,
+    max_decode_bytes: int | None = None,
 ) -> PreparedBlock:
     """Validate (see ``verify_block``) and parse an encoded block for a later ``write`` (``Codec.prepare_at``).
 
     Damaged payloads raise ``CorruptBlockError`` here, before anything is written. The result may hold views
-    of ``data``.
+    of ``data``. ``max_decode_bytes``: as for ``decode_block`` (the cost counts the ``write`` too).
     """
-    header, codec, payload = _verified_payload(data, expected_key, expected_fingerprint, expected_namespace)
+    header, codec, payload = _verified_payload(data, expected_key, expected_fingerprint, expected_namespace,
+                                               max_decode_bytes)
     prepared = codec.prepare_at(payload, header.shape, header.dtype, header.start_pos)
     return PreparedBlock(payload=prepared, shape=header.shape, dtype=header.dtype, token_ids=header.token_ids,
                          start_pos=header.start_pos, fingerprint=header.fingerprint, namespace=header.namespace)

@@ -18,6 +18,7 @@ from kvshelf.kvstore.encoding import (
     ITEMSIZES,
     BlockHeader,
     decode_block,
+    decode_cost_bytes,
     decoded_nbytes,
     encode_block,
     prepare_block,
@@ -136,12 +137,14 @@ def decode_all(decode: Callable[[bytes, bytes], T], keys: Sequence[bytes], value
 
 
 def _check_decoded_size(header: BlockHeader, key: bytes, bound: int) -> None:
-    """``BlockTooLargeError`` when a block of ``header`` decodes to more than ``bound`` bytes."""
-    need = decoded_nbytes(header)
+    """``BlockTooLargeError`` when decoding a block of ``header`` may take more than ``bound`` bytes
+    (``decode_cost_bytes``: its decoded size plus its codec's working memory, from the header alone)."""
+    need = decode_cost_bytes(header)
     if need > bound:
         raise BlockTooLargeError(
-            f"block {header_key(key).hex()} of declared shape {list(header.shape)} decodes to {need} bytes, "
-            f"more than the limit of {bound} bytes for a block re-encoded into another codec")
+            f"block {header_key(key).hex()} of declared shape {list(header.shape)} needs up to {need} bytes to "
+            f"decode ({decoded_nbytes(header)} decoded), more than the limit of {bound} bytes for a block "
+            f"re-encoded into another codec")
 
 
 def _reencode(value: bytes, key: bytes, spec: TierSpec) -> bytes:
@@ -189,9 +192,9 @@ class TieredStore:
             raise ConfigError(f"tier names must be unique, got {names}")
         self.write_policy = write_policy
         self.namespace = namespace
-        #: the most bytes a value may decode to when a tier re-encodes it (``put_encoded_many``, promotion,
-        #: write-down); None: unbounded (promotion and write-down: the target tier's capacity). The service sets
-        #: its max block size here.
+        #: the most bytes decoding a value may take (``decode_cost_bytes``) when a tier re-encodes it
+        #: (``put_encoded_many``, promotion, write-down); None: unbounded (promotion and write-down: the target
+        #: tier's capacity). The service sets its max block size here.
         self.max_decoded_bytes = max_decoded_bytes
         self.counters = Counters()
         self._listeners: list[Listener] = []
@@ -257,8 +260,9 @@ class TieredStore:
 
         Raises ``CorruptBlockError`` / ``ForeignBlockError`` (nothing stored) if any value is damaged or was
         encoded under another key. Values are re-encoded only for tiers configured with another codec; with
-        ``max_decoded_bytes`` set, a value some tier would re-encode whose declared shape decodes to more is
-        refused with ``BlockTooLargeError`` before anything is decoded or stored.
+        ``max_decoded_bytes`` set, a value some tier would re-encode whose decoding may take more
+        (``decode_cost_bytes``, from its header) is refused with ``BlockTooLargeError`` before anything is decoded
+        or stored.
         """
         items = list(items)
         check_keys((k for k, _ in items), scoped=True)
@@ -541,10 +545,12 @@ class TieredStore:
                         encoded.append((key, value))
                         spec_owners.append(owners[i])
                         continue
-                    if bound is not None and decoded_nbytes(header) > bound:
-                        continue
                     try:
+                        if bound is not None:
+                            _check_decoded_size(header, key, bound)
                         encoded.append((key, _reencode(value, key, spec)))
+                    except BlockTooLargeError:
+                        continue
                     except KVShelfError as exc:  # served from the lower tier all the same
                         log.warning("tier %s: block %s not promoted: %s", spec.tier.name, key.hex(), exc)
                         continue

@@ -36,7 +36,7 @@ from kvshelf.proto import kvshelf_pb2_grpc as pb_grpc
 from kvshelf.service.arena import DEFAULT_ARENA_BYTES, ArenaPool, ClientArena, shared_memory_supported
 from kvshelf.service.errors import ArenaUnavailable, RemoteStoreError, WireError
 from kvshelf.service.fairness import RETRY_AFTER_METADATA
-from kvshelf.service.server import MAX_CHUNK_BYTES, MAX_MESSAGE_BYTES
+from kvshelf.service.server import MAX_CHUNK_BYTES, MAX_MESSAGE_BYTES, ServerLimits
 from kvshelf.service.wire import decode_response, encode_put_request
 
 T = TypeVar("T")
@@ -45,6 +45,9 @@ _UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 _MAX_RETRY_PAUSE_S = 0.5
 #: Fetched values at least this large are decoded on a few threads while the rest still arrive (``get_prepared_many``).
 STREAM_DECODE_MIN_BYTES = 256 << 10
+#: The most bytes decoding one fetched block may take (``kvstore.encoding.decode_cost_bytes``) by default: what a
+#: server with the default max block size lets through (it refuses to store a block whose decode would cost more).
+DEFAULT_MAX_DECODE_BYTES = ServerLimits().max_block_bytes
 
 
 #: per value, optional: ``(parent key, token ids)`` for its BlockStored events (``None`` parts: not sent)
@@ -123,6 +126,10 @@ class RemoteStore:
             wire by itself when it cannot use the arena (another host, another user, turned off).
         arena_bytes: size of each arena (sparse; one per concurrent get); values that do not fit in what is
             left of it go over the wire.
+        max_decode_bytes: a fetched block whose decoding may take more (``decode_cost_bytes``: its decoded size
+            plus its codec's working memory, from its header) is a miss, refused before anything is allocated
+            for it (default: the server's default max block size; match a server's ``--max-block``; None:
+            only the block format's limits, ``kvstore.limits``).
     """
 
     def __init__(
@@ -138,9 +145,13 @@ class RemoteStore:
         connect_timeout_s: float = 10.0,
         shared_memory: bool | None = None,
         arena_bytes: int = DEFAULT_ARENA_BYTES,
+        max_decode_bytes: int | None = DEFAULT_MAX_DECODE_BYTES,
     ) -> None:
         if not namespace:
             raise ConfigError("namespace must be a non-empty string")
+        if max_decode_bytes is not None and max_decode_bytes <= 0:
+            raise ConfigError(f"max_decode_bytes must be > 0 (or None), got {max_decode_bytes}")
+        self.max_decode_bytes = max_decode_bytes
         self.address = address
         self.namespace = namespace
         self.codec = codec
@@ -359,7 +370,8 @@ class RemoteStore:
         namespace = namespace or self.namespace
 
         def one(key: bytes, value: bytes) -> T:
-            return read(value, expected_key=key, expected_fingerprint=fingerprint, expected_namespace=namespace)
+            return read(value, expected_key=key, expected_fingerprint=fingerprint, expected_namespace=namespace,
+                        max_decode_bytes=self.max_decode_bytes)
 
         if parallel and len(keys) > 1:
             outcomes = self._fetch_decoding(keys, namespace, fingerprint, tokens, one)

@@ -13,7 +13,7 @@ from kvshelf.adapters.generate import CachedGenerator
 from kvshelf.adapters.model import tiny_llama
 from kvshelf.adapters.xquant import xquant_params
 from kvshelf.kvstore import LMDBTier, open_embedded_store
-from kvshelf.kvstore.encoding import decode_block, encode_block, read_header
+from kvshelf.kvstore.encoding import decode_block, decode_cost_bytes, encode_block, read_header
 from kvshelf.service.auth import scope_tag
 from kvshelf.service.client import RemoteStore
 from kvshelf.service.serve import ServeConfig, open_store
@@ -107,12 +107,13 @@ def test_the_lmdb_tier_holds_the_bytes_as_sent(server, xquant_model_params):
 
 def test_an_explicit_disk_codec_still_reencodes_within_the_max_block(tmp_path):
     """`--disk-codec raw` (an operator's choice): the memory tier keeps the int8 blocks as sent, LMDB re-encodes
-    them to raw; a block whose re-encode would decode past the max block is refused before anything is decoded."""
+    them to raw; a block whose re-encode would decode past the max block (its decoded size plus int8's working
+    memory: ``decode_cost_bytes``, ~17 KiB for the 8 KiB blocks) is refused before anything is decoded."""
     from kvshelf.service.client import RemoteStoreError
     from kvshelf.service.server import ServerLimits
 
     store = open_store(ServeConfig(data_dir=str(tmp_path / "data"), memory="64MiB", disk_codec="raw"))
-    running = start_server(store, limits=ServerLimits(max_block_bytes=10_000))
+    running = start_server(store, limits=ServerLimits(max_block_bytes=20_000))
     try:
         with RemoteStore(f"127.0.0.1:{running.port}", namespace="default", codec="int8",
                          shared_memory=False) as remote:
@@ -152,7 +153,9 @@ def test_blocks_kept_as_sent_still_decode_within_the_max_block(tmp_path):
             with pytest.raises(RemoteStoreError) as excinfo:
                 remote.put_many([(key_of(zeros), zeros)])
             assert excinfo.value.code.name == "RESOURCE_EXHAUSTED"
-            assert "decodes to 4194304 bytes" in str(excinfo.value) and "max block" in str(excinfo.value)
+            cost = decode_cost_bytes(read_header(encode_block(zeros, key_of(zeros), "zstd")))
+            assert cost > 4194304  # the decoded size, plus zstd's planes
+            assert f"decodes to {cost} bytes" in str(excinfo.value) and "max block" in str(excinfo.value)
             assert remote.stats()["usage"]["bytes"] == 0
             small = _blocks("default")  # real blocks within the limit are stored as sent
             assert remote.put_many(small) == 2
