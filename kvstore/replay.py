@@ -6,7 +6,9 @@ hits), ``tier.put_many`` of the keys after the first ``h`` (a key already held t
 policy). The request's prefix hits are ``h``; a trace's hit rate is the sum of ``h`` over all its blocks.
 
 Keys are 16-byte BLAKE2b digests of the block id's decimal text; every value is one shared placeholder of
-``block_bytes`` bytes (memory holds references only), so a tier's byte capacity is a whole number of blocks.
+``block_bytes`` bytes (memory holds references only, and the memory tier is opened with
+``charge_overhead=False``: it bounds the values' bytes, not its process memory), so a tier's byte capacity is a
+whole number of blocks.
 
 OPT is Belady's furthest-next-use rule (L. A. Belady, "A study of replacement algorithms for a virtual-storage
 computer", IBM Systems Journal 5(2), 1966) with the same counting: per request, ``h`` = its leading ids held;
@@ -206,7 +208,8 @@ def open_tier(kind: str, capacity_bytes: int, policy: str, workdir: str | None =
     if kind == "memory":
         from kvshelf.kvstore.memory_tier import MemoryTier
 
-        return MemoryTier(capacity_bytes, policy=policy), None
+        # the placeholder value is one shared object: the tier bounds the values' bytes, not its memory
+        return MemoryTier(capacity_bytes, policy=policy, charge_overhead=False), None
     if kind == "lmdb":
         from kvshelf.kvstore.lmdb_tier import LMDBTier, lmdb_slack_bytes
 

@@ -15,7 +15,8 @@ go first). ARC's per-request adaptation of ``p`` happens when the tier asks ``ad
 cannot drop it), or at ``on_insert`` for a tier that does not ask. The adaptation step
 is the paper's delta (1, or the ratio of the other ghost list to this one) times the key's size. ``victim``
 applies REPLACE; the tier evicts what it names; only keys the policy named enter B1/B2 (a deleted key is
-forgotten).
+forgotten). Under a tier that counts its memory (``extra_limit``, ``kvstore.eviction.base``) the ghosts' memory
+(keys, sizes, the two lists' tables) also stays under that limit: the longer ghost list loses its oldest first.
 
 Pins: a pinned key met at the LRU end of T1 or T2 moves to that list's MRU end and is never named; when the list
 REPLACE picks holds only pinned keys the other list gives the victim; ``None`` only when every held key is
@@ -26,30 +27,51 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Set
+from sys import getsizeof
 
 from kvshelf.kvstore.eviction.base import EvictionPolicy
+from kvshelf.kvstore.footprint import INT_BYTES, ODICT_ENTRY_BYTES, bytes_object
 
 
 class _List:
-    """An LRU-ordered list of keys with their sizes and the byte total (oldest first)."""
+    """An LRU-ordered list of keys with their sizes and the byte total (oldest first).
 
-    __slots__ = ("bytes", "keys")
+    ``objects`` is the memory of the objects the list keeps alive: each size (an ``int``) and, for a list that
+    may hold key objects other than the tier's (``owns_keys``: the ghost lists, and T2, which a hit fills with the
+    reader's key object), each key."""
 
-    def __init__(self) -> None:
+    __slots__ = ("bytes", "keys", "objects", "owns_keys")
+
+    def __init__(self, owns_keys: bool = False) -> None:
         self.keys: OrderedDict[bytes, int] = OrderedDict()
         self.bytes = 0
+        self.objects = 0
+        self.owns_keys = owns_keys
+
+    def _objects(self, key: bytes) -> int:
+        return INT_BYTES + (bytes_object(len(key)) if self.owns_keys else 0)
 
     def add(self, key: bytes, size: int) -> None:
         self.keys[key] = size
         self.bytes += size
+        self.objects += self._objects(key)
 
     def pop(self, key: bytes) -> int:
         size = self.keys.pop(key)
         self.bytes -= size
+        self.objects -= self._objects(key)
         return size
 
-    def pop_oldest(self) -> None:
-        self.bytes -= self.keys.popitem(last=False)[1]
+    def pop_oldest(self) -> int:
+        """Drop the oldest key; return the memory of the objects it freed."""
+        key, size = self.keys.popitem(last=False)
+        self.bytes -= size
+        freed = self._objects(key)
+        self.objects -= freed
+        return freed
+
+    def memory(self) -> int:
+        return getsizeof(self.keys) + self.objects
 
     def __contains__(self, key: object) -> bool:
         return key in self.keys
@@ -68,7 +90,9 @@ class ARCPolicy(EvictionPolicy):
         #: the ghost directory's bound in multiples of the paper's: T1 + B1 <= factor x c, all four <= 2 x factor x c
         self.ghost_factor = ghost_factor
         self.p = 0.0  # target bytes of T1
-        self._t1, self._t2, self._b1, self._b2 = _List(), _List(), _List(), _List()
+        # T2 may hold the caller's key object of a hit (a copy of the tier's); B1 and B2 the keys the tier let go
+        self._t1, self._t2 = _List(), _List(owns_keys=True)
+        self._b1, self._b2 = _List(owns_keys=True), _List(owns_keys=True)
         self._returning: bytes | None = None  # the ghost admit() just took back (it enters T2 when inserted)
         self._incoming_in_b2 = False
         self._named: bytes | None = None
@@ -123,6 +147,7 @@ class ARCPolicy(EvictionPolicy):
         else:
             return
         self._trim_directory()
+        self._keep_extra_limit()
 
     def victim(self, pinned: Set[bytes]) -> bytes | None:
         t1 = self._t1.bytes
@@ -171,6 +196,26 @@ class ARCPolicy(EvictionPolicy):
                 return key
             lst.keys.move_to_end(key)  # a pinned key waits at the MRU end: later calls do not walk past it
         return None
+
+    # -- memory (``kvstore.eviction.base``) ---------------------------------------------------------------
+
+    def entry_bytes(self, key_len: int) -> int:
+        return ODICT_ENTRY_BYTES + INT_BYTES + bytes_object(key_len)  # a place in T1 or T2, its size, a key copy
+
+    def memory_bytes(self) -> int:
+        t1, t2 = self._t1, self._t2
+        return getsizeof(t1.keys) + getsizeof(t2.keys) + t1.objects + t2.objects + self.extra_bytes()
+
+    def extra_bytes(self) -> int:
+        b1, b2 = self._b1, self._b2
+        return getsizeof(b1.keys) + getsizeof(b2.keys) + b1.objects + b2.objects
+
+    def _shed(self, over: int) -> int:
+        """The oldest ghosts of the longer ghost list first (both lists keep their share of the memory)."""
+        b1, b2 = self._b1, self._b2
+        while over > 0 and (b1 or b2):
+            over -= (b1 if len(b1) >= len(b2) else b2).pop_oldest()
+        return over
 
     # -- introspection (tests, stats) --------------------------------------------------------------------
 

@@ -6,6 +6,13 @@ goes next (``victim``). Pins stay with the tier: ``victim`` is told which keys i
 
 Policies are not thread-safe: a tier calls its policy under its own lock. State is O(1) per held key, plus
 bounded ghost lists of recently evicted keys where a policy keeps one.
+
+Memory. A tier that counts its process memory against its capacity (``MemoryTier``) asks the policy what its
+state takes: ``entry_bytes`` (at most, per held key: the charge it adds to each entry), ``memory_bytes`` (all of
+it now) and ``extra_bytes`` (the part that remembers keys the tier does not hold: ghost lists, learnt chain
+links). It sets ``extra_limit`` (the policy then keeps ``extra_bytes`` under it, dropping its oldest such state
+first) and may call ``trim_extra`` to shed more. A policy that keeps no state besides its held keys' entries
+keeps the defaults (0, nothing to trim); ``memory_bytes`` and ``extra_bytes`` are O(1).
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ class EvictionPolicy(ABC):
 
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
+        #: keep ``extra_bytes()`` at most this (None: bounded only by the policy's own rules, in sizes)
+        self.extra_limit: int | None = None
 
     def admit(self, key: bytes, size: int) -> bool:
         """Whether a new ``key`` of ``size`` bytes should be stored at all (default: always)."""
@@ -54,3 +63,37 @@ class EvictionPolicy(ABC):
 
     def on_lookup(self, keys: Sequence[bytes], held: int) -> None:
         """A prefix lookup of one chain (``keys`` in chain order; the leading ``held`` are held)."""
+
+    # -- memory (see the module docstring) --------------------------------------------------------------------
+
+    def entry_bytes(self, key_len: int) -> int:
+        """The most memory this policy keeps per held key of ``key_len`` bytes (the key object, which the tier
+        holds, not counted)."""
+        return 0
+
+    def memory_bytes(self) -> int:
+        """The memory all of this policy's state takes now (an upper bound where objects may be shared)."""
+        return 0
+
+    def extra_bytes(self) -> int:
+        """The part of ``memory_bytes`` that remembers keys not held (ghost lists, learnt links), which
+        ``trim_extra`` can drop."""
+        return 0
+
+    def trim_extra(self, limit: int) -> None:
+        """Drop the oldest state about keys not held until ``extra_bytes()`` is at most ``limit`` (or none is
+        left: emptied containers keep their tables)."""
+        over = self.extra_bytes() - limit
+        if over > 0:
+            self._shed(over)
+
+    def _shed(self, over: int) -> int:
+        """Drop the oldest state about keys not held until its objects freed ``over`` bytes (tables do not shrink
+        when entries leave them, so nothing else changes ``extra_bytes``); return what is still over (> 0 when
+        nothing is left to drop). Policies that keep such state override it."""
+        return over
+
+    def _keep_extra_limit(self) -> None:
+        """Called by a policy after its state about keys not held grew."""
+        if self.extra_limit is not None:
+            self.trim_extra(self.extra_limit)

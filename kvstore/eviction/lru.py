@@ -6,6 +6,7 @@ from collections import OrderedDict
 from collections.abc import Set
 
 from kvshelf.kvstore.eviction.base import EvictionPolicy
+from kvshelf.kvstore.footprint import ODICT_ENTRY_BYTES, containers
 
 
 class LRUPolicy(EvictionPolicy):
@@ -35,3 +36,9 @@ class LRUPolicy(EvictionPolicy):
                 return key
             self._order.move_to_end(key)  # a pinned key waits at the young end: later calls do not walk past it
         return None
+
+    def entry_bytes(self, key_len: int) -> int:
+        return ODICT_ENTRY_BYTES  # the key's place in the order (the key object is the tier's)
+
+    def memory_bytes(self) -> int:
+        return containers(self._order)

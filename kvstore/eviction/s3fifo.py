@@ -13,7 +13,9 @@ when it holds at least its share (as the paper's ``evict``), else from main, and
 keys to main on the way (their counters cleared, the paper's ``move_to_main_threshold`` of 1, as libCacheSim).
 The ghost FIFO is bounded as the paper's: by the bytes main may hold (90% of the capacity, counted with the
 sizes the keys had), oldest dropped first. Only a key the policy itself named and the tier then removed enters
-the ghost list; a deleted key is simply forgotten.
+the ghost list; a deleted key is simply forgotten. Under a tier that counts its memory (``extra_limit``,
+``kvstore.eviction.base``) the ghost FIFO's memory (keys, sizes, its table) also stays under that limit, oldest
+dropped first.
 
 Pins: a pinned key met at the head of a queue goes to the tail of the same queue (its counter kept) and is
 never named; ``victim`` returns ``None`` only when every held key is pinned. Every call is O(1) amortized: a
@@ -24,8 +26,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Set
+from sys import getsizeof
 
 from kvshelf.kvstore.eviction.base import EvictionPolicy
+from kvshelf.kvstore.footprint import DICT_ENTRY_BYTES, INT_BYTES, ODICT_ENTRY_BYTES, bytes_object, containers
 
 #: the small FIFO's share of the capacity (the paper's 10%)
 SMALL_FRACTION = 0.1
@@ -50,6 +54,7 @@ class S3FIFOPolicy(EvictionPolicy):
         self._small_bytes = 0
         self._main_bytes = 0
         self._ghost_bytes = 0
+        self._ghost_objects = 0  # memory of the ghosts' keys and sizes (the tier no longer holds those keys)
         self._named: bytes | None = None  # the last victim named, which enters the ghost list when removed
 
     # -- the tier's calls --------------------------------------------------------------------------------
@@ -62,6 +67,7 @@ class S3FIFOPolicy(EvictionPolicy):
         self._freq[key] = 0
         if key in self._ghost:
             self._ghost_bytes -= self._ghost.pop(key)
+            self._ghost_objects -= _ghost_objects(key)
             self._main[key] = None
             self._main_bytes += size
         else:
@@ -85,8 +91,10 @@ class S3FIFOPolicy(EvictionPolicy):
             if named:
                 self._ghost[key] = size
                 self._ghost_bytes += size
+                self._ghost_objects += _ghost_objects(key)
                 while self._ghost_bytes > self.ghost_limit and self._ghost:
-                    self._ghost_bytes -= self._ghost.popitem(last=False)[1]
+                    self._drop_oldest_ghost()
+                self._keep_extra_limit()
         else:
             del self._main[key]
             self._main_bytes -= size
@@ -139,6 +147,31 @@ class S3FIFOPolicy(EvictionPolicy):
             self._main.move_to_end(key)
         return None
 
+    def _drop_oldest_ghost(self) -> int:
+        key, size = self._ghost.popitem(last=False)
+        self._ghost_bytes -= size
+        freed = _ghost_objects(key)
+        self._ghost_objects -= freed
+        return freed
+
+    # -- memory (``kvstore.eviction.base``) ---------------------------------------------------------------
+
+    def entry_bytes(self, key_len: int) -> int:
+        # a place in the small or main FIFO, the size (an entry and its int) and the counter (a small int)
+        return ODICT_ENTRY_BYTES + 2 * DICT_ENTRY_BYTES + INT_BYTES
+
+    def memory_bytes(self) -> int:
+        return (containers(self._small, self._main, self._size, self._freq) + INT_BYTES * len(self._size)
+                + self.extra_bytes())
+
+    def extra_bytes(self) -> int:
+        return getsizeof(self._ghost) + self._ghost_objects
+
+    def _shed(self, over: int) -> int:
+        while over > 0 and self._ghost:
+            over -= self._drop_oldest_ghost()
+        return over
+
     # -- introspection (tests, stats) --------------------------------------------------------------------
 
     def where(self, key: bytes) -> str | None:
@@ -156,3 +189,8 @@ class S3FIFOPolicy(EvictionPolicy):
 
     def ghost_bytes(self) -> int:
         return self._ghost_bytes
+
+
+def _ghost_objects(key: bytes) -> int:
+    """What a ghost keeps alive: its key and its size."""
+    return bytes_object(len(key)) + INT_BYTES

@@ -28,7 +28,7 @@ from kvshelf.kvstore.tier import Tier
 #: (id, factory(directory, capacity_bytes, policy_name) -> a bounded Tier); ``directory`` is fresh per call
 TierFactory = Callable[[Path, int, str], Tier]
 TIER_FACTORIES: list[tuple[str, TierFactory]] = [
-    ("memory", lambda directory, capacity, policy: MemoryTier(capacity, policy=policy)),
+    ("memory", lambda directory, capacity, policy: MemoryTier(capacity, policy=policy, charge_overhead=False)),
     ("lmdb", lambda directory, capacity, policy: LMDBTier(directory / "lmdb", capacity_bytes=capacity, policy=policy,
                                                           durable=False)),
 ]
@@ -360,7 +360,7 @@ def test_policy_names_only_held_unpinned_keys(policy_name: str, seed: int):
 def _reused_key_reads(policy: str) -> tuple[int, int]:
     """A key read every 15 inserts of one-time keys into a tier of 10 blocks (a miss is re-put, as a cache
     does): (reads that hit, reads)."""
-    tier = MemoryTier(10 * 100, policy=policy)
+    tier = MemoryTier(10 * 100, policy=policy, charge_overhead=False)
     hot = key("hot")
     assert put_one(tier, hot, b"h" * 100)
     tier.get_many([hot, hot])
@@ -385,7 +385,7 @@ def test_reused_key_survives_a_scan_that_flushes_lru(policy: str):
 
 
 def test_s3fifo_queues_ghost_hit_goes_to_main_deleted_key_is_forgotten():
-    tier = MemoryTier(1000, policy="s3fifo")
+    tier = MemoryTier(1000, policy="s3fifo", charge_overhead=False)
     policy = tier.policy
     assert isinstance(policy, S3FIFOPolicy)
     for i in range(10):
@@ -406,7 +406,7 @@ def test_s3fifo_queues_ghost_hit_goes_to_main_deleted_key_is_forgotten():
 
 def test_s3fifo_ghost_list_is_bounded_by_main_share():
     policy = S3FIFOPolicy(1000)
-    tier = MemoryTier(1000, policy=policy)
+    tier = MemoryTier(1000, policy=policy, charge_overhead=False)
     for i in range(500):
         put_one(tier, key(i), b"x" * 100)
     assert policy.ghost_bytes() <= 900 and policy.ghost_limit == 900
@@ -415,7 +415,7 @@ def test_s3fifo_ghost_list_is_bounded_by_main_share():
 
 def test_arc_ghost_hits_enter_t2_and_move_p_both_ways():
     block = 100
-    tier = MemoryTier(4 * block, policy="arc")
+    tier = MemoryTier(4 * block, policy="arc", charge_overhead=False)
     arc = tier.policy
     assert isinstance(arc, ARCPolicy)
 
@@ -457,7 +457,7 @@ def test_arc_ghost_hits_enter_t2_and_move_p_both_ways():
 
 
 def test_arc_deleted_key_is_forgotten_and_t2_victims_go_to_b2():
-    tier = MemoryTier(300, policy="arc")
+    tier = MemoryTier(300, policy="arc", charge_overhead=False)
     arc = tier.policy
     assert isinstance(arc, ARCPolicy)
     a, b, c, d = (key(x) for x in "abcd")

@@ -29,7 +29,7 @@ def request(tier: MemoryTier, keys: list[bytes]) -> int:
 @pytest.mark.parametrize("policy", ["lru", "arc", "prefix"])
 def test_a_chain_loses_its_tail_first(policy: str) -> None:
     """Making room for one block costs chain A its last block, not its first (which would cost all five)."""
-    tier = MemoryTier(5 * BLOCK, policy=policy)
+    tier = MemoryTier(5 * BLOCK, policy=policy, charge_overhead=False)
     a = chain("a", 5)
     request(tier, a)
     request(tier, chain("b", 1))
@@ -43,7 +43,7 @@ def test_a_chain_loses_its_tail_first(policy: str) -> None:
 
 def test_orphans_go_before_anything_else() -> None:
     """A block whose parent left cannot be a prefix hit: it is evicted before a useful block."""
-    tier = MemoryTier(8 * BLOCK, policy="prefix")
+    tier = MemoryTier(8 * BLOCK, policy="prefix", charge_overhead=False)
     a, b = chain("a", 4), chain("b", 4)
     request(tier, a)
     request(tier, b)
@@ -59,7 +59,7 @@ def test_the_ghost_memory_spans_a_long_turn_gap() -> None:
     enters ARC's T2, kept over once-seen blocks), where ARC's own directory (one capacity) has forgotten it."""
     capacity = 10
     for name, expected in (("prefix", "T2"), ("arc", "T1")):
-        tier = MemoryTier(capacity * BLOCK, policy=name)
+        tier = MemoryTier(capacity * BLOCK, policy=name, charge_overhead=False)
         conversation = chain("conv", 3)
         request(tier, conversation)
         for i in range(4 * capacity):
@@ -71,7 +71,7 @@ def test_the_ghost_memory_spans_a_long_turn_gap() -> None:
 
 def test_a_lookup_cycle_does_not_hang() -> None:
     """Two lookups ordering the same keys both ways (a damaged or adversarial client) cannot loop the tail walk."""
-    tier = MemoryTier(3 * BLOCK, policy="prefix")
+    tier = MemoryTier(3 * BLOCK, policy="prefix", charge_overhead=False)
     x, y = chain("x", 1)[0], chain("y", 1)[0]
     tier.put_many([(x, VALUE), (y, VALUE)])
     tier.contains_many([x, y])
@@ -113,7 +113,8 @@ def hit_blocks(trace: list[list[int]], fraction: float, policies: tuple[str, ...
     distinct = len({i for r in trace for i in r})
     chains = [[block_key(i) for i in r] for r in trace]
     capacity = int(fraction * distinct) * BLOCK
-    return {name: replay_tier(MemoryTier(capacity, policy=name), chains, VALUE) for name in policies}
+    tiers = {name: MemoryTier(capacity, policy=name, charge_overhead=False) for name in policies}  # as replay opens it
+    return {name: replay_tier(tier, chains, VALUE) for name, tier in tiers.items()}
 
 
 @pytest.mark.parametrize("fraction", [0.05, 0.1])

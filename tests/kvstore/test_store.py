@@ -54,8 +54,10 @@ def make_store(data_dir: Path):
     def factory(memory_bytes: int = 64 * 1024, write_policy: str = "through", **lmdb_kwargs) -> TieredStore:
         lmdb_kwargs.setdefault("initial_map_bytes", MiB)
         lmdb_kwargs.setdefault("durable", False)
+        # capacities here are counted in blocks' bytes (charge_overhead=False): a memory tier of 2.5 blocks holds 2
+        memory = MemoryTier(memory_bytes, name="memory", charge_overhead=False)
         store = TieredStore(
-            [MemoryTier(memory_bytes, name="memory"), LMDBTier(data_dir / f"lmdb{len(made)}", **lmdb_kwargs)],
+            [memory, LMDBTier(data_dir / f"lmdb{len(made)}", **lmdb_kwargs)],
             write_policy=write_policy,
         )
         made.append(store)

@@ -37,7 +37,8 @@ def v(i: int, size: int) -> bytes:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# MemoryTier
+# MemoryTier (the eviction tests below count values' bytes: charge_overhead=False; what the capacity bounds by
+# default, the tier's memory, is test_memory_tier_overhead.py)
 # ------------------------------------------------------------------------------------------------------------
 
 
@@ -48,7 +49,7 @@ def test_memory_capacity_must_be_positive_int(capacity):
 
 
 def test_memory_lru_eviction_by_bytes_get_refreshes():
-    tier = MemoryTier(300)
+    tier = MemoryTier(300, charge_overhead=False)
     evicted: list[tuple[bytes, bytes]] = []
     tier.set_eviction_callback(lambda key, value: evicted.append((key, value)))
     tier.put_many([(k(1), v(1, 100)), (k(2), v(2, 100)), (k(3), v(3, 100))])
@@ -64,7 +65,7 @@ def test_memory_lru_eviction_by_bytes_get_refreshes():
 
 
 def test_memory_evicts_only_as_many_bytes_as_needed():
-    tier = MemoryTier(1000)
+    tier = MemoryTier(1000, charge_overhead=False)
     evicted: list[bytes] = []
     tier.set_eviction_callback(lambda key, value: evicted.append(key))
     tier.put_many([(k(i), v(i, 100)) for i in range(10)])
@@ -75,7 +76,7 @@ def test_memory_evicts_only_as_many_bytes_as_needed():
 
 
 def test_memory_overwrite_does_not_double_count():
-    tier = MemoryTier(1000)
+    tier = MemoryTier(1000, charge_overhead=False)
     tier.put_many([(k(1), v(1, 400))])
     tier.put_many([(k(1), v(7, 300))])
     assert tier.usage() == TierUsage(blocks=1, bytes=300, capacity_bytes=1000)
@@ -85,7 +86,7 @@ def test_memory_overwrite_does_not_double_count():
 
 
 def test_memory_value_larger_than_capacity_is_not_stored():
-    tier = MemoryTier(500)
+    tier = MemoryTier(500, charge_overhead=False)
     evicted: list[bytes] = []
     tier.set_eviction_callback(lambda key, value: evicted.append(key))
     tier.put_many([(k(1), v(1, 200)), (k(2), v(2, 200))])
@@ -99,7 +100,7 @@ def test_memory_value_larger_than_capacity_is_not_stored():
 
 
 def test_memory_pinned_never_evicted():
-    tier = MemoryTier(300)
+    tier = MemoryTier(300, charge_overhead=False)
     evicted: list[bytes] = []
     tier.set_eviction_callback(lambda key, value: evicted.append(key))
     tier.pin([k(1)])
@@ -112,7 +113,7 @@ def test_memory_pinned_never_evicted():
 
 
 def test_memory_full_of_pins_rejects_without_evicting():
-    tier = MemoryTier(300, policy="lru")  # the order of evictions below is LRU's
+    tier = MemoryTier(300, policy="lru", charge_overhead=False)  # the order of evictions below is LRU's
     evicted: list[bytes] = []
     tier.set_eviction_callback(lambda key, value: evicted.append(key))
     tier.pin([k(1), k(2)])
