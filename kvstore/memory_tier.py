@@ -23,15 +23,16 @@ class MemoryTier(Tier):
     What the capacity bounds (``charge_overhead=True``, the default): the process memory the tier holds, not only
     its values' bytes. Each entry is *charged* its value plus its overhead (``entry_charge``): the key and value
     objects (33-byte headers, allocator rounding), its dict entry, and the policy's structures for the key
-    (``EvictionPolicy.entry_bytes``): ~0.4 KB besides the value with LRU, ~0.6 KB with ARC or S3-FIFO, ~1.2 KB
-    with the prefix policy (40-byte keys); the charge is the size the policy is told. The policy's memory of keys
-    not held (ghost lists, learnt chain links) counts too, and is kept under ``capacity / EXTRA_SHARE`` by the
-    policy itself (oldest first). After every call, ``memory_bytes()`` (the key and value objects, the tier's and
-    the policy's containers as ``sys.getsizeof`` measures them, the policy's objects) is at most the capacity: a
-    put evicts until the new entry's charge fits, then evicts more if a table grew on the insert; a read, a lookup
-    or a pin that makes the structures grow past the capacity evicts too (outside its keys), shedding the
-    policy's memory of keys not held only when nothing unpinned is left to evict. The eviction callback hears of
-    every value evicted, whatever the call.
+    (``EvictionPolicy.entry_bytes``), at most: ~0.45 KB besides the value with LRU, ~0.55 KB with ARC, ~0.7 KB
+    with S3-FIFO, ~1.3 KB with the prefix policy (40-byte keys; ``kvstore.footprint``). The charge is the size the
+    policy is told and what a put makes room for; what is then held is measured (``memory_bytes``). The policy's
+    memory of keys not held (ghost lists, learnt chain links) counts too, and is kept under ``capacity /
+    EXTRA_SHARE`` by the policy itself (oldest first). After every call, ``memory_bytes()`` (the key and value
+    objects, the tier's and the policy's containers as ``sys.getsizeof`` measures them, the policy's objects) is
+    at most the capacity: a put evicts until the new entry's charge fits, then evicts more if a table grew on the
+    insert; a read, a lookup or a pin that makes the structures grow past the capacity evicts too (outside its
+    keys), shedding the policy's memory of keys not held only when nothing unpinned is left to evict. The
+    eviction callback hears of every value evicted, whatever the call.
 
     ``usage().bytes`` is the values' bytes (what the LMDB and Redis tiers count, what the store's stats and the
     service's usage report), so a full tier shows ``usage().bytes`` below ``capacity_bytes`` by the overhead;
