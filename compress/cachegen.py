@@ -79,7 +79,7 @@ _P_LEVELS = 8  # flag probabilities are rounded to 2**(k / 8), so few distinct A
 _MAX_SINKS = 8
 _HIST_LIMIT = 1 << 12
 _CHUNK = 1 << 18  # elements a decode's index and product temporaries cover at once (2 MiB of int64 indices)
-_SYMBOLS_PEAK = 20  # bytes per element while symbols are built: flags, signs, int32 symbols, a width's planes
+_SYMBOLS_PEAK = 18  # bytes per element while symbols are built: flags, signs, int32 symbols, a width's planes
 
 
 def _coarse_masks() -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,9 +183,10 @@ class CacheGenCodec(Codec):
         cls, params: Mapping[str, Any], shape: tuple[int, int, int, int], itemsize: int, payload_len: int
     ) -> int:
         """The peak of the decode's phases, per element of keys and values, whatever the payload holds: the
-        symbols (flags, signs, and up to two widths' int32 planes: ``_SYMBOLS_PEAK`` bytes), the float32 values
-        with the escapes (~40 bytes each; each takes 3 payload bytes), the anchors (``8 / group_size``), the
-        rotation (one or two float32 buffers beside the values) with the fp16 sinks read (2 payload bytes each);
+        symbols (flags, signs, and up to two widths' int32 planes: ``_SYMBOLS_PEAK`` bytes; ~15 measured on a
+        crafted worst case), the float32 values with the escapes (~36 bytes each; each takes 3 payload bytes),
+        the anchors (``8 / group_size``), the rotation (one or two float32 buffers beside the values: one pass, or
+        a pass's input and output) with the fp16 sinks read (2 payload bytes each);
         plus per channel and per token arrays and the ANS words. ``prepare_at`` keeps the decoded tensors for
         ``write`` (the default): less than any of these phases. The chunked temporaries (3 MiB) and the flag models
         made for new probabilities (~2.7 KiB each, 5.5 MiB for ``MAX_LAYERS``; a bounded cache) are within
@@ -196,9 +197,9 @@ class CacheGenCodec(Codec):
             return 0
         escapes, sink_values = min(elements, payload_len // 3), min(elements, payload_len // 2)
         rotated = bool(params.get("rotate")) and is_power_of_two(dim) and dim > 1
-        rotation = (4 + 4 * len(factors(dim)) if rotated else 0) * elements  # input, then one or two outputs
+        rotation = 4 * min(len(factors(dim)), 2) * elements if rotated else 0
         anchors = 8 * elements // max(int(params.get("group_size", 2)), 2)
-        phases = (_SYMBOLS_PEAK * elements, 8 * elements + 40 * escapes, 4 * elements + anchors,
+        phases = (_SYMBOLS_PEAK * elements, 8 * elements + 36 * escapes, 4 * elements + anchors,
                   4 * elements + rotation + 4 * sink_values)
         return max(phases) + 16 * 2 * layers * heads * dim + 16 * tokens + payload_len
 

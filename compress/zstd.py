@@ -98,10 +98,11 @@ class ZstdCodec(Codec):
     def decode_workspace_bytes(
         cls, params: Mapping[str, Any], shape: tuple[int, int, int, int], itemsize: int, payload_len: int
     ) -> int:
-        """One tensor's decompressed planes (keys, then values: ``prod(shape) * itemsize``) and the decoded tensors
-        ``prepare_at`` keeps for ``write`` (``2 * prod(shape) * itemsize``). A decompression context (one-shot into
-        a buffer of the frame's content size, no window buffer: ~0.2 MiB) is within ``DECODE_OVERHEAD_BYTES``."""
-        return 3 * numel(shape) * itemsize
+        """``decode``: one tensor's decompressed planes beside the decoded keys (``prod(shape) * itemsize``);
+        ``prepare_at``: the decoded tensors it keeps for ``write`` (``2 * prod(shape) * itemsize``, the larger). A
+        decompression context (one-shot into a buffer of the frame's content size, no window buffer: ~0.2 MiB)
+        is within ``DECODE_OVERHEAD_BYTES``."""
+        return 2 * numel(shape) * itemsize
 
     @classmethod
     def payload_bounds(
