@@ -21,10 +21,11 @@ Two threads of calls, plus one holding streams (the abuse the issue lists; ``spe
 - memory: calls that would make the server hold memory past its limits (issue findings H1 and H2): 60 PutBlocks
   messages of 8 MiB padding each (an unknown field, ``padded_unknown``; or token ids, ``padded_token_ids``) with
   empty data, then one small value; a valid block sent 1 KiB at a time in messages padded to 200 KiB
-  (``padded_chunks``: stored, holding its data only); a 40 KB ``cachegen`` block whose header says ``rotate`` at
-  ``head_dim`` 8192 (``hadamard_bomb``, a dense Walsh-Hadamard matrix of 512 MiB for a naive decoder), then read back
-  and decoded here as a client does (``hadamard_read``; this process's peak RSS growth while decoding is reported
-  as ``client_decode_growth``).
+  (``padded_chunks``: stored, holding its data only); a 20 KB ``cachegen`` block whose header says ``rotate`` at
+  ``head_dim`` 8192 (``hadamard_bomb``, a dense Walsh-Hadamard matrix of 512 MiB for a naive decoder: past the
+  header limits, so refused), and a real rotated block at the largest head dim the limits admit (``hadamard_max``,
+  accepted), read back and decoded here as a client does (``hadamard_read``; this process's peak RSS growth while
+  decoding is reported as ``client_decode_growth``).
 - quota: every ``REFILL_S`` seconds clears its namespace, puts new blocks until the quota refuses them
   (``over_quota``), one large put while over quota (``over_quota_big``), then holds tiny blocks and overwrites
   them with large ones (``overwrite_quota``); in between, while at its quota, keeps sending all three kinds,
@@ -55,6 +56,7 @@ import torch
 import xxhash
 
 from kvshelf.kvstore import KVBlock, encode_block
+from kvshelf.kvstore.limits import MAX_HEAD_DIM
 from kvshelf.proto import kvshelf_pb2 as pb
 from kvshelf.service.client import put_requests
 from kvshelf.service.server import CHUNK_BYTES, MAX_MESSAGE_BYTES
@@ -85,8 +87,10 @@ EXPECTED: dict[str, frozenset[str]] = {
     "padded_token_ids": frozenset({"RESOURCE_EXHAUSTED"}),
     # within every limit once the padding is dropped: stored (or refused at the tenant's quota)
     "padded_chunks": frozenset({"OK", "RESOURCE_EXHAUSTED"}),
-    # a valid block: served within the limits (its decode is bounded) or refused by a header limit
-    "hadamard_bomb": frozenset({"OK", "RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "DATA_LOSS"}),
+    # a head dim past the header limits: refused as a damaged block (no writer makes one)
+    "hadamard_bomb": frozenset({"DATA_LOSS", "RESOURCE_EXHAUSTED"}),
+    # the largest rotated block the limits admit: valid, served within the limits (or over the quota)
+    "hadamard_max": frozenset({"OK", "RESOURCE_EXHAUSTED"}),
     "hadamard_read": frozenset({"OK", "RESOURCE_EXHAUSTED"}),
     "over_quota": frozenset({"OK", "RESOURCE_EXHAUSTED"}),
     "over_quota_big": frozenset({"RESOURCE_EXHAUSTED"}),
@@ -201,10 +205,24 @@ def bad_payload_block(key: bytes, namespace: str) -> bytes:
 
 
 def hadamard_block(key: bytes, namespace: str, head_dim: int = 8192) -> bytes:
-    """A ~40 KB ``cachegen`` block with ``rotate: true`` at ``head_dim`` (2 tokens, float16): a decoder that builds
-    the dense ``[head_dim, head_dim]`` Hadamard matrix allocates 512 MiB (float64) for it."""
-    block = _block((1, 1, 2, head_dim), namespace)
-    return encode_block(block, key, "cachegen", {"rotate": True})
+    """A checksummed ``cachegen`` block with ``rotate: true`` whose header declares ``head_dim`` (one token): a
+    decoder that builds the dense ``[head_dim, head_dim]`` Hadamard matrix allocates ``8 x head_dim**2`` bytes
+    (512 MiB at 8192) for its ~20 KB. Made from a real block of two tokens of half that dim (the same elements),
+    its header rewritten: past ``kvstore.limits.MAX_HEAD_DIM`` no writer makes one, and a reader refuses it."""
+    half = _block((1, 1, 2, head_dim // 2), namespace)
+    encoded = encode_block(half, key, "cachegen", {"rotate": True})
+
+    def edit(h: dict[str, Any]) -> None:
+        h["shape"] = [1, 1, 1, head_dim]
+        h["token_ids"] = h["token_ids"][:1]
+
+    return _reframe(encoded, edit)
+
+
+def largest_hadamard_block(key: bytes, namespace: str) -> bytes:
+    """A real ``cachegen`` block with ``rotate: true`` at the largest head dim the header limits admit
+    (``kvstore.limits.MAX_HEAD_DIM``, two tokens): valid, so served; its decode must stay within the limits."""
+    return encode_block(_block((1, 1, 2, MAX_HEAD_DIM), namespace), key, "cachegen", {"rotate": True})
 
 
 def _raw_field(number: int, body: bytes) -> bytes:
@@ -385,6 +403,10 @@ class Abuser:
         time.sleep(pace)
         key = self._key("hadamard")
         if self.call_put("hadamard_bomb", put_messages([(key, hadamard_block(key, ns))], ns)) == "OK":
+            self._read_hadamard(key)
+        time.sleep(pace)
+        key = self._key("hadamard-max")
+        if self.call_put("hadamard_max", put_messages([(key, largest_hadamard_block(key, ns))], ns)) == "OK":
             self._read_hadamard(key)
         time.sleep(pace)
 

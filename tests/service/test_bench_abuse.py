@@ -72,6 +72,21 @@ def test_every_abuse_was_made_and_refused_with_its_code(abuse_run):
     assert abuse["max_held_bytes"] <= 16 << 20  # the quota, overwrites included
 
 
+@pytest.mark.slow
+def test_memory_attacks_are_refused_or_served_within_the_limits(abuse_run):
+    """H1 (messages of 8 MiB padding) is refused for what each message carries besides its data; H2 (a Hadamard
+    header past the head-dim limit) is a damaged block; the largest rotated block the limits admit is decoded by
+    the abuser as a client, within 128 MiB."""
+    _, path = abuse_run
+    abuse = json.loads(path.read_text())["results"][1]["abuser"]
+    kinds, admission = abuse["kinds"], abuse["refused_at_admission"]
+    for kind in ("padded_unknown", "padded_token_ids"):
+        assert kinds[kind].get("RESOURCE_EXHAUSTED", 0) > admission.get(kind, 0), (kind, kinds[kind], admission)
+    assert kinds["hadamard_bomb"].get("DATA_LOSS", 0) > 0, kinds["hadamard_bomb"]
+    assert kinds["hadamard_max"].get("OK", 0) > 0 and kinds["hadamard_read"].get("OK", 0) > 0, kinds
+    assert abuse["client_decode_growth"] <= 128 << 20
+
+
 def abuse_admission(path):
     return json.loads(path.read_text())["results"][1]["abuser"]["refused_at_admission"]
 
