@@ -88,7 +88,7 @@ CAPACITY = 2 * MiB
 @pytest.fixture(scope="module")
 def held_after_workload() -> dict[str, dict[str, int]]:
     """``WORKLOAD`` under every policy, in one fresh interpreter (importing kvshelf takes a while)."""
-    got = run_python(WORKLOAD, ",".join(POLICY_NAMES), str(CAPACITY), "1200")
+    got = run_python(WORKLOAD, ",".join(POLICY_NAMES), str(CAPACITY), "1500")
     assert isinstance(got, dict)
     return got
 
