@@ -73,14 +73,18 @@ def _put_raw(stub: pb_grpc.KVShelfStub, key: bytes, value: bytes, namespace: str
     return stub.PutBlocks(requests(), timeout=60)
 
 
+BOMB_SHAPE = (32, 64, 1, 4096)
+
+
 def _bomb() -> tuple[bytes, bytes]:
-    """A ~350-byte ``sparse`` block with 0 kept tokens, ``fill: "zero"`` and declared shape (1, 1, 1, 2**24):
-    128 MiB once decoded."""
+    """A ~350-byte ``sparse`` block with 0 kept tokens, ``fill: "zero"`` and declared shape (32, 64, 1, 4096)
+    (within the header limits, ``kvstore.limits``): 64 MiB once decoded, 128 MiB to decode (``decode_cost_bytes``:
+    the inner codec may decode every token)."""
     block = make_block([5], layers=1, heads=1, head_dim=8)
     small = encode_block(block.__class__(block.keys * float("nan"), block.values * float("nan"), block.token_ids,
                                          block.start_pos, block.fingerprint, block.namespace, {}),
                          key_of(block), "sparse", {"fill": "zero"})
-    return key_of(block), _rewrite(small, shape=[1, 1, 1, 1 << 24])
+    return key_of(block), _rewrite(small, shape=list(BOMB_SHAPE))
 
 
 def _held(store) -> int:
@@ -98,13 +102,13 @@ def test_decompression_bomb_is_refused_by_the_max_block(serve):
     with pytest.raises(grpc.RpcError) as excinfo:
         _put_raw(stub, key, bomb)
     assert excinfo.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "[1, 1, 1, 16777216]" in excinfo.value.details() and str(MiB) in excinfo.value.details()
+    assert str(list(BOMB_SHAPE)) in excinfo.value.details() and str(MiB) in excinfo.value.details()
     assert _held(store) == 0
     channel.close()
 
 
 def test_decompression_bomb_is_refused_by_the_quota(serve):
-    """Max block at its default (256 MiB): the bomb decodes to 128 MiB, counted against the 1 MiB quota."""
+    """Max block at its default (256 MiB): the bomb decodes to 64 MiB, counted against the 1 MiB quota."""
     running, store = serve(quota_bytes=MiB)
     key, bomb = _bomb()
     channel, stub = _stub(running.port)
