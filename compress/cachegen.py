@@ -495,7 +495,7 @@ class CacheGenCodec(Codec):
     def _escapes(parts: list[memoryview], sym: np.ndarray, r: np.ndarray, x: np.ndarray, step: np.ndarray) -> None:
         """Write the escapes (``|coarse| >= 2``) into ``x`` ``[S, E]`` (float32, ``symbol * step``): their flat
         indices as uint16 gaps (ascending) and their int8 coarse parts, wider ones apart (uint32 / int32); their
-        fine bits are in ``sym`` ``[S, E]`` (as for coarse 0). In place where it can: ~40 bytes per escape."""
+        fine bits are in ``sym`` ``[S, E]`` (as for coarse 0). In place where it can: ~36 bytes per escape."""
         at = np.frombuffer(parts[9], dtype="<u2").astype(np.int64)  # the gaps, then (cumsum) the indices
         if not len(at):
             if len(parts[14]) or len(parts[15]):
