@@ -14,7 +14,7 @@ Two threads of calls, plus one holding streams (the abuse the issue lists; ``spe
   later; a stream still open when its window ends is cancelled and counted ``HELD`` (the server let it live).
 - bad input: blocks declaring more than ``--max-block`` (``oversized_declared``), larger undeclared ones
   (``oversized_undeclared``), one call carrying more than ``--max-call`` (``oversized_call``), one gRPC message
-  over the message limit (``oversized_message``), a tiny ``sparse`` block declaring a 128 MiB shape (``bomb``),
+  over the message limit (``oversized_message``), a tiny ``sparse`` block declaring a 64 MiB shape (``bomb``),
   garbage and truncated protobuf (``malformed``), keys of the wrong length (``wrong_key``), a block header of
   100,000 nested JSON arrays (``nested_header``) and a raw block whose payload does not match its shape
   (``bad_payload``).
@@ -177,14 +177,15 @@ def _reframe(encoded: bytes, edit: Callable[[dict[str, Any]], Any]) -> bytes:
     return body + xxhash.xxh3_64_digest(body)
 
 
-def bomb_block(key: bytes, namespace: str, head_dim: int = 1 << 24) -> bytes:
-    """A ~350-byte ``sparse`` block with 0 kept tokens, ``fill: zero`` and declared shape (1, 1, 1, head_dim)
-    float32: decoding it allocates ``2 x 4 x head_dim`` bytes (128 MiB by default)."""
+def bomb_block(key: bytes, namespace: str, shape: tuple[int, int, int, int] = (32, 64, 1, 4096)) -> bytes:
+    """A ~350-byte ``sparse`` block with 0 kept tokens, ``fill: zero`` and a declared ``shape`` within the header
+    limits (``kvstore.limits``) of float32: decoding it allocates ``2 x 4 x prod(shape)`` bytes (64 MiB by
+    default; 128 MiB to decode, ``decode_cost_bytes``)."""
     block = _block((1, 1, 1, 8), namespace, torch.float32)
     dropped = KVBlock(torch.full_like(block.keys, float("nan")), torch.full_like(block.values, float("nan")),
                       block.token_ids, 0, block.fingerprint, namespace)
     encoded = encode_block(dropped, key, "sparse", {"fill": "zero"})
-    return _reframe(encoded, lambda h: h.__setitem__("shape", [1, 1, 1, head_dim]))
+    return _reframe(encoded, lambda h: h.__setitem__("shape", list(shape)))
 
 
 def nested_header_block(key: bytes, namespace: str, depth: int = 100_000) -> bytes:
