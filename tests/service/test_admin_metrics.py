@@ -18,7 +18,7 @@ from kvshelf.service.metrics import serve_metrics
 
 @pytest.fixture
 def busy_store(tmp_path):
-    store = open_embedded_store(tmp_path, memory_bytes=4096)  # tiny memory: evictions happen
+    store = open_embedded_store(tmp_path, memory_bytes=8192)  # tiny memory (entries charged their overhead): evictions
     entries = []
     for i in range(6):
         block = make_block([100 * i + j for j in range(8)], namespace="tenant-a")
