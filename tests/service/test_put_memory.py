@@ -4,6 +4,7 @@ read from /proc), and a real in-process server for the accounting cases."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ from service_helpers import ServeProcess, write_tokens
 
 from kvshelf.kvstore import encode_block, open_embedded_store
 from kvshelf.proto import kvshelf_pb2 as pb
-from kvshelf.service.client import RemoteStore
+from kvshelf.service.client import RemoteStore, RemoteStoreError
 from kvshelf.service.server import MAX_PUT_METADATA_BYTES, SERVICE_NAME, ServerLimits, start_server
 from kvshelf.service.wire import varint
 
@@ -272,3 +273,41 @@ def test_padding_is_no_progress_for_the_min_rate(server):
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, info.value.details()
     assert "minimum rate" in info.value.details()
     assert time.monotonic() - started < 10
+
+
+@pytest.fixture
+def int8_server(tmp_path):
+    """``kvshelf serve --disk-codec int8``: the server decodes every put to re-encode it for its disk tier."""
+    proc = ServeProcess("--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "data"), "--disk-codec", "int8",
+                        "--memory", "64MiB", "--grace", "1")
+    yield proc
+    proc.stop()
+
+
+def test_h2_hadamard_headers_stay_within_the_limits(int8_server):
+    """The outsider's H2: a ~20 KB ``cachegen`` block whose header says ``rotate`` at head dim 8192 (a dense
+    8192 x 8192 float64 matrix for the old decoder: +1.3 GB in a server that re-encodes) is DATA_LOSS (past the
+    header's head-dim limit) with the server's memory flat; the largest rotated block the limits admit is stored
+    (decoded and re-encoded by the server) and read back and decoded by a client, each within 128 MiB."""
+    from kvshelf.bench.abuser import block_key, hadamard_block, largest_hadamard_block
+    from kvshelf.kvstore import decode_block
+
+    store = RemoteStore(int8_server.address, namespace="default", shared_memory=False)
+    bomb_key = block_key("h2-bomb")
+    with PeakRss(int8_server.proc.pid) as server_peak, pytest.raises(RemoteStoreError) as info:
+        store.put_encoded_many([(bomb_key, hadamard_block(bomb_key, "default"))])
+    assert info.value.code == grpc.StatusCode.DATA_LOSS and "head_dim 8192" in str(info.value)
+    assert server_peak.growth <= 128 * MiB
+
+    key = block_key("h2-largest")
+    value = largest_hadamard_block(key, "default")
+    with PeakRss(int8_server.proc.pid) as server_peak:
+        assert store.put_encoded_many([(key, value)]) == 1
+    assert server_peak.growth <= 128 * MiB, f"server grew by {server_peak.growth / MiB:.0f} MiB"
+    fetched = store.get_encoded_many([key])[0]
+    assert fetched == value  # the memory tier keeps it as sent
+    with PeakRss(os.getpid()) as client_peak:
+        block = decode_block(fetched, expected_key=key)
+    assert block.keys.shape[-1] == 4096
+    assert client_peak.growth <= 128 * MiB, f"client grew by {client_peak.growth / MiB:.0f} MiB"
+    store.close()
