@@ -29,6 +29,10 @@ MAX_HEAD_DIM = 4096
 #: the most bytes one block's keys and values may take decoded (a 256-token block of a 405B model in float32 is
 #: ~260 MiB; longer contexts are split into blocks)
 MAX_BLOCK_DECODED_BYTES = 4 << 30
+#: the most bytes decoding one block may take (``kvstore.encoding.decode_cost_bytes``) when a reader is not told
+#: otherwise: ``TieredStore`` reads and ``RemoteStore`` fetches (a larger block is a counted miss, kept in its tier);
+#: what a ``kvshelf serve`` with the default ``--max-block`` lets through
+DEFAULT_MAX_DECODE_BYTES = 256 << 20
 #: positions of a block's tokens stay below this: ``start_pos + tokens <= MAX_POSITION`` (2**31: past any context)
 MAX_POSITION = 1 << 31
 #: token ids are int64 (``kvstore.keys`` hashes them as such)

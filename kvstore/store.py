@@ -36,6 +36,7 @@ from kvshelf.kvstore.errors import (
     TierUnavailableError,
 )
 from kvshelf.kvstore.keys import KEY_BYTES, check_keys
+from kvshelf.kvstore.limits import DEFAULT_MAX_DECODE_BYTES
 from kvshelf.kvstore.protocol import DEFAULT_NAMESPACE, UNKNOWN_MODEL
 from kvshelf.kvstore.stats import ALL_TIERS, UNKNOWN, Counters, StoreEvent
 from kvshelf.kvstore.tier import Tier, TierUsage
@@ -179,6 +180,7 @@ class TieredStore:
     def __init__(
         self, tiers: Sequence[Tier | TierSpec], write_policy: Literal["through", "back"] = "through", *,
         namespace: str = DEFAULT_NAMESPACE, max_decoded_bytes: int | None = None,
+        max_decode_bytes: int | None = DEFAULT_MAX_DECODE_BYTES,
     ) -> None:
         if not namespace:
             raise ConfigError("namespace must be a non-empty string")
@@ -196,6 +198,12 @@ class TieredStore:
         #: (``put_encoded_many``, promotion, write-down); None: unbounded (promotion and write-down: the target
         #: tier's capacity). The service sets its max block size here.
         self.max_decoded_bytes = max_decoded_bytes
+        #: the most bytes decoding a value may take on a read (``get_many``, ``get_prepared_many``): a larger one
+        #: (its header declares more, whatever tier or writer it came from) is a miss counted as ``rejected`` and
+        #: stays in its tier; None: bounded by the header limits only (``kvstore.limits``)
+        if max_decode_bytes is not None and max_decode_bytes <= 0:
+            raise ConfigError(f"max_decode_bytes must be > 0 (or None), got {max_decode_bytes}")
+        self.max_decode_bytes = max_decode_bytes
         self.counters = Counters()
         self._listeners: list[Listener] = []
         self._pinned: set[bytes] = set()
@@ -441,7 +449,7 @@ class TieredStore:
 
         def decode(key: bytes, value: bytes) -> KVBlock:
             return decode_block(value, expected_key=header_key(key), expected_fingerprint=fingerprint,
-                                expected_namespace=namespace, copy=copy)
+                                expected_namespace=namespace, copy=copy, max_decode_bytes=self.max_decode_bytes)
 
         return self._fetch(keys, fingerprint, namespace, decode, tokens)
 
@@ -455,7 +463,7 @@ class TieredStore:
 
         def prepare(key: bytes, value: bytes) -> PreparedBlock:
             return prepare_block(value, expected_key=header_key(key), expected_fingerprint=fingerprint,
-                                 expected_namespace=namespace)
+                                 expected_namespace=namespace, max_decode_bytes=self.max_decode_bytes)
 
         return self._fetch(keys, fingerprint, namespace, prepare, tokens, parallel=True)
 
@@ -502,6 +510,11 @@ class TieredStore:
                     result[j] = outcome
                 except ForeignBlockError:
                     self.counters.add(name, namespace, model, "foreign")
+                    missed.append(j)
+                    continue
+                except BlockTooLargeError as exc:  # within the header limits, over this reader's: kept for others
+                    log.warning("tier %s: not decoding block %s: %s", name, keys[j].hex(), exc)
+                    self.counters.add(name, namespace, model, "rejected")
                     missed.append(j)
                     continue
                 except KVShelfError as exc:

@@ -29,6 +29,7 @@ from kvshelf.kvstore.block import KVBlock, PreparedBlock
 from kvshelf.kvstore.encoding import decode_block, encode_block, prepare_block
 from kvshelf.kvstore.errors import ConfigError, KVShelfError, TierUnavailableError
 from kvshelf.kvstore.keys import check_keys
+from kvshelf.kvstore.limits import DEFAULT_MAX_DECODE_BYTES
 from kvshelf.kvstore.protocol import DEFAULT_NAMESPACE, UNKNOWN_MODEL
 from kvshelf.kvstore.store import decode_all
 from kvshelf.proto import kvshelf_pb2 as pb
@@ -36,7 +37,7 @@ from kvshelf.proto import kvshelf_pb2_grpc as pb_grpc
 from kvshelf.service.arena import DEFAULT_ARENA_BYTES, ArenaPool, ClientArena, shared_memory_supported
 from kvshelf.service.errors import ArenaUnavailable, RemoteStoreError, WireError
 from kvshelf.service.fairness import RETRY_AFTER_METADATA
-from kvshelf.service.server import MAX_CHUNK_BYTES, MAX_MESSAGE_BYTES, ServerLimits
+from kvshelf.service.server import MAX_CHUNK_BYTES, MAX_MESSAGE_BYTES
 from kvshelf.service.wire import decode_response, encode_put_request
 
 T = TypeVar("T")
@@ -45,9 +46,6 @@ _UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 _MAX_RETRY_PAUSE_S = 0.5
 #: Fetched values at least this large are decoded on a few threads while the rest still arrive (``get_prepared_many``).
 STREAM_DECODE_MIN_BYTES = 256 << 10
-#: The most bytes decoding one fetched block may take (``kvstore.encoding.decode_cost_bytes``) by default: what a
-#: server with the default max block size lets through (it refuses to store a block whose decode would cost more).
-DEFAULT_MAX_DECODE_BYTES = ServerLimits().max_block_bytes
 
 
 #: per value, optional: ``(parent key, token ids)`` for its BlockStored events (``None`` parts: not sent)

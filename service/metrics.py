@@ -50,7 +50,8 @@ _HELP = {
     "evictions": "blocks this tier evicted",
     "corrupt": "damaged values found (a miss; the value is dropped)",
     "foreign": "values of another key, namespace or model (a miss)",
-    "rejected": "blocks this tier refused (too large, or room only by evicting pinned blocks)",
+    "rejected": "blocks this tier refused (too large, or room only by evicting pinned blocks), and blocks read from "
+                "it that would take more than the reader's max_decode_bytes to decode (a miss; the value is kept)",
     "unavailable": "operations skipped because the tier was unreachable",
     "lookup_blocks": "blocks asked for by prefix lookups",
     "lookup_hit_blocks": "blocks found by prefix lookups",

@@ -735,3 +735,24 @@ def test_an_unreachable_tier_is_logged_once_per_interval_not_per_call(caplog):
     lines = [r for r in caplog.records if "unavailable" in r.getMessage()]
     assert len(lines) == 1
     assert store.stats()["tiers"][1]["unavailable"] >= 50  # every failure is still counted
+
+
+def test_a_block_over_the_readers_decode_bound_is_a_kept_miss():
+    """A block whose decoding may take more than the store's ``max_decode_bytes`` (its header is within the header
+    limits: another writer or a shared tier holds it) is a miss counted as ``rejected`` on every read path, and
+    stays in its tier for readers with a larger bound: never decoded, never dropped as damaged."""
+    from kvshelf.kvstore import MemoryTier, TieredStore
+
+    block = make_block(64, layers=4, heads=4, head_dim=64)  # 512 KiB of float32 keys and values
+    key = key_of(block)
+    small = TieredStore([MemoryTier(64 << 20, charge_overhead=False)], max_decode_bytes=256 << 10)
+    small.put_many([(key, block)])
+    assert small.get_many([key], fingerprint=FINGERPRINT) == [None]
+    assert small.get_prepared_many([key], fingerprint=FINGERPRINT) == [None]
+    tier = small.stats()["tiers"][0]
+    assert (tier["rejected"], tier["corrupt"], tier["blocks"]) == (2, 0, 1)
+    assert small.get_encoded_many([key])[0] is not None  # still held: the bytes are served undecoded
+    small.max_decode_bytes = None
+    assert_same_block(small.get_many([key], fingerprint=FINGERPRINT)[0], block)
+    with pytest.raises(ConfigError):
+        TieredStore([MemoryTier(1 << 20)], max_decode_bytes=0)
