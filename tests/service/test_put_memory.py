@@ -311,3 +311,28 @@ def test_h2_hadamard_headers_stay_within_the_limits(int8_server):
     assert block.keys.shape[-1] == 4096
     assert client_peak.growth <= 128 * MiB, f"client grew by {client_peak.growth / MiB:.0f} MiB"
     store.close()
+
+
+def test_padded_requests_of_the_other_streaming_calls(h1_server):
+    """GetBlocks and SubscribeEvents requests padded with 8 MiB of an unknown field (a valid encoding: protobuf
+    skips it) are answered as the unpadded ones, the server's memory bounded by the message limit."""
+    key, block, value = _honest_block("tenant-a", seed=300)
+    store = RemoteStore(h1_server.address, token="token-of-tenant-a", namespace="tenant-a", shared_memory=False)
+    assert store.put_encoded_many([(key, value)]) == 1
+    channel = grpc.insecure_channel(h1_server.address, options=[("grpc.max_send_message_length", -1)])
+    metadata = (("authorization", "Bearer token-of-tenant-a"),)
+    get = channel.unary_stream(f"/{SERVICE_NAME}/GetBlocks", request_serializer=None,
+                               response_deserializer=pb.GetBlocksResponse.FromString)
+    subscribe = channel.unary_stream(f"/{SERVICE_NAME}/SubscribeEvents", request_serializer=None,
+                                     response_deserializer=pb.SubscribeEventsResponse.FromString)
+    request = pb.GetBlocksRequest(namespace="tenant-a", keys=[key]).SerializeToString() + _padding(8 * MiB)
+    with PeakRss(h1_server.proc.pid) as peak:
+        responses = list(get(request, timeout=30, metadata=metadata))
+        events = subscribe(pb.SubscribeEventsRequest(namespace="tenant-a").SerializeToString() + _padding(8 * MiB),
+                           timeout=30, metadata=metadata)
+        assert next(events).HasField("started")
+        events.cancel()
+    assert b"".join(r.chunk.data for r in responses) == value
+    assert peak.growth <= 128 * MiB, f"server grew by {peak.growth / MiB:.0f} MiB"
+    channel.close()
+    store.close()
