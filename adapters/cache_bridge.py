@@ -16,18 +16,23 @@ import torch
 from transformers import DynamicCache, PretrainedConfig
 
 from kvshelf.adapters import hf
+from kvshelf.adapters import states as state_types
 from kvshelf.compress import hugepages
 from kvshelf.kvstore.block import KVBlock, PreparedBlock
-from kvshelf.kvstore.codec import PreparedPayload
+from kvshelf.kvstore.codec import PreparedPayload, value_head_dim
 from kvshelf.kvstore.errors import UnsupportedModelError
 
 
-def check_supported(config: PretrainedConfig, feature: str = "KV reuse", *, sliding_window: bool = False) -> None:
+def check_supported(config: PretrainedConfig, feature: str = "KV reuse", *, sliding_window: bool = False,
+                    states: bool = False) -> None:
     """Raise ``UnsupportedModelError``, naming the model type and ``feature``, for a model whose KV cache kvshelf
     cannot bridge for that feature: an encoder-decoder (T5...), a decoder without attention heads, attention layers
     other than full attention (linear or recurrent state, chunked attention, KV shared between layers...) and,
     unless ``sliding_window`` (a feature that loads and stores sliding-window layers: prefix reuse), sliding-window
-    layers. Which layers are sliding follows the config as transformers reads it (``hf.attention_layer_types``)."""
+    layers. Which layers are sliding follows the config as transformers reads it (``hf.attention_layer_types``).
+    With ``states`` (a path that snapshots recurrent state beside the blocks: prefix reuse), a hybrid model's state
+    layers (``states.STATE_LAYER_TYPES``) and cache-less layers pass for the families in
+    ``states.STATE_FAMILIES``; other paths refuse them, naming the layer type (they cannot be exact on them)."""
     text = config.get_text_config(decoder=True)
     model_type = getattr(text, "model_type", None) or getattr(config, "model_type", "?")
     refuse = f"{feature} does not support model type {model_type!r}"
@@ -38,6 +43,14 @@ def check_supported(config: PretrainedConfig, feature: str = "KV reuse", *, slid
         raise UnsupportedModelError(f"{refuse}: not a decoder kvshelf can bridge")
     types = hf.attention_layer_types(config)
     allowed = {hf.FULL_ATTENTION, hf.SLIDING_ATTENTION} if sliding_window else {hf.FULL_ATTENTION}
+    if states and set(types) & state_types.STATE_LAYER_TYPES:
+        state_types.check_state_family(config, feature)
+        allowed |= state_types.STATE_LAYER_TYPES | {"dummy"}
+    elif set(types) & state_types.STATE_LAYER_TYPES:
+        raise UnsupportedModelError(
+            f"{refuse}: its {state_types.state_layer_types(config)} layers keep a recurrent state, which this path "
+            "cannot reproduce exactly (only prefix reuse restores recurrent state, from snapshots at block "
+            "boundaries)")
     other = sorted(set(types) - allowed)
     if other == [hf.SLIDING_ATTENTION]:
         raise UnsupportedModelError(
@@ -118,15 +131,16 @@ def cache_from_prepared(
     if not blocks:
         return cache
     layers, heads, _, dim = blocks[0].shape
+    vdim = value_head_dim(blocks[0].shape)  # MLA: the values' head dim differs from the keys'
     for block in blocks:
-        if (block.shape[0], block.shape[1], block.shape[3]) != (layers, heads, dim):
-            raise UnsupportedModelError(f"blocks of shapes {blocks[0].shape} and {block.shape} cannot be joined")
+        if (block.shape[0], block.shape[1], block.shape[3], value_head_dim(block.shape)) != (layers, heads, dim, vdim):
+            raise UnsupportedModelError(f"blocks of shapes {blocks[0].shape!r} and {block.shape!r} cannot be joined")
     total = sum(b.num_tokens for b in blocks)
     staging = torch.device(device).type != "cpu"  # decode on the CPU, then one transfer
     out_dtype = dtype or blocks[0].dtype
     # faulted in (by torch's threads, or recycled from an earlier cache) before the codecs' loops write them
     keys = hugepages.empty((layers, heads, total, dim), out_dtype, prefault=True)
-    values = hugepages.empty((layers, heads, total, dim), out_dtype, prefault=True)
+    values = hugepages.empty((layers, heads, total, vdim), out_dtype, prefault=True)
     start = 0
     for run in _runs([b.payload for b in blocks]):
         end = start + sum(p.num_tokens for p in run)

@@ -6,7 +6,7 @@ import torch
 
 from kvshelf.compress.container import expect_len, frame_bytes, pack_sections, unpack_sections
 from kvshelf.compress.raw import tensor_bytes, tensor_from_bytes
-from kvshelf.kvstore.codec import DecodedPayload
+from kvshelf.kvstore.codec import DecodedPayload, block_numel, key_shape, value_shape
 
 
 def numel(shape: tuple[int, ...]) -> int:
@@ -18,7 +18,7 @@ def numel(shape: tuple[int, ...]) -> int:
 
 def cast_payload_bytes(shape: tuple[int, ...]) -> int:
     """The exact payload size of a 16-bit cast codec (``fp16``, ``bf16``) for keys and values of ``shape``."""
-    return frame_bytes(2) + 2 * numel(shape) * 2
+    return frame_bytes(2) + block_numel(shape) * 2
 
 
 def cast_encode(keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype) -> list[bytes | memoryview]:
@@ -39,10 +39,10 @@ def cast_decode(
     copy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     k_buf, v_buf = unpack_sections(payload, 2, codec)
-    nbytes = numel(shape) * 2
     out = []
-    for buf, what in ((k_buf, "keys"), (v_buf, "values")):
-        t = tensor_from_bytes(expect_len(buf, nbytes, what, codec), stored, shape, copy=copy and dtype == stored)
+    for buf, what, part in ((k_buf, "keys", key_shape(shape)), (v_buf, "values", value_shape(shape))):
+        t = tensor_from_bytes(expect_len(buf, numel(part) * 2, what, codec), stored, part,
+                              copy=copy and dtype == stored)
         out.append(t if t.dtype == dtype else t.to(dtype))
     return out[0], out[1]
 

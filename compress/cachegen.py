@@ -62,7 +62,7 @@ from kvshelf.compress.bitpack import half_bytes, half_from, pack_bits, packed_le
 from kvshelf.compress.container import expect_len, pack_sections, unpack_sections
 from kvshelf.compress.hadamard import factors, is_power_of_two, rotate
 from kvshelf.compress.raw import tensor_bytes, tensor_from_bytes
-from kvshelf.kvstore.codec import Codec, register_codec
+from kvshelf.kvstore.codec import Codec, key_shape, register_codec, value_head_dim
 from kvshelf.kvstore.errors import CorruptBlockError
 from kvshelf.kvstore.limits import MAX_GROUP_SIZE
 
@@ -192,7 +192,10 @@ class CacheGenCodec(Codec):
         made for new probabilities (~2.7 KiB each, 5.5 MiB for ``MAX_LAYERS``; a bounded cache) are within
         ``DECODE_OVERHEAD_BYTES``."""
         layers, heads, tokens, dim = shape
-        elements = 2 * numel(shape)
+        dim = max(dim, value_head_dim(shape))  # keys and values of different head dims: both padded to the wider
+        padded = 2 * numel((layers, heads, tokens, dim)) * itemsize if dim != value_head_dim(shape) or dim != shape[3] \
+            else 0  # the padded tensors decoded, beside the declared ones cut out of them
+        elements = 2 * numel((layers, heads, tokens, dim))
         if elements == 0:
             return 0
         escapes, sink_values = min(elements, payload_len // 3), min(elements, payload_len // 2)
@@ -201,7 +204,7 @@ class CacheGenCodec(Codec):
         anchors = 8 * elements // max(int(params.get("group_size", 2)), 2)
         phases = (_SYMBOLS_PEAK * elements, 8 * elements + 36 * escapes, 4 * elements + anchors,
                   4 * elements + rotation + 4 * sink_values)
-        return max(phases) + 16 * 2 * layers * heads * dim + 16 * tokens + payload_len
+        return max(phases) + 16 * 2 * layers * heads * dim + 16 * tokens + payload_len + padded
 
     # -- layout -----------------------------------------------------------------------------------------
 
@@ -280,6 +283,16 @@ class CacheGenCodec(Codec):
     # -- encode -----------------------------------------------------------------------------------------
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor) -> list[bytes | memoryview]:
+        """Keys and values of different head dims (MLA) are coded as one width: the narrower zero-padded to the
+        wider (its padding channels code to next to nothing), cut back to its declared dim on decode."""
+        dk, dv = keys.shape[3], values.shape[3]
+        if dk != dv:
+            width = max(dk, dv)
+            keys = torch.nn.functional.pad(keys.detach().cpu(), (0, width - dk))
+            values = torch.nn.functional.pad(values.detach().cpu(), (0, width - dv))
+        return self._encode_streams(keys, values)
+
+    def _encode_streams(self, keys: torch.Tensor, values: torch.Tensor) -> list[bytes | memoryview]:
         layers, heads, tokens, dim = keys.shape
         if keys.numel() == 0:
             return pack_sections([_FORMAT_TAG] + [b""] * (_SECTIONS - 1))
@@ -369,6 +382,15 @@ class CacheGenCodec(Codec):
 
     def decode(
         self, payload: memoryview, shape: tuple[int, int, int, int], dtype: torch.dtype, copy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        dk, dv = shape[3], value_head_dim(shape)
+        if dk == dv:
+            return self._decode_streams(payload, key_shape(shape), dtype)
+        keys, values = self._decode_streams(payload, (*shape[:3], max(dk, dv)), dtype)  # see encode
+        return keys[..., :dk].contiguous(), values[..., :dv].contiguous()
+
+    def _decode_streams(
+        self, payload: memoryview, shape: tuple[int, int, int, int], dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         layers, heads, tokens, dim = shape
         parts = unpack_sections(payload, _SECTIONS, self.name)

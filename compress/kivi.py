@@ -24,10 +24,17 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvshelf.compress._cast import numel
 from kvshelf.compress.bitpack import half_bytes, half_from, pack_bits, packed_len, unpack_bits
 from kvshelf.compress.container import frame_bytes, pack_sections, unpack_sections
-from kvshelf.kvstore.codec import Codec, PreparedPayload, register_codec
+from kvshelf.kvstore.codec import (
+    Codec,
+    PreparedPayload,
+    block_numel,
+    key_shape,
+    register_codec,
+    value_head_dim,
+    value_shape,
+)
 from kvshelf.kvstore.errors import CorruptBlockError
 from kvshelf.kvstore.limits import MAX_GROUP_SIZE
 
@@ -92,9 +99,10 @@ class KiviCodec(Codec):
     def _halves(shape: tuple[int, int, int, int], group_size: int) -> list[tuple[int, int, int, int]]:
         """``(rows, cols, group, groups)`` of the keys (rows: layer, head, channel) and the values (rows: layer,
         token) of a block of ``shape``; ``group`` is ``group_size`` capped at ``cols`` (a wider one is the row)."""
-        layers, heads, tokens, dim = shape
+        layers, heads, tokens, dim = key_shape(shape)
+        vdim = value_head_dim(shape)  # MLA: the values' head dim may differ
         out = []
-        for rows, cols in ((layers * heads * dim, tokens), (layers * tokens, heads * dim)):
+        for rows, cols in ((layers * heads * dim, tokens), (layers * tokens, heads * vdim)):
             g = min(group_size, max(cols, 1))
             out.append((rows, cols, g, -(-cols // g)))
         return out
@@ -107,7 +115,7 @@ class KiviCodec(Codec):
         scale per group) plus the larger half's ``write`` in the worst case, a destination the groups cannot view:
         the codes as float32, their padded copy (a partial last group), the dequantized float32 groups, and a cast
         to the destination's dtype (``itemsize``: the block's; a float32 destination needs none)."""
-        if numel(shape) == 0:
+        if block_numel(shape) == 0:
             return 0
         halves = cls._halves(shape, int(params["group_size"]))
         kept = sum((rows * cols if cls.bits < 8 else 0) + 8 * rows * groups for rows, cols, _, groups in halves)
@@ -125,10 +133,11 @@ class KiviCodec(Codec):
         g = params.get("group_size", getattr(cls, "group_size", None))  # a dataclass field's default
         if isinstance(g, bool) or not isinstance(g, int) or g < 1:
             return None
-        layers, heads, tokens, dim = shape
+        layers, heads, tokens, dim = key_shape(shape)
+        vdim = value_head_dim(shape)
         n = frame_bytes(6)
-        if numel(shape):
-            for rows, cols in ((layers * heads * dim, tokens), (layers * tokens, heads * dim)):
+        if block_numel(shape):
+            for rows, cols in ((layers * heads * dim, tokens), (layers * tokens, heads * vdim)):
                 n += packed_len(rows * cols, cls.bits) + 2 * 2 * rows * (-(-cols // g))
         return n, n
 
@@ -155,7 +164,7 @@ class KiviCodec(Codec):
     def decode(
         self, payload: memoryview, shape: tuple[int, int, int, int], dtype: torch.dtype, copy: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
+        keys, values = torch.empty(key_shape(shape), dtype=dtype), torch.empty(value_shape(shape), dtype=dtype)
         self.prepare_at(payload, shape, dtype, 0).write(keys, values)
         return keys, values
 
@@ -164,7 +173,7 @@ class KiviCodec(Codec):
     ) -> KiviPayload:
         """Check the payload and unpack its codes; ``write`` dequantizes them into the destination."""
         parts = unpack_sections(payload, 6, self.name)
-        if numel(shape) == 0:
+        if block_numel(shape) == 0:
             if any(len(p) for p in parts):
                 raise CorruptBlockError(f"{self.name} payload has data for an empty block")
             return KiviPayload(self, shape, [])
@@ -172,7 +181,7 @@ class KiviCodec(Codec):
         for n, (rows, cols, _, groups) in enumerate(self._halves(shape, self.group_size)):
             packed, zero_buf, scale_buf = parts[3 * n : 3 * n + 3]
             if len(packed) != packed_len(rows * cols, self.bits):
-                raise CorruptBlockError(f"{self.name} payload: codes are {len(packed)} bytes for {shape}")
+                raise CorruptBlockError(f"{self.name} payload: codes are {len(packed)} bytes for {shape!r}")
             codes = unpack_bits(packed, rows * cols, self.bits).view(rows, cols)
             zero = half_from(zero_buf, (rows, groups), "zero points", self.name)
             scale = half_from(scale_buf, (rows, groups), "scales", self.name)
@@ -192,7 +201,8 @@ class KiviPayload(PreparedPayload):
     def write(self, keys_out: torch.Tensor, values_out: torch.Tensor) -> None:
         if not self.halves:
             return
-        layers, heads, tokens, dim = self.shape
+        layers, heads, tokens, dim = key_shape(self.shape)
+        vdim = value_head_dim(self.shape)
         for n, ((codes, zero, scale), (_, _, g, _)) in enumerate(zip(self.halves, KiviCodec._halves(
                 self.shape, self.codec.group_size), strict=True)):
             out = keys_out if n == 0 else values_out
@@ -200,7 +210,7 @@ class KiviPayload(PreparedPayload):
             if direct is None:  # groups the layout cannot hold as a view: dequantize, then one transposing copy
                 rows_out = dequantize_groups(codes, zero, scale, g, out.dtype)
                 out.copy_(rows_out.view(layers, heads, dim, tokens).permute(0, 1, 3, 2) if n == 0
-                          else rows_out.view(layers, tokens, heads, dim).permute(0, 2, 1, 3))
+                          else rows_out.view(layers, tokens, heads, vdim).permute(0, 2, 1, 3))
                 continue
             grid, side = direct  # dequantize straight into the destination layout
             torch.addcmul(zero.view(side), codes.view(grid.shape), scale.view(side), out=grid)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from kvshelf.kvstore.codec import Codec, numel, register_codec
+from kvshelf.kvstore.codec import Codec, block_numel, key_shape, numel, register_codec, value_shape
 from kvshelf.kvstore.errors import CorruptBlockError
 
 
@@ -32,7 +32,7 @@ def tensor_from_bytes(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...
 @register_codec
 @dataclass
 class RawCodec(Codec):
-    """Keys then values, contiguous, in the model dtype. Payload bytes = 2 * L * H * T * D * itemsize."""
+    """Keys then values, contiguous, in the model dtype. Payload bytes = L * H * T * (Dk + Dv) * itemsize."""
 
     name = "raw"
 
@@ -40,7 +40,7 @@ class RawCodec(Codec):
     def payload_bounds(
         cls, params: Mapping[str, Any], shape: tuple[int, int, int, int], itemsize: int
     ) -> tuple[int, int | None]:
-        n = 2 * numel(shape) * itemsize
+        n = block_numel(shape) * itemsize
         return n, n
 
     @classmethod
@@ -57,10 +57,12 @@ class RawCodec(Codec):
         self, payload: memoryview, shape: tuple[int, int, int, int], dtype: torch.dtype, copy: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         itemsize = torch.empty((), dtype=dtype).element_size()
-        half = shape[0] * shape[1] * shape[2] * shape[3] * itemsize
-        if len(payload) != 2 * half:
-            raise CorruptBlockError(f"raw payload is {len(payload)} bytes, expected {2 * half} for {shape}")
+        k_shape, v_shape = key_shape(shape), value_shape(shape)
+        half = numel(k_shape) * itemsize
+        total = half + numel(v_shape) * itemsize
+        if len(payload) != total:
+            raise CorruptBlockError(f"raw payload is {len(payload)} bytes, expected {total} for {shape!r}")
         return (
-            tensor_from_bytes(payload[:half], dtype, shape, copy),
-            tensor_from_bytes(payload[half:], dtype, shape, copy),
+            tensor_from_bytes(payload[:half], dtype, k_shape, copy),
+            tensor_from_bytes(payload[half:], dtype, v_shape, copy),
         )

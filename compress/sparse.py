@@ -28,7 +28,17 @@ import torch
 from kvshelf.compress.bitpack import pack_bits, packed_len, unpack_bits
 from kvshelf.compress.container import frame_bytes, pack_sections, unpack_sections
 from kvshelf.kvstore.block import KVBlock
-from kvshelf.kvstore.codec import Codec, get_codec, numel, payload_len_bounds, register_codec
+from kvshelf.kvstore.codec import (
+    BlockShape,
+    Codec,
+    block_numel,
+    get_codec,
+    key_shape,
+    payload_len_bounds,
+    register_codec,
+    value_head_dim,
+    value_shape,
+)
 from kvshelf.kvstore.errors import CorruptBlockError
 
 _FILLS = {"nan": float("nan"), "zero": 0.0}
@@ -98,8 +108,9 @@ class SparseCodec(Codec):
         inner_params = params.get("inner_params", {})
         if inner == cls.name or not isinstance(inner, str) or not isinstance(inner_params, Mapping):
             return None
-        layers, heads, tokens, dim = shape
-        none_kept = payload_len_bounds(inner, inner_params, (layers, heads, 0, dim), itemsize)
+        layers, heads, tokens, dim = key_shape(shape)
+        none_kept = payload_len_bounds(inner, inner_params, BlockShape((layers, heads, 0, dim), value_head_dim(shape)),
+                                       itemsize)
         all_kept = payload_len_bounds(inner, inner_params, shape, itemsize)
         if none_kept is None or all_kept is None:
             return None
@@ -115,7 +126,7 @@ class SparseCodec(Codec):
         ``write``; plus the kept-token mask and indices (9 bytes per token)."""
         inner = get_codec(params["inner"], params["inner_params"])
         inner_workspace = type(inner).decode_workspace_bytes(inner.params(), shape, itemsize, payload_len)
-        return max(inner_workspace, 2 * numel(shape) * itemsize) + 9 * shape[2]
+        return max(inner_workspace, block_numel(shape) * itemsize) + 9 * shape[2]
 
     def params(self) -> dict[str, Any]:
         return {"inner": self.inner, "inner_params": dict(self.inner_params), "fill": self.fill}
@@ -130,7 +141,7 @@ class SparseCodec(Codec):
     def decode(
         self, payload: memoryview, shape: tuple[int, int, int, int], dtype: torch.dtype, copy: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        layers, heads, tokens, dim = shape
+        layers, heads, tokens, dim = key_shape(shape)
         head, bitmap, inner = unpack_sections(payload, 3, self.name)
         if len(head) != 16 or struct.unpack("<QQ", head)[0] != tokens:
             raise CorruptBlockError(f"sparse payload is not a block of {tokens} tokens")
@@ -138,12 +149,13 @@ class SparseCodec(Codec):
         index = mask.nonzero().flatten()
         if len(index) != struct.unpack("<QQ", head)[1]:
             raise CorruptBlockError("sparse payload: the kept-token bitmap disagrees with its count")
-        kept_keys, kept_values = self._inner.decode(inner, (layers, heads, len(index), dim), dtype, True)
+        kept_keys, kept_values = self._inner.decode(
+            inner, BlockShape((layers, heads, len(index), dim), value_head_dim(shape)), dtype, True)
         if self.fill == "nan" and not dtype.is_floating_point:
             raise CorruptBlockError(f"sparse blocks need a floating dtype, got {dtype}")
         out = []
-        for kept in (kept_keys, kept_values):
-            full = torch.full(shape, _FILLS[self.fill], dtype=dtype)
+        for kept, part in ((kept_keys, key_shape(shape)), (kept_values, value_shape(shape))):
+            full = torch.full(part, _FILLS[self.fill], dtype=dtype)
             full[:, :, index] = kept
             out.append(full)
         return out[0], out[1]

@@ -502,6 +502,9 @@ class XQuantCodec(Codec):
     def _tables(self, shape: tuple[int, int, int, int]) -> XQuantTables:
         tables = bound_tables(self.model)
         layers, heads, _, dim = shape
+        if getattr(shape, "value_head_dim", dim) != dim:
+            raise CodecParamError(f"xquant holds blocks whose keys and values share a head dim; this block's are "
+                                  f"{shape!r} (MLA: its latent needs its own codec)")
         if (layers, heads, dim) != (tables.layers, tables.kv_heads, tables.head_dim):
             raise CodecParamError(f"xquant tables {self.model} are for {tables.layers} layers x {tables.kv_heads} "
                                   f"kv heads x {tables.head_dim}, the block is {layers} x {heads} x {dim}")
@@ -544,7 +547,8 @@ class XQuantCodec(Codec):
     def encode_at(self, keys: torch.Tensor, values: torch.Tensor, start_pos: int) -> list[bytes | memoryview]:
         if keys.shape != values.shape or keys.dim() != 4:
             raise CodecParamError(f"xquant: keys {tuple(keys.shape)} and values {tuple(values.shape)} must both be "
-                                  "[layers, kv_heads, tokens, head_dim]")
+                                  "[layers, kv_heads, tokens, head_dim] of one head dim (xquant cannot hold an MLA "
+                                  "block, whose keys and values differ in head dim)")
         shape = tuple(int(s) for s in keys.shape)
         tables = self._tables(shape)  # type: ignore[arg-type]
         layers, heads, tokens, dim = shape

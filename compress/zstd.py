@@ -24,7 +24,7 @@ import zstandard
 from kvshelf.compress._cast import numel
 from kvshelf.compress.container import frame_bytes, pack_sections, unpack_sections
 from kvshelf.compress.raw import tensor_bytes
-from kvshelf.kvstore.codec import Codec, register_codec
+from kvshelf.kvstore.codec import Codec, block_numel, key_shape, register_codec, value_shape
 from kvshelf.kvstore.errors import CorruptBlockError
 
 _KEEP_RAW = 0.97  # store a plane as is unless zstd makes it at least 3% smaller
@@ -102,7 +102,7 @@ class ZstdCodec(Codec):
         ``prepare_at``: the decoded tensors it keeps for ``write`` (``2 * prod(shape) * itemsize``, the larger). A
         decompression context (one-shot into a buffer of the frame's content size, no window buffer: ~0.2 MiB)
         is within ``DECODE_OVERHEAD_BYTES``."""
-        return 2 * numel(shape) * itemsize
+        return block_numel(shape) * itemsize
 
     @classmethod
     def payload_bounds(
@@ -111,7 +111,7 @@ class ZstdCodec(Codec):
         """At most every plane stored as is (a plane is compressed only when that makes it smaller)."""
         planes = 2 * itemsize
         least = frame_bytes(1 + planes) + planes
-        return least, least + planes * numel(shape)
+        return least, least + itemsize * block_numel(shape)
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor) -> list[bytes | memoryview]:
         compressor = zstandard.ZstdCompressor(level=self.level, write_content_size=True)
@@ -130,18 +130,19 @@ class ZstdCodec(Codec):
     def decode(
         self, payload: memoryview, shape: tuple[int, int, int, int], dtype: torch.dtype, copy: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        itemsize, n = _itemsize(dtype), numel(shape)
+        itemsize = _itemsize(dtype)
         parts = unpack_sections(payload, 1 + 2 * itemsize, self.name)
         flags = bytes(parts[0])
         if len(flags) != 2 * itemsize or any(f not in (0, 1) for f in flags):
             raise CorruptBlockError(f"zstd payload: bad plane flags {flags!r}")
         out = []
-        for half in range(2):  # keys, then values: one tensor's planes at a time
+        for half, part in enumerate((key_shape(shape), value_shape(shape))):  # keys, then values: one at a time
+            n = numel(part)
             planes = [decompress_exact(frame, n, "a plane", self.name) if flag else frame  # checked: no more than n
                       for flag, frame in zip(flags[half * itemsize : (half + 1) * itemsize],
                                              parts[1 + half * itemsize : 1 + (half + 1) * itemsize], strict=True)]
             if any(len(plane) != n for plane in planes):
-                raise CorruptBlockError(f"zstd plane holds the wrong number of bytes, expected {n} for {shape}")
-            out.append(unshuffle_planes(planes, dtype, shape))
+                raise CorruptBlockError(f"zstd plane holds the wrong number of bytes, expected {n} for {shape!r}")
+            out.append(unshuffle_planes(planes, dtype, part))
             del planes
         return out[0], out[1]

@@ -95,6 +95,10 @@ class Codec(ABC):
 
     Subclasses are dataclasses; their fields are the codec's parameters. ``needs_model`` marks codecs that
     need the model's weights to decode (these are decoded in ``adapters``).
+
+    Keys and values may differ in head dim (MLA): every ``shape`` a method receives is a ``BlockShape`` (the keys'
+    4-tuple plus ``value_head_dim``; read the values' with ``value_shape``). A codec that cannot hold such a
+    block refuses it in ``encode`` with ``ConfigError`` naming both shapes.
     """
 
     name: ClassVar[str]
@@ -142,7 +146,7 @@ class Codec(ABC):
         Each codec states its own (the tests measure them); this default, for a codec that does not, assumes
         ``DEFAULT_WORKSPACE_FACTOR`` times the decoded size.
         """
-        return DEFAULT_WORKSPACE_FACTOR * 2 * numel(shape) * itemsize
+        return DEFAULT_WORKSPACE_FACTOR * block_numel(shape) * itemsize
 
     def encode_at(self, keys: torch.Tensor, values: torch.Tensor, start_pos: int) -> list[bytes | memoryview]:
         """``encode`` of a block whose first token is at position ``start_pos`` (codecs that need it override)."""
@@ -191,6 +195,84 @@ def numel(shape: Sequence[int]) -> int:
     for s in shape:
         n *= int(s)
     return n
+
+
+class BlockShape(tuple):
+    """The shape of a block: the keys' ``[layers, kv_heads, tokens, head_dim]`` (it *is* that 4-tuple, so code that
+    indexes it reads the keys' dims), plus ``value_head_dim``, the values' head dim (the keys' unless they differ:
+    an MLA model's keys are ``qk_nope_head_dim + qk_rope_head_dim`` wide, its values ``v_head_dim``).
+
+    What every codec method receives as ``shape`` (``value_shape`` and ``block_numel`` read it, and a plain
+    4-tuple too, whose values are the keys' shape). Equality is the tuple's: compare ``values`` as well.
+    """
+
+    value_head_dim: int
+
+    def __new__(cls, shape: Sequence[int], value_head_dim: int | None = None) -> BlockShape:
+        self = super().__new__(cls, (int(s) for s in shape))
+        if len(self) != 4:
+            raise ValueError(f"a block shape is [layers, kv_heads, tokens, head_dim], got {list(self)}")
+        if value_head_dim is None:
+            value_head_dim = getattr(shape, "value_head_dim", self[3])
+        self.value_head_dim = int(value_head_dim)
+        return self
+
+    @property
+    def keys(self) -> tuple[int, int, int, int]:
+        return tuple(self)  # type: ignore[return-value]
+
+    @property
+    def values(self) -> tuple[int, int, int, int]:  # type: ignore[override]
+        return (self[0], self[1], self[2], self.value_head_dim)
+
+    @property
+    def same_dims(self) -> bool:
+        return self.value_head_dim == self[3]
+
+    def __repr__(self) -> str:
+        return describe_shape(self)
+
+    def __reduce__(self):  # noqa: ANN204 - copy / pickle keep the values' head dim
+        return (BlockShape, (tuple(self), self.value_head_dim))
+
+
+def block_shape(keys_shape: Sequence[int], values_shape: Sequence[int] | None = None) -> BlockShape:
+    """The ``BlockShape`` of keys and values of these shapes; ``ValueError`` when they differ in more than the
+    head dim (layers, kv heads and tokens are shared)."""
+    keys_shape = tuple(int(s) for s in keys_shape)
+    if values_shape is None:
+        return BlockShape(keys_shape)
+    values_shape = tuple(int(s) for s in values_shape)
+    if len(keys_shape) != 4 or len(values_shape) != 4 or keys_shape[:3] != values_shape[:3]:
+        raise ValueError(f"keys {list(keys_shape)} and values {list(values_shape)} must share [layers, kv_heads, "
+                         f"tokens] (only the head dim may differ)")
+    return BlockShape(keys_shape, values_shape[3])
+
+
+def value_head_dim(shape: Sequence[int]) -> int:
+    """The values' head dim of ``shape`` (a ``BlockShape``, or a plain 4-tuple whose values are its keys')."""
+    return int(getattr(shape, "value_head_dim", shape[3]))
+
+
+def value_shape(shape: Sequence[int]) -> tuple[int, int, int, int]:
+    """The values' ``[layers, kv_heads, tokens, head_dim]`` of ``shape`` (see ``value_head_dim``)."""
+    return (int(shape[0]), int(shape[1]), int(shape[2]), value_head_dim(shape))
+
+
+def key_shape(shape: Sequence[int]) -> tuple[int, int, int, int]:
+    """The keys' ``[layers, kv_heads, tokens, head_dim]`` of ``shape`` (a plain tuple)."""
+    return (int(shape[0]), int(shape[1]), int(shape[2]), int(shape[3]))
+
+
+def block_numel(shape: Sequence[int]) -> int:
+    """Elements of a block's keys plus values of ``shape`` (``2 * numel(shape)`` when they share the head dim)."""
+    return numel(key_shape(shape)) + numel(value_shape(shape))
+
+
+def describe_shape(shape: Sequence[int]) -> str:
+    """``[l, h, t, d]`` for keys and values of one shape, else ``keys [l, h, t, dk], values [l, h, t, dv]``."""
+    keys, values = key_shape(shape), value_shape(shape)
+    return str(list(keys)) if keys == values else f"keys {list(keys)}, values {list(values)}"
 
 
 def available_codecs() -> list[str]:

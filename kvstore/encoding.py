@@ -4,9 +4,10 @@ Layout (little-endian)::
 
     b"KVSH" | version: u16 | header_len: u32 | header: UTF-8 JSON | payload | xxh3-64 of all preceding bytes
 
-The JSON header carries the codec name and parameters, shape ``[layers, kv_heads, tokens, head_dim]``,
-dtype, payload length, start position, token ids, model fingerprint, namespace and the block's key, so a
-value read back under another key, namespace or model is recognised as foreign. No pickle anywhere.
+The JSON header carries the codec name and parameters, shape ``[layers, kv_heads, tokens, head_dim]`` (the
+keys'; ``value_head_dim`` when the values' head dim differs, as in MLA models: absent, it is the keys'), dtype,
+payload length, start position, token ids, model fingerprint, namespace and the block's key, so a value read back
+under another key, namespace or model is recognised as foreign. No pickle anywhere.
 """
 
 from __future__ import annotations
@@ -20,7 +21,16 @@ import torch
 import xxhash
 
 from kvshelf.kvstore.block import KVBlock, PreparedBlock
-from kvshelf.kvstore.codec import Codec, get_codec, numel, payload_len_bounds
+from kvshelf.kvstore.codec import (
+    BlockShape,
+    Codec,
+    block_numel,
+    block_shape,
+    describe_shape,
+    get_codec,
+    payload_len_bounds,
+    value_shape,
+)
 from kvshelf.kvstore.errors import (
     BlockTooLargeError,
     CodecParamError,
@@ -52,7 +62,7 @@ class BlockHeader:
 
     codec: str
     params: dict[str, Any]
-    shape: tuple[int, int, int, int]
+    shape: BlockShape  # the keys' [layers, kv_heads, tokens, head_dim], with the values' head dim
     dtype: torch.dtype
     payload_len: int
     start_pos: int
@@ -64,9 +74,10 @@ class BlockHeader:
 
 
 def decoded_nbytes(header: BlockHeader) -> int:
-    """Bytes the keys and values of a block with this header take once decoded (``2 x prod(shape) x itemsize``),
-    from its declared shape and dtype alone. Not what decoding it costs: see ``decode_cost_bytes``."""
-    return 2 * numel(header.shape) * ITEMSIZES[header.dtype]
+    """Bytes the keys and values of a block with this header take once decoded (``(prod(keys' shape) +
+    prod(values' shape)) x itemsize``), from its declared shapes and dtype alone. Not what decoding it costs: see
+    ``decode_cost_bytes``."""
+    return block_numel(header.shape) * ITEMSIZES[header.dtype]
 
 
 def header_codec(header: BlockHeader) -> Codec:
@@ -98,7 +109,7 @@ def check_decode_cost(header: BlockHeader, bound: int | None) -> None:
     cost = decode_cost_bytes(header)
     if cost > bound:
         raise BlockTooLargeError(
-            f"block {header.key.hex()} of declared shape {list(header.shape)} {DTYPE_NAMES[header.dtype]} "
+            f"block {header.key.hex()} of declared shape {describe_shape(header.shape)} {DTYPE_NAMES[header.dtype]} "
             f"({header.codec}) needs up to {cost} bytes to decode ({decoded_nbytes(header)} decoded): more than the "
             f"limit of {bound} bytes")
 
@@ -112,13 +123,16 @@ def encode_block(block: KVBlock, key: bytes, codec_name: str = "raw", codec_para
                        fingerprint=block.fingerprint, namespace=block.namespace, key=key, extra=block.extra,
                        error=ConfigError)  # what every reader would refuse is never written
     codec = get_codec(codec_name, codec_params)
+    shape = block_shape(block.keys.shape, block.values.shape)
     parts = codec.encode_at(block.keys, block.values, block.start_pos)
     payload_len = sum(len(p) for p in parts)
+    check_payload_len(codec.name, codec.params(), shape, block.dtype, payload_len, ConfigError)  # never acknowledge
+    fields: dict[str, Any] = {"codec": codec.name, "params": codec.params(), "shape": list(shape)}
+    if not shape.same_dims:  # absent: the keys' head dim (every block written before MLA support reads as before)
+        fields["value_head_dim"] = shape.value_head_dim
     header = json.dumps(
         {
-            "codec": codec.name,
-            "params": codec.params(),
-            "shape": list(block.keys.shape),
+            **fields,
             "dtype": DTYPE_NAMES[block.dtype],
             "payload_len": payload_len,
             "start_pos": block.start_pos,
@@ -140,6 +154,19 @@ def encode_block(block: KVBlock, key: bytes, codec_name: str = "raw", codec_para
     return b"".join([prefix, header, *parts, hasher.digest()])
 
 
+def check_payload_len(codec: str, params: dict[str, Any], shape: BlockShape, dtype: torch.dtype, payload_len: int,
+                      error: type[Exception]) -> None:
+    """``error`` naming the declared shape (keys' and values') and the payload size when ``payload_len`` is outside
+    what ``codec`` with ``params`` takes for a block of ``shape`` (``Codec.payload_bounds``; unchecked when the
+    codec cannot state them). ``encode_block`` checks every block it writes (``ConfigError``), so no store
+    acknowledges a block that every reader would then drop as damaged (``CorruptBlockError``)."""
+    bounds = payload_len_bounds(codec, params, shape, ITEMSIZES[dtype])
+    if bounds is not None and not (bounds[0] <= payload_len and (bounds[1] is None or payload_len <= bounds[1])):
+        expected = f"{bounds[0]}" if bounds[0] == bounds[1] else f"{bounds[0]}..{bounds[1] or ''}"
+        raise error(f"{codec} payload is {payload_len} bytes, a block of shape {describe_shape(shape)} "
+                    f"{DTYPE_NAMES[dtype]} takes {expected}")
+
+
 def _parse_header(data: memoryview) -> tuple[BlockHeader, int]:
     if len(data) < _PREFIX.size + _CHECKSUM_BYTES:
         raise CorruptBlockError(f"encoded block truncated: {len(data)} bytes")
@@ -158,10 +185,15 @@ def _parse_header(data: memoryview) -> tuple[BlockHeader, int]:
     try:
         raw = json.loads(text)
         shape = tuple(int(x) for x in raw["shape"])
+        if len(shape) != 4:
+            raise ValueError(f"shape {list(shape)} is not [layers, kv_heads, tokens, head_dim]")
+        vdim = raw.get("value_head_dim")
+        if vdim is not None and (isinstance(vdim, bool) or not isinstance(vdim, int)):
+            raise ValueError(f"value_head_dim {vdim!r} is not an integer")
         header = BlockHeader(
             codec=str(raw["codec"]),
             params=dict(raw["params"]),
-            shape=shape,  # type: ignore[arg-type]
+            shape=BlockShape(shape, vdim),
             dtype=DTYPES[raw["dtype"]],
             payload_len=int(raw["payload_len"]),
             start_pos=int(raw["start_pos"]),
@@ -175,7 +207,8 @@ def _parse_header(data: memoryview) -> tuple[BlockHeader, int]:
         raise CorruptBlockError("unreadable block header: nested too deeply") from exc
     except Exception as exc:  # noqa: BLE001 - whatever the bytes hold, a bad header is a damaged block
         raise CorruptBlockError(f"unreadable block header: {type(exc).__name__}: {exc}"[:500]) from exc
-    check_block_fields(codec=header.codec, shapes=[header.shape, header.shape], itemsize=ITEMSIZES[header.dtype],
+    check_block_fields(codec=header.codec, shapes=[tuple(header.shape), value_shape(header.shape)],
+                       itemsize=ITEMSIZES[header.dtype],
                        start_pos=header.start_pos, token_ids=header.token_ids, fingerprint=header.fingerprint,
                        namespace=header.namespace, key=header.key, extra=header.extra, error=CorruptBlockError)
     return header, _PREFIX.size + header_len
@@ -207,12 +240,7 @@ def verify_block(
         raise CorruptBlockError(f"payload is {body_end - payload_start} bytes, header says {header.payload_len}")
     if len(header.token_ids) != header.shape[2]:
         raise CorruptBlockError(f"{len(header.token_ids)} token ids for {header.shape[2]} tokens")
-    bounds = payload_len_bounds(header.codec, header.params, header.shape, ITEMSIZES[header.dtype])
-    if bounds is not None and not (bounds[0] <= header.payload_len and (bounds[1] is None
-                                                                        or header.payload_len <= bounds[1])):
-        expected = f"{bounds[0]}" if bounds[0] == bounds[1] else f"{bounds[0]}..{bounds[1] or ''}"
-        raise CorruptBlockError(f"{header.codec} payload is {header.payload_len} bytes, a block of shape "
-                                f"{list(header.shape)} {DTYPE_NAMES[header.dtype]} takes {expected}")
+    check_payload_len(header.codec, header.params, header.shape, header.dtype, header.payload_len, CorruptBlockError)
     if expected_key is not None and header.key != expected_key:
         raise ForeignBlockError(f"block was stored under key {header.key.hex()}, not {expected_key.hex()}")
     if expected_fingerprint is not None and header.fingerprint != expected_fingerprint:

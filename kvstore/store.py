@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Self, TypeVar
 
 from kvshelf.kvstore.block import KVBlock, PreparedBlock
-from kvshelf.kvstore.codec import get_codec, payload_len_bounds
+from kvshelf.kvstore.codec import describe_shape, get_codec, payload_len_bounds
 from kvshelf.kvstore.encoding import (
     ITEMSIZES,
     BlockHeader,
@@ -143,8 +143,8 @@ def _check_decoded_size(header: BlockHeader, key: bytes, bound: int) -> None:
     need = decode_cost_bytes(header)
     if need > bound:
         raise BlockTooLargeError(
-            f"block {header_key(key).hex()} of declared shape {list(header.shape)} needs up to {need} bytes to "
-            f"decode ({decoded_nbytes(header)} decoded), more than the limit of {bound} bytes for a block "
+            f"block {header_key(key).hex()} of declared shape {describe_shape(header.shape)} needs up to {need} "
+            f"bytes to decode ({decoded_nbytes(header)} decoded), more than the limit of {bound} bytes for a block "
             f"re-encoded into another codec")
 
 

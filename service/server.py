@@ -32,7 +32,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvshelf.kvstore.codec import get_codec
+from kvshelf.kvstore.codec import describe_shape, get_codec
 from kvshelf.kvstore.encoding import DTYPE_NAMES, BlockHeader, decode_cost_bytes, verify_block
 from kvshelf.kvstore.errors import (
     ConfigError,
@@ -560,7 +560,7 @@ class KVShelfServicer:
         why = (f"(up to {stored} stored) to be re-encoded from {header.codec} for tier(s) "
                f"{', '.join(s.tier.name for s in reencoding)}" if reencoding else f"from {header.codec} once fetched")
         fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
-              f"block {tier_key[SCOPE_BYTES:].hex()} of declared shape {list(header.shape)} "
+              f"block {tier_key[SCOPE_BYTES:].hex()} of declared shape {describe_shape(header.shape)} "
               f"{DTYPE_NAMES[header.dtype]} decodes to {decoded} bytes {why}: over the max block size of {limit} bytes")
 
     def _verify(self, namespace: str, key: bytes, value: bytes) -> BlockHeader:
