@@ -91,7 +91,12 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 def load_model(
     name_or_path: str = "smollm2-135m", dtype: str | torch.dtype = "float32", device: str = "cpu"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load ``(model, tokenizer)`` in eval mode: a bundled name, a local directory, or a HF id in the local cache."""
+    """Load ``(model, tokenizer)`` in eval mode: a bundled name, a shaped random-weight model (``NAME-shaped[:N]``,
+    ``adapters.shaped``: for timing), a local directory, or a HF id in the local cache."""
+    from kvshelf.adapters.shaped import is_shaped, load_shaped
+
+    if is_shaped(name_or_path):
+        return load_shaped(name_or_path, resolve_dtype(dtype), device)
     path = str(convert_bundled(name_or_path)) if name_or_path in BUNDLED_MODELS else name_or_path
     local = Path(path).is_dir()
     try:
