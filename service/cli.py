@@ -474,6 +474,24 @@ def bench_codecs(
         model_name=model, anchors=anchors, only=only, console=console)
 
 
+@bench_app.command("mla")
+def bench_mla(
+    json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+    shape: Annotated[str, typer.Option(help="a shaped MLA model (adapters.shaped)")] = "deepseek-v3-shaped",
+    tokens: Annotated[int, typer.Option(min=1, max=65536, help="tokens in the block")] = 256,
+    codecs: Annotated[str, typer.Option(help="comma-separated codecs")] = "raw,fp16,bf16,zstd,int8",
+    dtype: Annotated[str, typer.Option(help="the block's dtype")] = "bfloat16",
+) -> None:
+    """Bytes of an MLA block (the latent transformers caches) against the expanded keys and values it stands for."""
+    from kvshelf.bench.mla import run
+
+    chosen = tuple(c.strip() for c in codecs.split(",") if c.strip())
+    if not chosen:
+        raise KVShelfError("--codecs names no codec")
+    run(json_path=str(json_path) if json_path else None, shape=shape, tokens=tokens, codecs=chosen, dtype=dtype,
+        console=console)
+
+
 @bench_app.command("lmdb")
 def bench_lmdb(
     json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
