@@ -88,7 +88,7 @@ class TokenSelect:
 
     def decode(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scaling: float, softcap: float | None = None) -> torch.Tensor:
-        """One query ``[b, h_q, 1, d]`` over its selection: returns ``[b, 1, h_q, d]``."""
+        """One query ``[b, h_q, 1, d]`` over its selection: returns ``[b, 1, h_q, d_v]`` (``value``'s head dim)."""
         n = key.shape[2]
         k = self.keep(n)
         state = self.layers.setdefault(int(module.layer_idx), _LayerState())
@@ -116,8 +116,8 @@ class TokenSelect:
         b, h_q, _, d = query.shape
         qg = query.view(b, h_q // g, g, d)
         weights = torch.softmax(_logits(qg, ks, scaling, softcap), dim=-1)
-        out = (weights @ vs.float()).to(query.dtype)  # [b, h_kv, g, d]
-        return out.reshape(b, h_q, 1, d).transpose(1, 2)
+        out = (weights @ vs.float()).to(query.dtype)  # [b, h_kv, g, d_v] (MLA: values' head dim differs from d)
+        return out.reshape(b, h_q, 1, vs.shape[-1]).transpose(1, 2)
 
     def chunk(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               scaling: float, softcap: float | None = None) -> torch.Tensor:

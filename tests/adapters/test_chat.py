@@ -169,10 +169,11 @@ def test_bad_inputs_are_clear_errors(model):
     assert chat.messages == []
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2-window", "gemma2", "gemma3", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2-window", "gemma2", "gemma3", "gpt2", "deepseek-v2",
+                                    "deepseek-v3", "minicpm3"])
 def test_turns_on_other_families(family):
     """Sliding-window and hybrid layers keep the generated tokens' KV too (stored from a cache whose sliding layers
-    kept every token); turns longer than the window."""
+    kept every token); turns longer than the window. MLA families: keys and values of different head dims."""
     model = family_model(family, attn=attn_implementations(family)[0])
     chat = Conversation(_generator(model), system=_words(20, seed=0))
     for n in range(3):

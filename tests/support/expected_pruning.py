@@ -11,7 +11,9 @@ layers are never pruned (their cache is bounded by the window already): hybrid m
 entered, before any work:
 
 * Mistral with its ``sliding_window``: every layer is sliding-window, nothing a method may prune;
-* TokenSelect on Falcon: its attention does not call transformers' attention interface, where TokenSelect runs.
+* TokenSelect on Falcon: its attention does not call transformers' attention interface, where TokenSelect runs;
+* SnapKV on MLA decoders (DeepSeek-V2/V3, MiniCPM3): it recomputes the window's queries, which an MLA layer makes
+  through its low-rank projections and a rotated slice of the head.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ METHODS = ("streamingllm", "h2o", "keyformer", "snapkv", "keynorm", "tokenselect
 REFUSED: dict[tuple[str, str], str] = {
     **{("mistral", method): "every attention layer is sliding-window" for method in METHODS},
     ("falcon", "tokenselect"): "attention outside transformers' attention interface",
+    **{(family, "snapkv"): "multi-head latent attention (MLA)"
+       for family in ("deepseek-v2", "deepseek-v3", "minicpm3")},
 }
 
 EXPECTED: dict[tuple[str, str], str] = {

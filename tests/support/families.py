@@ -27,6 +27,11 @@ _BASE: dict[str, Any] = {
 }
 
 
+#: what makes a config MLA, kept tiny: a q and a kv LoRA rank, keys of nope + rope dims, values of another dim
+_MLA: dict[str, Any] = {"q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+                        "v_head_dim": 16}
+
+
 def _rope(theta: float = 10000.0, **extra: Any) -> dict[str, Any]:
     return {"rope_parameters": {"rope_type": "default", "rope_theta": theta, **extra}}
 
@@ -79,7 +84,19 @@ CONFIGS: dict[str, Callable[[], tf.PretrainedConfig]] = {
     "falcon": lambda: tf.FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                       num_kv_heads=2, new_decoder_architecture=True, max_position_embeddings=4096,
                                       pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # MLA (multi-head latent attention): keys are qk_nope_head_dim + qk_rope_head_dim = 24 wide, values
+    # v_head_dim = 16 (a block's K and V differ in head dim); low-rank q and kv projections, a small MoE
+    "deepseek-v2": lambda: tf.DeepseekV2Config(**{**_BASE, "num_key_value_heads": 4}, **_MLA, n_routed_experts=4,
+                                               num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
+                                               first_k_dense_replace=1, n_group=1, topk_group=1),
+    "deepseek-v3": lambda: tf.DeepseekV3Config(**{**_BASE, "num_key_value_heads": 4}, **_MLA, n_routed_experts=4,
+                                               num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
+                                               first_k_dense_replace=1, n_group=1, topk_group=1),
+    "minicpm3": lambda: tf.MiniCPM3Config(**{**_BASE, "num_key_value_heads": 4}, **_MLA,
+                                          dim_model_base=16),  # logits scaled down (hidden / 16) as in the real one
 }
+#: MLA families (keys and values of different head dims)
+MLA = frozenset({"deepseek-v2", "deepseek-v3", "minicpm3"})
 #: families with sliding-window layers (all or some)
 WINDOWED = frozenset({"qwen2-window", "mistral", "gemma2", "gemma3"})
 #: families whose HF class has no sdpa attention (the suite runs them with eager only)
