@@ -48,9 +48,9 @@ def check_supported(config: PretrainedConfig, feature: str = "KV reuse", *, slid
         allowed |= state_types.STATE_LAYER_TYPES | {"dummy"}
     elif set(types) & state_types.STATE_LAYER_TYPES:
         raise UnsupportedModelError(
-            f"{refuse}: its {state_types.state_layer_types(config)} layers keep a recurrent state, which this path "
-            "cannot reproduce exactly (only prefix reuse restores recurrent state, from snapshots at block "
-            "boundaries)")
+            f"{refuse}: it has attention layers of types {state_types.state_layer_types(config)} that keep a "
+            "recurrent state, which this path cannot reproduce exactly (only prefix reuse restores recurrent state, "
+            "from snapshots at block boundaries)")
     other = sorted(set(types) - allowed)
     if other == [hf.SLIDING_ATTENTION]:
         raise UnsupportedModelError(

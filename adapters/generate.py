@@ -47,7 +47,8 @@ from typing import Any, overload
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from kvshelf.adapters import hf
+from kvshelf.adapters import hf, hybrid
+from kvshelf.adapters import states as state_types
 from kvshelf.adapters.cache_bridge import blocks_from_cache, cache_from_prepared, check_supported
 from kvshelf.adapters.fingerprint import model_fingerprint, other_dtype_fingerprints
 from kvshelf.adapters.hf import BaseStreamer
@@ -114,6 +115,10 @@ class CachedGenerator(Closable):
         write_behind: store new blocks from a writer thread (default); ``False``: every call stores before it
             returns.
         max_pending_blocks: the write-behind queue's bound (``submit`` waits beyond it: backpressure).
+        snapshot_every: hybrid models (recurrent-state layers: ``adapters.hybrid``): snapshot the state at every
+            N-th block boundary (default 4; 0: only at the end of ``cacheable_prefix`` and of a chat turn).
+        snapshot_codec: the codec state snapshots are written in: ``raw`` (default, exact) or ``zstd``;
+            ``fp16`` / ``bf16`` opt in to rounding the state.
 
     A generator is a context manager; ``close()`` flushes the pending writes, after which every call raises
     ``ConfigError``. It may be shared by threads.
@@ -129,10 +134,21 @@ class CachedGenerator(Closable):
         block_size: int = DEFAULT_BLOCK_SIZE,
         write_behind: bool = True,
         max_pending_blocks: int = DEFAULT_MAX_PENDING_BLOCKS,
+        snapshot_every: int = hybrid.DEFAULT_SNAPSHOT_EVERY,
+        snapshot_codec: str = "raw",
     ) -> None:
         if block_size <= 0:
             raise ConfigError(f"block_size must be > 0, got {block_size}")
-        check_supported(model.config, "prefix reuse", sliding_window=True)
+        check_supported(model.config, "prefix reuse", sliding_window=True, states=True)
+        hybrid.check_settings(snapshot_every, snapshot_codec)
+        self._states = state_types.has_state_layers(model.config)  # recurrent-state layers: adapters.hybrid
+        self.snapshot_every, self.snapshot_codec = snapshot_every, snapshot_codec
+        #: hybrid models: snapshots taken, stored, loaded (hits), rejected (damaged, foreign, lossy or mismatched: a
+        #: miss, never a state); fallbacks: loads that reused less than the cached blocks (no snapshot at the
+        #: deepest usable boundary: a shallower one, or none)
+        self.snapshot_stats = hybrid.new_stats()
+        self.snapshot_last_error: str | None = None
+        self._state_layout: dict[str, tuple] = {}
         self._sliding = hf.SLIDING_ATTENTION in hf.attention_layer_types(model.config)
         self.model = model
         self.tokenizer = tokenizer
@@ -213,6 +229,8 @@ class CachedGenerator(Closable):
         if not found:
             row.missed = bool(keys)
             return row
+        if self._states:  # KV only with the state of its last boundary
+            return hybrid.load(self, row, spans, tokens, found, fingerprint)
         blocks = self.store.get_prepared_many(keys[:found], fingerprint=fingerprint, namespace=self.namespace,
                                               tokens=tokens[:found])
         usable = []
@@ -389,6 +407,11 @@ class CachedGenerator(Closable):
         fingerprint = self.fingerprint  # this call's: blocks are looked up and stored for the model as it is now
         row = self._load_prefix(ids, cacheable_prefix, fingerprint) if reuse else _Row(ids)
         cache = row.cache
+        snapshots: list = []
+        if self._states and store and self.store is not None:  # prefill up to each snapshot boundary
+            cut = hybrid.boundaries(self, ids, row.reused, cacheable_prefix, fingerprint)
+            if cut:
+                cache, snapshots = hybrid.prefill(self, row, cut)
         if self._sliding and store and self.store is not None:  # the blocks to store need every token
             cache = cache if cache is not None else hf.new_cache(self.model.config)
             hf.keep_sliding_history(cache)
@@ -409,10 +432,14 @@ class CachedGenerator(Closable):
             if store_generated:
                 entries = self._block_entries(ids + new_ids, out.past_key_values, row.loaded,
                                               len(ids) + len(new_ids), True, fingerprint)
+                if self._states:
+                    snapshots += hybrid.turn_snapshot(self, (ids + new_ids)[:-1], out.past_key_values, row.reused,
+                                                      fingerprint)
             else:
                 entries = self._block_entries(ids, out.past_key_values, row.loaded, cacheable_prefix or len(ids),
                                               cacheable_prefix is not None, fingerprint)
             stored = self._put(entries, wait)
+            hybrid.put(self, snapshots, ids + new_ids, fingerprint)
         # after the answer (TTFT does not pay for it): what a miss would have found in another dtype
         other_blocks, other_dtypes = self._other_dtype_blocks(ids, cacheable_prefix) if row.missed else (0, ())
         return GenerationResult(
@@ -466,6 +493,13 @@ class CachedGenerator(Closable):
     def _generate_batch(self, rows_ids: list[list[int]], *, max_new_tokens: int, reuse: bool, store: bool,
                         wait: bool, timer: FirstTokenTimer, started: float,
                         generate_kwargs: dict[str, Any]) -> list[GenerationResult]:
+        if self._states:  # a state is per row: each row runs as one prompt (exact), one after the other
+            if timer.inner is not None:
+                raise ConfigError("streaming a batch is not supported for a model with recurrent-state layers "
+                                  f"({state_types.state_layer_types(self.model.config)}); stream one prompt")
+            return [self._generate_one(ids, max_new_tokens=max_new_tokens, reuse=reuse, store=store, wait=wait,
+                                       cacheable_prefix=None, store_generated=False, timer=FirstTokenTimer(None),
+                                       started=started, generate_kwargs=generate_kwargs) for ids in rows_ids]
         fingerprint = self.fingerprint
         rows = [self._load_prefix(ids, None, fingerprint) if reuse else _Row(ids) for ids in rows_ids]
         for row in rows:

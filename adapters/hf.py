@@ -62,7 +62,8 @@ __all__ = [
     "quantized_cache", "register_attention", "rotary", "run_decoder_layer",
     "sdpa_attention_forward", "set_cache_layer", "supports_sdpa", "switch_attention",
     "FULL_ATTENTION", "SLIDING_ATTENTION", "attention_layer_types", "bridge_layers", "is_sliding_layer",
-    "keep_sliding_history", "layer_start", "records_sliding_history",
+    "keep_sliding_history", "layer_start", "records_sliding_history", "state_layers", "is_state_only_layer",
+    "layer_states", "set_layer_state",
     "absolute_position_problem", "attention_head_dim", "attention_queries", "attention_scaling", "attention_softcap",
     "can_switch_attention", "eager_attention_function", "query_path", "self_attention_modules",
     "uses_attention_interface",
@@ -354,12 +355,72 @@ def keep_sliding_history(cache: Any) -> None:
 
 def bridge_layers(cache: Any) -> list[DynamicLayer]:
     """``cache_layers``, refused (``UnsupportedModelError``) unless each is a ``DynamicLayer``: full attention or a
-    sliding window (``DynamicSlidingWindowLayer``; ``layer_start`` says which tokens it still holds)."""
-    layers = cache_layers(cache)
+    sliding window (``DynamicSlidingWindowLayer``; ``layer_start`` says which tokens it still holds). Layers without
+    per-token KV (a hybrid model's recurrent-state layers, ``state_layers``, and its layers without a cache) are
+    left out: blocks hold the attention layers only."""
+    layers = [layer for layer in cache_layers(cache) if not is_state_only_layer(layer)]
     for layer in layers:
         if not isinstance(layer, DynamicLayer):
             raise UnsupportedModelError(f"cannot bridge cache layer type {type(layer).__name__}")
     return layers
+
+
+def _state_classes() -> tuple[type, ...]:
+    from transformers import cache_utils
+
+    return tuple(getattr(cache_utils, name) for name in ("LinearAttentionCacheLayerMixin",)
+                 if hasattr(cache_utils, name))
+
+
+def _dummy_classes() -> tuple[type, ...]:
+    from transformers import cache_utils
+
+    return tuple(getattr(cache_utils, name) for name in ("DummyLayer",) if hasattr(cache_utils, name))
+
+
+def state_layers(cache: Any) -> list[tuple[int, Any]]:
+    """``(index, layer)`` of the cache layers holding a recurrent state (transformers' linear-attention cache
+    layers: ``conv_states`` / ``recurrent_states`` per state index), hybrid attention+state layers included."""
+    classes = _state_classes()
+    return [(i, layer) for i, layer in enumerate(cache_layers(cache)) if classes and isinstance(layer, classes)]
+
+
+def layer_states(layer: Any) -> list[tuple[str, int, torch.Tensor]]:
+    """A state layer's initialized states: ``(kind, state index, tensor)``, kind ``"conv"`` (``[b, channels,
+    kernel]``) or ``"recurrent"`` (``[b, heads, ...]``), conv first, by state index. Raises
+    ``UnsupportedModelError`` while the layer records past conv states (speculative rollback: not a state)."""
+    if getattr(layer, "record_past", False):
+        raise UnsupportedModelError("a state layer that records its past conv states cannot be snapshotted")
+    out = []
+    for index in range(int(layer.number_of_states)):
+        if layer.is_conv_states_initialized.get(index) and layer.conv_states[index] is not None:
+            out.append(("conv", index, layer.conv_states[index]))
+        if layer.is_recurrent_states_initialized.get(index) and layer.recurrent_states[index] is not None:
+            out.append(("recurrent", index, layer.recurrent_states[index]))
+    return out
+
+
+def set_layer_state(layer: Any, kind: str, index: int, tensor: torch.Tensor) -> None:
+    """Make ``tensor`` (owned by the layer from now on) state ``index`` of kind ``kind`` of an empty state layer,
+    as a prefill that ended there leaves it (``has_previous_state``: the next forward continues it)."""
+    if kind == "conv":
+        layer.conv_states[index] = tensor
+        layer.conv_kernel_size[index] = int(tensor.shape[-1])
+        layer.is_conv_states_initialized[index] = True
+    else:
+        layer.recurrent_states[index] = tensor
+        layer.is_recurrent_states_initialized[index] = True
+    layer.has_previous_state[index] = True
+    if layer.device is None:
+        layer.device, layer.dtype = tensor.device, tensor.dtype
+
+
+def is_state_only_layer(layer: Any) -> bool:
+    """A cache layer without per-token KV: a pure recurrent-state layer, or a layer that caches nothing."""
+    classes, dummies = _state_classes(), _dummy_classes()
+    if dummies and isinstance(layer, dummies):
+        return True
+    return bool(classes) and isinstance(layer, classes) and not isinstance(layer, DynamicLayer)
 
 
 def layer_start(layer: Any) -> int:
@@ -380,9 +441,10 @@ def layer_tensors(layer: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 
 def cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every layer's ``(keys, values)`` ``[b, h, n, d]``; ``UnsupportedModelError`` if a layer is still empty."""
+    """Every KV layer's (``bridge_layers``) ``(keys, values)`` ``[b, h, n, d]``; ``UnsupportedModelError`` if a
+    layer is still empty."""
     out = []
-    for index, layer in enumerate(cache_layers(cache)):
+    for index, layer in enumerate(bridge_layers(cache)):
         tensors = layer_tensors(layer)
         if tensors is None:
             raise UnsupportedModelError(f"cache layer {index} holds no keys and values yet")

@@ -83,6 +83,15 @@ def chunk_key(fingerprint: str, namespace: str, tokens: Sequence[int]) -> bytes:
     return _digest(b"chunk", fingerprint.encode(), namespace.encode(), _tokens_bytes(tokens))
 
 
+def state_key(boundary_key: bytes) -> bytes:
+    """Key of the recurrent-state snapshot taken at a prefix block boundary: ``H("state", key)`` of the chained key
+    of the block that ends there (``kvstore.snapshot``). It names the same prefix, model and namespace as the
+    block's key, and never collides with a block key."""
+    if not isinstance(boundary_key, bytes) or len(boundary_key) != KEY_BYTES:
+        raise ConfigError(f"a state key derives from a {KEY_BYTES}-byte block key")
+    return _digest(b"state", boundary_key)
+
+
 #: the ``KVBlock.extra`` entry naming a prefix block's parent key (hex) in its chain: set by the generate adapter,
 #: passed on by the service in the block's BlockStored events (``service/events.py``)
 PARENT_EXTRA = "parent"

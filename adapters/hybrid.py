@@ -1,0 +1,177 @@
+"""Prefix reuse for hybrid models: KV blocks of the attention layers plus state snapshots at block boundaries.
+
+``CachedGenerator`` calls these for a model with recurrent-state layers (``states.has_state_layers``):
+
+- **Load** (``load``): of the cached full blocks (``lookup_prefix``), the deepest boundary that ends at most at
+  the prompt's last-but-one token and has a valid snapshot is loaded: its blocks into the attention layers, its
+  snapshot into the state layers. A state cannot be cut back, so the reused length is always a boundary. A
+  boundary whose snapshot is missing (evicted), damaged, foreign (another model, dtype or namespace: the record's
+  header), stored in a lossy codec not chosen, or whose layout does not match the model is skipped (counted in
+  ``CachedGenerator.snapshot_stats``), and the next shallower one is tried; none: everything is prefilled. KV is
+  never loaded without its state.
+- **Store** (``prefill``, ``turn_snapshot``): snapshots are taken where the boundary's state exists during the
+  call: the prompt is prefilled in segments ending at the chosen boundaries (every ``snapshot_every`` -th block
+  boundary, and the end of ``cacheable_prefix``), each followed by a copy of the state; ``model.generate`` then
+  prefills the rest. With ``store_generated`` the cache after generating holds exactly the stored sequence, so
+  the end of the chat turn gets its snapshot too. A boundary at the prompt's very end (without
+  ``store_generated``) has no snapshot: its state only exists inside ``generate``'s prefill.
+
+Segment-wise prefill equals one prefill within fp32 summation order on the families of ``states.STATE_FAMILIES``
+(their kernels continue from a cached conv and recurrent state).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvshelf.adapters import hf
+from kvshelf.adapters import states as st
+from kvshelf.adapters.cache_bridge import cache_from_prepared
+from kvshelf.kvstore.encoding import decode_block, encode_block, read_header
+from kvshelf.kvstore.errors import ConfigError, KVShelfError
+from kvshelf.kvstore.keys import BlockSpan, prefix_block_spans, state_key
+from kvshelf.kvstore.snapshot import StateSnapshot, pack, unpack
+
+if TYPE_CHECKING:
+    from kvshelf.adapters.generate import CachedGenerator, _Row
+
+#: default: a snapshot every 4th block boundary (plus the end of ``cacheable_prefix`` and of each chat turn)
+DEFAULT_SNAPSHOT_EVERY = 4
+#: codecs a snapshot may be written in (``raw`` exact; ``fp16`` / ``bf16`` opt in to rounding the state)
+SNAPSHOT_CODECS = ("raw", "zstd", "fp16", "bf16")
+
+
+def check_settings(snapshot_every: int, snapshot_codec: str) -> None:
+    if isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int) or snapshot_every < 0:
+        raise ConfigError(f"snapshot_every must be an int >= 0 (0: only at cacheable_prefix and turn ends), got "
+                          f"{snapshot_every!r}")
+    if snapshot_codec not in SNAPSHOT_CODECS:
+        raise ConfigError(f"snapshot_codec must be one of {list(SNAPSHOT_CODECS)}, got {snapshot_codec!r}")
+
+
+def new_stats() -> Counter:
+    return Counter({"taken": 0, "stored": 0, "hits": 0, "fallbacks": 0, "rejected": 0})
+
+
+def _expected_layout(gen: CachedGenerator, fingerprint: str) -> tuple:
+    """The snapshot layout this model produces (one token through a fresh cache, once per fingerprint)."""
+    memo = gen._state_layout
+    if fingerprint not in memo:
+        cache = hf.new_cache(gen.model.config)
+        with torch.inference_mode():
+            gen.model(input_ids=torch.tensor([[0]], device=gen.model.device), past_key_values=cache, use_cache=True)
+        memo[fingerprint] = st.capture(cache, 1).layout()
+    return memo[fingerprint]
+
+
+def _snapshot(gen: CachedGenerator, span: BlockSpan, last_token: int, fingerprint: str) -> StateSnapshot | None:
+    """The valid snapshot of boundary ``span`` (counted get), or ``None`` (counted in ``snapshot_stats``)."""
+    key = state_key(span.key)
+    try:
+        (value,) = gen.store.get_encoded_many([key], fingerprint=fingerprint, namespace=gen.namespace)
+        if value is None:  # held a moment ago: dropped since (damaged, or evicted)
+            raise KVShelfError("it is no longer readable")
+        header = read_header(value)
+        if header.codec not in st.LOSSLESS_CODECS | {gen.snapshot_codec}:
+            raise KVShelfError(f"stored in codec {header.codec!r}, lossy for a state")
+        block = decode_block(value, expected_key=key, expected_fingerprint=fingerprint,
+                             expected_namespace=gen.namespace)
+        snapshot = unpack(block)
+        if snapshot.tokens != span.end or block.token_ids != (last_token,):
+            raise KVShelfError(f"taken after token {snapshot.tokens}, not at the boundary {span.end}")
+        if snapshot.layout() != _expected_layout(gen, fingerprint):
+            raise KVShelfError("its state shapes or dtypes do not match the model's")
+    except KVShelfError as exc:
+        gen.snapshot_stats["rejected"] += 1
+        gen.snapshot_last_error = f"snapshot at token {span.end}: {type(exc).__name__}: {exc}"
+        return None
+    return snapshot
+
+
+def load(gen: CachedGenerator, row: _Row, spans: list[BlockSpan], tokens: list[int], found: int,
+         fingerprint: str) -> _Row:
+    """``row`` with the deepest cached boundary (blocks and snapshot) loaded, or nothing (module docstring)."""
+    limit = len(row.ids) - 1
+    depths = [depth for depth in range(found, 0, -1) if spans[depth - 1].end <= limit]
+    held = gen.store.held([state_key(spans[d - 1].key) for d in depths], namespace=gen.namespace) if depths else []
+    for rank, (depth, present) in enumerate(zip(depths, held, strict=True)):
+        if not present:  # never taken at this boundary, or evicted
+            continue
+        span = spans[depth - 1]
+        snapshot = _snapshot(gen, span, row.ids[span.end - 1], fingerprint)
+        if snapshot is None:
+            continue
+        keys = [s.key for s in spans[:depth]]
+        blocks = gen.store.get_prepared_many(keys, fingerprint=fingerprint, namespace=gen.namespace,
+                                             tokens=tokens[:depth])
+        if any(block is None for block in blocks):  # a block vanished: only a shallower boundary can serve
+            continue
+        cache = cache_from_prepared(blocks, gen.model.config, device=gen.model.device, dtype=gen.model.dtype)
+        st.restore(cache, snapshot, device=gen.model.device)
+        gen.snapshot_stats["hits"] += 1
+        gen.snapshot_stats["fallbacks"] += rank > 0
+        row.loaded = row.reused = span.end
+        row.cache = cache
+        return row
+    gen.snapshot_stats["fallbacks"] += bool(depths)
+    return row
+
+
+def boundaries(gen: CachedGenerator, ids: list[int], reused: int, cacheable_prefix: int | None,
+               fingerprint: str) -> list[BlockSpan]:
+    """The stored spans of the prompt whose end gets a snapshot during prefill: past ``reused``, before the
+    prompt's last token, every ``snapshot_every`` -th boundary and the end of ``cacheable_prefix``."""
+    partial = cacheable_prefix is not None
+    spans = prefix_block_spans(fingerprint, gen.namespace, ids[: cacheable_prefix or len(ids)], gen.block_size,
+                               partial=partial)
+    every = gen.snapshot_every
+    chosen = []
+    for i, span in enumerate(spans):
+        if not reused < span.end < len(ids):
+            continue
+        if (every and (i + 1) % every == 0) or (partial and i == len(spans) - 1):
+            chosen.append(span)
+    return chosen
+
+
+def prefill(gen: CachedGenerator, row: _Row, cut: list[BlockSpan]) -> tuple[Any, list[tuple[BlockSpan, Any]]]:
+    """Prefill ``row.ids`` segment by segment up to each boundary of ``cut``, snapshotting the state after each:
+    the cache (holding the last boundary's tokens) and ``(span, snapshot)`` s."""
+    cache = row.cache if row.cache is not None else hf.new_cache(gen.model.config)
+    start, taken = row.reused, []
+    for span in cut:
+        segment = torch.tensor([row.ids[start:span.end]], device=gen.model.device)
+        gen.model(input_ids=segment, past_key_values=cache, use_cache=True)
+        taken.append((span, st.capture(cache, span.end)))
+        start = span.end
+    gen.snapshot_stats["taken"] += len(taken)
+    return cache, taken
+
+
+def turn_snapshot(gen: CachedGenerator, seq: list[int], cache: Any, reused: int,
+                  fingerprint: str) -> list[tuple[BlockSpan, Any]]:
+    """The snapshot at the end of a chat turn: ``cache`` after ``generate`` holds ``seq`` (prompt and generated
+    tokens but the last) exactly; its last (partial) stored block's boundary gets the state."""
+    held = cache.get_seq_length()
+    if held != len(seq) or held <= reused:
+        return []
+    span = prefix_block_spans(fingerprint, gen.namespace, seq, gen.block_size, partial=True)[-1]
+    gen.snapshot_stats["taken"] += 1
+    return [(span, st.capture(cache, held))]
+
+
+def put(gen: CachedGenerator, taken: list[tuple[BlockSpan, Any]], ids: list[int], fingerprint: str) -> int:
+    """Store snapshots (now, in ``gen.snapshot_codec``): the count stored."""
+    if not taken or gen.store is None:
+        return 0
+    items = []
+    for span, snapshot in taken:
+        record = pack(snapshot, last_token=ids[span.end - 1], fingerprint=fingerprint, namespace=gen.namespace)
+        key = state_key(span.key)
+        items.append((key, encode_block(record, key, gen.snapshot_codec)))
+    stored = int(gen.store.put_encoded_many(items))
+    gen.snapshot_stats["stored"] += stored
+    return stored

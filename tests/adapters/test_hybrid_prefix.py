@@ -1,0 +1,216 @@
+"""Hybrid models (attention + recurrent-state layers) on prefix reuse: KV blocks plus state snapshots at block
+boundaries (``adapters.hybrid``), exact against plain ``model.generate`` (same greedy tokens, fp32 logits within
+1e-4) on block-aligned reuse, ``cacheable_prefix``, chat turns, batches and HF export; evicted, damaged, foreign
+and mismatched snapshots are counted misses (fall back to a shallower boundary, or prefill), never wrong output;
+paths that cannot be exact on state layers refuse, naming the layer type."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hybrid_families import EXACT_HYBRIDS, HYBRID_CONFIGS, hybrid_model
+
+from kvshelf.adapters import hf
+from kvshelf.adapters import states as st
+from kvshelf.adapters.cache_bridge import check_supported
+from kvshelf.adapters.export import cached_prefix
+from kvshelf.adapters.fingerprint import model_fingerprint
+from kvshelf.adapters.generate import CachedGenerator
+from kvshelf.adapters.reuse_engine import check_engine
+from kvshelf.kvstore import MemoryTier, TieredStore
+from kvshelf.kvstore.encoding import encode_block
+from kvshelf.kvstore.errors import ConfigError, UnsupportedModelError
+from kvshelf.kvstore.keys import prefix_block_spans, state_key
+from kvshelf.kvstore.snapshot import StateEntry, StateSnapshot, pack
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+BLOCK = 16
+NEW = 4
+_MODELS: dict[str, torch.nn.Module] = {}
+
+
+def _model(name: str) -> torch.nn.Module:
+    if name not in _MODELS:
+        _MODELS[name] = hybrid_model(name)
+    return _MODELS[name]
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+IDS = _tokens(120, seed=1)
+
+
+def _plain(model, ids: list[int]) -> tuple[list[int], tuple[torch.Tensor, ...]]:
+    t = torch.tensor([ids])
+    with torch.inference_mode():
+        out = model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=NEW, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, len(ids):].tolist(), out.logits
+
+
+def _check(model, result, ids: list[int]) -> None:
+    tokens, logits = _plain(model, ids)
+    assert result.new_ids == tokens
+    assert max(float((a - b).abs().max()) for a, b in zip(result.logits, logits, strict=True)) <= 1e-4
+
+
+def _gen(model, store=None, **kw) -> CachedGenerator:
+    store = store if store is not None else TieredStore([MemoryTier(64 << 20)])
+    kw.setdefault("snapshot_every", 2)
+    return CachedGenerator(model, None, store, block_size=BLOCK, write_behind=False, **kw)
+
+
+@pytest.mark.parametrize("family", EXACT_HYBRIDS)
+def test_block_aligned_prefix_reuse_is_exact(family: str) -> None:
+    model = _model(family)
+    gen = _gen(model)
+    reused = []
+    for n in (70, 100, 120):  # boundaries every 2 blocks: 32, 64, 96
+        result = gen.generate(IDS[:n], max_new_tokens=NEW, output_logits=True)
+        _check(model, result, IDS[:n])
+        reused.append(result.reused_tokens)
+    assert reused == [0, 64, 96]
+    assert gen.snapshot_stats["hits"] == 2 and gen.snapshot_stats["rejected"] == 0
+
+
+@pytest.mark.parametrize("family", EXACT_HYBRIDS)
+def test_cacheable_prefix_and_chat_turns_are_exact(family: str) -> None:
+    model = _model(family)
+    gen = _gen(model, snapshot_every=0)  # only at the end of cacheable_prefix and of a turn
+    context, qa, qb = IDS[:85], _tokens(7, seed=2), _tokens(9, seed=3)
+    first = gen.generate(context + qa, max_new_tokens=NEW, cacheable_prefix=85, output_logits=True)
+    assert first.reused_tokens == 0
+    second = gen.generate(context + qb, max_new_tokens=NEW, cacheable_prefix=85, output_logits=True)
+    assert second.reused_tokens == 85
+    _check(model, second, context + qb)
+    # a chat: the turn's end (prompt + answer but its last token) gets a snapshot
+    turn = gen.generate(IDS[:50], max_new_tokens=NEW, store_generated=True)
+    seq = IDS[:50] + turn.new_ids[:-1]
+    nxt = seq + turn.new_ids[-1:] + _tokens(11, seed=4)
+    result = gen.generate(nxt, max_new_tokens=NEW, cacheable_prefix=len(seq), output_logits=True)
+    assert result.reused_tokens == len(seq)
+    _check(model, result, nxt)
+
+
+def test_batch_and_export_are_exact() -> None:
+    model = _model("qwen3_next")
+    gen = _gen(model)
+    gen.generate(IDS[:100], max_new_tokens=1)
+    prompts = [IDS[:90], IDS[:110], _tokens(40, seed=9)]
+    results = gen.generate(prompts, max_new_tokens=NEW, output_logits=True)
+    assert [r.reused_tokens for r in results] == [64, 96, 0]
+    for result, ids in zip(results, prompts, strict=True):
+        _check(model, result, ids)
+    prefix = cached_prefix(model, gen.store, IDS[:115], block_size=BLOCK)
+    assert prefix.reused_tokens == 96
+    with torch.inference_mode():
+        out = model.generate(**prefix.generate_inputs(), max_new_tokens=NEW, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+    tokens, logits = _plain(model, IDS[:115])
+    assert out.sequences[0, 115:].tolist() == tokens
+    assert max(float((a - b).abs().max()) for a, b in zip(out.logits, logits, strict=True)) <= 1e-4
+
+
+def _state_keys(model, n: int) -> list[bytes]:
+    spans = prefix_block_spans(model_fingerprint(model), "default", IDS[:n], BLOCK)
+    return [state_key(s.key) for s in spans]
+
+
+def test_evicted_snapshot_falls_back_then_prefills() -> None:
+    model = _model("qwen3_next")
+    store = TieredStore([MemoryTier(64 << 20)])
+    gen = _gen(model, store)
+    gen.generate(IDS[:100], max_new_tokens=1)  # blocks 1-6, snapshots at 32, 64 and 96
+    keys = _state_keys(model, 100)
+    for evicted, reused in ((5, 64), (3, 32), (1, 0)):  # the deepest boundary's snapshot goes: its blocks stay
+        store.delete([keys[evicted]])
+        before = gen.snapshot_stats["fallbacks"]
+        result = gen.generate(IDS[:110], max_new_tokens=NEW, output_logits=True, store=False)
+        assert result.reused_tokens == reused  # 0: blocks present, no snapshot: never KV without its state
+        assert gen.snapshot_stats["fallbacks"] == before + 1
+        _check(model, result, IDS[:110])
+
+
+def _records(model) -> dict[str, bytes]:
+    """Values for the 96-token boundary's state key: ``good`` (the model's real state there), the rest must each
+    be a counted miss."""
+    fp = model_fingerprint(model)
+    key = _state_keys(model, 100)[5]
+    cache = hf.new_cache(model.config)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([IDS[:96]]), past_key_values=cache, use_cache=True)
+    real = st.capture(cache, 96)
+    record = lambda snap, fingerprint=fp: encode_block(  # noqa: E731
+        pack(snap, last_token=IDS[95], fingerprint=fingerprint, namespace="default"), key)
+    good = record(real)
+    shape = StateSnapshot(96, (StateEntry(0, "conv", 0, (1, 8), "float32"),), (torch.zeros(1, 8),))
+    entries = tuple(StateEntry(e.layer, e.kind, e.index, e.shape, "float64") for e in real.entries)
+    wide = StateSnapshot(96, entries, tuple(t.double() for t in real.tensors))
+    early = StateSnapshot(95, real.entries, real.tensors)
+    return {"good": good, "wrong shape": record(shape), "wrong dtype": record(wide), "wrong boundary": record(early),
+            "foreign": record(real, "another-model"), "truncated": good[:-20],
+            "corrupt": good[:200] + bytes([good[200] ^ 0xFF]) + good[201:]}
+
+
+@pytest.mark.parametrize("bad", ["good", "wrong shape", "wrong dtype", "wrong boundary", "foreign", "truncated",
+                                 "corrupt"])
+def test_bad_snapshot_is_a_counted_miss(bad: str) -> None:
+    model = _model("qwen3_next")
+    tier = MemoryTier(64 << 20)
+    store = TieredStore([tier])
+    gen = _gen(model, store)
+    gen.generate(IDS[:100], max_new_tokens=1)
+    key = _state_keys(model, 100)[5]
+    tier.put_many([(key, _records(model)[bad])])  # bypasses the store's checks, as a damaged disk would
+    result = gen.generate(IDS[:110], max_new_tokens=NEW, output_logits=True, store=False)
+    if bad == "good":
+        assert result.reused_tokens == 96 and gen.snapshot_stats["rejected"] == 0
+    else:
+        assert result.reused_tokens == 64  # the next shallower boundary
+        assert gen.snapshot_stats["rejected"] == 1 and gen.snapshot_stats["fallbacks"] == 1
+    _check(model, result, IDS[:110])
+
+
+def test_lossy_tier_codec_is_not_served() -> None:
+    from kvshelf.kvstore.store import TierSpec
+
+    model = _model("qwen3_next")
+    store = TieredStore([TierSpec(MemoryTier(64 << 20), codec="int8")])
+    gen = _gen(model, store)
+    gen.generate(IDS[:70], max_new_tokens=1)
+    result = gen.generate(IDS[:70], max_new_tokens=NEW, output_logits=True, store=False)
+    assert result.reused_tokens == 0 and gen.snapshot_stats["rejected"] >= 1
+    _check(model, result, IDS[:70])
+
+
+def test_settings_and_refusals() -> None:
+    model = _model("qwen3_next")
+    with pytest.raises(ConfigError):
+        _gen(model, snapshot_every=-1)
+    with pytest.raises(ConfigError):
+        _gen(model, snapshot_codec="int8")
+    for feature in ("RAG chunk reuse", "block attention", "prompt modules"):
+        with pytest.raises(UnsupportedModelError, match="linear_attention"):
+            check_supported(model.config, feature, sliding_window=True)
+    with pytest.raises(UnsupportedModelError, match="linear_attention"):
+        check_engine(model, "RAG chunk reuse")
+    with pytest.raises(UnsupportedModelError, match="bamba"):
+        CachedGenerator(hybrid_model("bamba"), None, None)
+
+
+@pytest.mark.parametrize("family", sorted(HYBRID_CONFIGS))
+def test_state_sizes_match_the_tiny_models(family: str) -> None:
+    """``states.state_sizes`` (from the config alone) equals the bytes a real snapshot and block hold."""
+    if family == "bamba":
+        pytest.skip("refused")
+    model = _model(family)
+    sizes = st.state_sizes(model.config, block_size=BLOCK, dtype=torch.float32)
+    cache = hf.new_cache(model.config)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([IDS[:BLOCK]]), past_key_values=cache, use_cache=True)
+    assert st.capture(cache, BLOCK).nbytes == sizes.snapshot_bytes
+    kv = sum(k.numel() * 4 * 2 for k, _ in hf.cache_tensors(cache))
+    assert kv == sizes.kv_bytes_per_block
