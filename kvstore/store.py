@@ -3,6 +3,7 @@ per-tier counters and stored/removed/evicted events."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -251,7 +252,7 @@ class TieredStore:
         cache: dict[tuple, list[tuple[bytes, bytes]]] = {}
 
         def encode_for(spec: TierSpec) -> list[tuple[bytes, bytes]]:
-            ident = (spec.codec, tuple(sorted(spec.codec_params.items())))
+            ident = (spec.codec, json.dumps(spec.codec_params, sort_keys=True))  # nested params (sparse) too
             if ident not in cache:
                 cache[ident] = [(k, encode_block(b, header_key(k), spec.codec, spec.codec_params)) for k, b in entries]
             return cache[ident]
