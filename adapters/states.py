@@ -102,19 +102,21 @@ class StateSizes:
 
 
 def state_sizes(config: PretrainedConfig, *, block_size: int = 256, dtype: torch.dtype = torch.bfloat16,
-                state_dtype: torch.dtype | None = None) -> StateSizes:
-    """Bytes per snapshot and KV bytes per block of a hybrid config, from its shapes alone (no weights).
+                recurrent_dtype: torch.dtype = torch.float32) -> StateSizes:
+    """Bytes per snapshot and KV bytes per block of a hybrid config, from its shapes alone (no weights), as a
+    model in ``dtype`` holds them: KV and conv states in ``dtype``, recurrent states in ``recurrent_dtype``
+    (transformers' gated delta-net and Mamba2 paths keep them in float32 whatever the model's dtype). The stored
+    record packs all in the widest of them (a conv state of a bf16 model takes 4 bytes an element there).
 
-    Snapshot: per state layer its conv state ``[channels, kernel]`` and recurrent state, in ``state_dtype``
-    (default ``dtype``): gated delta-net ``conv (2 * k_heads * k_dim + v_heads * v_dim) x kernel`` and
-    ``v_heads x k_dim x v_dim``; Mamba2 ``conv (intermediate + 2 * groups * d_state) x kernel`` and
-    ``heads x head_dim x d_state``; LFM2 short conv ``hidden x L_cache``. KV per block: per attention layer
-    ``2 x kv_heads x head_dim x block_size``."""
+    Snapshot: per state layer its conv state ``[channels, kernel]`` and recurrent state: gated delta-net
+    ``conv (2 * k_heads * k_dim + v_heads * v_dim) x kernel`` and ``v_heads x k_dim x v_dim``; Mamba2
+    ``conv (intermediate + 2 * groups * d_state) x kernel`` and ``heads x head_dim x d_state``; LFM2 short
+    conv ``hidden x L_cache``. KV per block: per attention layer ``2 x kv_heads x head_dim x block_size``."""
     text = config.get_text_config(decoder=True)
     kind = model_type(config)
     types = hf.attention_layer_types(config)
     item = torch.empty((), dtype=dtype).element_size()
-    state_item = torch.empty((), dtype=state_dtype or dtype).element_size()
+    rec_item = torch.empty((), dtype=recurrent_dtype).element_size()
     g = lambda *names, default=None: next((getattr(text, n) for n in names if getattr(text, n, None) is not None),  # noqa: E731
                                           default)
     if "linear_num_value_heads" in text.to_dict() or hasattr(text, "linear_num_value_heads"):  # gated delta-net
@@ -136,5 +138,5 @@ def state_sizes(config: PretrainedConfig, *, block_size: int = 256, dtype: torch
     n_attn = sum(t in (hf.FULL_ATTENTION, hf.SLIDING_ATTENTION) for t in types)
     head_dim = g("head_dim", default=None) or text.hidden_size // text.num_attention_heads
     kv_heads = g("num_key_value_heads", default=text.num_attention_heads)
-    return StateSizes(kind, n_state, n_attn, n_state * (conv + recurrent) * state_item,
+    return StateSizes(kind, n_state, n_attn, n_state * (conv * item + recurrent * rec_item),
                       n_attn * 2 * kv_heads * head_dim * block_size * item, block_size)
