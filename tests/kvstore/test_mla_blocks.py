@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,8 +16,8 @@ from pathlib import Path
 import pytest
 import redis_servers
 import torch
-import xxhash
 from helpers import FINGERPRINT, assert_same_block, key_of
+from mla_blocks import CODEC_IDS, CODECS, LOSSLESS, forge, header_text, mla_block
 
 from kvshelf.compress.raw import RawCodec
 from kvshelf.compress.sparse import mark_dropped
@@ -27,7 +26,6 @@ from kvshelf.kvstore import codec as codec_module
 from kvshelf.kvstore.block import KVBlock
 from kvshelf.kvstore.codec import BlockShape, block_shape, get_codec
 from kvshelf.kvstore.encoding import (
-    MAGIC,
     decode_block,
     decode_cost_bytes,
     decoded_nbytes,
@@ -42,28 +40,9 @@ from kvshelf.kvstore.store import TierSpec
 redis_server = redis_servers.redis_server
 
 MiB = 1 << 20
-#: every codec but xquant (it rematerializes K and V of one head dim from X: it refuses MLA, tested below)
-CODECS = [
-    ("raw", {}), ("zstd", {}), ("fp16", {}), ("bf16", {}), ("int8", {}), ("int4", {"group_size": 32}), ("int2", {}),
-    ("cachegen", {}), ("cachegen", {"bits": 4, "rotate": True}), ("sparse", {"inner": "int8"}),
-    ("sparse", {"inner": "raw"}),
-]
-CODEC_IDS = [f"{c}{p or ''}" for c, p in CODECS]
-#: lossless codecs give back the block bit for bit; the others within what they promise
-LOSSLESS = {"raw", "zstd"}
 TIERS = ["memory", "lmdb", "redis"]
 #: (keys' head dim, values' head dim): DeepSeek-like (keys wider: nope 16 + rope 8, values 16) and the reverse
 DIMS = [(24, 16), (8, 12)]
-
-
-def mla_block(tokens: int = 16, *, dk: int = 24, dv: int = 16, layers: int = 3, heads: int = 2, start_pos: int = 0,
-              dtype: torch.dtype = torch.float32, namespace: str = "default", seed: int = 0) -> KVBlock:
-    """A random block whose keys are ``[layers, heads, tokens, dk]`` and values ``[layers, heads, tokens, dv]``."""
-    gen = torch.Generator().manual_seed(seed + 1000 * start_pos + dk + 7 * dv)
-    keys = torch.randn(layers, heads, tokens, dk, generator=gen).to(dtype)
-    values = torch.randn(layers, heads, tokens, dv, generator=gen).to(dtype)
-    ids = tuple(range(100 + start_pos + seed, 100 + start_pos + seed + tokens))
-    return KVBlock(keys, values, ids, start_pos, FINGERPRINT, namespace)
 
 
 @pytest.fixture(params=TIERS)
@@ -126,7 +105,7 @@ def test_header_declares_both_shapes_and_the_decode_cost_counts_them(codec, para
     data = encode_block(block, key_of(block), codec, params)
     header = verify_block(data)
     assert header.shape == (3, 2, 16, 24) and header.shape.value_head_dim == 16
-    assert json.loads(_header_text(data))["value_head_dim"] == 16
+    assert json.loads(header_text(data))["value_head_dim"] == 16
     assert decoded_nbytes(header) == block.nbytes == 3 * 2 * 16 * (24 + 16) * 4
     assert decode_cost_bytes(header) >= block.nbytes
 
@@ -135,7 +114,7 @@ def test_blocks_of_one_head_dim_keep_their_header():
     """No ``value_head_dim`` when keys and values agree: every block written before MLA support reads as before."""
     block = mla_block(8, dk=16, dv=16)
     data = encode_block(block, key_of(block))
-    assert "value_head_dim" not in json.loads(_header_text(data))
+    assert "value_head_dim" not in json.loads(header_text(data))
     header = read_header(data)
     assert header.shape.value_head_dim == 16 and header.shape.same_dims
     assert_same_block(decode_block(data), block)
@@ -204,26 +183,6 @@ def test_the_writer_refuses_a_payload_its_shapes_do_not_take(broken_codec, tmp_p
         store.put_many([(key_of(block), block)])
     assert [t.keys() for t in tiers] == [[], []]  # nothing acknowledged, nothing stored
     store.close()
-
-
-def _header_text(data: bytes) -> bytes:
-    (header_len,) = struct.unpack_from("<I", data, 6)
-    return data[10 : 10 + header_len]
-
-
-def forge(data: bytes, **changes: object) -> bytes:
-    """``data`` with its header fields changed (``None``: removed) and a valid checksum: a hostile or buggy
-    writer's block, not random damage."""
-    header = json.loads(_header_text(data))
-    payload = data[10 + len(_header_text(data)) : -8]
-    for name, value in changes.items():
-        if value is None:
-            header.pop(name, None)
-        else:
-            header[name] = value
-    text = json.dumps(header, separators=(",", ":")).encode()
-    body = struct.pack("<4sHI", MAGIC, 1, len(text)) + text + payload
-    return body + xxhash.xxh3_64_digest(body)
 
 
 def test_a_forged_mla_block_is_refused_by_put_and_named(tmp_path):
