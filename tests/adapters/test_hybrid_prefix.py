@@ -202,6 +202,23 @@ def test_settings_and_refusals() -> None:
 
 
 @pytest.mark.parametrize("family", EXACT_HYBRIDS)
+def test_other_paths_refuse_naming_the_layer_type(family: str) -> None:
+    """RAG chunks, block attention, prompt modules (the layer-by-layer engine) and pruning / selection refuse a
+    hybrid model before any work, naming its state layer type."""
+    from kvshelf.adapters.pruning import METHODS
+    from kvshelf.adapters.rag import RAGGenerator
+
+    model = _model(family)
+    layer_type = "conv" if family == "lfm2" else "linear_attention"
+    store = TieredStore([MemoryTier(1 << 20)])
+    with pytest.raises(UnsupportedModelError, match=layer_type):
+        RAGGenerator(model, None, store)
+    for name, cls in METHODS.items():
+        with pytest.raises(UnsupportedModelError, match=layer_type), cls(budget=1.0)(model):
+            pytest.fail(f"{name} ran")
+
+
+@pytest.mark.parametrize("family", EXACT_HYBRIDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_state_sizes_match_the_tiny_models(family: str, dtype: torch.dtype) -> None:
     """``states.state_sizes`` (from the config alone) equals the bytes a real snapshot and block hold."""
@@ -212,3 +229,29 @@ def test_state_sizes_match_the_tiny_models(family: str, dtype: torch.dtype) -> N
         model(input_ids=torch.tensor([IDS[:BLOCK]]), past_key_values=cache, use_cache=True)
     assert st.capture(cache, BLOCK).nbytes == sizes.snapshot_bytes
     assert sum(k.numel() * k.element_size() * 2 for k, _ in hf.cache_tensors(cache)) == sizes.kv_bytes_per_block
+
+
+def nemotron_h_8b_shaped():
+    """Nemotron-H-8B's shape (52 layers: 24 Mamba2, 4 attention, 24 MLP; Mamba2 128 heads of 64, state 128, 8
+    groups, conv 4; attention 32 heads, 8 KV heads of 128): the published counts, the layer order approximate
+    (sizes depend only on the counts)."""
+    import transformers as tf
+
+    return tf.NemotronHConfig(vocab_size=131072, hidden_size=4096, intermediate_size=21504, num_hidden_layers=52,
+                              hybrid_override_pattern="M-M-M-M*-" * 4 + "M-" * 8, num_attention_heads=32,
+                              num_key_value_heads=8, head_dim=128, mamba_num_heads=128, mamba_head_dim=64,
+                              ssm_state_size=128, n_groups=8, conv_kernel=4)
+
+
+def test_readme_sizing_of_published_shapes() -> None:
+    """The README's snapshot sizing (bf16 models, 256-token blocks), from configs alone."""
+    from kvshelf.adapters.shaped import shaped_config
+
+    sizes = {name: st.state_sizes(config, block_size=256, dtype=torch.bfloat16) for name, config in (
+        ("qwen3-next-80b", shaped_config("qwen3-next-80b-shaped")),
+        ("qwen3.5-0.8b", shaped_config("qwen3.5-0.8b-shaped")),
+        ("nemotron-h-8b", nemotron_h_8b_shaped()))}
+    got = {name: (s.state_layers, s.attention_layers, s.snapshot_bytes, s.kv_bytes_per_block)
+           for name, s in sizes.items()}
+    assert got == {"qwen3-next-80b": (36, 12, 77856768, 6291456), "qwen3.5-0.8b": (18, 6, 19759104, 3145728),
+                   "nemotron-h-8b": (24, 4, 102629376, 4194304)}
