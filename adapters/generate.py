@@ -52,6 +52,7 @@ from kvshelf.adapters import states as state_types
 from kvshelf.adapters.cache_bridge import blocks_from_cache, cache_from_prepared, check_supported
 from kvshelf.adapters.fingerprint import model_fingerprint, other_dtype_fingerprints
 from kvshelf.adapters.hf import BaseStreamer
+from kvshelf.adapters.kv_support import check_model_supported
 from kvshelf.adapters.lifecycle import Closable
 from kvshelf.adapters.prompts import Prompt, batch_prompt_ids, is_batch, prompt_ids
 from kvshelf.adapters.streaming import FirstTokenTimer, TokenStream
@@ -140,6 +141,7 @@ class CachedGenerator(Closable):
         if block_size <= 0:
             raise ConfigError(f"block_size must be > 0, got {block_size}")
         check_supported(model.config, "prefix reuse", sliding_window=True, states=True)
+        check_model_supported(model, "prefix reuse")
         hybrid.check_settings(snapshot_every, snapshot_codec)
         self._states = state_types.has_state_layers(model.config)  # recurrent-state layers: adapters.hybrid
         self.snapshot_every, self.snapshot_codec = snapshot_every, snapshot_codec
@@ -394,6 +396,7 @@ class CachedGenerator(Closable):
     def _defaults(self, generate_kwargs: dict[str, Any]) -> dict[str, Any]:
         kwargs = dict(generate_kwargs)
         kwargs.setdefault("do_sample", False)
+        kwargs.setdefault("use_cache", True)  # a config's use_cache=False (MPT's default) would return no cache
         if self.tokenizer is not None and getattr(self.tokenizer, "pad_token_id", None) is not None:
             kwargs.setdefault("pad_token_id", self.tokenizer.pad_token_id)
         return kwargs

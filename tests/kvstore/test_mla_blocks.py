@@ -245,3 +245,20 @@ def test_a_truncated_or_corrupt_mla_block_is_a_counted_miss(codec, params):
         tier.put_many([(key, damaged)])
         assert store.get_many([key], fingerprint=FINGERPRINT) == [None]
     assert store.stats()["tiers"][0]["corrupt"] == 2
+
+
+def test_stored_events_carry_mla_blocks(tmp_path):
+    """A stored event's size is the value stored and its header declares both head dims (events and the vLLM
+    KV-event feed read them from there)."""
+    events = []
+    store = TieredStore([TierSpec(MemoryTier(MiB)), TierSpec(LMDBTier(tmp_path / "lmdb", initial_map_bytes=MiB,
+                                                                      durable=False), "int8")])
+    store.subscribe(events.append)
+    block = mla_block(16, dk=24, dv=16)
+    store.put_many([(key_of(block), block)])
+    stored = [e for e in events if e.kind == "stored"]
+    assert [e.codec for e in stored] == ["raw", "int8"]
+    for event, codec in zip(stored, ("raw", "int8"), strict=True):
+        assert event.nbytes == len(encode_block(block, key_of(block), codec))
+        assert event.header.shape.values == (3, 2, 16, 16) and event.header.shape.keys == (3, 2, 16, 24)
+    store.close()

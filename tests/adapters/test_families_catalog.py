@@ -1,0 +1,113 @@
+"""The suite follows transformers (issue 32): every model type of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` is placed
+by ``catalog`` (hand-written suite, built from a tiny config, or excluded with the reason), and prefix reuse runs
+on every built family against ``expected_catalog`` (the README's catalog table).
+
+Each built family: a tiny random model (fp32; sdpa, or eager where the class has none) through ``CachedGenerator``
+over a memory ``TieredStore``, three chained prompts (40, 64, 76 tokens; blocks of 16): the first stores 2 blocks
+from a cold prefill, the second reuses them and stores 2 more, the third reuses all 64 tokens; its greedy tokens
+and logits must equal plain ``model.generate`` (``arch_rule.run_cell``). A refusal is kvshelf's
+``UnsupportedModelError`` naming the model type, the feature and the reason of ``expected_catalog.REFUSED``, raised
+before any block is stored or any forward is run. Never a raw exception; no block is stored and then dropped as
+damaged (the store's ``corrupt`` / ``foreign`` counters, the writer's failed and rejected blocks stay 0).
+"""
+
+from __future__ import annotations
+
+import catalog
+import pytest
+import torch
+from arch_rule import EXACT, REFUSED, Output, plain_generate, run_cell
+from expected_catalog import EXPECTED, HYBRID
+from expected_catalog import REFUSED as REASONS
+
+from kvshelf.adapters.generate import CachedGenerator
+from kvshelf.kvstore import MemoryTier, TieredStore
+from kvshelf.kvstore.errors import UnsupportedModelError
+
+FEATURE = "prefix reuse"
+NEW = 3
+BLOCK = 16
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(3, catalog.VOCAB - 12, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+FIRST = _tokens(40, seed=1)  # 2 full blocks stored
+SECOND = FIRST + _tokens(24, seed=2)  # 64: reuses 32, stores 2 more
+THIRD = SECOND + _tokens(12, seed=3)  # 76: reuses 64
+
+
+def _damage(store: TieredStore, gen: CachedGenerator) -> dict[str, int]:
+    """Blocks stored and then dropped or refused: the store's corrupt / foreign counts, the writer's failures."""
+    rows = store.stats()["rows"]
+    counts = {name: sum(int(r.get(name, 0) or 0) for r in rows) for name in ("corrupt", "foreign")}
+    writer = gen.write_behind_stats() or {}
+    counts |= {name: int(writer.get(name, 0) or 0) for name in ("failed_blocks", "rejected_blocks")}
+    return {k: v for k, v in counts.items() if v}
+
+
+# -- the catalog places every model type transformers maps -------------------------------------------------------
+
+
+def test_catalog_places_every_causal_lm_model_type():
+    types = set(catalog.model_types())
+    placed = set(catalog.suite()) | set(catalog.EXCLUDED) | set(EXPECTED)
+    unplaced = sorted(types - placed)
+    assert not unplaced, (f"transformers maps model types the catalog does not place: {unplaced}; add each to "
+                          "tests/support/expected_catalog.py (built: exact or refused) or catalog.EXCLUDED (why)")
+    stale = sorted((set(catalog.EXCLUDED) | set(EXPECTED) | set(catalog.OVERRIDES)) - types)
+    assert not stale, f"the catalog names model types transformers no longer maps: {stale}"
+    both = sorted(set(catalog.EXCLUDED) & (set(EXPECTED) | set(catalog.suite())))
+    assert not both, f"model types both excluded and run: {both}"
+    assert set(REASONS) <= {t for t, outcome in EXPECTED.items() if outcome == REFUSED}
+
+
+def test_exclusions_are_never_kvshelf_limitations():
+    for model_type, why in catalog.EXCLUDED.items():
+        assert why and "kvshelf does not" not in why, model_type
+
+
+# -- prefix reuse on every built family -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_type", catalog.built())
+def test_prefix_reuse_on_built_family(model_type):
+    model = catalog.tiny_model(model_type)
+    store = TieredStore([MemoryTier(64 << 20)])
+    forwards = []
+    hook = model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    results, refusals, gens = [], [], []
+
+    def run() -> Output:
+        try:
+            gen = CachedGenerator(model, store=store, block_size=BLOCK)
+            gens.append(gen)
+            for ids in (FIRST, SECOND, THIRD):
+                results.append(gen.generate(ids, max_new_tokens=NEW, output_logits=True, eos_token_id=None,
+                                            pad_token_id=0))
+            gen.flush()
+        except UnsupportedModelError as exc:
+            refusals.append((str(exc), len(forwards)))
+            raise
+        return Output(results[-1].new_ids, [logits[0] for logits in results[-1].logits])
+
+    def nothing_done() -> bool:
+        return sum(t["blocks"] for t in store.stats()["tiers"]) == 0 and not forwards
+
+    try:
+        outcome = run_cell(model, FEATURE, run, lambda: plain_generate(model, THIRD, NEW),
+                           nothing_stored=nothing_done)
+    finally:
+        hook.remove()
+    if model_type in HYBRID:  # the snapshot work's: exact or refused naming the family (run_cell checked)
+        return
+    assert outcome == EXPECTED[model_type], f"{model_type}: {outcome}, expected {EXPECTED[model_type]}"
+    if outcome == REFUSED:
+        assert REASONS[model_type] in refusals[0][0], refusals[0][0]
+        return
+    assert outcome == EXACT
+    assert [(r.reused_tokens, r.stored_blocks) for r in results] == [(0, 2), (32, 2), (64, 0)]
+    assert not _damage(store, gens[0]), _damage(store, gens[0])

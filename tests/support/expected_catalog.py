@@ -1,0 +1,55 @@
+"""What prefix reuse (``CachedGenerator``) does on each family the catalog builds (``catalog.built()``), checked by
+``tests/adapters/test_families_catalog.py`` and rendered into the README's catalog table (``support_table``).
+
+``EXACT``: identical greedy tokens and fp32 logits within 1e-4 of plain ``generate``, reusing what was stored.
+``REFUSED``: model type -> why (a phrase of kvshelf's ``UnsupportedModelError``, which also names the model type
+and the feature, raised before any block is stored or any forward is run).
+``HYBRID``: families with recurrent-state layers (Mamba / linear attention / short convolutions, RG-LRU...): their
+prefix reuse is the state-snapshot work's, in progress; each is exact, or refused naming the family and its layer
+type, and its expected outcome here is the one of today's tree (either is accepted).
+"""
+
+from __future__ import annotations
+
+EXACT = frozenset({
+    "afmoe", "apertus", "arcee", "aria_text", "axk1", "beam", "bert", "bert-generation", "big_bird", "biogpt",
+    "bitnet", "bloom", "camembert", "codegen", "cohere2", "cohere2_moe", "cohere_compass_text", "ctrl", "cwm",
+    "data2vec-text", "dbrx", "deepseek_v2", "deepseek_v3", "diffllama", "doge", "dots1", "electra", "ernie",
+    "ernie4_5", "ernie4_5_moe", "exaone4", "exaone_moe", "flex_olmo", "flint", "gemma3n_text", "glm", "glm4",
+    "glm4_moe", "glm4_moe_lite", "gpt-sw3", "gpt_bigcode", "gpt_neo", "gpt_neox_japanese", "gpt_oss", "gptj",
+    "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared", "helium", "hrm_text", "hunyuan_v1_dense",
+    "hunyuan_v1_moe", "hy_v3", "hyperclovax", "internlm3", "iquestcoder", "jais2", "jetmoe", "kolibri1", "laguna",
+    "longcat_flash", "megatron-bert", "mellum", "minicpm3", "minimax_m2", "minimax_m3_vl_text", "ministral",
+    "ministral3", "modernbert-decoder", "moshi", "mpt", "nanochat", "nemotron", "olmo", "olmo3", "olmoe", "opt",
+    "persimmon", "phi", "phimoe", "rembert", "roberta", "roberta-prelayernorm", "roc_bert", "roformer", "seed_oss",
+    "smollm3", "solar_open", "starcoder2", "trocr", "vaultgemma", "xglm", "xlm-roberta", "xlm-roberta-xl", "xmod",
+    "youtu",
+})
+
+_NO_CACHE = "takes no past_key_values"
+_INDEXED = "['indexed_attention']"
+_PER_LAYER = "set per layer"
+
+REFUSED: dict[str, str] = {
+    **{t: _NO_CACHE for t in ("openai-gpt", "reformer", "xlm", "xlnet")},
+    **{t: _INDEXED for t in ("axk2", "deepseek_v32", "dots3_note_text", "glm_moe_dsa", "hy_v4")},
+    "deepseek_v4": "['compressed_sparse_attention', 'heavily_compressed_attention']",
+    "llama4_text": "['chunked_attention']",
+    **{t: _PER_LAYER for t in ("gemma4_text", "gemma4_unified_text")},
+    "mimo_v2_flash": "key projections differ in width",
+    "cpmant": "learned prompt tokens",
+}
+
+#: hybrid family -> its outcome in today's tree (exact or refused; the snapshot work flips refusals)
+HYBRID: dict[str, str] = {
+    **dict.fromkeys(("granitemoehybrid", "lfm2", "nemotron_h", "qwen3_5_text", "qwen3_next"), "exact"),
+    **dict.fromkeys(("bailing_hybrid", "bamba", "falcon_h1", "falcon_mamba", "inkling_text", "inkling2_text", "jamba",
+                     "kimi_linear", "lfm2_moe", "lfm3", "mamba", "mamba2", "minimax", "olmo_hybrid",
+                     "qwen3_5_moe_text", "qwen4_exp_text", "recurrent_gemma", "rwkv", "xlstm", "zamba", "zamba2",
+                     "zaya"), "refused"),
+}
+
+#: model type -> "exact" | "refused" (the README's catalog table)
+EXPECTED: dict[str, str] = {
+    **dict.fromkeys(EXACT, "exact"), **dict.fromkeys(REFUSED, "refused"), **HYBRID,
+}
