@@ -33,6 +33,14 @@ def _model_type(model: Any) -> str:
     return getattr(text, "model_type", None) or getattr(config, "model_type", "?")
 
 
+def _bidirectional(model: Any) -> bool:
+    """Whether a module of the model was built as an encoder: its ``is_decoder`` (BERT-style layers) or an
+    attention's ``is_causal`` is ``False`` (GPT-NeoX's config has ``is_decoder=False`` too, but no module reads
+    it)."""
+    return any(getattr(m, "is_decoder", None) is False or getattr(m, "is_causal", None) is False
+               for m in model.modules())
+
+
 def check_model_supported(model: Any, feature: str) -> None:
     """Raise ``UnsupportedModelError`` (model type, feature) for a model without a KV cache kvshelf can store as
     blocks: no ``past_key_values`` in its ``forward``, or layers of different KV heads / head dims."""
@@ -45,7 +53,7 @@ def check_model_supported(model: Any, feature: str) -> None:
         raise UnsupportedModelError(f"{refuse}: its forward takes no past_key_values (it keeps no KV cache that "
                                     "kvshelf can store)")
     text = model.config.get_text_config(decoder=True)
-    if getattr(text, "is_decoder", True) is False:  # only BERT-style configs have the field
+    if getattr(text, "is_decoder", True) is False and _bidirectional(model):  # BERT-style: encoder unless decoder
         raise UnsupportedModelError(f"{refuse}: its config has is_decoder=False, so it attends bidirectionally (a "
                                     "later token changes an earlier one's KV); load it with is_decoder=True to "
                                     "use it as a causal LM")

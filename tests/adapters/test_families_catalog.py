@@ -111,3 +111,18 @@ def test_prefix_reuse_on_built_family(model_type):
     assert outcome == EXACT
     assert [(r.reused_tokens, r.stored_blocks) for r in results] == [(0, 2), (32, 2), (64, 0)]
     assert not _damage(store, gens[0]), _damage(store, gens[0])
+
+
+def test_an_encoder_loaded_without_is_decoder_is_refused_before_any_work():
+    """BERT's causal-LM head on a config with ``is_decoder=False`` attends bidirectionally: prefix reuse gave other
+    tokens than plain ``generate`` (megatron-bert, xlm-roberta-xl); now it is refused when the generator is built.
+    GPT-NeoX's config has ``is_decoder=False`` too, and no module reads it: not refused."""
+    import transformers as tf
+
+    config = catalog.tiny_config("megatron-bert")
+    config.is_decoder = False
+    model = tf.AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(UnsupportedModelError, match=r"prefix reuse does not support model type 'megatron-bert'.*"
+                                                     "is_decoder=False"):
+        CachedGenerator(model, store=TieredStore([MemoryTier(1 << 20)]))
+    CachedGenerator(catalog.tiny_model("gpt_neox"), store=None)
