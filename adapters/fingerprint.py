@@ -37,25 +37,26 @@ _MEMO = "_kvshelf_fingerprint"
 
 
 def kv_geometry(model: PreTrainedModel) -> tuple[int, int, int]:
-    """``(layers, kv_heads, head_dim)`` of a decoder's KV cache (MLA: the keys' head dim; see ``mla_head_dims``)."""
+    """``(layers, kv_heads, head_dim)`` of a decoder's KV cache (MLA: see ``mla_dims``)."""
     config = model.config.get_text_config(decoder=True)
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    mla = mla_head_dims(model.config)
-    head_dim = mla[0] if mla else getattr(config, "head_dim", None) or config.hidden_size // heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return config.num_hidden_layers, kv_heads, head_dim
 
 
-def mla_head_dims(config: PretrainedConfig) -> tuple[int, int, int] | None:
-    """``(key_head_dim, rope_dims, value_head_dim)`` of a multi-head latent attention (MLA) decoder (DeepSeek-V2/V3,
-    MiniCPM3: keys of ``qk_nope_head_dim + qk_rope_head_dim`` dims, the last ``qk_rope_head_dim`` of them rotated,
-    values of ``v_head_dim``), read from its config; ``None`` for any other decoder."""
+MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def mla_dims(config: PretrainedConfig) -> dict[str, int | None] | None:
+    """The dims of a multi-head latent attention (MLA) decoder (DeepSeek-V2/V3, MiniCPM3), read from its config
+    (``MLA_FIELDS``); ``None`` for any other decoder. transformers 5 caches an MLA layer compressed, one head: as
+    keys the normalized latent (``kv_lora_rank`` wide, no RoPE), as values the key part every head shares, rotated
+    (``qk_rope_head_dim``): a block's keys and values differ in head dim."""
     text = config.get_text_config(decoder=True)
-    rope = getattr(text, "qk_rope_head_dim", None)
-    nope = getattr(text, "qk_nope_head_dim", None)
-    if rope is None or nope is None or getattr(text, "kv_lora_rank", None) is None:
+    if getattr(text, "kv_lora_rank", None) is None or getattr(text, "qk_rope_head_dim", None) is None:
         return None
-    return int(nope) + int(rope), int(rope), int(getattr(text, "v_head_dim", None) or int(nope) + int(rope))
+    return {name: getattr(text, name, None) for name in MLA_FIELDS}
 
 
 def _sampled(model: PreTrainedModel) -> list[tuple[str, torch.nn.Parameter]]:
@@ -99,7 +100,7 @@ def _properties(model: PreTrainedModel, dtype: torch.dtype) -> dict[str, Any]:
         "layers": layers,
         "kv_heads": kv_heads,
         "head_dim": head_dim,
-        **({"mla_head_dims": list(mla)} if (mla := mla_head_dims(model.config)) else {}),
+        **({"mla": mla} if (mla := mla_dims(model.config)) else {}),
         "rope": getattr(config, "rope_parameters", None) or getattr(config, "rope_theta", None),
         "dtype": str(dtype),
         "vocab": config.vocab_size,

@@ -27,7 +27,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from kvshelf.adapters import hf
 from kvshelf.adapters.cache_bridge import check_supported
-from kvshelf.adapters.fingerprint import kv_geometry, mla_head_dims
+from kvshelf.adapters.fingerprint import kv_geometry, mla_dims
 from kvshelf.kvstore.errors import UnsupportedModelError
 from kvshelf.reuse.masks import causal_mask
 from kvshelf.reuse.rope import rerotate_keys
@@ -268,11 +268,12 @@ def check_engine(model: PreTrainedModel, feature: str) -> list[hf.Rotary]:
         hf.decoder_layers(model)
     except UnsupportedModelError as exc:
         raise refusal(model, feature, str(exc)) from None
-    mla = mla_head_dims(model.config)
+    mla = mla_dims(model.config)
     if mla is not None:
-        raise refusal(model, feature, f"multi-head latent attention (MLA: keys of {mla[0]} dims, the last {mla[1]} "
-                                      f"of them rotated, values of {mla[2]}): the layer-by-layer engine neither "
-                                      "re-rotates that slice of the keys nor drives MLA layers")
+        raise refusal(model, feature, f"multi-head latent attention (MLA: its cache holds a compressed latent of "
+                                      f"{mla['kv_lora_rank']} dims and a shared rotated key part of "
+                                      f"{mla['qk_rope_head_dim']}); the layer-by-layer engine neither drives MLA "
+                                      "layers nor moves that rotated part")
     rotaries = ropes(model, feature)
     key = (hf.attn_implementation(model), str(model.dtype), str(model.device))
     with _VERIFIED_LOCK:

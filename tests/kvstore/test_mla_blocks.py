@@ -41,8 +41,9 @@ redis_server = redis_servers.redis_server
 
 MiB = 1 << 20
 TIERS = ["memory", "lmdb", "redis"]
-#: (keys' head dim, values' head dim): DeepSeek-like (keys wider: nope 16 + rope 8, values 16) and the reverse
-DIMS = [(24, 16), (8, 12)]
+#: (keys' head dim, values' head dim): an MLA cache in transformers 5 (the latent, kv_lora_rank 32, and the rotated
+#: key part, qk_rope_head_dim 8), expanded MLA keys and values (nope 16 + rope 8, v_head_dim 16), values wider
+DIMS = [(32, 8), (24, 16), (8, 12)]
 
 
 @pytest.fixture(params=TIERS)

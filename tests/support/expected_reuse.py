@@ -10,9 +10,10 @@ source): ``{(family, path): "exact" | "approximate" | "refused"}``, checked cell
 
 Sliding-window and hybrid models (Mistral, Qwen2 with a window, Gemma 2 and 3) run with each sliding layer's window on
 top of the path's mask, the suite's prompts longer than the window. Refused: decoders without a Llama-layout RoPE
-(GPT-2, Falcon) and MLA decoders (DeepSeek-V2/V3, MiniCPM3: only a slice of each key is rotated, and the engine does
-not drive MLA layers). Gemma 3's local and global RoPE: each layer's keys move with its own table. Length-dependent
-RoPE (dynamic, longrope) is static up to a length (``reuse_engine.check_positions``): exact within it, refused beyond.
+(GPT-2, Falcon) and MLA decoders (DeepSeek-V2/V3, MiniCPM3: their cache is a compressed latent and a shared rotated
+key part, which the engine neither drives nor moves). Gemma 3's local and global RoPE: each layer's keys move with
+its own table. Length-dependent RoPE (dynamic, longrope) is static up to a length
+(``reuse_engine.check_positions``): exact within it, refused beyond.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ EXACT_PATHS = frozenset({"prompt-modules"})  # the others are approximate by des
 REFUSED_FAMILIES = {
     "gpt2": "no rotary position embedding",
     "falcon": "no decoder layers in the Llama layout",
-    # MLA: keys of nope + rope dims (only the rope slice rotated), values of another dim; the layer-by-layer engine
-    # neither re-rotates that slice nor drives MLA layers (prefix reuse, chat, batches and export are exact)
+    # MLA: the cache holds a compressed latent and a shared rotated key part; the layer-by-layer engine neither
+    # drives MLA layers nor moves that part (prefix reuse, chat, batches, export and the remote store are exact)
     "deepseek-v2": "multi-head latent attention",
     "deepseek-v3": "multi-head latent attention",
     "minicpm3": "multi-head latent attention",

@@ -84,8 +84,9 @@ CONFIGS: dict[str, Callable[[], tf.PretrainedConfig]] = {
     "falcon": lambda: tf.FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                       num_kv_heads=2, new_decoder_architecture=True, max_position_embeddings=4096,
                                       pad_token_id=0, bos_token_id=1, eos_token_id=2),
-    # MLA (multi-head latent attention): keys are qk_nope_head_dim + qk_rope_head_dim = 24 wide, values
-    # v_head_dim = 16 (a block's K and V differ in head dim); low-rank q and kv projections, a small MoE
+    # MLA (multi-head latent attention): low-rank q and kv projections, keys of nope + rope dims, values of another
+    # dim; the cache holds the compressed latent (one head: "keys" kv_lora_rank = 32 wide, "values" the shared
+    # rotated key part, qk_rope_head_dim = 8), so a block's K and V differ in head dim; a small MoE
     "deepseek-v2": lambda: tf.DeepseekV2Config(**{**_BASE, "num_key_value_heads": 4}, **_MLA, n_routed_experts=4,
                                                num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
                                                first_k_dense_replace=1, n_group=1, topk_group=1),
