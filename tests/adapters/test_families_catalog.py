@@ -126,3 +126,21 @@ def test_an_encoder_loaded_without_is_decoder_is_refused_before_any_work():
                                                      "is_decoder=False"):
         CachedGenerator(model, store=TieredStore([MemoryTier(1 << 20)]))
     CachedGenerator(catalog.tiny_model("gpt_neox"), store=None)
+
+
+@pytest.mark.parametrize("model_type", ["zamba2", "zamba"])
+def test_snapkv_on_zamba_is_refused_before_any_work(model_type):
+    """SnapKV on Zamba2 raised a raw ``RuntimeError`` (a shape mismatch) mid-prefill; now it is refused when its
+    ``with`` block is entered, naming the method, the model type and the recurrent-state layer types."""
+    from kvshelf.adapters.pruning import SnapKV
+
+    model = catalog.tiny_model(model_type, attn="eager")
+    forwards = []
+    hook = model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    try:
+        with pytest.raises(UnsupportedModelError, match=rf"SnapKV does not support model type '{model_type}'.*"
+                                                         "linear_attention"), SnapKV(budget=1.0)(model):
+            model(torch.tensor([FIRST]))
+    finally:
+        hook.remove()
+    assert not forwards
