@@ -19,7 +19,8 @@ class KVBlock:
 
     Attributes:
         keys: ``[layers, kv_heads, tokens, head_dim]``; RoPE already applied.
-        values: ``[layers, kv_heads, tokens, head_dim]``.
+        values: ``[layers, kv_heads, tokens, value_head_dim]``: as the keys but for the head dim, which may differ
+            (MLA models: transformers caches their compressed latent as keys, the rotated shared key part as values).
         token_ids: the ``tokens`` token ids this state was computed for.
         start_pos: absolute position of the first token (0 for position-independent chunks).
         fingerprint: the model fingerprint (see ``kvstore.fingerprint``).
@@ -77,6 +78,8 @@ class PreparedBlock:
 
     ``payload.write(keys_out, values_out)`` fills ``[layers, kv_heads, tokens, head_dim]`` tensors (for example
     slices of a cache being built), which lets a codec decode straight into the cache, and many blocks at once.
+    ``shape`` is the keys' (a ``kvstore.codec.BlockShape``: ``shape.values`` is the values', whose head dim may
+    differ, as in MLA models).
     """
 
     payload: PreparedPayload
