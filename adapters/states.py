@@ -25,14 +25,27 @@ from kvshelf.kvstore.errors import UnsupportedModelError
 from kvshelf.kvstore.snapshot import StateEntry, StateSnapshot, dtype_name
 
 #: model types whose state layers kvshelf snapshots and restores exactly (segment-wise prefill checked equal)
-STATE_FAMILIES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "nemotron_h", "lfm2", "granitemoehybrid"})
+STATE_FAMILIES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "nemotron_h",
+                            "lfm2", "lfm2_moe", "granitemoehybrid", "bailing_hybrid", "jamba", "kimi_linear",
+                            "olmo_hybrid", "falcon_h1", "zamba", "zamba2", "zaya"})
 #: families with state layers checked and found not exact across prefill segments, and why
+_PURE_SSM = ("a state-space model without attention layers: its transformers class keeps its own cache, not the "
+             "DynamicCache state layers kvshelf snapshots")
+_WITH_WINDOW = ("state layers beside sliding-window attention layers are not supported yet (the segment-wise "
+                "prefill that takes snapshots would drop window tokens the blocks need)")
 NOT_EXACT = {
     "bamba": "prefilling it in segments (continuing from a cached Mamba2 state) differs from one prefill by up to "
              "1e-3 in fp32 logits (transformers' torch path), so a snapshot cannot be exact",
+    "recurrent_gemma": "prefilling it in segments (continuing from a cached RG-LRU state) differs from one prefill by "
+                       "up to 1e-2 in fp32 logits, so a snapshot cannot be exact",
+    "minimax": "it keeps its linear-attention state in its own MiniMaxCache, not in the DynamicCache state layers "
+               "kvshelf snapshots",
+    **dict.fromkeys(("mamba", "mamba2", "falcon_mamba"), _PURE_SSM),
+    **dict.fromkeys(("inkling_text", "inkling2_text", "lfm3"), _WITH_WINDOW),
 }
-#: layer types of ``hf.attention_layer_types`` that hold a state, not per-token KV
-STATE_LAYER_TYPES = frozenset({"linear_attention", "conv"})
+#: layer types of ``hf.attention_layer_types`` that hold a state ("hybrid": a state and full-attention KV in one
+#: layer, Falcon-H1 / Zamba)
+STATE_LAYER_TYPES = frozenset({"linear_attention", "conv", "hybrid"})
 #: codecs a snapshot is read back in without loss (plus the generator's own ``snapshot_codec``)
 LOSSLESS_CODECS = frozenset({"raw", "zstd"})
 
@@ -126,7 +139,7 @@ def state_sizes(config: PretrainedConfig, *, block_size: int = 256, dtype: torch
         recurrent = vh * kd * vd
     elif kind == "lfm2" or hasattr(text, "conv_L_cache"):
         conv, recurrent = text.hidden_size * g("conv_L_cache"), 0
-    else:  # Mamba2
+    elif kind in ("nemotron_h", "granitemoehybrid", "bamba"):  # Mamba2
         heads = g("mamba_num_heads", "mamba_n_heads")
         head_dim = g("mamba_head_dim", "mamba_d_head")
         d_state = g("ssm_state_size", "mamba_d_state")
@@ -134,6 +147,10 @@ def state_sizes(config: PretrainedConfig, *, block_size: int = 256, dtype: torch
         kernel = g("conv_kernel", "mamba_d_conv")
         conv = (heads * head_dim + 2 * groups * d_state) * kernel
         recurrent = heads * head_dim * d_state
+    else:
+        raise UnsupportedModelError(f"state_sizes does not know the state shapes of model type {kind!r} (it knows "
+                                    "gated delta-net, LFM2 short convolutions and Nemotron-H / Granite / Bamba "
+                                    "Mamba2)")
     n_state = sum(t in STATE_LAYER_TYPES for t in types)
     n_attn = sum(t in (hf.FULL_ATTENTION, hf.SLIDING_ATTENTION) for t in types)
     head_dim = g("head_dim", default=None) or text.hidden_size // text.num_attention_heads

@@ -166,7 +166,7 @@ def attention_modules(model: nn.Module, method: str = "token pruning", *, querie
     text = config.get_text_config(decoder=True)
     if getattr(text, "is_encoder_decoder", False) or getattr(config, "is_encoder_decoder", False):
         raise refusal(method, model, "encoder-decoder models are not supported (decoder-only LMs)")
-    state_types = sorted(set(hf.attention_layer_types(config)) & {"linear_attention", "conv"})
+    state_types = sorted(set(hf.attention_layer_types(config)) & {"linear_attention", "conv", "hybrid"})
     if state_types:
         raise refusal(method, model, f"it has attention layers of types {state_types} that keep a recurrent state; "
                                      f"{method} on hybrid models (pruning their attention layers only) is not "
