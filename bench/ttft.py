@@ -134,6 +134,24 @@ def _codec_params(model: Any, tokenizer: Any, corpus: str | None, codec: str, pa
     return bound, tables_path
 
 
+def _state_sizes(model: Any, block_size: int) -> Any:
+    """``adapters.states.StateSizes`` of a hybrid model (bytes per state snapshot and per KV block), else None."""
+    from kvshelf.adapters import states
+
+    if not states.has_state_layers(model.config):
+        return None
+    return states.state_sizes(model.config, block_size=block_size, dtype=model.dtype)
+
+
+def _device_name(device: Any) -> str:
+    """``cpu``, or a CUDA device with its card's name (``cuda:0 (NVIDIA H200)``)."""
+    if device.type != "cuda":
+        return str(device)
+    import torch
+
+    return f"{device} ({torch.cuda.get_device_name(device)})"
+
+
 def disk_worker(spec_path: str) -> None:
     """Run in a fresh process: only the LMDB tier, which holds the blocks written by the parent."""
     from kvshelf.adapters.generate import CachedGenerator
@@ -141,7 +159,7 @@ def disk_worker(spec_path: str) -> None:
     from kvshelf.kvstore.embedded import open_embedded_store
 
     spec = json.loads(Path(spec_path).read_text())
-    model, tokenizer = load_model(spec["model"])
+    model, tokenizer = load_model(spec["model"], dtype=spec.get("dtype", "float32"), device=spec.get("device", "cpu"))
     if spec.get("xquant_tables"):
         from kvshelf.compress.xquant import bind_tables, load_tables
 
@@ -242,6 +260,8 @@ def run(
     remote: bool = False,
     redis: bool = False,
     codecs: Sequence[tuple[str, dict[str, Any]]] = (),
+    dtype: str = "float32",
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """The TTFT table (see the module); with ``remote`` and/or ``redis`` the remote modes replace the disk modes,
     for ``raw`` and each of ``codecs`` (``(name, params)``)."""
@@ -250,7 +270,7 @@ def run(
     from kvshelf.kvstore.embedded import open_embedded_store
 
     console = console or Console()
-    model, tokenizer = load_model(model_name)
+    model, tokenizer = load_model(model_name, dtype=dtype, device=device)
     texts = list(corpus_texts(corpus))
     question = tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
     prompts = [build_context(tokenizer, texts, n) + question for n in lengths]
@@ -264,12 +284,14 @@ def run(
         measured: dict[tuple[int, str], dict] = {}
         for n, prompt in tqdm(list(zip(lengths, prompts, strict=True)), desc="full + warm-memory", unit="ctx"):
             # the first full run also stores the blocks (after its first token, so outside its TTFT)
+            snapshots_before = generator.snapshot_stats["stored"]
             first = generator.generate(prompt, max_new_tokens=new_tokens, reuse=False, store=True, wait=True)
             rest = _timed_runs(generator, prompt, runs - 1, new_tokens, reuse=False, store=False)
             full = {
                 "ttft_s": median([first.ttft_s, *rest["all_ttft_s"]]),
                 "new_ids": [first.new_ids, *rest["new_ids"]],
                 "reused_tokens": 0,
+                "snapshots": generator.snapshot_stats["stored"] - snapshots_before,
             }
             measured[(n, "full")] = full
             measured[(n, "warm-memory")] = _timed_runs(generator, prompt, runs, new_tokens, reuse=True, store=False)
@@ -301,7 +323,8 @@ def run(
                               f"tier ({codec})...[/dim]")
                 spec = Path(tmp) / f"spec-{mode}.json"
                 out = Path(tmp) / f"disk-{mode}.json"
-                spec.write_text(json.dumps({"model": model_name, "data_dir": data_dir, "block_size": block_size,
+                spec.write_text(json.dumps({"model": model_name, "dtype": dtype, "device": device,
+                                            "data_dir": data_dir, "block_size": block_size,
                                             "runs": runs, "new_tokens": new_tokens, "prompts": prompts,
                                             "out": str(out), "disk_codec": codec, "cold": cold,
                                             "disk_codec_params": codec_params if codec == disk_codec else None,
@@ -314,6 +337,7 @@ def run(
         for key, parts in disk_calls.items():
             measured[key] = _merged(parts)
     modes = ["full", "warm-memory", *(mode for mode, _, _ in disk_runs)]
+    sizes = _state_sizes(model, block_size)
     for n in lengths:
         reference = measured[(n, "full")]
         for mode in modes:
@@ -332,9 +356,15 @@ def run(
                 row["all_ttft_s"] = [round(t, 4) for t in m["all_ttft_s"]]
             if mode == disk_mode and (n, f"{disk_mode}-raw") in measured:
                 row["vs_raw"] = round(measured[(n, f"{disk_mode}-raw")]["ttft_s"] / m["ttft_s"], 3)
+            if mode == "full" and sizes is not None:  # what storing this prefix wrote beside its KV blocks
+                row["snapshots"] = reference["snapshots"]
+                row["snapshot_bytes"] = reference["snapshots"] * sizes.snapshot_bytes
+                row["kv_bytes"] = (n + len(question)) // block_size * sizes.kv_bytes_per_block
             results.append(row)
     payload = {
         "model": model_name,
+        "dtype": dtype,
+        "device": _device_name(model.device),
         "machine": machine_description(),
         "runs": runs,
         "disk_rounds": rounds,
@@ -560,6 +590,10 @@ def _print_table(console: Console, payload: dict[str, Any]) -> None:
                       f"{r['fetch_s']:.3f}" if "fetch_s" in r else "-", f"{r['load_s']:.3f}" if "load_s" in r else "-",
                       f"{100 * dppl:+.2f}%" if dppl is not None else "-", str(r["reused_tokens"]), same)
     console.print(table, width=max(console.width, 130))
+    for r in payload["results"]:
+        if "snapshots" in r:
+            console.print(f"  {r['tokens']} tokens: stored {r['snapshots']} state snapshots "
+                          f"({r['snapshot_bytes'] / 1e6:.1f} MB) beside {r['kv_bytes'] / 1e6:.1f} MB of KV blocks")
 
 
 if __name__ == "__main__":

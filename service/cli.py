@@ -297,6 +297,8 @@ def bench_ttft(
     redis: Annotated[bool, typer.Option(
         "--redis", help="warm-redis instead of the disk modes: a store whose only tier is a real redis-server, raw "
                         "and each --codec")] = False,
+    dtype: Annotated[str, typer.Option(help="the model's dtype: float32, bfloat16, float16")] = "float32",
+    device: Annotated[str, typer.Option(help="the model's device: cpu, cuda, cuda:N")] = "cpu",
 ) -> None:
     """TTFT of full prefill vs warm-memory vs warm-disk (or warm-remote / warm-redis) reuse, with same-output
     checks."""
@@ -324,12 +326,13 @@ def bench_ttft(
     disk, params = ("raw", {}) if remote_modes else (names[0], chosen_params[0])
     chosen = _corpus(corpus)
     parsed = _ints(lengths, "--lengths")
+    _check_device(device, dtype)
     if any(n < block_size for n in parsed):
         raise KVShelfError(f"every length must be >= the block size {block_size}: {parsed}")
     run(json_path=str(json_path) if json_path else None, corpus=str(chosen) if chosen else None,
         lengths=parsed, runs=runs, model_name=model, block_size=block_size, console=console, disk_codec=disk,
         disk_codec_params=params, rounds=rounds, cold=cold, remote=remote, redis=redis,
-        codecs=list(zip(names, chosen_params, strict=True)))
+        codecs=list(zip(names, chosen_params, strict=True)), dtype=dtype, device=device)
 
 
 @app.command()
@@ -626,6 +629,21 @@ def bench_abuse(
     result = run(json_path=str(json_path) if json_path else None, settings=settings, console=console)
     if not result["ok"]:
         raise typer.Exit(1)
+
+
+def _check_device(device: str, dtype: str) -> None:
+    """A clear error for a device or dtype the bench cannot use, before the model loads."""
+    import torch
+
+    from kvshelf.adapters.model import resolve_dtype
+
+    resolve_dtype(dtype)
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError) as exc:
+        raise KVShelfError(f"--device {device!r}: {exc}") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise KVShelfError(f"--device {device}: CUDA is not available on this machine")
 
 
 def _corpus(corpus: Path | None) -> Path | None:

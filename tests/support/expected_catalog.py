@@ -42,11 +42,11 @@ REFUSED: dict[str, str] = {
 
 #: hybrid family -> its outcome in today's tree (exact or refused; the snapshot work flips refusals)
 HYBRID: dict[str, str] = {
-    **dict.fromkeys(("granitemoehybrid", "lfm2", "nemotron_h", "qwen3_5_text", "qwen3_next"), "exact"),
-    **dict.fromkeys(("bailing_hybrid", "bamba", "falcon_h1", "falcon_mamba", "inkling_text", "inkling2_text", "jamba",
-                     "kimi_linear", "lfm2_moe", "lfm3", "mamba", "mamba2", "minimax", "olmo_hybrid",
-                     "qwen3_5_moe_text", "qwen4_exp_text", "recurrent_gemma", "rwkv", "xlstm", "zamba", "zamba2",
-                     "zaya"), "refused"),
+    **dict.fromkeys(("bailing_hybrid", "falcon_h1", "granitemoehybrid", "jamba", "kimi_linear", "lfm2", "lfm2_moe",
+                     "nemotron_h", "olmo_hybrid", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "zamba", "zamba2",
+                     "zaya"), "exact"),
+    **dict.fromkeys(("bamba", "falcon_mamba", "inkling_text", "inkling2_text", "lfm3", "mamba", "mamba2", "minimax",
+                     "qwen4_exp_text", "recurrent_gemma", "rwkv", "xlstm"), "refused"),
 }
 
 #: model type -> "exact" | "refused" (the README's catalog table)
