@@ -37,7 +37,7 @@ from kvshelf.compress.sparse import mark_dropped
 from kvshelf.compress.xquant import XQuantTables, bind_tables, save_tables
 from kvshelf.kvstore import KVBlock
 from kvshelf.kvstore import limits as L
-from kvshelf.kvstore.codec import Codec, numel
+from kvshelf.kvstore.codec import Codec, block_numel, numel
 from kvshelf.kvstore.encoding import (
     decode_block,
     decode_cost_bytes,
@@ -235,8 +235,8 @@ def run(case, data, warm=False):
         return block.keys, block.values
     if case["mode"] == "prepare":
         prepared = prepare_block(data)
-        keys = torch.empty(prepared.shape, dtype=prepared.dtype)
-        values = torch.empty(prepared.shape, dtype=prepared.dtype)
+        keys = torch.empty(prepared.shape.keys, dtype=prepared.dtype)
+        values = torch.empty(prepared.shape.values, dtype=prepared.dtype)  # MLA: another head dim
         prepared.payload.write(keys, values)
         return prepared, keys, values
     codec = get_codec(case["codec"], case["params"])
@@ -330,11 +330,12 @@ class Cases:
 
     def block(self, name: str, codec: str, params: dict, shape: tuple[int, int, int, int], *, kind: str = "gauss",
               dtype: torch.dtype = torch.float32, modes: tuple[str, ...] = ("decode", "prepare"),
-              drop: bool = False, tables: str | None = None) -> None:
-        """A real block encoded with ``codec`` and hostile contents, decoded on each path of ``modes``."""
+              drop: bool = False, tables: str | None = None, value_head_dim: int | None = None) -> None:
+        """A real block encoded with ``codec`` and hostile contents, decoded on each path of ``modes``;
+        ``value_head_dim``: values of another head dim than the keys' (MLA)."""
         def make(tokens: int, seed: int) -> bytes:
             keys = _tensors((*shape[:2], tokens, shape[3]), kind, seed).to(dtype)
-            values = _tensors((*shape[:2], tokens, shape[3]), kind, seed + 1).to(dtype)
+            values = _tensors((*shape[:2], tokens, value_head_dim or shape[3]), kind, seed + 1).to(dtype)
             block = KVBlock(keys, values, tuple(range(tokens)), 0, "fp")
             if drop:
                 block = mark_dropped(block, list(range(0, tokens, 2)))
@@ -455,6 +456,18 @@ def _cases(root: Path) -> Cases:
             drop=True)
     c.block("sparse-zstd-f16", "sparse", {"inner": "zstd", "fill": "zero"}, (1, 2, 512, hd), drop=True,
             kind="smooth", dtype=torch.float16)
+    # -- keys and values of different head dims (MLA), each codec's widest case: cachegen pads the narrower
+    c.block("raw-mla", "raw", {}, (4, 1, 256, 512), value_head_dim=64)
+    c.block("fp16-mla-vwide", "fp16", {}, (2, 2, 256, 64), value_head_dim=hd, kind="big")
+    c.block("bf16-mla-f64", "bf16", {}, (2, 1, 128, hd), value_head_dim=8, dtype=torch.float64)
+    c.block("zstd-mla", "zstd", {}, (2, 1, 256, hd), value_head_dim=64)
+    c.block("int8-mla-g1", "int8", {"group_size": 1}, (2, 1, 128, 512), value_head_dim=64)
+    c.block("int2-mla-vwide-g3", "int2", {"group_size": 3}, (2, 2, 128, 64), value_head_dim=512)
+    c.block("cachegen-mla-rot-kwide", "cachegen", hostile, (2, 1, 128, hd), value_head_dim=8)
+    c.block("cachegen-mla-rot-vwide-f16", "cachegen", hostile, (2, 1, 128, 8), value_head_dim=hd,
+            dtype=torch.float16)
+    c.block("sparse-mla-cachegen", "sparse", {"inner": "cachegen", "inner_params": hostile}, (2, 1, 128, hd),
+            value_head_dim=8, drop=True)
     tables, path = _xquant_tables(root)
     for matmul, dtype in (("int8", torch.float32), ("fp32", torch.float16), ("bf16", torch.float32)):
         params = {"model": tables.digest, "step": 1e-3, "drop_below": 0.0, "max_sinks": 64, "sink_ratio": 1.01,
@@ -499,7 +512,7 @@ def test_decode_memory_stays_within_its_stated_cost(tmp_path: Path) -> None:
         else:
             header = read_header(value)
             bound = decode_cost_bytes(header) + SLACK
-            elements = 2 * numel(header.shape)
+            elements = block_numel(header.shape)
             proportional = 48 * elements + 16 * header.payload_len + (0 if header.codec != "xquant" else 64 * MiB)
             if decode_cost_bytes(header) > decoded_nbytes(header) + proportional:
                 failures.append(f"{r['name']}: cost {decode_cost_bytes(header)} not proportional to the block")
