@@ -256,3 +256,15 @@ def test_readme_sizing_of_published_shapes() -> None:
            for name, s in sizes.items()}
     assert got == {"qwen3-next-80b": (36, 12, 77856768, 6291456), "qwen3.5-0.8b": (18, 6, 19759104, 3145728),
                    "nemotron-h-8b": (24, 4, 102629376, 4194304)}
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h", "lfm2", "falcon_h1"])
+def test_bf16_reuse_gives_the_same_tokens(family: str) -> None:
+    """bf16 models: the snapshot holds a bf16 conv state beside a float32 recurrent state, both restored in their
+    own dtype; greedy tokens equal plain ``generate``'s."""
+    model = hybrid_model(family, dtype=torch.bfloat16)
+    gen = _gen(model)
+    for n in (70, 100):
+        result = gen.generate(IDS[:n], max_new_tokens=NEW)
+        assert result.new_ids == _plain(model, IDS[:n])[0]
+    assert result.reused_tokens == 64 and gen.snapshot_stats["rejected"] == 0

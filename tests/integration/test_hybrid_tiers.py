@@ -7,10 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 from hybrid_families import hybrid_model
+from redis_servers import redis_server  # noqa: F401 - a fixture
 
 from kvshelf.adapters.generate import CachedGenerator
 from kvshelf.kvstore import MemoryTier, TieredStore, open_embedded_store
 from kvshelf.kvstore.lmdb_tier import LMDBTier
+from kvshelf.kvstore.redis_tier import RedisTier
 from kvshelf.kvstore.store import TierSpec
 from kvshelf.service.client import RemoteStore
 from kvshelf.service.server import ServerLimits, start_server
@@ -51,6 +53,15 @@ def _run(model, store, *, write_behind: bool = False) -> list[int]:
 
 def test_lmdb_tier_with_zstd(model, tmp_path) -> None:
     tier = LMDBTier(tmp_path / "disk")
+    store = TieredStore([TierSpec(tier, codec="zstd")])
+    try:
+        assert _run(model, store) == [0, 64, 96]
+    finally:
+        store.close()
+
+
+def test_redis_tier(model, redis_server) -> None:  # noqa: F811 - the fixture
+    tier = RedisTier.from_url(redis_server.url, prefix="hybrid-tiers:", chunk_bytes=4096)
     store = TieredStore([TierSpec(tier, codec="zstd")])
     try:
         assert _run(model, store) == [0, 64, 96]
