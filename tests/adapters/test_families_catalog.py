@@ -17,7 +17,7 @@ import catalog
 import pytest
 import torch
 from arch_rule import EXACT, REFUSED, Output, plain_generate, run_cell
-from expected_catalog import EXPECTED, HYBRID
+from expected_catalog import EXPECTED, HYBRID, PRUNING_REFUSED
 from expected_catalog import REFUSED as REASONS
 
 from kvshelf.adapters.generate import CachedGenerator
@@ -144,3 +144,41 @@ def test_snapkv_on_zamba_is_refused_before_any_work(model_type):
     finally:
         hook.remove()
     assert not forwards
+
+
+# -- token pruning and selection on every built family ----------------------------------------------------------
+
+PROMPT = FIRST  # 40 tokens
+
+
+@pytest.mark.slow  # ~35 s on a 2-core CPU
+@pytest.mark.parametrize("model_type", catalog.built())
+def test_pruning_methods_on_built_family(model_type):
+    """Every pruning / selection method at budget 1.0 (eager, so the attention-weight methods run too): plain
+    ``generate``'s tokens and logits, or ``UnsupportedModelError`` naming the method and the model type when its
+    ``with`` block is entered, before any forward; compared with ``expected_catalog.PRUNING_REFUSED``."""
+    from kvshelf.adapters.pruning import METHODS
+
+    model = catalog.tiny_model(model_type, attn="eager")
+    assert set(PRUNING_REFUSED) == set(METHODS)
+    reference: list[Output] = []
+    for name, cls in METHODS.items():
+        method, entered = cls(budget=1.0), []
+
+        def full(method=method, entered=entered) -> Output:  # noqa: ANN001
+            with torch.inference_mode(), method(model):
+                entered.append(True)
+                out = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                                     pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+            return Output(out.sequences[0, len(PROMPT):].tolist(), [lg[0].float() for lg in out.logits])
+
+        def ref() -> Output:
+            if not reference:
+                reference.append(plain_generate(model, PROMPT, NEW))
+            return reference[0]
+
+        outcome = run_cell(model, method.name, full, ref, nothing_stored=lambda entered=entered: not entered)
+        if model_type in HYBRID:
+            continue
+        want = REFUSED if model_type in PRUNING_REFUSED[name] else EXACT
+        assert outcome == want, f"{model_type}/{name}: {outcome}, expected {want}"

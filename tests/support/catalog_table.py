@@ -27,17 +27,28 @@ _WHY = {
 }
 
 
-def rows() -> list[tuple[str, str, str, str]]:
-    """``(model type, placement, prefix reuse, why)`` for every model type, in transformers' order."""
+def _pruning(model_type: str) -> str:
+    """The pruning / selection methods refused at budget 1.0 on a built family: ``none``, ``all`` or their names."""
+    if model_type in expected_catalog.HYBRID:
+        return "all (state layers)" if expected_catalog.HYBRID[model_type] == "refused" else "by layer type"
+    refused = [m for m, types in expected_catalog.PRUNING_REFUSED.items() if model_type in types]
+    return "none" if not refused else "all" if len(refused) == len(expected_catalog.PRUNING_REFUSED) else (
+        ", ".join(refused))
+
+
+def rows() -> list[tuple[str, str, str, str, str]]:
+    """``(model type, placement, prefix reuse, pruning refused, why)`` for every model type, in transformers'
+    order."""
     suite = catalog.suite()
     out = []
     for model_type in catalog.model_types():
         if model_type in suite:
             family = suite[model_type]
             outcome = expected_prefix.EXPECTED.get((family, expected_prefix.PATH), "exact")
-            out.append((model_type, f"suite (`{family}`)", outcome, "every path: see the support table"))
+            out.append((model_type, f"suite (`{family}`)", outcome, "see the support table",
+                        "every path: see the support table"))
         elif model_type in catalog.EXCLUDED:
-            out.append((model_type, "excluded", "-", catalog.EXCLUDED[model_type]))
+            out.append((model_type, "excluded", "-", "-", catalog.EXCLUDED[model_type]))
         else:
             outcome = expected_catalog.EXPECTED.get(model_type, "?")
             if model_type in expected_catalog.HYBRID:
@@ -46,20 +57,21 @@ def rows() -> list[tuple[str, str, str, str]]:
                 why = _WHY.get(expected_catalog.REFUSED[model_type], expected_catalog.REFUSED[model_type])
             else:
                 why = ""
-            out.append((model_type, "built", outcome, why))
+            out.append((model_type, "built", outcome, _pruning(model_type), why))
     return out
 
 
 def render() -> str:
     """The table between its markers, with a summary line of the counts."""
     table = rows()
-    placements = [p.split(" ")[0] for _, p, _, _ in table]
-    built = [(o, t) for t, p, o, _ in table if p == "built"]
+    placements = [p.split(" ")[0] for _, p, _, _, _ in table]
+    built = [(o, t) for t, p, o, _, _ in table if p == "built"]
     summary = (f"{len(table)} model types: {placements.count('suite')} in the hand-written suite, "
                f"{placements.count('built')} built from a tiny config ({sum(o == 'exact' for o, _ in built)} exact, "
                f"{sum(o == 'refused' for o, _ in built)} refused), {placements.count('excluded')} excluded.")
-    lines = [BEGIN, "", summary, "", "| model type | placement | prefix reuse | why |", "|---|---|---|---|"]
-    lines += [f"| {t} | {p} | {o} | {w} |" for t, p, o, w in table]
+    lines = [BEGIN, "", summary, "", "| model type | placement | prefix reuse | pruning refused (budget 1.0) | why |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {t} | {p} | {o} | {r} | {w} |" for t, p, o, r, w in table]
     return "\n".join([*lines, "", END])
 
 

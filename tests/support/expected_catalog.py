@@ -53,3 +53,31 @@ HYBRID: dict[str, str] = {
 EXPECTED: dict[str, str] = {
     **dict.fromkeys(EXACT, "exact"), **dict.fromkeys(REFUSED, "refused"), **HYBRID,
 }
+
+
+# -- token pruning and selection (budget 1.0, eager) ------------------------------------------------------------
+
+#: families every pruning / selection method refuses at budget 1.0 (no KV cache, encoders run as decoders with
+#: absolute or relative position embeddings, fused or unknown query paths, sparse or chunked attention...)
+PRUNING_REFUSED_ALL = frozenset({
+    "axk2", "bert", "bert-generation", "big_bird", "biogpt", "camembert", "codegen", "cpmant", "ctrl",
+    "data2vec-text", "dbrx", "deepseek_v32", "deepseek_v4", "dots3_note_text", "electra", "ernie", "glm_moe_dsa",
+    "gpt_neo", "gpt_neox_japanese", "gptj", "hrm_text", "hy_v4", "longcat_flash", "megatron-bert", "ministral",
+    "moshi", "mpt", "openai-gpt", "opt", "reformer", "rembert", "roberta", "roberta-prelayernorm", "roc_bert",
+    "roformer", "trocr", "xlm", "xlm-roberta", "xlm-roberta-xl", "xlnet", "xmod"
+})
+#: method -> the families it refuses at budget 1.0 (the others are exact); hybrid families are ``HYBRID``'s rule
+PRUNING_REFUSED: dict[str, frozenset[str]] = {
+    "snapkv": PRUNING_REFUSED_ALL | {
+        "afmoe", "axk1", "beam", "bitnet", "bloom", "diffllama", "doge", "gemma3n_text", "gemma4_text",
+        "gemma4_unified_text", "glm4_moe_lite", "gpt_oss", "hunyuan_v1_dense", "hunyuan_v1_moe", "jetmoe", "laguna",
+        "llama4_text", "modernbert-decoder", "nanochat", "xglm", "youtu"
+    },
+    "streamingllm": PRUNING_REFUSED_ALL,
+    "h2o": PRUNING_REFUSED_ALL,
+    "keyformer": PRUNING_REFUSED_ALL,
+    "keynorm": PRUNING_REFUSED_ALL,
+    "tokenselect": PRUNING_REFUSED_ALL | {
+        "bloom", "xglm"
+    },
+}
