@@ -76,8 +76,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
                         "index_topk": 16, "shared_experts_intermediate_size": 32, "per_layer_config": {"2": {
                             "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 32,
                             "head_dim": 48, "qk_nope_head_dim": 32, "v_head_dim": 16, "qk_rope_head_dim": 16}}},
-    "gemma3n_text": {"num_kv_shared_layers": 0, "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16,
-                     "laurel_rank": 8},
+    "gemma3n_text": {"num_hidden_layers": 10, "layer_types": (["sliding_attention"] * 4 + ["full_attention"]) * 2,
+                     "num_kv_shared_layers": 5, "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16,
+                     "laurel_rank": 8, "sliding_window": 24},
     "gemma4_text": {"vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16},
     "gemma4_assistant": {"hidden_size_per_layer_input": 0},
     "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": 24},

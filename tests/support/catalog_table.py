@@ -23,6 +23,7 @@ _WHY = {
     "['chunked_attention']": "chunked attention layers: not bridged",
     "set per layer": "KV heads / head dim set per layer: a block has one shape for all layers",
     "key projections differ in width": "layers of different KV widths: a block has one shape for all layers",
+    "['dummy']": "layers that read another layer's KV (KV sharing): not bridged",
     "learned prompt tokens": "prepends learned prompt tokens to every input: cache index is not token position",
 }
 
