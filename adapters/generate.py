@@ -412,7 +412,8 @@ class CachedGenerator(Closable):
         cache = row.cache
         snapshots: list = []
         if self._states and store and self.store is not None:  # prefill up to each snapshot boundary
-            cut = hybrid.boundaries(self, ids, row.reused, cacheable_prefix, fingerprint)
+            # a chat turn stores full blocks and its own end (not the looked-up cacheable_prefix's partial block)
+            cut = hybrid.boundaries(self, ids, row.reused, None if store_generated else cacheable_prefix, fingerprint)
             if cut:
                 cache, snapshots = hybrid.prefill(self, row, cut)
         if self._sliding and store and self.store is not None:  # the blocks to store need every token

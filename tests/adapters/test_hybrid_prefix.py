@@ -268,3 +268,41 @@ def test_bf16_reuse_gives_the_same_tokens(family: str) -> None:
         result = gen.generate(IDS[:n], max_new_tokens=NEW)
         assert result.new_ids == _plain(model, IDS[:n])[0]
     assert result.reused_tokens == 64 and gen.snapshot_stats["rejected"] == 0
+
+
+class _ChatTokenizer:
+    """``w<id>`` words are token ids; the template is ``<role> content <end>`` per message (markup 500-503)."""
+
+    pad_token_id = 0
+    markup = {"<system>": 500, "<user>": 501, "<assistant>": 502, "<end>": 503}
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+        return {"input_ids": [self.markup[w] if w in self.markup else int(w[1:]) for w in text.split()]}
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:  # noqa: ANN001
+        return " ".join(f"w{i}" for i in ids)
+
+    def apply_chat_template(self, messages, *, tokenize: bool = False, add_generation_prompt: bool = False,  # noqa: ANN001
+                            **kwargs) -> str:  # noqa: ANN003
+        text = " ".join(f"<{m['role']}> {m['content']} <end>" for m in messages)
+        return text + " <assistant>" if add_generation_prompt else text
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h", "zamba2"])
+def test_conversation_turns_reuse_the_turn_end_snapshot(family: str) -> None:
+    """``Conversation``: every turn after the first reloads the previous turn's end (its snapshot) and prefills
+    only the new message; each answer equals plain ``generate`` over the turn's template ids."""
+    from kvshelf.adapters.chat import Conversation
+
+    model = _model(family)
+    gen = CachedGenerator(model, _ChatTokenizer(), TieredStore([MemoryTier(64 << 20)]), block_size=BLOCK,
+                          snapshot_every=2)
+    chat = Conversation(gen, system=" ".join(f"w{t}" for t in _tokens(20, seed=5)))
+    stored: list[int] = []
+    for n in range(3):
+        turn = chat.send(" ".join(f"w{t}" for t in _tokens(9 + n, seed=6 + n)), max_new_tokens=NEW,
+                         eos_token_id=None, output_logits=True)
+        _check(model, turn.result, turn.result.prompt_ids)
+        assert turn.reused_tokens == len(stored)
+        stored = turn.result.prompt_ids + turn.new_ids[:-1]
+    assert gen.snapshot_stats["rejected"] == 0 and gen.snapshot_stats["hits"] == 2
