@@ -62,8 +62,10 @@ EXCLUDED: dict[str, str] = {
           "conditioned on an encoder's output" for t in ("musicgen", "musicgen_melody")},
     **{t: "a speculative-decoding assistant: it reads its backbone model's hidden states and KV cache (bidirectional "
           "masks); not a standalone causal LM" for t in ("gemma4_assistant", "gemma4_unified_assistant")},
-    "blt": "not built yet (catalog TODO, not a kvshelf limitation): a byte-level model of four sub-models (entropy "
-           "patcher, local encoder and decoder, global transformer), each needing its own tiny sizes",
+    "blt": "a config transformers itself cannot run with a cache: BltForCausalLM.generate (and forward with "
+           "use_cache) builds DynamicCache(config=BltConfig), which reads num_hidden_layers, a field BltConfig does "
+           "not have (AttributeError in transformers 5.23, for any BLT config; the tiny one in OVERRIDES runs "
+           "without a cache)",
     **{t: _ENC_DEC for t in ("bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "marian", "mbart", "mvp",
                              "pegasus", "plbart", "prophetnet", "whisper")},
 }
@@ -90,6 +92,11 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "zaya": {"num_experts_per_tok": 1},
     "xmod": {"default_language": "en_XX"},
     "mamba2": {"num_heads": 8},
+    "blt": {"vocab_size": 260, "encoder_hash_byte_group_vocab": 512, "cross_attn_k": 2, "patch_in_forward": False,
+            **{f"{part}_config": {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                  "num_hidden_layers": 2, "intermediate_size": 128, "head_dim": 16,
+                                  **({"hidden_size_global": 64} if part in ("encoder", "decoder") else {})}
+               for part in ("patcher", "encoder", "decoder", "global")}},
     "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
              "ffn_config": {"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2}},
     "cohere_compass_text": {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 24,
