@@ -410,15 +410,15 @@ class CachedGenerator(Closable):
         fingerprint = self.fingerprint  # this call's: blocks are looked up and stored for the model as it is now
         row = self._load_prefix(ids, cacheable_prefix, fingerprint) if reuse else _Row(ids)
         cache = row.cache
+        if self._sliding and store and self.store is not None:  # the blocks to store need every token
+            cache = cache if cache is not None else hf.new_cache(self.model.config)
+            hf.keep_sliding_history(cache)
         snapshots: list = []
         if self._states and store and self.store is not None:  # prefill up to each snapshot boundary
             # a chat turn stores full blocks and its own end (not the looked-up cacheable_prefix's partial block)
             cut = hybrid.boundaries(self, ids, row.reused, None if store_generated else cacheable_prefix, fingerprint)
             if cut:
-                cache, snapshots = hybrid.prefill(self, row, cut)
-        if self._sliding and store and self.store is not None:  # the blocks to store need every token
-            cache = cache if cache is not None else hf.new_cache(self.model.config)
-            hf.keep_sliding_history(cache)
+                cache, snapshots = hybrid.prefill(self, row, cut, cache)
         input_ids = torch.tensor([ids], device=self.model.device)
         out = self.model.generate(
             input_ids=input_ids,

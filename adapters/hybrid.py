@@ -137,10 +137,12 @@ def boundaries(gen: CachedGenerator, ids: list[int], reused: int, cacheable_pref
     return chosen
 
 
-def prefill(gen: CachedGenerator, row: _Row, cut: list[BlockSpan]) -> tuple[Any, list[tuple[BlockSpan, Any]]]:
-    """Prefill ``row.ids`` segment by segment up to each boundary of ``cut``, snapshotting the state after each:
-    the cache (holding the last boundary's tokens) and ``(span, snapshot)`` s."""
-    cache = row.cache if row.cache is not None else hf.new_cache(gen.model.config)
+def prefill(gen: CachedGenerator, row: _Row, cut: list[BlockSpan],
+            cache: Any = None) -> tuple[Any, list[tuple[BlockSpan, Any]]]:
+    """Prefill ``row.ids`` past ``row.reused`` into ``cache`` (default: a new one) segment by segment up to each
+    boundary of ``cut``, snapshotting the state after each: the cache (holding the last boundary's tokens) and
+    ``(span, snapshot)`` s."""
+    cache = cache if cache is not None else hf.new_cache(gen.model.config)
     start, taken = row.reused, []
     for span in cut:
         segment = torch.tensor([row.ids[start:span.end]], device=gen.model.device)

@@ -27,12 +27,12 @@ from kvshelf.kvstore.snapshot import StateEntry, StateSnapshot, dtype_name
 #: model types whose state layers kvshelf snapshots and restores exactly (segment-wise prefill checked equal)
 STATE_FAMILIES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "nemotron_h",
                             "lfm2", "lfm2_moe", "granitemoehybrid", "bailing_hybrid", "jamba", "kimi_linear",
-                            "olmo_hybrid", "falcon_h1", "zamba", "zamba2", "zaya"})
+                            "olmo_hybrid", "falcon_h1", "zamba", "zamba2", "zaya", "lfm3"})
 #: families with state layers checked and found not exact across prefill segments, and why
 _PURE_SSM = ("a state-space model without attention layers: its transformers class keeps its own cache, not the "
              "DynamicCache state layers kvshelf snapshots")
-_WITH_WINDOW = ("state layers beside sliding-window attention layers are not supported yet (the segment-wise "
-                "prefill that takes snapshots would drop window tokens the blocks need)")
+_WITH_WINDOW = ("its layers hold a state and a sliding window in one cache layer, which keeps every token only "
+                "by also keeping every past conv state: not snapshotted yet")
 NOT_EXACT = {
     "bamba": "prefilling it in segments (continuing from a cached Mamba2 state) differs from one prefill by up to "
              "1e-3 in fp32 logits (transformers' torch path), so a snapshot cannot be exact",
@@ -41,7 +41,7 @@ NOT_EXACT = {
     "minimax": "it keeps its linear-attention state in its own MiniMaxCache, not in the DynamicCache state layers "
                "kvshelf snapshots",
     **dict.fromkeys(("mamba", "mamba2", "falcon_mamba"), _PURE_SSM),
-    **dict.fromkeys(("inkling_text", "inkling2_text", "lfm3"), _WITH_WINDOW),
+    **dict.fromkeys(("inkling_text", "inkling2_text"), _WITH_WINDOW),
 }
 #: layer types of ``hf.attention_layer_types`` that hold a state ("hybrid": a state and full-attention KV in one
 #: layer, Falcon-H1 / Zamba)

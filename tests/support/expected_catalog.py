@@ -45,8 +45,8 @@ REFUSED: dict[str, str] = {
 HYBRID: dict[str, str] = {
     **dict.fromkeys(("bailing_hybrid", "falcon_h1", "granitemoehybrid", "jamba", "kimi_linear", "lfm2", "lfm2_moe",
                      "nemotron_h", "olmo_hybrid", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "zamba", "zamba2",
-                     "zaya"), "exact"),
-    **dict.fromkeys(("bamba", "falcon_mamba", "inkling_text", "inkling2_text", "lfm3", "mamba", "mamba2", "minimax",
+                     "zaya", "lfm3"), "exact"),
+    **dict.fromkeys(("bamba", "falcon_mamba", "inkling_text", "inkling2_text", "mamba", "mamba2", "minimax",
                      "qwen4_exp_text", "recurrent_gemma", "rwkv", "xlstm"), "refused"),
 }
 

@@ -61,10 +61,13 @@ HYBRID_CONFIGS: dict[str, Callable[[], tf.PretrainedConfig]] = {
                                       layers_block_type=["linear_attention", "linear_attention", "hybrid"]),
     "zaya": lambda: tf.ZayaConfig(**_BASE, num_hidden_layers=2, layer_types=["hybrid", "hybrid"], head_dim=16,
                                   moe_intermediate_size=32, num_experts=4, num_experts_per_tok=1),
+    "lfm3": lambda: tf.Lfm3Config(**_BASE, num_hidden_layers=3, head_dim=16, conv_L_cache=4, sliding_window=24,
+                                  layer_types=["conv", "full_attention", "sliding_attention"]),
 }
 #: families served exactly (the rest are refused: ``adapters.states.NOT_EXACT``)
 EXACT_HYBRIDS = ("qwen3_next", "qwen3_5", "nemotron_h", "granitemoehybrid", "lfm2", "qwen3_5_moe", "lfm2_moe",
-                 "olmo_hybrid", "kimi_linear", "bailing_hybrid", "jamba", "falcon_h1", "zamba", "zamba2", "zaya")
+                 "olmo_hybrid", "kimi_linear", "bailing_hybrid", "jamba", "falcon_h1", "zamba", "zamba2", "zaya",
+                 "lfm3")
 
 
 def hybrid_model(name: str, *, dtype: torch.dtype = torch.float32, seed: int = 0) -> tf.PreTrainedModel:
