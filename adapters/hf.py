@@ -879,18 +879,21 @@ _QUERY_PATH_CHILDREN = frozenset({
     "query_key_value", "dense", "c_attn", "c_proj", "attn_dropout", "resid_dropout", "attention_dropout"})
 
 
-def self_attention_modules(model: nn.Module) -> list[nn.Module]:
+def self_attention_modules(model: nn.Module, *, some: bool = False) -> list[nn.Module]:
     """Each decoder layer's self-attention module, in layer order, in any layout kvshelf knows: Llama-style
     ``model.layers[i].self_attn``, GPT-NeoX ``gpt_neox.layers[i].attention``, Falcon
     ``transformer.h[i].self_attention``, GPT-2 ``transformer.h[i].attn``. Each has a ``layer_idx`` (its cache
-    layer). ``UnsupportedModelError`` otherwise."""
+    layer). ``UnsupportedModelError`` otherwise. With ``some`` (a hybrid model, whose state layers have none),
+    those of the layers that have one."""
     for outer, inner in _LAYER_LISTS:
         layers = getattr(getattr(model, outer, None), inner, None)
         if isinstance(layers, nn.ModuleList) and len(layers):
             modules = [next((getattr(layer, a) for a in _SELF_ATTENTION if isinstance(getattr(layer, a, None),
                                                                                     nn.Module)), None)
                        for layer in layers]
-            if all(m is not None and isinstance(getattr(m, "layer_idx", None), int) for m in modules):
+            if some:
+                modules = [m for m in modules if m is not None]
+            if modules and all(m is not None and isinstance(getattr(m, "layer_idx", None), int) for m in modules):
                 return modules
     raise UnsupportedModelError(f"{type(model).__name__} has no decoder layers with self-attention modules kvshelf "
                                 "can hook (model.layers[i].self_attn, gpt_neox.layers[i].attention, "

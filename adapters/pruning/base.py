@@ -166,20 +166,22 @@ def attention_modules(model: nn.Module, method: str = "token pruning", *, querie
     text = config.get_text_config(decoder=True)
     if getattr(text, "is_encoder_decoder", False) or getattr(config, "is_encoder_decoder", False):
         raise refusal(method, model, "encoder-decoder models are not supported (decoder-only LMs)")
-    state_types = sorted(set(hf.attention_layer_types(config)) & {"linear_attention", "conv", "hybrid"})
-    if state_types:
-        raise refusal(method, model, f"it has attention layers of types {state_types} that keep a recurrent state; "
-                                     f"{method} on hybrid models (pruning their attention layers only) is not "
-                                     "supported yet")
+    types = hf.attention_layer_types(config)
+    # a hybrid model: its recurrent-state layers are left as they are, its full-attention layers pruned
+    states = sorted(set(types) & {"linear_attention", "conv", "hybrid"})
     try:
-        modules = hf.self_attention_modules(model)
+        modules = hf.self_attention_modules(model, some=bool(states))
     except UnsupportedModelError as exc:
-        raise refusal(method, model, f"no attention modules kvshelf can hook ({exc})") from exc
+        beside = f" beside its layers of types {states}, which keep a recurrent state" if states else ""
+        raise refusal(method, model, f"no attention modules kvshelf can hook{beside} ({exc})") from exc
     problem = hf.absolute_position_problem(model)
     if problem is not None:
         raise refusal(method, model, problem)
-    types = hf.attention_layer_types(config)
-    if len(types) != len(modules):
+    if states:
+        if any(not 0 <= m.layer_idx < len(types) or types[m.layer_idx] in states for m in modules):
+            raise refusal(method, model, f"its attention modules do not map to its attention layers (layers of types "
+                                         f"{states} keep a recurrent state)")
+    elif len(types) != len(modules):
         raise refusal(method, model, f"{len(types)} layer types for {len(modules)} attention layers")
     full = [m for m in modules if types[m.layer_idx] == hf.FULL_ATTENTION]
     if not full:

@@ -140,7 +140,7 @@ class TokenSelect:
     def __call__(self, model: nn.Module) -> Iterator[TokenSelect]:
         modules = attention_modules(model, self.name, interface=True)  # full-attention layers only
         register()
-        every = hf.self_attention_modules(model)
+        every = hf.self_attention_modules(model, some=True)  # a hybrid's state layers have none
         with hf.attention_implementation(model, IMPLEMENTATION) as previous:
             self.first_layer = min(int(m.layer_idx) for m in modules)
             selecting = dict(_SELECTING.get() or {})

@@ -202,20 +202,57 @@ def test_settings_and_refusals() -> None:
 
 
 @pytest.mark.parametrize("family", EXACT_HYBRIDS)
-def test_other_paths_refuse_naming_the_layer_type(family: str) -> None:
-    """RAG chunks, block attention, prompt modules (the layer-by-layer engine) and pruning / selection refuse a
-    hybrid model before any work, naming its state layer type."""
-    from kvshelf.adapters.pruning import METHODS
+def test_engine_paths_refuse_naming_the_layer_type(family: str) -> None:
+    """RAG chunks, block attention, prompt modules (the layer-by-layer engine) refuse a hybrid model before any
+    work, naming its state layer type."""
     from kvshelf.adapters.rag import RAGGenerator
 
     model = _model(family)
-    layer_type = st.state_layer_types(model.config)[0]
-    store = TieredStore([MemoryTier(1 << 20)])
-    with pytest.raises(UnsupportedModelError, match=layer_type):
-        RAGGenerator(model, None, store)
+    with pytest.raises(UnsupportedModelError, match=st.state_layer_types(model.config)[0]):
+        RAGGenerator(model, None, TieredStore([MemoryTier(1 << 20)]))
+
+
+#: hybrids whose attention modules pruning hooks (the state layers are left alone); the others refuse
+PRUNED = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "granitemoehybrid", "lfm2", "lfm2_moe", "lfm3",
+          "jamba")
+
+
+@pytest.mark.parametrize("family", EXACT_HYBRIDS)
+def test_pruning_acts_on_attention_layers_only(family: str) -> None:
+    """Pruning and selection on a hybrid: budget 1.0 equals plain ``generate`` and budget 0.5 prunes the
+    full-attention layers only, their state layers untouched; or the method refuses before any work, naming the
+    state layer type (attention modules kvshelf cannot hook or map: Nemotron-H, Zamba, Kimi...)."""
+    from kvshelf.adapters.pruning import METHODS, PruningMethod, resolve_budget
+
+    model = hybrid_model(family)
+    model.set_attn_implementation("eager")
+    ids = IDS[:80]
+    tokens, logits = _plain(model, ids)
     for name, cls in METHODS.items():
-        with pytest.raises(UnsupportedModelError, match=layer_type), cls(budget=1.0)(model):
-            pytest.fail(f"{name} ran")
+        entered = []
+        try:
+            with torch.inference_mode(), cls(budget=1.0)(model):
+                entered.append(True)
+                out = model.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False, output_logits=True,
+                                     return_dict_in_generate=True)
+        except UnsupportedModelError as exc:
+            assert not entered and (family not in PRUNED or name == "snapkv"), f"{family}/{name}: {exc}"
+            assert family in PRUNED or any(t in str(exc) for t in st.state_layer_types(model.config)), str(exc)
+            continue
+        assert family in PRUNED, f"{family}/{name} ran"
+        assert out.sequences[0, len(ids):].tolist() == tokens
+        assert max(float((a - b).abs().max()) for a, b in zip(out.logits, logits, strict=True)) <= 1e-4
+        if not issubclass(cls, PruningMethod):
+            continue
+        with torch.inference_mode(), cls(budget=0.5)(model) as session:
+            out = model.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False,
+                                 return_dict_in_generate=True)
+        layers = hf.cache_layers(out.past_key_values)
+        assert set(session.kept) == {i for i, t in enumerate(hf.attention_layer_types(model.config))
+                                     if t == hf.FULL_ATTENTION}
+        for index in session.kept:
+            assert layers[index].get_seq_length() == resolve_budget(0.5, len(ids)) + NEW - 1
+        assert not set(session.kept) & {i for i, _ in hf.state_layers(out.past_key_values)}
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "nemotron_h",
