@@ -22,6 +22,7 @@ Segment-wise prefill equals one prefill within fp32 summation order on the famil
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
@@ -52,8 +53,16 @@ def check_settings(snapshot_every: int, snapshot_codec: str) -> None:
         raise ConfigError(f"snapshot_codec must be one of {list(SNAPSHOT_CODECS)}, got {snapshot_codec!r}")
 
 
+_STATS = threading.Lock()  # a generator may be shared by threads
+
+
 def new_stats() -> Counter:
     return Counter({"taken": 0, "stored": 0, "hits": 0, "fallbacks": 0, "rejected": 0})
+
+
+def _count(gen: CachedGenerator, name: str, n: int = 1) -> None:
+    with _STATS:
+        gen.snapshot_stats[name] += n
 
 
 def _expected_layout(gen: CachedGenerator, fingerprint: str) -> tuple:
@@ -85,7 +94,7 @@ def _snapshot(gen: CachedGenerator, span: BlockSpan, last_token: int, fingerprin
         if snapshot.layout() != _expected_layout(gen, fingerprint):
             raise KVShelfError("its state shapes or dtypes do not match the model's")
     except KVShelfError as exc:
-        gen.snapshot_stats["rejected"] += 1
+        _count(gen, "rejected", 1)
         gen.snapshot_last_error = f"snapshot at token {span.end}: {type(exc).__name__}: {exc}"
         return None
     return snapshot
@@ -111,12 +120,12 @@ def load(gen: CachedGenerator, row: _Row, spans: list[BlockSpan], tokens: list[i
             continue
         cache = cache_from_prepared(blocks, gen.model.config, device=gen.model.device, dtype=gen.model.dtype)
         st.restore(cache, snapshot, device=gen.model.device)
-        gen.snapshot_stats["hits"] += 1
-        gen.snapshot_stats["fallbacks"] += rank > 0
+        _count(gen, "hits", 1)
+        _count(gen, "fallbacks", rank > 0)
         row.loaded = row.reused = span.end
         row.cache = cache
         return row
-    gen.snapshot_stats["fallbacks"] += bool(depths)
+    _count(gen, "fallbacks", bool(depths))
     return row
 
 
@@ -149,7 +158,7 @@ def prefill(gen: CachedGenerator, row: _Row, cut: list[BlockSpan],
         gen.model(input_ids=segment, past_key_values=cache, use_cache=True)
         taken.append((span, st.capture(cache, span.end)))
         start = span.end
-    gen.snapshot_stats["taken"] += len(taken)
+    _count(gen, "taken", len(taken))
     return cache, taken
 
 
@@ -161,7 +170,7 @@ def turn_snapshot(gen: CachedGenerator, seq: list[int], cache: Any, reused: int,
     if held != len(seq) or held <= reused:
         return []
     span = prefix_block_spans(fingerprint, gen.namespace, seq, gen.block_size, partial=True)[-1]
-    gen.snapshot_stats["taken"] += 1
+    _count(gen, "taken", 1)
     return [(span, st.capture(cache, held))]
 
 
@@ -175,5 +184,5 @@ def put(gen: CachedGenerator, taken: list[tuple[BlockSpan, Any]], ids: list[int]
         key = state_key(span.key)
         items.append((key, encode_block(record, key, gen.snapshot_codec)))
     stored = int(gen.store.put_encoded_many(items))
-    gen.snapshot_stats["stored"] += stored
+    _count(gen, "stored", stored)
     return stored
