@@ -69,7 +69,7 @@ from kvshelf.adapters.reuse_engine import (
     embed,
     layer_kv,
     layer_windows,
-    move_keys,
+    move_kv,
     prefill_rows,
     run_layers,
     write_kv,
@@ -735,7 +735,7 @@ class RAGGenerator(Closable):
                 layout.fill(0, prefix_block.keys, prefix_block.values)
             row = p
             for block in blocks:
-                layout.fill(row, move_keys(block.keys, row - block.start_pos, rotaries), block.values)
+                layout.fill(row, *move_kv(self.model, block.keys, block.values, row - block.start_pos, rotaries))
                 row += block.num_tokens
             if mode == "reuse-blend":
                 recomputed = self._blend(layout, chunk_ids, q_ids[:-1])

@@ -45,10 +45,13 @@ class Layout:
         """A layout of ``rows`` rows per layer; ``zero=False`` leaves them uninitialised (cheaper: for callers that
         write every row, from blocks or by computing it)."""
         layers, kv_heads, head_dim = kv_geometry(model)
-        shape = (1, kv_heads, rows, head_dim)
+        k_shape = v_shape = (1, kv_heads, rows, head_dim)
+        mla = mla_dims(model.config)
+        if mla is not None:  # transformers caches an MLA layer compressed: the latent, and the rotated shared part
+            k_shape, v_shape = (1, 1, rows, mla["kv_lora_rank"]), (1, 1, rows, mla["qk_rope_head_dim"])
         kw = {"dtype": model.dtype, "device": model.device}
         make = torch.zeros if zero else torch.empty
-        return cls([make(shape, **kw) for _ in range(layers)], [make(shape, **kw) for _ in range(layers)])
+        return cls([make(k_shape, **kw) for _ in range(layers)], [make(v_shape, **kw) for _ in range(layers)])
 
     @property
     def rows(self) -> int:
@@ -162,7 +165,7 @@ def folded_gqa_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     if parts is not None:
         outs = [torch.nn.functional.scaled_dot_product_attention(
                     _fold(query[:, :, part], kv_heads), key[:, :, :kv_end], value[:, :, :kv_end], attn_mask=mask,
-                    dropout_p=dropout, scale=scaling).reshape(batch, heads, part.stop - part.start, dim)
+                    dropout_p=dropout, scale=scaling).reshape(batch, heads, part.stop - part.start, value.shape[-1])
                 for part, kv_end, mask in parts]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         return out.transpose(1, 2).contiguous(), None
@@ -175,7 +178,7 @@ def folded_gqa_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
         mask = mask.expand(-1, -1, q, -1).repeat(1, 1, groups, 1)
     out = torch.nn.functional.scaled_dot_product_attention(
         _fold(query, kv_heads), key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
-    return out.reshape(batch, heads, q, dim).transpose(1, 2).contiguous(), None
+    return out.reshape(batch, heads, q, value.shape[-1]).transpose(1, 2).contiguous(), None  # MLA: v's own dim
 
 
 @contextmanager
@@ -245,6 +248,16 @@ def move_keys(keys: torch.Tensor, delta: int, rotaries: Sequence[hf.Rotary]) -> 
     return out
 
 
+def move_kv(model: PreTrainedModel, keys: torch.Tensor, values: torch.Tensor, delta: int,
+            rotaries: Sequence[hf.Rotary]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block's keys and values ``[layers, kv_heads, n, head_dim]`` moved ``delta`` positions (``move_keys``). An
+    MLA model's cache holds its position-free latent as keys and the rotated key part its heads share as values
+    (``fingerprint.mla_dims``): those values are what moves."""
+    if mla_dims(model.config) is not None:
+        return keys, move_keys(values, delta, rotaries)
+    return move_keys(keys, delta, rotaries), values
+
+
 _VERIFIED: weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple[str, str, str], str | None]] = (
     weakref.WeakKeyDictionary())
 _VERIFIED_LOCK = threading.Lock()  # threads may check one model at once: the memo is read and written under it
@@ -268,12 +281,13 @@ def check_engine(model: PreTrainedModel, feature: str) -> list[hf.Rotary]:
         hf.decoder_layers(model)
     except UnsupportedModelError as exc:
         raise refusal(model, feature, str(exc)) from None
-    mla = mla_dims(model.config)
-    if mla is not None:
-        raise refusal(model, feature, f"multi-head latent attention (MLA: its cache holds a compressed latent of "
-                                      f"{mla['kv_lora_rank']} dims and a shared rotated key part of "
-                                      f"{mla['qk_rope_head_dim']}); the layer-by-layer engine neither drives MLA "
-                                      "layers nor moves that rotated part")
+    if mla_dims(model.config) is not None:
+        try:
+            hf.rotaries(model)
+        except (ValueError, TypeError) as exc:  # DeepSeek-V2's rotary embedding returns complex freqs_cis
+            raise refusal(model, feature, f"multi-head latent attention (MLA) whose rotary embedding gives no "
+                                          f"(cos, sin) tables the engine can read ({type(exc).__name__}: {exc})"
+                          ) from None
     rotaries = ropes(model, feature)
     key = (hf.attn_implementation(model), str(model.dtype), str(model.device))
     with _VERIFIED_LOCK:

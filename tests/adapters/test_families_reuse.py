@@ -22,7 +22,7 @@ from transformers import DynamicCache
 from kvshelf.adapters import hf
 from kvshelf.adapters.prompt_modules import PromptModuleGenerator
 from kvshelf.adapters.rag import RAGGenerator, compute_chunk, precompute
-from kvshelf.adapters.reuse_engine import move_keys, rope, ropes
+from kvshelf.adapters.reuse_engine import move_kv, rope, ropes
 from kvshelf.kvstore.errors import UnsupportedModelError
 from kvshelf.reuse import ModuleUse
 
@@ -81,17 +81,19 @@ def _approximate_runs(run: Callable[[], object]) -> None:
 
 def _rerotation_is_exact(model) -> None:  # noqa: ANN001
     """Keys of a chunk computed alone at 0 and moved to ``p`` equal the chunk computed alone at ``p`` (the model's
-    own rotary convention: partial, interleaved, scaled)."""
+    own rotary convention: partial, interleaved, scaled). MLA: the cache's values are its rotated part."""
     ids, position = CHUNKS[0], 37
     with torch.inference_mode():
-        at_zero = compute_chunk(model, ids, "fp", "default").keys
+        chunk = compute_chunk(model, ids, "fp", "default")
         cache = DynamicCache(config=model.config)
         hf.keep_sliding_history(cache)  # sliding-window layers keep every token
         out = model(input_ids=torch.tensor([ids]), position_ids=torch.arange(position, position + len(ids))[None],
                     use_cache=True, past_key_values=cache)
-    at_p = torch.stack([layer.keys[0] for layer in out.past_key_values.layers])
-    moved = move_keys(at_zero, position, ropes(model))
-    assert (moved - at_p).abs().max().item() <= LOGIT_ATOL
+    at_p = [torch.stack([layer.keys[0] for layer in out.past_key_values.layers]),
+            torch.stack([layer.values[0] for layer in out.past_key_values.layers])]
+    moved = move_kv(model, chunk.keys, chunk.values, position, ropes(model))
+    for got, want in zip(moved, at_p, strict=True):
+        assert (got - want).abs().max().item() <= LOGIT_ATOL
 
 
 def _rag_cell(model, path: str) -> str:  # noqa: ANN001

@@ -10,8 +10,9 @@ source): ``{(family, path): "exact" | "approximate" | "refused"}``, checked cell
 
 Sliding-window and hybrid models (Mistral, Qwen2 with a window, Gemma 2 and 3) run with each sliding layer's window on
 top of the path's mask, the suite's prompts longer than the window. Refused: decoders without a Llama-layout RoPE
-(GPT-2, Falcon) and MLA decoders (DeepSeek-V2/V3, MiniCPM3: their cache is a compressed latent and a shared rotated
-key part, which the engine neither drives nor moves). Gemma 3's local and global RoPE: each layer's keys move with
+(GPT-2, Falcon) and DeepSeek-V2 (MLA with a complex rotary table). MLA decoders (DeepSeek-V3, MiniCPM3) cache a
+compressed latent (keys, position-free) and the rotated key part their heads share (values): a chunk's values move.
+Gemma 3's local and global RoPE: each layer's keys move with
 its own table. Length-dependent RoPE (dynamic, longrope) is static up to a length
 (``reuse_engine.check_positions``): exact within it, refused beyond.
 """
@@ -26,11 +27,9 @@ EXACT_PATHS = frozenset({"prompt-modules"})  # the others are approximate by des
 REFUSED_FAMILIES = {
     "gpt2": "no rotary position embedding",
     "falcon": "no decoder layers in the Llama layout",
-    # MLA: the cache holds a compressed latent and a shared rotated key part; the layer-by-layer engine neither
-    # drives MLA layers nor moves that part (prefix reuse, chat, batches, export and the remote store are exact)
+    # MLA whose rotary embedding gives complex freqs_cis, not (cos, sin) tables (DeepSeek-V3 and MiniCPM3 run: the
+    # engine moves the rotated key part the cache holds as values)
     "deepseek-v2": "multi-head latent attention",
-    "deepseek-v3": "multi-head latent attention",
-    "minicpm3": "multi-head latent attention",
 }
 
 
