@@ -62,7 +62,7 @@ class CachedPrefix:
             raise ConfigError(f"only a single-row prefix can be expanded (this one has {self.batch_size} rows)")
         cache = copy.deepcopy(self.cache)
         if batch_size > 1:
-            cache.batch_repeat_interleave(batch_size)
+            hf.repeat_batch(cache, batch_size)  # state layers too (a hybrid model's)
         return CachedPrefix(cache, self.input_ids.repeat(batch_size, 1), self.attention_mask.repeat(batch_size, 1),
                             self.reused_tokens, self.prompt_ids)
 

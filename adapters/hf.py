@@ -63,7 +63,7 @@ __all__ = [
     "sdpa_attention_forward", "set_cache_layer", "supports_sdpa", "switch_attention",
     "FULL_ATTENTION", "SLIDING_ATTENTION", "attention_layer_types", "bridge_layers", "is_sliding_layer",
     "keep_sliding_history", "layer_start", "records_sliding_history", "state_layers", "is_state_only_layer",
-    "layer_states", "set_layer_state",
+    "layer_states", "set_layer_state", "repeat_batch",
     "absolute_position_problem", "attention_head_dim", "attention_queries", "attention_scaling", "attention_softcap",
     "can_switch_attention", "eager_attention_function", "query_path", "self_attention_modules",
     "uses_attention_interface",
@@ -413,6 +413,19 @@ def set_layer_state(layer: Any, kind: str, index: int, tensor: torch.Tensor) -> 
     layer.has_previous_state[index] = True
     if layer.device is None:
         layer.device, layer.dtype = tensor.device, tensor.dtype
+
+
+def repeat_batch(cache: Any, repeats: int) -> None:
+    """``cache.batch_repeat_interleave(repeats)`` in place, state layers included (transformers' linear-attention
+    layers have no such method: their conv and recurrent states are repeated here)."""
+    for layer in cache_layers(cache):
+        if isinstance(layer, _state_classes()):
+            for index in range(int(layer.number_of_states)):
+                for states in (layer.conv_states, layer.recurrent_states):
+                    if states.get(index) is not None:
+                        states[index] = states[index].repeat_interleave(repeats, dim=0)
+        if isinstance(layer, DynamicLayer) or not isinstance(layer, _state_classes() + _dummy_classes()):
+            layer.batch_repeat_interleave(repeats)
 
 
 def is_state_only_layer(layer: Any) -> bool:

@@ -112,6 +112,10 @@ def test_batch_and_export_are_exact() -> None:
     tokens, logits = _plain(model, IDS[:115])
     assert out.sequences[0, 115:].tolist() == tokens
     assert max(float((a - b).abs().max()) for a, b in zip(out.logits, logits, strict=True)) <= 1e-4
+    rows = cached_prefix(model, gen.store, IDS[:115], block_size=BLOCK, batch_size=3)  # states repeated too
+    with torch.inference_mode():
+        out = model.generate(**rows.generate_inputs(), max_new_tokens=NEW, do_sample=False)
+    assert out[:, 115:].tolist() == [tokens] * 3
 
 
 def _state_keys(model, n: int) -> list[bytes]:
