@@ -145,9 +145,9 @@ class CachedGenerator(Closable):
         hybrid.check_settings(snapshot_every, snapshot_codec)
         self._states = state_types.has_state_layers(model.config)  # recurrent-state layers: adapters.hybrid
         self.snapshot_every, self.snapshot_codec = snapshot_every, snapshot_codec
-        #: hybrid models: snapshots taken, stored, loaded (hits), rejected (damaged, foreign, lossy or mismatched: a
-        #: miss, never a state); fallbacks: loads that reused less than the cached blocks (no snapshot at the
-        #: deepest usable boundary: a shallower one, or none)
+        #: hybrid models: snapshots taken, stored, failed (not stored: the answer stands), loaded (hits), rejected
+        #: (damaged, foreign, lossy or mismatched: a miss, never a state); fallbacks: loads that reused less than
+        #: the cached blocks (no snapshot at the deepest usable boundary: a shallower one, or none)
         self.snapshot_stats = hybrid.new_stats()
         self.snapshot_last_error: str | None = None
         self._state_layout: dict[str, tuple] = {}

@@ -57,7 +57,7 @@ _STATS = threading.Lock()  # a generator may be shared by threads
 
 
 def new_stats() -> Counter:
-    return Counter({"taken": 0, "stored": 0, "hits": 0, "fallbacks": 0, "rejected": 0})
+    return Counter({"taken": 0, "stored": 0, "failed": 0, "hits": 0, "fallbacks": 0, "rejected": 0})
 
 
 def _count(gen: CachedGenerator, name: str, n: int = 1) -> None:
@@ -183,6 +183,12 @@ def put(gen: CachedGenerator, taken: list[tuple[BlockSpan, Any]], ids: list[int]
         record = pack(snapshot, last_token=ids[span.end - 1], fingerprint=fingerprint, namespace=gen.namespace)
         key = state_key(span.key)
         items.append((key, encode_block(record, key, gen.snapshot_codec)))
-    stored = int(gen.store.put_encoded_many(items))
+    try:
+        stored = int(gen.store.put_encoded_many(items))
+    except KVShelfError as exc:  # the answer stands; a snapshot not stored is a later prefill, never wrong output
+        _count(gen, "failed", len(items))
+        gen.snapshot_last_error = f"storing {len(items)} snapshots: {type(exc).__name__}: {exc}"
+        return 0
     _count(gen, "stored", stored)
+    _count(gen, "failed", len(items) - stored)  # not taken (a tier too small for one)
     return stored

@@ -347,3 +347,29 @@ def test_conversation_turns_reuse_the_turn_end_snapshot(family: str) -> None:
         assert turn.reused_tokens == len(stored)
         stored = turn.result.prompt_ids + turn.new_ids[:-1]
     assert gen.snapshot_stats["rejected"] == 0 and gen.snapshot_stats["hits"] == 2
+
+
+def test_a_full_store_loses_snapshots_not_answers() -> None:
+    """A memory tier too small for a snapshot: the call still answers exactly; the snapshots are counted as failed
+    and the next call prefills."""
+    model = _model("qwen3_next")
+    gen = _gen(model, TieredStore([MemoryTier(3000)]))
+    for n in (70, 100):
+        result = gen.generate(IDS[:n], max_new_tokens=NEW, output_logits=True)
+        _check(model, result, IDS[:n])
+        assert result.reused_tokens == 0
+    assert gen.snapshot_stats["stored"] == 0 and gen.snapshot_stats["failed"] == gen.snapshot_stats["taken"] > 0
+
+
+def test_a_failing_snapshot_write_keeps_the_answer() -> None:
+    from kvshelf.kvstore.errors import StoreFullError
+
+    class Refusing(TieredStore):
+        def put_encoded_many(self, items, *, pin=False):  # noqa: ANN001, ANN202
+            raise StoreFullError("no room")
+
+    model = _model("qwen3_next")
+    gen = _gen(model, Refusing([MemoryTier(64 << 20)]))
+    result = gen.generate(IDS[:70], max_new_tokens=NEW, output_logits=True)
+    _check(model, result, IDS[:70])
+    assert gen.snapshot_stats["failed"] == 2 and "no room" in gen.snapshot_last_error
