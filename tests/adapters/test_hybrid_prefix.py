@@ -373,3 +373,18 @@ def test_a_failing_snapshot_write_keeps_the_answer() -> None:
     result = gen.generate(IDS[:70], max_new_tokens=NEW, output_logits=True)
     _check(model, result, IDS[:70])
     assert gen.snapshot_stats["failed"] == 2 and "no room" in gen.snapshot_last_error
+
+
+def test_threads_share_a_hybrid_generator() -> None:
+    """Calls from several threads on one generator (write-behind on): each answer exact."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = _model("qwen3_next")
+    with CachedGenerator(model, None, TieredStore([MemoryTier(64 << 20)]), block_size=BLOCK,
+                         snapshot_every=1) as gen:
+        prompts = [IDS[:n] for n in (50, 70, 90, 110, 70, 110)]
+        with ThreadPoolExecutor(3) as pool:
+            results = list(pool.map(lambda ids: gen.generate(ids, max_new_tokens=NEW, output_logits=True), prompts))
+    for result, ids in zip(results, prompts, strict=True):
+        _check(model, result, ids)
+    assert gen.snapshot_stats["rejected"] == 0
