@@ -17,6 +17,7 @@ from transformers import DynamicCache, PretrainedConfig
 
 from kvshelf.adapters import hf
 from kvshelf.adapters import states as state_types
+from kvshelf.adapters.kv_support import check_per_layer_geometry
 from kvshelf.compress import hugepages
 from kvshelf.kvstore.block import KVBlock, PreparedBlock
 from kvshelf.kvstore.codec import PreparedPayload, value_head_dim
@@ -41,6 +42,7 @@ def check_supported(config: PretrainedConfig, feature: str = "KV reuse", *, slid
                                     "decoder-only causal LMs")
     if not hasattr(text, "num_hidden_layers") or not hasattr(text, "num_attention_heads"):
         raise UnsupportedModelError(f"{refuse}: not a decoder kvshelf can bridge")
+    check_per_layer_geometry(text, refuse)
     types = hf.attention_layer_types(config)
     allowed = {hf.FULL_ATTENTION, hf.SLIDING_ATTENTION} if sliding_window else {hf.FULL_ATTENTION}
     if states and set(types) & state_types.STATE_LAYER_TYPES:

@@ -33,6 +33,17 @@ def _model_type(model: Any) -> str:
     return getattr(text, "model_type", None) or getattr(config, "model_type", "?")
 
 
+def check_per_layer_geometry(text: Any, refuse: str) -> None:
+    """Raise ``UnsupportedModelError`` (``refuse``: "FEATURE does not support model type 'X'") for a text config
+    whose KV heads or head dim are set per layer (Gemma 4's ``per_layer_attributes``): reading them globally is an
+    error in transformers, and a block has one shape for every layer. A config-only check (``check_supported``
+    runs it for every path)."""
+    per_layer = sorted(set(getattr(text, "per_layer_attributes", None) or ()) & set(_GEOMETRY))
+    if per_layer:
+        raise UnsupportedModelError(f"{refuse}: its attention geometry (KV heads, head dim) is set per layer "
+                                    f"({per_layer}); kvshelf's blocks have one shape for every layer")
+
+
 def _bidirectional(model: Any) -> bool:
     """Whether a module of the model was built as an encoder: its ``is_decoder`` (BERT-style layers) or an
     attention's ``is_causal`` is ``False`` (GPT-NeoX's config has ``is_decoder=False`` too, but no module reads
@@ -61,11 +72,7 @@ def check_model_supported(model: Any, feature: str) -> None:
         raise UnsupportedModelError(f"{refuse}: it prepends {text.prompt_length} learned prompt tokens to every "
                                     "input, so its cache holds more entries than tokens (cache index != token "
                                     "position)")
-    per_layer = set(getattr(text, "per_layer_attributes", None) or ())
-    if per_layer & set(_GEOMETRY):
-        raise UnsupportedModelError(f"{refuse}: its attention geometry (KV heads, head dim) is set per layer "
-                                    f"({sorted(per_layer & set(_GEOMETRY))}); kvshelf's blocks have one shape "
-                                    "for every layer")
+    check_per_layer_geometry(text, refuse)
     widths = set()
     layers = getattr(getattr(model, "model", None), "layers", None) or ()
     for layer in layers:

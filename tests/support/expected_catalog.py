@@ -32,10 +32,10 @@ _PER_LAYER = "set per layer"
 
 REFUSED: dict[str, str] = {
     **{t: _NO_CACHE for t in ("openai-gpt", "reformer", "xlm", "xlnet")},
-    **{t: _INDEXED for t in ("axk2", "deepseek_v32", "dots3_note_text", "glm_moe_dsa", "hy_v4")},
+    **{t: _INDEXED for t in ("axk2", "deepseek_v32", "glm_moe_dsa", "hy_v4")},
     "deepseek_v4": "['compressed_sparse_attention', 'heavily_compressed_attention']",
     "llama4_text": "['chunked_attention']",
-    **{t: _PER_LAYER for t in ("gemma4_text", "gemma4_unified_text")},
+    **{t: _PER_LAYER for t in ("dots3_note_text", "gemma4_text", "gemma4_unified_text")},
     "mimo_v2_flash": "key projections differ in width",
     "cpmant": "learned prompt tokens",
     "gemma3n_text": "['dummy']",  # its last layers read an earlier layer's KV (num_kv_shared_layers)
@@ -82,3 +82,28 @@ PRUNING_REFUSED: dict[str, frozenset[str]] = {
         "bloom", "xglm"
     },
 }
+
+
+# -- RAG chunks and prompt modules ---------------------------------------------------------------------------------
+
+#: path -> the built families it runs on (rag-*: approximate by design, exact in the limiting case;
+#: prompt-modules: exact); every other built family is refused before any work
+_REUSE_RUNS = frozenset({
+    "afmoe", "apertus", "arcee", "aria_text", "bitnet", "cohere2", "cohere2_moe", "cohere_compass_text", "cwm",
+    "diffllama", "dots1", "ernie4_5", "ernie4_5_moe", "exaone4", "exaone_moe", "flex_olmo", "flint", "glm",
+    "glm4", "glm4_moe", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared", "helium",
+    "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "hyperclovax", "internlm3", "iquestcoder", "jais2",
+    "kolibri1", "laguna", "mellum", "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3", "nemotron",
+    "olmo", "olmo3", "olmoe", "phimoe", "seed_oss", "smollm3", "solar_open", "starcoder2", "vaultgemma"
+})
+REUSE_RUNS: dict[str, frozenset[str]] = dict.fromkeys(
+    ("rag-reuse", "rag-blend", "rag-block-attention", "prompt-modules"), _REUSE_RUNS)
+#: families whose RAG chunk keys, computed at 0 and moved to position p, differ from the chunk computed at p (the
+#: single-chunk limiting case is exact). Not diagnosed yet; suspected: layers without RoPE beside sliding layers
+#: with it (AFMoE, Cohere 2, EXAONE 4, Flint, Kolibri), RoPE pairs interleaved by the attention's own apply
+#: function rather than the rotary table (GLM, GLM-4, ERNIE 4.5, Helium). A kvshelf bug, open: the catalog test
+#: marks them xfail (strict), so a fix shows up
+RAG_REROTATION_INEXACT = frozenset({
+    "afmoe", "cohere2", "cohere2_moe", "ernie4_5", "ernie4_5_moe", "exaone4", "exaone_moe", "flint", "glm", "glm4",
+    "helium", "kolibri1"
+})
