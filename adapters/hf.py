@@ -806,9 +806,14 @@ def _interleaved(model: PreTrainedModel, rotary_emb: nn.Module, pairs: int, laye
     its own output at position 1 (angles ``inv_freq``, all different)."""
     probe = torch.zeros(1, 1, 1, dtype=torch.float32, device=model.device)
     with torch.no_grad():
-        cos, _ = _rope_call(model, rotary_emb, probe, torch.ones(1, 1, dtype=torch.long, device=model.device),
-                            layer_type)
-    cos = cos.reshape(-1).float().cpu()
+        table = _rope_call(model, rotary_emb, probe, torch.ones(1, 1, dtype=torch.long, device=model.device),
+                           layer_type)
+    if isinstance(table, torch.Tensor) and table.is_complex():  # DeepSeek-V2's freqs_cis: pairs (2i, 2i + 1)
+        if table.numel() != pairs:
+            raise UnsupportedModelError(f"model type {model_type(model)!r}: a complex rotary table of "
+                                        f"{table.numel()} entries for {pairs} frequencies (an unknown RoPE layout)")
+        return True
+    cos = table[0].reshape(-1).float().cpu()
     if cos.numel() != 2 * pairs or pairs == 1 or torch.equal(cos[:pairs], cos[pairs:]):
         if cos.numel() != 2 * pairs:
             raise UnsupportedModelError(f"model type {model_type(model)!r}: a rotary table of {cos.numel()} "

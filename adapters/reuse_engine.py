@@ -412,9 +412,10 @@ def run_layers(
         masks = {window: [_group_mask(mask, rows, part, kv_end, 1, model.dtype, window).to(model.device)
                           for part, kv_end in groups] for window in {windows[index] for index in layers}}
         for index in layers:
-            cos, sin = tables[kinds[index]]
+            table = tables[kinds[index]]  # (cos, sin), or one complex tensor (DeepSeek-V2's freqs_cis)
             outs = [hf.run_decoder_layer(model, index, hidden[:, part], position_ids=position_ids[:, part],
-                                         embeddings=(cos[:, part], sin[:, part]), cache=cache,
+                                         embeddings=table[:, part] if isinstance(table, torch.Tensor)
+                                         else (table[0][:, part], table[1][:, part]), cache=cache,
                                          attention_mask=part_mask)
                     for (part, cache), part_mask in zip(caches, masks[windows[index]], strict=True)]
             hidden = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)

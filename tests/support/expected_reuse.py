@@ -10,8 +10,8 @@ source): ``{(family, path): "exact" | "approximate" | "refused"}``, checked cell
 
 Sliding-window and hybrid models (Mistral, Qwen2 with a window, Gemma 2 and 3) run with each sliding layer's window on
 top of the path's mask, the suite's prompts longer than the window. Refused: decoders without a Llama-layout RoPE
-(GPT-2, Falcon) and DeepSeek-V2 (MLA with a complex rotary table). MLA decoders (DeepSeek-V3, MiniCPM3) cache a
-compressed latent (keys, position-free) and the rotated key part their heads share (values): a chunk's values move.
+(GPT-2, Falcon). MLA decoders (DeepSeek-V2/V3, MiniCPM3) cache a compressed latent (keys, position-free) and the
+rotated key part their heads share (values): a chunk's values move (DeepSeek-V2: complex pairs, its freqs_cis).
 Gemma 3's local and global RoPE: each layer's keys move with
 its own table. Length-dependent RoPE (dynamic, longrope) is static up to a length
 (``reuse_engine.check_positions``): exact within it, refused beyond.
@@ -27,9 +27,6 @@ EXACT_PATHS = frozenset({"prompt-modules"})  # the others are approximate by des
 REFUSED_FAMILIES = {
     "gpt2": "no rotary position embedding",
     "falcon": "no decoder layers in the Llama layout",
-    # MLA whose rotary embedding gives complex freqs_cis, not (cos, sin) tables (DeepSeek-V3 and MiniCPM3 run: the
-    # engine moves the rotated key part the cache holds as values)
-    "deepseek-v2": "multi-head latent attention",
 }
 
 
