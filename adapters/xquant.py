@@ -26,7 +26,7 @@ import torch
 from transformers import PreTrainedModel
 
 from kvshelf.adapters import hf
-from kvshelf.adapters.fingerprint import kv_geometry
+from kvshelf.adapters.fingerprint import kv_geometry, mla_dims
 from kvshelf.compress.xquant import XQuantTables, bind_tables, keep_plan
 from kvshelf.kvstore.errors import ConfigError, UnsupportedModelError
 from kvshelf.reuse.rope import rope_cos_sin, unrope
@@ -90,6 +90,11 @@ def xquant_tables(
     """
     if basis not in ("klt", "svd"):
         raise ConfigError(f"xquant basis must be 'klt' or 'svd', got {basis!r}")
+    if mla_dims(model.config) is not None:  # its cache is already a latent: K and V of different dims, no W_k/W_v
+        raise UnsupportedModelError(f"xquant does not support model type "
+                                    f"{model.config.get_text_config(decoder=True).model_type!r}: multi-head latent "
+                                    "attention (MLA) caches a compressed latent and a rotated key part of "
+                                    "different head dims, not keys and values of per-head K/V projections")
     layers, kv_heads, head_dim = kv_geometry(model)
     inv_freq, scaling = _rotary(model)
     if inv_freq.shape != (head_dim // 2,):
