@@ -738,8 +738,21 @@ def rotary(model: PreTrainedModel, layer_type: str | None = None) -> Rotary:
             raise UnsupportedModelError(f"model type {model_type(model)!r}: RoPE type {rope_type!r} without its "
                                         "original inv_freq")
     freqs = inv_freq.detach().to("cpu", torch.float32)
+    interleaved = _interleaved(model, rotary_emb, freqs.numel(), layer_type) or _applies_interleaved(model)
     return Rotary(freqs, float(getattr(rotary_emb, f"{prefix}attention_scaling", 1.0)), str(rope_type),
-                  2 * freqs.numel(), _interleaved(model, rotary_emb, freqs.numel(), layer_type), static)
+                  2 * freqs.numel(), interleaved, static)
+
+
+def _applies_interleaved(model: PreTrainedModel) -> bool:
+    """Whether the attention rotates interleaved pairs although its rotary table is in halves: GLM, GLM-4,
+    ERNIE 4.5 and Helium give ``apply_rotary_pos_emb`` Llama's table and turn it into pairs there
+    (``cos[..., :d // 2].repeat_interleave(2)`` with an interleaved ``rotate_half``): the rotation is Cohere's,
+    pairs ``(2i, 2i + 1)`` at frequency ``i``. Read from the modeling module's ``rotate_half``."""
+    try:
+        modules = self_attention_modules(model)
+        return bool(modules) and _interleaved_rotation(type(modules[0]))
+    except UnsupportedModelError:
+        return False
 
 
 def _static_positions(model: PreTrainedModel, rotary_emb: nn.Module, rope_type: str,

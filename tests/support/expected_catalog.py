@@ -99,11 +99,10 @@ _REUSE_RUNS = frozenset({
 REUSE_RUNS: dict[str, frozenset[str]] = dict.fromkeys(
     ("rag-reuse", "rag-blend", "rag-block-attention", "prompt-modules"), _REUSE_RUNS)
 #: families whose RAG chunk keys, computed at 0 and moved to position p, differ from the chunk computed at p (the
-#: single-chunk limiting case is exact). Not diagnosed yet; suspected: layers without RoPE beside sliding layers
-#: with it (AFMoE, Cohere 2, EXAONE 4, Flint, Kolibri), RoPE pairs interleaved by the attention's own apply
-#: function rather than the rotary table (GLM, GLM-4, ERNIE 4.5, Helium). A kvshelf bug, open: the catalog test
-#: marks them xfail (strict), so a fix shows up
+#: single-chunk limiting case is exact): they have layers without RoPE beside layers with it (the full layers of
+#: AFMoE, Cohere 2, EXAONE 4, Kolibri; the sliding ones of Flint), and kvshelf moves every layer's keys. A kvshelf
+#: bug, open: the catalog test marks them xfail (strict), so a fix shows up. (GLM, GLM-4, ERNIE 4.5 and Helium were
+#: here too: their attention interleaves Llama's rotary table; ``hf.rotary`` reads that now.)
 RAG_REROTATION_INEXACT = frozenset({
-    "afmoe", "cohere2", "cohere2_moe", "ernie4_5", "ernie4_5_moe", "exaone4", "exaone_moe", "flint", "glm", "glm4",
-    "helium", "kolibri1"
+    "afmoe", "cohere2", "cohere2_moe", "exaone4", "exaone_moe", "flint", "kolibri1",
 })
