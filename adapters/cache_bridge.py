@@ -28,9 +28,10 @@ def check_supported(config: PretrainedConfig, feature: str = "KV reuse", *, slid
                     states: bool = False) -> None:
     """Raise ``UnsupportedModelError``, naming the model type and ``feature``, for a model whose KV cache kvshelf
     cannot bridge for that feature: an encoder-decoder (T5...), a decoder without attention heads, attention layers
-    other than full attention (linear or recurrent state, chunked attention, KV shared between layers...) and,
-    unless ``sliding_window`` (a feature that loads and stores sliding-window layers: prefix reuse), sliding-window
-    layers. Which layers are sliding follows the config as transformers reads it (``hf.attention_layer_types``).
+    other than full attention (linear or recurrent state, KV shared between layers...) and, unless
+    ``sliding_window`` (a feature that loads and stores sliding-window layers: prefix reuse), sliding-window and
+    chunked-attention layers (Llama 4: a chunked layer's cache is a window of its chunk size). Which layers are
+    sliding follows the config as transformers reads it (``hf.attention_layer_types``).
     With ``states`` (a path that snapshots recurrent state beside the blocks: prefix reuse), a hybrid model's state
     layers (``states.STATE_LAYER_TYPES``) and cache-less layers pass for the families in
     ``states.STATE_FAMILIES``; other paths refuse them, naming the layer type (they cannot be exact on them)."""
@@ -44,7 +45,7 @@ def check_supported(config: PretrainedConfig, feature: str = "KV reuse", *, slid
         raise UnsupportedModelError(f"{refuse}: not a decoder kvshelf can bridge")
     check_per_layer_geometry(text, refuse)
     types = hf.attention_layer_types(config)
-    allowed = {hf.FULL_ATTENTION, hf.SLIDING_ATTENTION} if sliding_window else {hf.FULL_ATTENTION}
+    allowed = {hf.FULL_ATTENTION, *hf.WINDOWED_ATTENTION} if sliding_window else {hf.FULL_ATTENTION}
     if states and set(types) & state_types.STATE_LAYER_TYPES:
         state_types.check_state_family(config, feature)
         allowed |= state_types.STATE_LAYER_TYPES | {"dummy"}
@@ -59,10 +60,15 @@ def check_supported(config: PretrainedConfig, feature: str = "KV reuse", *, slid
             f"{refuse}: it has sliding-window attention layers (window {getattr(text, 'sliding_window', None)}); "
             "this path bridges full-attention caches only"
         )
+    if other == [hf.CHUNKED_ATTENTION]:
+        raise UnsupportedModelError(
+            f"{refuse}: it has chunked attention layers (chunk {getattr(text, 'attention_chunk_size', None)}: "
+            "sliding-window caches of the chunk size); this path bridges full-attention caches only (prefix reuse "
+            "loads chunked layers as it loads sliding-window ones)")
     if other:
         raise UnsupportedModelError(f"{refuse}: it has attention layers of types {other}, which kvshelf does not "
-                                    "bridge (it bridges full-attention and sliding-window KV caches)")
-    if hf.SLIDING_ATTENTION in types and not hf.records_sliding_history():
+                                    "bridge (it bridges full-attention, sliding-window and chunked KV caches)")
+    if hf.WINDOWED_ATTENTION & set(types) and not hf.records_sliding_history():
         raise UnsupportedModelError(f"{refuse}: its sliding-window layers need transformers "
                                     f"{hf.TESTED_VERSION}+ (sliding layers that keep their past)")
 

@@ -151,7 +151,10 @@ class CachedGenerator(Closable):
         self.snapshot_stats = hybrid.new_stats()
         self.snapshot_last_error: str | None = None
         self._state_layout: dict[str, tuple] = {}
-        self._sliding = hf.SLIDING_ATTENTION in hf.attention_layer_types(model.config)
+        self._sliding = bool(hf.WINDOWED_ATTENTION & set(hf.attention_layer_types(model.config)))
+        # chunked attention (Llama 4): chunk boundaries and the NoPE layers' temperature follow cache positions, which
+        # a left-padded batch shifts: its rows run one at a time (exact), as a hybrid model's do
+        self._chunked = hf.CHUNKED_ATTENTION in hf.attention_layer_types(model.config)
         self.model = model
         self.tokenizer = tokenizer
         self.store = store
@@ -497,10 +500,11 @@ class CachedGenerator(Closable):
     def _generate_batch(self, rows_ids: list[list[int]], *, max_new_tokens: int, reuse: bool, store: bool,
                         wait: bool, timer: FirstTokenTimer, started: float,
                         generate_kwargs: dict[str, Any]) -> list[GenerationResult]:
-        if self._states:  # a state is per row: each row runs as one prompt (exact), one after the other
+        if self._states or self._chunked:  # per-row state, or positions padding would shift: one row at a time
             if timer.inner is not None:
-                raise ConfigError("streaming a batch is not supported for a model with recurrent-state layers "
-                                  f"({state_types.state_layer_types(self.model.config)}); stream one prompt")
+                why = (f"recurrent-state layers ({state_types.state_layer_types(self.model.config)})" if self._states
+                       else "chunked attention layers")
+                raise ConfigError(f"streaming a batch is not supported for a model with {why}; stream one prompt")
             return [self._generate_one(ids, max_new_tokens=max_new_tokens, reuse=reuse, store=store, wait=wait,
                                        cacheable_prefix=None, store_generated=False, timer=FirstTokenTimer(None),
                                        started=started, generate_kwargs=generate_kwargs) for ids in rows_ids]

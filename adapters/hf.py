@@ -307,6 +307,12 @@ def full_attention_layers(cache: Any) -> list[DynamicLayer]:
 
 #: the attention layer types of ``attention_layer_types`` that kvshelf bridges (sliding windows: prefix reuse)
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+#: chunked attention (Llama 4): each token attends within its chunk of ``attention_chunk_size`` tokens. Its cache
+#: layer is a sliding window of the chunk size (``DynamicSlidingWindowLayer``; only the mask differs), so a path that
+#: loads sliding layers loads chunked ones alike.
+CHUNKED_ATTENTION = "chunked_attention"
+#: layer types whose cache keeps a window of the last tokens (``is_sliding_layer``)
+WINDOWED_ATTENTION = frozenset({SLIDING_ATTENTION, CHUNKED_ATTENTION})
 
 
 def attention_layer_types(config: PretrainedConfig) -> list[str]:
@@ -331,7 +337,7 @@ def attention_layer_types(config: PretrainedConfig) -> list[str]:
 
 
 def is_sliding_layer(layer: Any) -> bool:
-    """Whether a cache layer is a sliding-window ``DynamicSlidingWindowLayer``."""
+    """Whether a cache layer is a sliding-window ``DynamicSlidingWindowLayer`` (sliding or chunked attention)."""
     return isinstance(layer, DynamicSlidingWindowLayer)
 
 

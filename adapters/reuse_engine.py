@@ -326,6 +326,45 @@ def _self_check(model: PreTrainedModel) -> str | None:
     if diff > tolerance * (1.0 + float(want.abs().max())):
         return (f"its own forward does something the layer-by-layer engine does not reproduce (logits differ by "
                 f"{diff:.3g} on a self-check)")
+    return _rerotation_problem(model, ids, tolerance)
+
+
+REROTATION_PROBE_SHIFT = 37  # the self-check moves the probe's keys by this many positions
+
+
+def _rerotation_problem(model: PreTrainedModel, ids: Sequence[int], tolerance: float) -> str | None:
+    """``None`` when the probe's KV computed at position 0 and moved ``REROTATION_PROBE_SHIFT`` positions
+    (``move_kv``, each layer's ``ropes``) equals the KV computed there, else why not: a layer without RoPE beside
+    rotated ones (Cohere 2's and EXAONE 4's full layers, Flint's sliding ones), or a rotation kvshelf does not read,
+    would put moved chunks and modules at the wrong positions."""
+    try:
+        rotaries = hf.rotaries(model)
+    except UnsupportedModelError as exc:
+        return str(exc)
+
+    def kv_at(start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = DynamicCache(config=model.config)
+        hf.keep_sliding_history(cache)
+        positions = torch.arange(start, start + len(ids), device=model.device)[None]
+        model(input_ids=torch.tensor([list(ids)], device=model.device), position_ids=positions, use_cache=True,
+              past_key_values=cache)
+        tensors = hf.cache_tensors(cache)
+        return torch.stack([k[0] for k, _ in tensors]).float(), torch.stack([v[0] for _, v in tensors]).float()
+
+    try:
+        (keys, values), (want_keys, want_values) = kv_at(0), kv_at(REROTATION_PROBE_SHIFT)
+        moved_keys, moved_values = move_kv(model, keys, values, REROTATION_PROBE_SHIFT, rotaries)
+    except (RuntimeError, TypeError, ValueError, AttributeError) as exc:
+        return f"its keys cannot be re-rotated on a self-check ({type(exc).__name__}: {exc})"
+    for index in range(want_keys.shape[0]):
+        diff = max(float((moved_keys[index] - want_keys[index]).abs().max()),
+                   float((moved_values[index] - want_values[index]).abs().max()))
+        scale = 1.0 + max(float(want_keys[index].abs().max()), float(want_values[index].abs().max()))
+        if diff > tolerance * scale:
+            return (f"its layer {index}'s keys computed at position 0 and re-rotated to position "
+                    f"{REROTATION_PROBE_SHIFT} differ from those computed there (by {diff:.3g}: a layer without "
+                    "RoPE beside rotated ones, or a rotation kvshelf does not read), so its chunks and modules "
+                    "cannot be moved")
     return None
 
 

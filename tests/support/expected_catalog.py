@@ -19,6 +19,7 @@ EXACT = frozenset({
     "glm4_moe", "glm4_moe_lite", "gpt-sw3", "gpt_bigcode", "gpt_neo", "gpt_neox_japanese", "gpt_oss", "gptj",
     "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared", "helium", "hrm_text", "hunyuan_v1_dense",
     "hunyuan_v1_moe", "hy_v3", "hyperclovax", "internlm3", "iquestcoder", "jais2", "jetmoe", "kolibri1", "laguna",
+    "llama4_text",
     "longcat_flash", "megatron-bert", "mellum", "minicpm3", "minimax_m2", "minimax_m3_vl_text", "ministral",
     "ministral3", "modernbert-decoder", "moshi", "mpt", "nanochat", "nemotron", "olmo", "olmo3", "olmoe", "opt",
     "persimmon", "phi", "phimoe", "rembert", "roberta", "roberta-prelayernorm", "roc_bert", "roformer", "seed_oss",
@@ -34,7 +35,6 @@ REFUSED: dict[str, str] = {
     **{t: _NO_CACHE for t in ("openai-gpt", "reformer", "xlm", "xlnet")},
     **{t: _INDEXED for t in ("axk2", "deepseek_v32", "glm_moe_dsa", "hy_v4")},
     "deepseek_v4": "['compressed_sparse_attention', 'heavily_compressed_attention']",
-    "llama4_text": "['chunked_attention']",
     **{t: _PER_LAYER for t in ("dots3_note_text", "gemma4_text", "gemma4_unified_text")},
     "mimo_v2_flash": "key projections differ in width",
     "cpmant": "learned prompt tokens",
@@ -89,20 +89,17 @@ PRUNING_REFUSED: dict[str, frozenset[str]] = {
 #: path -> the built families it runs on (rag-*: approximate by design, exact in the limiting case;
 #: prompt-modules: exact); every other built family is refused before any work
 _REUSE_RUNS = frozenset({
-    "afmoe", "apertus", "arcee", "aria_text", "bitnet", "cohere2", "cohere2_moe", "cohere_compass_text", "cwm",
-    "diffllama", "dots1", "ernie4_5", "ernie4_5_moe", "exaone4", "exaone_moe", "flex_olmo", "flint", "glm",
-    "glm4", "glm4_moe", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared", "helium",
-    "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "hyperclovax", "internlm3", "iquestcoder", "jais2",
-    "kolibri1", "laguna", "mellum", "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3", "nemotron",
-    "olmo", "olmo3", "olmoe", "phimoe", "seed_oss", "smollm3", "solar_open", "starcoder2", "vaultgemma"
+    "apertus", "arcee", "aria_text", "bitnet", "cohere_compass_text", "cwm", "diffllama", "dots1", "ernie4_5",
+    "ernie4_5_moe", "flex_olmo", "glm", "glm4", "glm4_moe", "granite_swa", "granitemoe", "granitemoe_swa",
+    "granitemoeshared", "helium", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "hyperclovax", "internlm3",
+    "iquestcoder", "jais2", "laguna", "mellum", "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3",
+    "nemotron", "olmo", "olmo3", "olmoe", "phimoe", "seed_oss", "smollm3", "solar_open", "starcoder2", "vaultgemma"
 })
 REUSE_RUNS: dict[str, frozenset[str]] = dict.fromkeys(
     ("rag-reuse", "rag-blend", "rag-block-attention", "prompt-modules"), _REUSE_RUNS)
-#: families whose RAG chunk keys, computed at 0 and moved to position p, differ from the chunk computed at p (the
-#: single-chunk limiting case is exact): they have layers without RoPE beside layers with it (the full layers of
-#: AFMoE, Cohere 2, EXAONE 4, Kolibri; the sliding ones of Flint), and kvshelf moves every layer's keys. A kvshelf
-#: bug, open: the catalog test marks them xfail (strict), so a fix shows up. (GLM, GLM-4, ERNIE 4.5 and Helium were
-#: here too: their attention interleaves Llama's rotary table; ``hf.rotary`` reads that now.)
-RAG_REROTATION_INEXACT = frozenset({
-    "afmoe", "cohere2", "cohere2_moe", "exaone4", "exaone_moe", "flint", "kolibri1",
-})
+#: families whose RAG chunk keys, computed at 0 and moved to position p, would differ from the chunk computed at p
+#: (the catalog test marks their rag-reuse cell xfail, strict). None now: the engine's self-check refuses a model
+#: whose keys do not re-rotate (``reuse_engine._rerotation_problem``: AFMoE, Cohere 2, EXAONE 4, Flint and Kolibri
+#: have layers without RoPE beside rotated ones), and ``hf.rotary`` reads the interleaving GLM, GLM-4, ERNIE 4.5 and
+#: Helium apply to Llama's table
+RAG_REROTATION_INEXACT: frozenset[str] = frozenset()

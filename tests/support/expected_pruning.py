@@ -13,7 +13,7 @@ entered, before any work:
 * Mistral with its ``sliding_window``: every layer is sliding-window, nothing a method may prune;
 * TokenSelect on Falcon: its attention does not call transformers' attention interface, where TokenSelect runs;
 * SnapKV on MLA decoders (DeepSeek-V2/V3, MiniCPM3): it recomputes the window's queries, which an MLA layer makes
-  through its low-rank projections and a rotated slice of the head.
+  through its low-rank projections and a rotated slice of the head; on Llama 4, whose queries rotate as complex pairs.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ REFUSED: dict[tuple[str, str], str] = {
     ("falcon", "tokenselect"): "attention outside transformers' attention interface",
     **{(family, "snapkv"): "multi-head latent attention (MLA)"
        for family in ("deepseek-v2", "deepseek-v3", "minicpm3")},
+    ("llama4", "snapkv"): "its queries rotate as complex pairs (freqs_cis), a rotary convention kvshelf does not "
+                          "recompute",
 }
 
 EXPECTED: dict[tuple[str, str], str] = {

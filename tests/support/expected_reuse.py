@@ -27,6 +27,7 @@ EXACT_PATHS = frozenset({"prompt-modules"})  # the others are approximate by des
 REFUSED_FAMILIES = {
     "gpt2": "no rotary position embedding",
     "falcon": "no decoder layers in the Llama layout",
+    "llama4": "chunked attention (a chunk's tokens attend within it: chunks moved to other positions fall in others)",
 }
 
 

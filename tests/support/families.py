@@ -81,6 +81,12 @@ CONFIGS: dict[str, Callable[[], tf.PretrainedConfig]] = {
                                         residual_multiplier=0.5, attention_multiplier=0.2),
     "gpt2": lambda: tf.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=4096,
                                   bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    # Llama 4: chunked attention (a chunk of WINDOW tokens) on 3 layers of 4, the 4th full attention without RoPE
+    # (NoPE) and with attention temperature tuning by position (floor_scale small enough that the suite's positions
+    # change it), MoE on every layer
+    "llama4": lambda: tf.Llama4TextConfig(**{**_BASE, "num_hidden_layers": 4}, head_dim=16, intermediate_size_mlp=128,
+                                          num_local_experts=4, num_experts_per_tok=1, attention_chunk_size=WINDOW,
+                                          no_rope_layers=[1, 1, 1, 0], floor_scale=16, attn_scale=0.1),
     "falcon": lambda: tf.FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                       num_kv_heads=2, new_decoder_architecture=True, max_position_embeddings=4096,
                                       pad_token_id=0, bos_token_id=1, eos_token_id=2),
@@ -99,7 +105,7 @@ CONFIGS: dict[str, Callable[[], tf.PretrainedConfig]] = {
 #: MLA families (keys and values of different head dims)
 MLA = frozenset({"deepseek-v2", "deepseek-v3", "minicpm3"})
 #: families with sliding-window layers (all or some)
-WINDOWED = frozenset({"qwen2-window", "mistral", "gemma2", "gemma3"})
+WINDOWED = frozenset({"qwen2-window", "mistral", "gemma2", "gemma3", "llama4"})
 #: families whose HF class has no sdpa attention (the suite runs them with eager only)
 NO_SDPA = frozenset({"gemma2"})
 
