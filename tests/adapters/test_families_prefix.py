@@ -211,22 +211,24 @@ def test_t5_is_refused_before_any_work():
 
 
 def test_layers_without_a_kv_cache_are_refused():
-    """Convolution, linear-attention and chunked-attention layers have no KV cache kvshelf can bridge: refused by
-    layer type, naming the model type and the feature."""
+    """Convolution and linear-attention layers have no KV cache kvshelf can bridge: refused by layer type, naming the
+    model type and the feature, where a path does not restore recurrent state (``states=False``). Chunked attention
+    (Llama 4) is a sliding window of the chunk size: prefix reuse loads it, a path that bridges full-attention caches
+    only refuses it by name."""
     import transformers as tf
 
-    configs = {
-        "lfm2": tf.Lfm2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                              num_attention_heads=2, num_key_value_heads=1, layer_types=["conv", "full_attention"]),
-        "llama4_text": tf.Llama4TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                           intermediate_size_mlp=64, num_hidden_layers=2, num_attention_heads=2,
-                                           num_key_value_heads=1, head_dim=16, attention_chunk_size=16,
-                                           num_local_experts=2),
-    }
-    for model_type, config in configs.items():
-        with pytest.raises(UnsupportedModelError, match=rf"prefix reuse does not support model type "
-                                                         rf"'{model_type}'.*attention layers of types"):
-            check_supported(config, "prefix reuse", sliding_window=True)
+    lfm2 = tf.Lfm2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, layer_types=["conv", "full_attention"])
+    with pytest.raises(UnsupportedModelError, match=r"prefix reuse does not support model type 'lfm2'.*attention "
+                                                    r"layers of types"):
+        check_supported(lfm2, "prefix reuse", sliding_window=True)
+    llama4 = tf.Llama4TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, intermediate_size_mlp=64,
+                                 num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                 attention_chunk_size=16, num_local_experts=2)
+    check_supported(llama4, "prefix reuse", sliding_window=True)
+    with pytest.raises(UnsupportedModelError, match=r"RAG does not support model type 'llama4_text'.*chunked "
+                                                    r"attention layers \(chunk 16"):
+        check_supported(llama4, "RAG")
 
 
 # -- dtype --------------------------------------------------------------------------------------------------------
