@@ -55,6 +55,7 @@ import grpc
 import torch
 import xxhash
 
+from kvshelf.bench.common import PeakRss
 from kvshelf.kvstore import KVBlock, encode_block
 from kvshelf.kvstore.limits import MAX_HEAD_DIM
 from kvshelf.proto import kvshelf_pb2 as pb
@@ -239,22 +240,6 @@ def padded_message(namespace: str, chunk: pb.Chunk, padding: str, nbytes: int) -
     if padding == "token_ids":
         return head + _raw_field(3, body + _raw_field(8, varint(100_000) * (nbytes // 3)))
     return head + _raw_field(3, body) + _raw_field(15, bytes(nbytes))
-
-
-def _peak_rss_growth(fn: Callable[[], Any]) -> int:
-    """Bytes this process's peak RSS grew by while ``fn`` ran (``/proc/self/clear_refs`` resets the peak)."""
-    def kib(field: str) -> int:
-        with open("/proc/self/status") as status:
-            return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
-
-    try:
-        with open("/proc/self/clear_refs", "w") as refs:
-            refs.write("5")
-    except OSError:
-        pass
-    start = kib("VmRSS")
-    fn()
-    return max(0, kib("VmHWM") - start) * 1024
 
 
 def put_messages(values: Iterable[tuple[bytes, bytes]], namespace: str) -> Iterator[bytes]:
@@ -452,7 +437,9 @@ class Abuser:
             with contextlib.suppress(KVShelfError):
                 decode_block(value, expected_key=key)
 
-        self.tally.decode_growth(_peak_rss_growth(decode))
+        with PeakRss() as peak:
+            decode()
+        self.tally.decode_growth(peak.growth)
 
     # -- quota ----------------------------------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -95,3 +96,32 @@ def save_results(json_path: str | os.PathLike[str] | None, payload: dict[str, An
     if json_path:
         write_json(json_path, payload)
         console.print(f"wrote {json_path}")
+
+
+def _vm_bytes(pid: int, field: str) -> int:
+    """``field`` (``VmRSS``, ``VmHWM``...) of ``/proc/PID/status``, in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise OSError(f"no {field} in /proc/{pid}/status")
+
+
+class PeakRss:
+    """How much a process's peak RSS grew over a ``with`` block (``growth``, bytes; ``pid`` None: this process).
+
+    ``/proc/PID/clear_refs`` resets the peak (``VmHWM``) at the start, where the kernel lets us (our own processes);
+    elsewhere the peak since the process started counts."""
+
+    def __init__(self, pid: int | None = None) -> None:
+        self.pid = os.getpid() if pid is None else pid
+        self.start = 0
+        self.growth = 0
+
+    def __enter__(self) -> PeakRss:
+        with contextlib.suppress(OSError):
+            Path(f"/proc/{self.pid}/clear_refs").write_text("5")
+        self.start = _vm_bytes(self.pid, "VmRSS")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.growth = max(0, _vm_bytes(self.pid, "VmHWM") - self.start)

@@ -74,9 +74,9 @@ class PrefixAwarePolicy(ARCPolicy):
             if i < held:
                 self._link(child, parent)
             else:
-                self._set_pending(child, parent)
+                self._set_link(self._pending, child, parent, touch=True)
         while len(self._pending) > _PENDING_PARENTS:
-            self._drop_oldest_pending()
+            self._drop_oldest(self._pending)
         self._keep_extra_limit()
 
     def _held(self, key: bytes) -> bool:
@@ -153,26 +153,19 @@ class PrefixAwarePolicy(ARCPolicy):
         if self._orphans.pop(key, _ABSENT) is not _ABSENT:
             self._objects -= _key(key)
 
-    def _set_pending(self, child: bytes, parent: bytes) -> None:
-        old = self._pending.get(child)
-        self._pending[child] = parent
-        self._pending.move_to_end(child)
-        self._extra_objects += _key(parent) - (_key(old) if old is not None else -_key(child))
+    def _set_link(self, table: OrderedDict[bytes, bytes], key: bytes, parent: bytes, *, touch: bool) -> None:
+        """``table[key] = parent`` (``_pending`` or ``_walked``), counting the key objects it keeps alive; ``touch``
+        makes it the newest entry."""
+        old = table.get(key)
+        table[key] = parent
+        if touch:
+            table.move_to_end(key)
+        self._extra_objects += _key(parent) - (_key(old) if old is not None else -_key(key))
 
-    def _drop_oldest_pending(self) -> int:
-        child, parent = self._pending.popitem(last=False)
-        freed = _key(child) + _key(parent)
-        self._extra_objects -= freed
-        return freed
-
-    def _set_walked(self, head: bytes, parent: bytes) -> None:
-        old = self._walked.get(head)
-        self._walked[head] = parent
-        self._extra_objects += _key(parent) - (_key(old) if old is not None else -_key(head))
-
-    def _drop_oldest_walked(self) -> int:
-        head, parent = self._walked.popitem(last=False)
-        freed = _key(head) + _key(parent)
+    def _drop_oldest(self, table: OrderedDict[bytes, bytes]) -> int:
+        """Drop ``table``'s oldest entry; return the bytes of the key objects it freed."""
+        key, parent = table.popitem(last=False)
+        freed = _key(key) + _key(parent)
         self._extra_objects -= freed
         return freed
 
@@ -194,9 +187,9 @@ class PrefixAwarePolicy(ARCPolicy):
     def _shed(self, over: int) -> int:
         """The tail walks' bookmarks first, then the oldest pending parents, then ARC's ghosts."""
         while over > 0 and self._walked:
-            over -= self._drop_oldest_walked()
+            over -= self._drop_oldest(self._walked)
         while over > 0 and self._pending:
-            over -= self._drop_oldest_pending()
+            over -= self._drop_oldest(self._pending)
         return super()._shed(over)
 
     # -- eviction ------------------------------------------------------------------------------------------
@@ -236,7 +229,8 @@ class PrefixAwarePolicy(ARCPolicy):
             key = child
         parent = self._parent.get(key)
         if key != head and parent is not None:
-            self._set_walked(head, parent)  # where the next walk from head starts, once key is gone
+            # where the next walk from head starts, once key is gone
+            self._set_link(self._walked, head, parent, touch=False)
             while len(self._walked) > _PENDING_PARENTS:
-                self._drop_oldest_walked()
+                self._drop_oldest(self._walked)
         return key

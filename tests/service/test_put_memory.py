@@ -7,13 +7,13 @@ from __future__ import annotations
 import os
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import pytest
 from helpers import key_of, make_block
 from service_helpers import ServeProcess, write_tokens
 
+from kvshelf.bench.common import PeakRss
 from kvshelf.kvstore import encode_block, open_embedded_store
 from kvshelf.proto import kvshelf_pb2 as pb
 from kvshelf.service.client import RemoteStore, RemoteStoreError
@@ -40,29 +40,6 @@ def _message(chunk: pb.Chunk, *, namespace: str = "", chunk_extra: bytes = b"", 
     body = chunk.SerializeToString() + chunk_extra
     head = pb.PutBlocksRequest(namespace=namespace).SerializeToString()
     return head + varint(3 << 3 | 2) + varint(len(body)) + body + extra
-
-
-def _vm_kib(pid: int, field: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise AssertionError(f"no {field} in /proc/{pid}/status")
-
-
-class PeakRss:
-    """The peak RSS growth of a process over a ``with`` block (``/proc/PID/clear_refs`` resets the peak)."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.growth = 0
-
-    def __enter__(self) -> PeakRss:
-        Path(f"/proc/{self.pid}/clear_refs").write_text("5")
-        self.start = _vm_kib(self.pid, "VmRSS") * 1024
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.growth = _vm_kib(self.pid, "VmHWM") * 1024 - self.start
 
 
 def _raw_put(address: str, token: str | None = None):
