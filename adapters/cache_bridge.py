@@ -42,7 +42,10 @@ def check_supported(config: PretrainedConfig, feature: str = "KV reuse", *, slid
         raise UnsupportedModelError(f"{refuse}: it is an encoder-decoder model; kvshelf reuses the KV cache of "
                                     "decoder-only causal LMs")
     if not hasattr(text, "num_hidden_layers") or not hasattr(text, "num_attention_heads"):
-        raise UnsupportedModelError(f"{refuse}: not a decoder kvshelf can bridge")
+        why = state_types.NOT_EXACT.get(model_type) or (
+            "its config names no attention layers and heads (num_hidden_layers / num_attention_heads): no KV cache "
+            "kvshelf can bridge")
+        raise UnsupportedModelError(f"{refuse}: {why}")
     check_per_layer_geometry(text, refuse)
     types = hf.attention_layer_types(config)
     allowed = {hf.FULL_ATTENTION, *hf.WINDOWED_ATTENTION} if sliding_window else {hf.FULL_ATTENTION}

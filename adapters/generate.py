@@ -155,6 +155,8 @@ class CachedGenerator(Closable):
         # chunked attention (Llama 4): chunk boundaries and the NoPE layers' temperature follow cache positions, which
         # a left-padded batch shifts: its rows run one at a time (exact), as a hybrid model's do
         self._chunked = hf.CHUNKED_ATTENTION in hf.attention_layer_types(model.config)
+        # positions a left-padded batch would shift (no position_ids, or counted from the input ids): rows alone
+        self._rows_alone = self._chunked or not hf.batch_positions_follow_mask(model)
         self.model = model
         self.tokenizer = tokenizer
         self.store = store
@@ -500,10 +502,11 @@ class CachedGenerator(Closable):
     def _generate_batch(self, rows_ids: list[list[int]], *, max_new_tokens: int, reuse: bool, store: bool,
                         wait: bool, timer: FirstTokenTimer, started: float,
                         generate_kwargs: dict[str, Any]) -> list[GenerationResult]:
-        if self._states or self._chunked:  # per-row state, or positions padding would shift: one row at a time
+        if self._states or self._rows_alone:  # per-row state, or positions padding would shift: one row at a time
             if timer.inner is not None:
                 why = (f"recurrent-state layers ({state_types.state_layer_types(self.model.config)})" if self._states
-                       else "chunked attention layers")
+                       else "chunked attention layers" if self._chunked
+                       else "positions a padded batch would shift")
                 raise ConfigError(f"streaming a batch is not supported for a model with {why}; stream one prompt")
             return [self._generate_one(ids, max_new_tokens=max_new_tokens, reuse=reuse, store=store, wait=wait,
                                        cacheable_prefix=None, store_generated=False, timer=FirstTokenTimer(None),

@@ -336,6 +336,18 @@ def attention_layer_types(config: PretrainedConfig) -> list[str]:
     return [str(t) for t in get_layer_types_and_kwargs(text)[0]]
 
 
+def batch_positions_follow_mask(model: nn.Module) -> bool:
+    """Whether a left-padded batch gives each row the positions it has alone: the forward takes ``position_ids``
+    (``generate`` derives them from the attention mask) and no embeddings module counts positions from the
+    input ids past a padding index (RoBERTa-style ``create_position_ids_from_input_ids``, which a padded row's
+    past length shifts while decoding). TrOCR and MPT take no ``position_ids``; RoBERTa, CamemBERT, XLM-R, X-MOD
+    and Data2Vec-text count from padding."""
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        return False
+    return not any(name.endswith("embeddings") and not isinstance(module, nn.Embedding)
+                   and hasattr(module, "padding_idx") for name, module in model.named_modules())
+
+
 def is_sliding_layer(layer: Any) -> bool:
     """Whether a cache layer is a sliding-window ``DynamicSlidingWindowLayer`` (sliding or chunked attention)."""
     return isinstance(layer, DynamicSlidingWindowLayer)

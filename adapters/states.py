@@ -41,6 +41,9 @@ NOT_EXACT = {
     "minimax": "it keeps its linear-attention state in its own MiniMaxCache, not in the DynamicCache state layers "
                "kvshelf snapshots",
     **dict.fromkeys(("mamba", "mamba2", "falcon_mamba"), _PURE_SSM),
+    **dict.fromkeys(("rwkv", "xlstm"), "a recurrent model without attention layers: its transformers class keeps its "
+                                       "recurrent state in its own cache, not the DynamicCache state layers kvshelf "
+                                       "snapshots"),
     **dict.fromkeys(("inkling_text", "inkling2_text"), _WITH_WINDOW),
 }
 #: layer types of ``hf.attention_layer_types`` that hold a state ("hybrid": a state and full-attention KV in one

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import catalog_table
 import support_table
 from families import CONFIGS
 from helpers import REPO_ROOT
@@ -12,6 +13,15 @@ def test_readme_holds_the_rendered_support_table() -> None:
     assert support_table.render() in readme, (
         "README's support table differs from the suites' expected outcomes: paste the output of "
         "`.venv/bin/python tests/support/support_table.py` into the README")
+
+
+def test_readme_holds_the_rendered_catalog_table() -> None:
+    """The catalog table (every causal LM of transformers; hybrid families' state layers and snapshot sizes,
+    measured on their tiny models) is the one ``catalog_table.render()`` gives."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    assert catalog_table.render() in readme, (
+        "README's catalog table differs from the catalog: paste the output of "
+        "`.venv/bin/python tests/support/catalog_table.py` into the README")
 
 
 def test_every_family_has_an_outcome_on_every_path() -> None:

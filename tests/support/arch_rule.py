@@ -36,9 +36,11 @@ class Output:
 
 def plain_generate(model, ids: Sequence[int], max_new_tokens: int) -> Output:  # noqa: ANN001
     """The reference: HF ``model.generate`` greedy over the whole prompt, with its logits."""
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([list(ids)]), max_new_tokens=max_new_tokens, do_sample=False,
-                             eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    input_ids = torch.tensor([list(ids)])
+    with torch.inference_mode():  # the mask given: a prompt holding the pad id (a generated 0) is not padding
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
+                             return_dict_in_generate=True)
     return Output(out.sequences[0, len(ids):].tolist(), [lg[0].float() for lg in out.logits])
 
 

@@ -85,6 +85,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "gemma4_assistant": {"hidden_size_per_layer_input": 0},
     "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": 24},
     "granitemoehybrid": {"layer_types": ["mamba", "attention"]},
+    "lfm2": {"layer_types": ["conv", "full_attention"]},  # its default config has no conv layer
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
     "jamba": {"num_hidden_layers": 2, "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
               "expert_layer_offset": 1},
@@ -137,6 +138,8 @@ _SIZES: dict[tuple[str, ...], Any] = {
     ("mamba_n_groups", "n_groups"): 1,
     ("time_step_rank", "mamba_dt_rank", "dt_rank"): 8,
     ("linear_num_key_heads",): 2,
+    ("linear_num_heads",): 4,
+    ("linear_head_dim",): 16,
     ("linear_num_value_heads",): 4,
     ("linear_key_head_dim",): 16,
     ("linear_value_head_dim",): 16,

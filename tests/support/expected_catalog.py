@@ -4,9 +4,9 @@
 ``EXACT``: identical greedy tokens and fp32 logits within 1e-4 of plain ``generate``, reusing what was stored.
 ``REFUSED``: model type -> why (a phrase of kvshelf's ``UnsupportedModelError``, which also names the model type
 and the feature, raised before any block is stored or any forward is run).
-``HYBRID``: families with recurrent-state layers (Mamba / linear attention / short convolutions, RG-LRU...): their
-prefix reuse is the state-snapshot work's, in progress; each is exact, or refused naming the family and its layer
-type, and its expected outcome here is the one of today's tree (either is accepted).
+``HYBRID``: families with recurrent-state layers (Mamba / linear attention / short convolutions, RG-LRU...):
+exact with state snapshots beside the KV blocks (``adapters.states.STATE_FAMILIES``), or refused naming the family
+and why (``adapters.states.NOT_EXACT``, or its state layer types).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ REFUSED: dict[str, str] = {
     "gemma3n_text": "['dummy']",  # its last layers read an earlier layer's KV (num_kv_shared_layers)
 }
 
-#: hybrid family -> its outcome in today's tree (exact or refused; the snapshot work flips refusals)
+#: hybrid family -> its outcome (exact: KV blocks plus state snapshots; refused: why in adapters.states)
 HYBRID: dict[str, str] = {
     **dict.fromkeys(("bailing_hybrid", "falcon_h1", "granitemoehybrid", "jamba", "kimi_linear", "lfm2", "lfm2_moe",
                      "nemotron_h", "olmo_hybrid", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "zamba", "zamba2",
