@@ -13,7 +13,14 @@ rematerialize: loading it is decoding it.
 
 For a block of ``tokens`` tokens of the shape's layers (random latent values, seeded), every codec listed: encoded
 bytes (whole blocks: header, token ids and checksum included), the ratio to the expanded K/V in the same dtype,
-encode and decode (load) times (median of ``runs``), and the largest absolute error of the decoded latent.
+encode and decode (load) times (median of ``runs``), and the largest absolute error of the decoded latent. The
+anchor row ``expanded K/V (raw)`` is the same block with its keys and values materialized per head
+(``[layers, heads, tokens, qk_nope + qk_rope]`` and ``[layers, heads, tokens, v]``), stored raw: what a cache of
+materialized K/V stores and loads.
+
+Then each codec serves prefix reuse on a tiny DeepSeek-V3 model in fp32 (``TINY_MLA``: 2 layers, 8 heads, latent
+64 + 16): a 128-token context stored through a memory tier in that codec, reused with another question; its greedy
+tokens and the largest logit difference against plain ``model.generate``.
 """
 
 from __future__ import annotations
@@ -51,6 +58,69 @@ def latent_block(config: Any, tokens: int, dtype: torch.dtype, seed: int = 0) ->
     return KVBlock(keys, values, ids, 0, "bench-mla")
 
 
+def expanded_block(config: Any, tokens: int, dtype: torch.dtype, seed: int = 1) -> KVBlock:
+    """The expanded keys ``[layers, heads, tokens, qk_nope + qk_rope]`` and values ``[layers, heads, tokens, v]`` of
+    ``tokens`` tokens (random, seeded): the anchor a cache of materialized K/V holds."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = (config.num_hidden_layers, config.num_attention_heads, tokens)
+    keys = torch.randn(*shape, config.qk_nope_head_dim + config.qk_rope_head_dim, generator=generator).to(dtype)
+    values = torch.randn(*shape, config.v_head_dim, generator=generator).to(dtype)
+    return KVBlock(keys, values, tuple(range(tokens)), 0, "bench-mla-expanded")
+
+
+#: a tiny DeepSeek-V3 (random weights) for the exactness check: MLA with keys 32 + 16 and values 32 per head
+TINY_MLA = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 64,
+            "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 8, "q_lora_rank": 64,
+            "kv_lora_rank": 64, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32, "head_dim": 16,
+            "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1,
+            "n_group": 1, "topk_group": 1, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def exactness(codecs: tuple[str, ...], *, context: int = 128, new_tokens: int = 4) -> list[dict[str, Any]]:
+    """Per codec: prefix reuse of a ``context``-token prompt stored in that codec on the tiny DeepSeek-V3 (fp32),
+    against plain ``generate``: reused tokens, same greedy tokens, largest logit difference."""
+    import transformers as tf
+
+    from kvshelf.adapters.generate import CachedGenerator
+    from kvshelf.kvstore import MemoryTier, TieredStore, TierSpec
+
+    torch.manual_seed(0)
+    model = tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(**TINY_MLA)).eval()
+    generator = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, 500, (context + 16,), generator=generator).tolist()
+    first, second = ids[:context + 8], ids[:context] + ids[context + 8:]
+    prompt = torch.tensor([second])
+    with torch.inference_mode():
+        plain = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                               do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
+                               return_dict_in_generate=True)
+    rows = []
+    for codec in codecs:
+        store = TieredStore([TierSpec(MemoryTier(256 << 20), codec=codec)])
+        gen = CachedGenerator(model, store=store, block_size=16, write_behind=False)
+        gen.generate(first, max_new_tokens=1, eos_token_id=None, pad_token_id=0)
+        result = gen.generate(second, max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0,
+                              output_logits=True)
+        diff = max(float((a - b).abs().max()) for a, b in zip(result.logits, plain.logits, strict=True))
+        rows.append({"codec": codec, "reused_tokens": result.reused_tokens,
+                     "same_tokens": result.new_ids == plain.sequences[0, len(second):].tolist(),
+                     "max_logit_diff": diff})
+    return rows
+
+
+def _anchor_row(config: Any, tokens: int, torch_dtype: torch.dtype, dtype: str, expanded: int,
+                runs: int) -> dict[str, Any]:
+    """The ``expanded K/V (raw)`` row: the materialized keys and values stored raw, encoded and loaded."""
+    anchor = expanded_block(config, tokens, torch_dtype)
+    key = chunk_key(anchor.fingerprint, anchor.namespace, anchor.token_ids)
+    encode_s, encoded = _timed(lambda: encode_block(anchor, key, "raw"), runs)
+    decode_s, _ = _timed(lambda: decode_block(encoded, expected_key=key), runs)
+    return {"codec": "expanded K/V (raw)", "dtype": dtype, "tokens": tokens, "layers": config.num_hidden_layers,
+            "bytes": len(encoded), "expanded_kv_bytes": expanded,
+            "ratio_vs_expanded": round(expanded / len(encoded), 2),
+            "encode_ms": round(encode_s * 1e3, 3), "decode_ms": round(decode_s * 1e3, 3), "max_abs_error": 0.0}
+
+
 def _timed(fn: Any, runs: int) -> tuple[float, Any]:
     times, result = [], None
     for _ in range(runs):
@@ -86,17 +156,24 @@ def run(*, json_path: str | None, shape: str = "deepseek-v3-shaped", tokens: int
                      "ratio_vs_expanded": round(expanded / len(encoded), 2),
                      "encode_ms": round(encode_s * 1e3, 3), "decode_ms": round(decode_s * 1e3, 3),
                      "max_abs_error": error})
+    rows.append(_anchor_row(config, tokens, torch_dtype, dtype, expanded, runs))
+    checks = {row["codec"]: row for row in exactness(codecs)}
+    for row in rows:
+        row.update({k: v for k, v in checks.get(row["codec"], {}).items() if k != "codec"})
     payload = {"results": rows, "shape": shape, "machine": machine_description(),
                "latent_per_token_layer": config.kv_lora_rank + config.qk_rope_head_dim,
                "expanded_per_token_layer": config.num_attention_heads * (config.qk_nope_head_dim
                                                                          + config.qk_rope_head_dim
                                                                          + config.v_head_dim)}
     table = Table(title=f"MLA block, {shape}, {tokens} tokens, {dtype} ({payload['machine']})")
-    for column in ("codec", "bytes", "vs expanded K/V", "encode ms", "decode ms", "max abs error"):
+    for column in ("codec", "bytes", "vs expanded K/V", "encode ms", "decode ms", "max abs error",
+                   "tiny model: same tokens", "max logit diff"):
         table.add_column(column, justify="left" if column == "codec" else "right")
     for row in rows:
+        exact = ("-", "-") if "same_tokens" not in row else (
+            "yes" if row["same_tokens"] else "no", f"{row['max_logit_diff']:.2g}")
         table.add_row(row["codec"], f"{row['bytes']:,}", f"{row['ratio_vs_expanded']:.1f}x",
-                      f"{row['encode_ms']:.1f}", f"{row['decode_ms']:.1f}", f"{row['max_abs_error']:.3g}")
+                      f"{row['encode_ms']:.1f}", f"{row['decode_ms']:.1f}", f"{row['max_abs_error']:.3g}", *exact)
     console.print(table)
     save_results(json_path, payload, console)
     return payload
