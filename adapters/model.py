@@ -132,3 +132,19 @@ def tiny_llama(
         eos_token_id=2,
     )
     return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def tiny_deepseek_v3(seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """A randomly initialised small DeepSeek-V3 (multi-head latent attention, DeepSeek-V2 2024: 2 layers, 8 heads,
+    latent 64 + RoPE key 16, keys 32 + 16 and values 32 per head; 4 routed experts) for fast checks."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = DeepseekV3Config(
+        vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=8, q_lora_rank=64, kv_lora_rank=64, qk_rope_head_dim=16,
+        qk_nope_head_dim=32, v_head_dim=32, head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2,
+    )
+    return DeepseekV3ForCausalLM(config).to(dtype).eval()

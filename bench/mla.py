@@ -18,9 +18,9 @@ anchor row ``expanded K/V (raw)`` is the same block with its keys and values mat
 (``[layers, heads, tokens, qk_nope + qk_rope]`` and ``[layers, heads, tokens, v]``), stored raw: what a cache of
 materialized K/V stores and loads.
 
-Then each codec serves prefix reuse on a tiny DeepSeek-V3 model in fp32 (``TINY_MLA``: 2 layers, 8 heads, latent
-64 + 16): a 128-token context stored through a memory tier in that codec, reused with another question; its greedy
-tokens and the largest logit difference against plain ``model.generate``.
+Then each codec serves prefix reuse on a tiny DeepSeek-V3 model in fp32 (``adapters.model.tiny_deepseek_v3``:
+2 layers, 8 heads, latent 64 + 16): a 128-token context stored through a memory tier in that codec, reused with
+another question; its greedy tokens and the largest logit difference against plain ``model.generate``.
 """
 
 from __future__ import annotations
@@ -68,24 +68,14 @@ def expanded_block(config: Any, tokens: int, dtype: torch.dtype, seed: int = 1) 
     return KVBlock(keys, values, tuple(range(tokens)), 0, "bench-mla-expanded")
 
 
-#: a tiny DeepSeek-V3 (random weights) for the exactness check: MLA with keys 32 + 16 and values 32 per head
-TINY_MLA = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 64,
-            "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 8, "q_lora_rank": 64,
-            "kv_lora_rank": 64, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32, "head_dim": 16,
-            "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1,
-            "n_group": 1, "topk_group": 1, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
-
-
 def exactness(codecs: tuple[str, ...], *, context: int = 128, new_tokens: int = 4) -> list[dict[str, Any]]:
     """Per codec: prefix reuse of a ``context``-token prompt stored in that codec on the tiny DeepSeek-V3 (fp32),
     against plain ``generate``: reused tokens, same greedy tokens, largest logit difference."""
-    import transformers as tf
-
     from kvshelf.adapters.generate import CachedGenerator
+    from kvshelf.adapters.model import tiny_deepseek_v3
     from kvshelf.kvstore import MemoryTier, TieredStore, TierSpec
 
-    torch.manual_seed(0)
-    model = tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(**TINY_MLA)).eval()
+    model = tiny_deepseek_v3()
     generator = torch.Generator().manual_seed(2)
     ids = torch.randint(3, 500, (context + 16,), generator=generator).tolist()
     first, second = ids[:context + 8], ids[:context] + ids[context + 8:]
