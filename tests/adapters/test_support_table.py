@@ -1,4 +1,5 @@
-"""The README's support table is exactly what the architecture suites check (rendered from their EXPECTED)."""
+"""The support and catalog tables of docs/families.md are exactly what the suites check (rendered from their
+expected outcomes)."""
 
 from __future__ import annotations
 
@@ -8,20 +9,23 @@ from families import CONFIGS
 from helpers import REPO_ROOT
 
 
-def test_readme_holds_the_rendered_support_table() -> None:
-    readme = (REPO_ROOT / "README.md").read_text()
-    assert support_table.render() in readme, (
-        "README's support table differs from the suites' expected outcomes: paste the output of "
-        "`.venv/bin/python tests/support/support_table.py` into the README")
+FAMILIES_PAGE = REPO_ROOT / "docs" / "families.md"
 
 
-def test_readme_holds_the_rendered_catalog_table() -> None:
+def test_families_page_holds_the_rendered_support_table() -> None:
+    page = FAMILIES_PAGE.read_text()
+    assert support_table.render() in page, (
+        "docs/families.md's support table differs from the suites' expected outcomes: paste the output of "
+        "`.venv/bin/python tests/support/support_table.py` into docs/families.md")
+
+
+def test_families_page_holds_the_rendered_catalog_table() -> None:
     """The catalog table (every causal LM of transformers; hybrid families' state layers and snapshot sizes,
     measured on their tiny models) is the one ``catalog_table.render()`` gives."""
-    readme = (REPO_ROOT / "README.md").read_text()
-    assert catalog_table.render() in readme, (
-        "README's catalog table differs from the catalog: paste the output of "
-        "`.venv/bin/python tests/support/catalog_table.py` into the README")
+    page = FAMILIES_PAGE.read_text()
+    assert catalog_table.render() in page, (
+        "docs/families.md's catalog table differs from the catalog: paste the output of "
+        "`.venv/bin/python tests/support/catalog_table.py` into docs/families.md")
 
 
 def test_every_family_has_an_outcome_on_every_path() -> None:

@@ -1,7 +1,8 @@
-"""The README's catalog table: every model type transformers maps to a causal-LM class, where the suite places it
+"""The catalog table of docs/families.md: every model type transformers maps to a causal-LM class, where the suite places it
 (``catalog``), what prefix reuse does on it (``expected_catalog``) and why for each refusal or exclusion.
 
-``tests/adapters/test_families_catalog.py`` checks that the README holds exactly this text. Regenerate with
+``tests/adapters/test_families_catalog.py`` checks that docs/families.md holds exactly
+this text. Regenerate with
 ``.venv/bin/python tests/support/catalog_table.py``.
 """
 

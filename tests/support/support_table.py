@@ -1,8 +1,8 @@
-"""The README's model-family support table, rendered from the architecture suite's expected outcomes.
+"""The model-family support table of docs/families.md, rendered from the architecture suite's expected outcomes.
 
 The suites (``tests/adapters/test_families_*.py``) check every cell against ``expected_prefix``,
 ``expected_reuse`` and ``expected_pruning``; this renders those tables as one markdown table and
-``tests/adapters/test_support_table.py`` checks that the README holds exactly this text, so the README cannot
+``tests/adapters/test_support_table.py`` checks that docs/families.md holds exactly this text, so the page cannot
 drift from what the suite proves. Regenerate with ``.venv/bin/python tests/support/support_table.py``.
 """
 
