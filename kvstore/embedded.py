@@ -96,7 +96,7 @@ def open_embedded_store(
     size limit: past it every put failed with ``StoreFullError``.)
 
     Raises ``TierDamagedError`` (naming the path and the recovery) when ``data_dir/lmdb`` is damaged: salvage it
-    with ``kvshelf repair`` (``kvstore.lmdb_repair``) or move it aside (``lmdb_repair.move_aside``)."""
+    with ``kvshelf repair`` (``kvstore.lmdb_tier.repair``) or move it aside (``lmdb_tier.repair.move_aside``)."""
     path = Path(data_dir) if data_dir is not None else default_data_dir()
     get_codec(memory_codec)  # check the codecs before anything is opened
     get_codec(disk_codec, disk_codec_params)

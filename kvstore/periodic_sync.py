@@ -4,7 +4,7 @@ The ``interval`` durability of ``kvshelf serve`` (Redis's ``appendfsync everysec
 operating system before it is acknowledged, so a crash or SIGKILL of the server loses nothing, and one thread
 calls ``flush`` (``fdatasync``) at most every ``interval_s`` seconds when something was committed since the last
 flush, so an operating-system crash or power cut loses at most the last ``interval_s`` seconds of puts (a lost
-block is a miss; the LMDB file is checked when it is opened: see ``kvstore.lmdb_file``).
+block is a miss; the LMDB file is checked when it is opened: see ``kvstore.lmdb_tier.file``).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from typing import Any
 from kvshelf.kvstore.embedded import MIN_DISK_BYTES, default_data_dir, open_embedded_store, parse_size
 from kvshelf.kvstore.errors import ConfigError, TierDamagedError
 from kvshelf.kvstore.eviction import DEFAULT_POLICY, make_policy
-from kvshelf.kvstore.lmdb_repair import move_aside
+from kvshelf.kvstore.lmdb_tier.repair import move_aside
 from kvshelf.kvstore.store import TieredStore, TierSpec
 
 log = logging.getLogger(__name__)

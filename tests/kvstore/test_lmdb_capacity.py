@@ -18,7 +18,8 @@ import pytest
 from helpers import REPO_ROOT, key_of, make_block
 
 from kvshelf.bench.lmdb_capacity import make_value, value_version
-from kvshelf.kvstore import ConfigError, LMDBTier, MemoryTier, TieredStore, lmdb_tier, open_embedded_store
+from kvshelf.kvstore import ConfigError, LMDBTier, MemoryTier, TieredStore, open_embedded_store
+from kvshelf.kvstore.lmdb_tier import bounded as lmdb_bounded
 from kvshelf.kvstore.lmdb_tier import lmdb_slack_bytes
 from kvshelf.kvstore.stats import StoreEvent
 
@@ -151,7 +152,7 @@ def test_a_full_map_is_met_by_evicting_more_never_by_growing(tmp_path):
 
 
 def test_a_reader_holding_an_old_snapshot_makes_puts_fail_soft_not_the_file_grow(tmp_path, monkeypatch):
-    monkeypatch.setattr(lmdb_tier, "_READER_WAIT_S", 0.05)  # how long a put waits for the reader to end
+    monkeypatch.setattr(lmdb_bounded, "_READER_WAIT_S", 0.05)  # how long a put waits for the reader to end
     capacity = MiB
     tier = bounded(tmp_path / "lmdb", capacity, slack_bytes=256 * KiB)
     for i in range(8):

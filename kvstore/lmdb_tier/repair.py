@@ -10,7 +10,7 @@ damaged``, or its health reports the disk tier damaged):
    next miss), and the old environment is kept as ``DIR/lmdb.damaged-<UTC time>`` for inspection;
 3. or, to start empty at once: ``kvshelf serve --reset-disk`` (moves the environment aside the same way).
 
-The damaged file is read with bounds-checked plain reads (``kvstore.lmdb_file``), never mapped: a file cut
+The damaged file is read with bounds-checked plain reads (``kvstore.lmdb_tier.file``), never mapped: a file cut
 short or a garbage page cannot crash the repair. The tree is walked from the newest meta page (the older one
 when the newest cannot be read); when the walk cannot reach every page (a damaged branch or leaf page, a file
 cut short, garbage meta pages), every leaf page left in the file is scanned for the blocks it missed. A scan may
@@ -31,7 +31,7 @@ from pathlib import Path
 from kvshelf.kvstore.encoding import verify_block
 from kvshelf.kvstore.errors import KVShelfError
 from kvshelf.kvstore.keys import KEY_BYTES, SCOPE_BYTES
-from kvshelf.kvstore.lmdb_file import (
+from kvshelf.kvstore.lmdb_tier.file import (
     F_BIGDATA,
     F_SUBDATA,
     DBRecord,
@@ -43,7 +43,7 @@ from kvshelf.kvstore.lmdb_file import (
     scan_leaf_pages,
     walk_db,
 )
-from kvshelf.kvstore.lmdb_tier import LMDBTier
+from kvshelf.kvstore.lmdb_tier.tier import LMDBTier
 from kvshelf.kvstore.store import header_key
 
 _BATCH_BYTES = 64 << 20

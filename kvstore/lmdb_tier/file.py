@@ -3,7 +3,7 @@
 LMDB trusts its file: ``mdb_env_open`` maps it and follows page numbers wherever they point, so a file cut
 short kills the process with SIGBUS and a garbage page gives a raw error or wrong answers. This module reads
 the file with plain ``pread`` calls, so a damaged file can be judged before LMDB touches it (``check_file``)
-and the readable part of it salvaged without LMDB (``walk_db``, used by ``kvstore.lmdb_repair``).
+and the readable part of it salvaged without LMDB (``walk_db``, used by ``kvstore.lmdb_tier.repair``).
 
 The layout (LMDB 0.9, 64-bit): every page starts with a 16-byte header: ``pgno u64, pad u16, flags u16,
 lower u16, upper u16`` (an overflow page holds its page count, u32, where lower/upper are). Pages 0 and 1 are
@@ -37,7 +37,7 @@ P_INVALID = (1 << 64) - 1
 _MAX_DEPTH = 64
 
 
-class _FileDamage(Exception):  # noqa: N818 - caught inside kvstore (lmdb_file, lmdb_repair), never raised to a caller
+class _FileDamage(Exception):  # noqa: N818 - caught inside kvstore (lmdb_tier.file, lmdb_tier.repair), never raised to a caller
     """The file cannot be an LMDB environment as it stands (the message says what is wrong)."""
 
 
