@@ -8,7 +8,6 @@ import support_table
 from families import CONFIGS
 from helpers import REPO_ROOT
 
-
 FAMILIES_PAGE = REPO_ROOT / "docs" / "families.md"
 
 

@@ -1,8 +1,8 @@
-"""The catalog table of docs/families.md: every model type transformers maps to a causal-LM class, where the suite places it
-(``catalog``), what prefix reuse does on it (``expected_catalog``) and why for each refusal or exclusion.
+"""The catalog table of docs/families.md: every model type transformers maps to a causal-LM class, where the
+suite places it (``catalog``), what prefix reuse does on it (``expected_catalog``) and why for each refusal or
+exclusion.
 
-``tests/adapters/test_families_catalog.py`` checks that docs/families.md holds exactly
-this text. Regenerate with
+``tests/adapters/test_support_table.py`` checks that docs/families.md holds exactly this text. Regenerate with
 ``.venv/bin/python tests/support/catalog_table.py``.
 """
 
