@@ -99,7 +99,9 @@ def test_rag_pipeline_retrieves_and_reuses_precomputed_chunks(tmp_path: Path) ->
 @pytest.mark.slow
 def test_hf_pipeline_with_an_exported_prefix() -> None:
     out = run_example("hf_pipeline.py", "--max-new-tokens", "8")
-    (prompt_tokens, reused) = numbers(r"prompt: (\d+) tokens, cached prefix: (\d+) tokens", out)[:2] or [0, 0]
+    match = re.search(r"prompt: (\d+) tokens, cached prefix: (\d+) tokens", out)
+    assert match, out
+    prompt_tokens, reused = int(match[1]), int(match[2])
     assert 0 < reused < prompt_tokens and reused % 64 == 0, out
     assert "same answer as without the cache: True" in out
 
