@@ -64,9 +64,12 @@ def main() -> None:
         started = next(messages).started  # the first message says where the stream starts
         print(f"subscribed to namespace {started.namespace!r}, next event seq {started.next_seq}")
         if args.watch:
-            for message in messages:
-                for event in message.events:
-                    print(describe(event), flush=True)
+            try:
+                for message in messages:
+                    for event in message.events:
+                        print(describe(event), flush=True)
+            except KeyboardInterrupt:  # Ctrl-C: leaving the with block cancels the stream
+                pass
             return
 
         entries = demo_blocks(store.namespace)

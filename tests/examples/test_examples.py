@@ -8,6 +8,7 @@ import ast
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -135,6 +136,24 @@ def test_events_subscriber_prints_stored_and_removed_events(server: ServeProcess
     assert out.count("BlockStored ") == 6, out  # 3 blocks x (memory, disk)
     assert out.count("BlockRemoved ") == 2 and "reason=deleted" in out, out
     assert "the deleted block is held in: no tier" in out and "blocks still held: 2" in out
+
+
+def test_events_subscriber_watch_prints_another_clients_events_until_ctrl_c(server: ServeProcess) -> None:
+    watch = subprocess.Popen([sys.executable, str(EXAMPLES / "events_subscriber.py"), server.address, "--watch"],
+                             cwd=REPO_ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert watch.stdout is not None
+        assert watch.stdout.readline().startswith("subscribed to namespace 'default'")
+        run_example("events_subscriber.py", server.address, timeout=120)  # another client's puts and delete
+        lines = [watch.stdout.readline() for _ in range(8)]
+        assert sum("BlockStored " in line for line in lines) == 6, lines
+        assert sum("BlockRemoved " in line for line in lines) == 2, lines
+        watch.send_signal(signal.SIGINT)
+        assert watch.wait(timeout=30) == 0, watch.stderr.read() if watch.stderr else ""
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.wait(timeout=30)
 
 
 @pytest.mark.slow
