@@ -3,7 +3,8 @@
 Shows: ``kvshelf.precompute`` stores the KV of every chunk of the documents; a tiny TF-IDF retriever (standard
 library only) picks the chunks closest to the question; ``kvshelf.RAGGenerator`` assembles the retrieved chunks'
 stored KV (``on_missing="error"``: it would raise rather than recompute one) and prefills only the question.
-The same question is then answered with ``mode="full"`` (everything prefilled) to compare TTFT.
+The same question is then answered with ``mode="full"`` (everything prefilled) to compare TTFT. (SmolLM2-135M is a
+test model: its answers may be wrong; a larger model is loaded the same way, ``kvshelf.load_model(DIR)``.)
 
 Run (from a checkout after ``make install``)::
 
@@ -52,11 +53,16 @@ def read_corpus(paths: list[Path], limit: int) -> list[str]:
     return docs[:limit]
 
 
+def terms(text: str) -> list[str]:
+    """Lower-case words of 3+ letters, a plural's "s" dropped: a crude stemmer that is good enough here."""
+    return [w[:-1] if len(w) > 3 and w.endswith("s") else w for w in re.findall(r"[a-z0-9]{3,}", text.lower())]
+
+
 def tf_idf_top(question: str, texts: list[str], k: int) -> list[int]:
     """Indices of the ``k`` texts whose TF-IDF score for the question's words is highest."""
-    words = [Counter(re.findall(r"\w+", text.lower())) for text in texts]
+    words = [Counter(terms(text)) for text in texts]
     df = Counter(word for counts in words for word in counts)
-    query = set(re.findall(r"\w+", question.lower()))
+    query = set(terms(question))
     scores = [sum(counts[w] / sum(counts.values()) * math.log(len(texts) / df[w]) for w in query if w in counts)
               for counts in words]
     return sorted(range(len(texts)), key=lambda i: -scores[i])[:k]
@@ -83,7 +89,7 @@ def main() -> None:
         hits = [done.chunks[i] for i in tf_idf_top(args.question, [c.text for c in done.chunks], args.top_k)]
         for chunk in hits:
             print(f"retrieved document {chunk.document} chunk {chunk.index}: {chunk.text[:70]!r}...")
-        question = f"\nQuestion: {args.question}<|im_end|>\n<|im_start|>assistant\n"
+        question = f"\nAnswer in one sentence: {args.question}<|im_end|>\n<|im_start|>assistant\n"
         with kvshelf.RAGGenerator(model, tokenizer, store, prefix=SYSTEM, on_missing="error",
                                   chunk_size=args.chunk_size) as rag:
             for mode in (args.mode, "full"):
