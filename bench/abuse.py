@@ -110,7 +110,7 @@ class ServerProcess:
 
     def __init__(self, args: list[str]) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-P", "-c", "from kvshelf.service.cli import main; main()", "serve", *args],
+            [sys.executable, "-P", "-c", "from kvshelf.cli import main; main()", "serve", *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
         )
         self.address: str | None = None

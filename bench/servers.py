@@ -161,7 +161,7 @@ class KVShelfProcess:
 
     def start(self) -> KVShelfProcess:
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", "from kvshelf.service.cli import main; main()", "serve", "--listen", self.address,
+            [sys.executable, "-c", "from kvshelf.cli import main; main()", "serve", "--listen", self.address,
              "--data-dir", self.data_dir, *self.extra],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )

@@ -2,17 +2,24 @@
 
 * Module-level imports (not inside a function, not under ``if TYPE_CHECKING:``) form a graph of parts with no
   cycle, and every edge is one the design allows (``ALLOWED``).
+* Lazy imports (inside a function, under ``if TYPE_CHECKING:``) point the same way: a part may defer an import to
+  keep its own import light, not to reach a part above it. The one exception is the root package's lazy public
+  API, which re-exports the parts below the command line (``ROOT_EXPORTS_FROM``).
+* The command line (``kvshelf/cli``) is the top: it may import every other part, no part imports it, and its
+  modules import only the standard library, typer and rich at module level (``kvshelf --help`` loads no torch).
 * Only ``adapters`` imports transformers (``bench`` goes through ``adapters.hf``; internals stay in that one module:
   ``tests/adapters/test_hf_boundary.py``); only ``service`` and ``proto`` (and ``bench``) import grpc: these hold
   for every import, lazy ones too.
 * No part imports the test helpers.
 
-The parts and their folders come from ``pyproject.toml``'s package-dir mapping, so a new part must be placed here.
+The parts and their folders come from ``pyproject.toml``: its package-dir mapping, and the packages one level under
+``kvshelf`` that live in the root package's own folder (``kvshelf.cli``); a new part must be placed here.
 """
 
 from __future__ import annotations
 
 import ast
+import sys
 import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,8 +31,10 @@ import kvshelf
 
 REPO = Path(__file__).resolve().parent.parent
 ROOT = "kvshelf"  # the root package: the lazy public API
+CLI = "cli"  # the command line, above every other part
 
-#: part -> the parts its module-level imports may reach (``bench``: anything but the tests)
+#: part -> the parts its imports may reach, module-level or lazy (``bench``: anything but the command line and the
+#: tests; ``cli``: anything but the tests)
 ALLOWED: dict[str, set[str]] = {
     ROOT: set(),
     "kvstore": set(),
@@ -35,7 +44,12 @@ ALLOWED: dict[str, set[str]] = {
     "service": {"adapters", "reuse", "compress", "kvstore", "proto"},
     "proto": set(),
     "bench": {"kvstore", "compress", "reuse", "adapters", "service", "proto"},
+    CLI: {"kvstore", "compress", "reuse", "adapters", "service", "proto", "bench"},
 }
+#: the parts the root package's lazy public API (``kvshelf.__getattr__``) re-exports from
+ROOT_EXPORTS_FROM = {"kvstore", "compress", "reuse", "adapters", "service"}
+#: what the command line's modules may import at module level, besides the standard library and ``kvshelf.cli``
+CLI_MODULE_LEVEL = {"typer", "rich"}
 #: third-party top-level modules -> the parts that may import them (any import, lazy or not)
 RESTRICTED: dict[str, set[str]] = {
     "transformers": {"adapters"},
@@ -58,13 +72,19 @@ class Import:
 
 
 def part_folders() -> dict[str, Path]:
-    """part -> folder, from ``[tool.setuptools.package-dir]`` (``kvshelf`` itself is the root package)."""
-    mapping = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    """part -> folder, from ``[tool.setuptools.package-dir]`` (``kvshelf`` itself is the root package), and the
+    packages one level under ``kvshelf`` that package-dir leaves in the root's folder (``kvshelf/cli``)."""
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    mapping = setuptools["package-dir"]
     folders = {}
     for package, folder in mapping.items():
         part = ROOT if package == ROOT else package.removeprefix(f"{ROOT}.")
         assert "." not in part, f"package-dir maps a nested package {package!r}: the parts are one level deep"
         folders[part] = REPO / folder
+    for package in setuptools["packages"]:
+        part = package.removeprefix(f"{ROOT}.")
+        if package.startswith(f"{ROOT}.") and "." not in part and package not in mapping:
+            folders[part] = REPO / mapping[ROOT] / part
     return folders
 
 
@@ -137,11 +157,12 @@ def target_parts(imp: Import) -> set[str]:
     return parts
 
 
-def part_graph() -> dict[tuple[str, str], list[Import]]:
-    """(from part, to part) -> the module-level imports that make that edge (self-edges left out)."""
+def part_graph(lazy: bool = False) -> dict[tuple[str, str], list[Import]]:
+    """(from part, to part) -> the module-level imports that make that edge (self-edges left out); with ``lazy``,
+    the lazy imports instead."""
     edges: dict[tuple[str, str], list[Import]] = {}
     for imp in imports():
-        if imp.module_level:
+        if imp.module_level != lazy:
             for to in target_parts(imp) - {imp.part}:
                 edges.setdefault((imp.part, to), []).append(imp)
     return edges
@@ -189,6 +210,9 @@ def test_the_scan_sees_imports() -> None:
     edges = part_graph()
     assert ("compress", "kvstore") in edges and ("service", "proto") in edges and ("adapters", "kvstore") in edges
     assert any(not i.module_level and i.module.startswith("grpc") for i in imports())
+    lazy = part_graph(lazy=True)
+    assert (CLI, "bench") in lazy and (CLI, "service") in lazy and (ROOT, "adapters") in lazy
+    assert any(i.where.startswith("kvshelf/cli/") for i in imports()), "the command line's modules were not read"
 
 
 def test_no_import_cycle_between_parts() -> None:
@@ -212,6 +236,35 @@ def test_dependencies_point_one_way() -> None:
             broken += [f"    {_show(i)}" for i in made_by]
     assert not broken, "module-level imports against the design's direction (make them lazy, or move code):\n" + (
         "\n".join(broken))
+
+
+def test_lazy_imports_point_one_way() -> None:
+    """A lazy import still reaches its part when the function runs: it may defer a part below, never reach one
+    above (``service`` reaching ``bench``, ``adapters`` reaching ``service``), else the layers are one in practice."""
+    broken = []
+    for (a, b), made_by in sorted(part_graph(lazy=True).items()):
+        allowed = ROOT_EXPORTS_FROM if a == ROOT else ALLOWED[a]
+        if b not in allowed:
+            reach = ", ".join(sorted(allowed)) or "no other part"
+            broken.append(f"{a} -> {b} is not allowed ({a} may import {reach}):")
+            broken += [f"    {_show(i)}" for i in made_by]
+    assert not broken, "lazy imports against the design's direction (move the code up or down):\n" + "\n".join(broken)
+
+
+def test_no_part_imports_the_command_line() -> None:
+    wrong = [f"{_show(i)} (part {i.part})" for i in imports() if i.part != CLI and CLI in target_parts(i)]
+    assert not wrong, "the command line is the top: nothing imports it (lazily or not):\n" + "\n".join(wrong)
+
+
+def test_the_command_line_is_light_at_module_level() -> None:
+    """``kvshelf --help`` imports every module of ``kvshelf/cli``: at module level they import the standard library,
+    typer, rich and each other only; the store, the models and torch come inside the commands that use them
+    (``tests/test_cli_imports.py`` runs it)."""
+    wrong = [_show(i) for i in imports() if i.part == CLI and i.module_level
+             and not (i.module == "__future__" or i.module.split(".")[0] in sys.stdlib_module_names | CLI_MODULE_LEVEL
+                      or i.module == f"{ROOT}.{CLI}" or i.module.startswith(f"{ROOT}.{CLI}."))]
+    assert not wrong, "module-level imports of the command line that load more than it needs for --help:\n" + (
+        "\n".join(wrong))
 
 
 def test_kvstore_imports_no_other_part_at_module_level() -> None:

@@ -284,7 +284,7 @@ def test_precompute_command_takes_a_dtype(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     from kvshelf.adapters import model as model_module
-    from kvshelf.service.cli import app
+    from kvshelf.cli import app
 
     class WordTokenizer:
         pad_token_id = 0

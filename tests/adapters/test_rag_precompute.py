@@ -181,7 +181,7 @@ def test_precompute_command_takes_a_prefix_and_modes(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     from kvshelf.adapters import model as model_module
-    from kvshelf.service.cli import app
+    from kvshelf.cli import app
 
     monkeypatch.setattr(model_module, "load_model", lambda name, dtype="float32", device="cpu": (
         tiny_llama(seed=0, layers=4), WordTokenizer()))

@@ -113,7 +113,7 @@ def test_wheel_ships_the_proto_files_and_the_command(built: tuple[Path, Path]) -
         assert entry_points, "no entry_points.txt in the wheel"
         parser = configparser.ConfigParser()
         parser.read_string(zf.read(entry_points).decode())
-    assert dict(parser["console_scripts"]) == {"kvshelf": "kvshelf.service.cli:main"}
+    assert dict(parser["console_scripts"]) == {"kvshelf": "kvshelf.cli:main"}
 
 
 CHECK = r"""

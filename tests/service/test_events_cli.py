@@ -27,7 +27,7 @@ class EventsProcess:
 
     def __init__(self, *args: str, read: bool = True) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-P", "-c", "from kvshelf.service.cli import main; main()", "events", *args],
+            [sys.executable, "-P", "-c", "from kvshelf.cli import main; main()", "events", *args],
             cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ),
         )
         self.lines: queue.Queue[str] = queue.Queue()

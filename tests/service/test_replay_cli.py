@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from kvshelf.cli import main
 from kvshelf.kvstore import eviction
-from kvshelf.service.cli import main
 from tests.support.service_helpers import kvshelf_cli
 
 LINES = [[0, 1, 2, 3], [0, 1, 2, 4, 5], [0, 6], [0, 1, 2, 4, 5, 7], [8, 9], [0, 6, 10], [0, 1, 2, 3, 11]]

@@ -22,7 +22,7 @@ FINGERPRINT = make_block(4).fingerprint
 
 
 def _serve_once(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-P", "-c", "from kvshelf.service.cli import main; main()", "serve",
+    return subprocess.run([sys.executable, "-P", "-c", "from kvshelf.cli import main; main()", "serve",
                            "--listen", "127.0.0.1:0", *args], cwd=REPO_ROOT, capture_output=True, text=True,
                           timeout=60)
 

@@ -49,7 +49,7 @@ class UnreachableTier(Tier):
 
 def kvshelf_cli(*args: str) -> subprocess.CompletedProcess:
     """``kvshelf ARGS`` in a subprocess (this checkout's code), its output captured."""
-    return subprocess.run([sys.executable, "-P", "-c", "from kvshelf.service.cli import main; main()", *args],
+    return subprocess.run([sys.executable, "-P", "-c", "from kvshelf.cli import main; main()", *args],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
 
 
@@ -78,7 +78,7 @@ class ServeProcess:
         full_env = dict(os.environ)
         full_env.update(env or {})
         self.proc = subprocess.Popen(
-            [sys.executable, "-P", "-c", "from kvshelf.service.cli import main; main()", "serve", *args],
+            [sys.executable, "-P", "-c", "from kvshelf.cli import main; main()", "serve", *args],
             cwd=REPO_ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         assert self.proc.stdout is not None

@@ -1,0 +1,175 @@
+"""The benchmarks that run a model: ``kvshelf bench ttft | rag | serve | pruning | codecs | mla``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvshelf.cli.common import ModelOpt, check_device, console, corpus_path, ints, json_object
+
+
+def bench_ttft(
+    json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+    corpus: Annotated[Path | None, typer.Option(help="JSONL of {title, abstract}")] = None,
+    lengths: Annotated[str, typer.Option(help="comma-separated context lengths")] = "1024,2048,4096",
+    runs: Annotated[int, typer.Option(min=1, help="runs per mode (median reported)")] = 3,
+    model: ModelOpt = "smollm2-135m",
+    block_size: Annotated[int, typer.Option(min=1)] = 256,
+    codec: Annotated[list[str] | None, typer.Option(
+        help="codec of the disk tier (warm-disk reads it; default raw); with --remote/--redis: the codecs to "
+             "compare with raw (repeatable or comma-separated, e.g. int8,xquant,cachegen)")] = None,
+    codec_params: Annotated[str | None, typer.Option(
+        help='the codec\'s parameters as JSON, e.g. \'{"step": 0.45}\' (xquant also takes "basis"); with several '
+             'codecs an object by codec, e.g. \'{"xquant": {"step": 0.35}, "cachegen": {"bits": 4}}\'')] = None,
+    rounds: Annotated[int, typer.Option(
+        min=1, help="fresh processes per disk (or remote) mode, alternating raw and the codec(s)")] = 3,
+    cold: Annotated[bool, typer.Option(
+        "--cold", help="cold-disk instead of warm-disk: the LMDB file is dropped from the page cache before each "
+                       "timed call")] = False,
+    remote: Annotated[bool, typer.Option(
+        "--remote", help="warm-remote instead of the disk modes: blocks loaded over the gRPC wire from a `kvshelf "
+                         "serve` in another process (no shared memory), raw and each --codec")] = False,
+    redis: Annotated[bool, typer.Option(
+        "--redis", help="warm-redis instead of the disk modes: a store whose only tier is a real redis-server, raw "
+                        "and each --codec")] = False,
+    dtype: Annotated[str, typer.Option(help="the model's dtype: float32, bfloat16, float16")] = "float32",
+    device: Annotated[str, typer.Option(help="the model's device: cpu, cuda, cuda:N")] = "cpu",
+) -> None:
+    """TTFT of full prefill vs warm-memory vs warm-disk (or warm-remote / warm-redis) reuse, with same-output
+    checks."""
+    from kvshelf.bench.ttft import run
+    from kvshelf.kvstore.codec import get_codec
+    from kvshelf.kvstore.errors import KVShelfError
+
+    names = [name.strip() for value in (codec or ["raw"]) for name in value.split(",") if name.strip()] or ["raw"]
+    if len(names) > 1 and not (remote or redis):
+        raise KVShelfError(f"several codecs ({', '.join(names)}) need --remote or --redis (the disk modes take one)")
+    if cold and (remote or redis):
+        raise KVShelfError("--cold is a disk mode: it does not go with --remote/--redis")
+    raw_params = json_object(codec_params, "--codec-params")
+    keyed = len(names) > 1 or (bool(raw_params) and set(raw_params) <= set(names)
+                               and all(isinstance(v, dict) for v in raw_params.values()))
+    if keyed and set(raw_params) - set(names):
+        raise KVShelfError(f"--codec-params: {sorted(set(raw_params) - set(names))} are not among the codecs "
+                           f"{names}; with several codecs give an object by codec name")
+    chosen_params = [dict(raw_params.get(name, {})) if keyed else dict(raw_params) for name in names]
+    for name, params in zip(names, chosen_params, strict=True):
+        if not isinstance(params, dict):
+            raise KVShelfError(f"--codec-params: the parameters of {name} must be a JSON object")
+        # an unknown codec or parameter is a clear error before the model loads (xquant's "basis" is the adapter's)
+        get_codec(name, {k: v for k, v in params.items() if not (name == "xquant" and k == "basis")})
+    remote_modes = remote or redis  # the codecs go to the remote modes; the bench's own store stays raw
+    disk, params = ("raw", {}) if remote_modes else (names[0], chosen_params[0])
+    chosen = corpus_path(corpus)
+    parsed = ints(lengths, "--lengths")
+    check_device(device, dtype)
+    if any(n < block_size for n in parsed):
+        raise KVShelfError(f"every length must be >= the block size {block_size}: {parsed}")
+    run(json_path=str(json_path) if json_path else None, corpus=str(chosen) if chosen else None,
+        lengths=parsed, runs=runs, model_name=model, block_size=block_size, console=console, disk_codec=disk,
+        disk_codec_params=params, rounds=rounds, cold=cold, remote=remote, redis=redis,
+        codecs=list(zip(names, chosen_params, strict=True)), dtype=dtype, device=device)
+
+
+
+def bench_rag(
+    json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+    corpus: Annotated[Path | None, typer.Option(help="JSONL of {title, abstract}")] = None,
+    cases: Annotated[int, typer.Option(min=1, help="needle QA cases")] = 40,
+    runs: Annotated[int, typer.Option(min=1, help="runs per TTFT measurement (median)")] = 3,
+    model: ModelOpt = "smollm2-135m",
+) -> None:
+    """Needle QA over 8 retrieved chunks: full vs reuse vs reuse-blend vs block attention; TTFT at 8x512."""
+    from kvshelf.bench.rag import run
+
+    chosen = corpus_path(corpus)
+    run(json_path=str(json_path) if json_path else None, corpus=str(chosen) if chosen else None, cases=cases,
+        runs=runs, model_name=model, console=console)
+
+
+def bench_serve(
+    json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+    corpus: Annotated[Path | None, typer.Option(help="JSONL of {title, abstract}")] = None,
+    seconds: Annotated[float, typer.Option(min=1, help="length of each system's run")] = 120,
+    clients: Annotated[int, typer.Option(min=1, max=64, help="client threads (even: chat, odd: RAG)")] = 4,
+    threads: Annotated[int, typer.Option(min=1, help="torch intra-op threads (both systems)")] = 1,
+    turns: Annotated[int, typer.Option(min=0, help="chat-turns measurement: turns (0: skip it)")] = 8,
+    pool: Annotated[int, typer.Option(min=7, help="plain chunks in the RAG pool (needle chunks: half)")] = 64,
+    precompute_documents: Annotated[bool, typer.Option(
+        help="kvshelf stores the chat documents' prompt heads before the run (else first turns are cold)")] = True,
+    model: ModelOpt = "smollm2-135m",
+) -> None:
+    """Serving run, plain HF generate vs kvshelf: chat and RAG clients; requests/s, TTFT p50/p99, accuracy."""
+    from kvshelf.bench.serve import run
+
+    chosen = corpus_path(corpus)
+    run(json_path=str(json_path) if json_path else None, corpus=str(chosen) if chosen else None, seconds=seconds,
+        clients=clients, threads=threads, turns=turns, pool=pool, precompute_documents=precompute_documents,
+        model_name=model, console=console)
+
+
+def bench_pruning(
+    json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+    corpus: Annotated[Path | None, typer.Option(help="JSONL of {title, abstract}")] = None,
+    cases: Annotated[int, typer.Option(min=1, help="needle QA cases (~1,300-token contexts)")] = 40,
+    windows: Annotated[int, typer.Option(min=1, help="2,048-token perplexity windows")] = 8,
+    kvpress: Annotated[bool, typer.Option(help="run NVIDIA kvpress in its own virtualenv as the anchor")] = True,
+    kvpress_venv: Annotated[Path | None, typer.Option(
+        help="kvpress's virtualenv, created on first use (default: $KVSHELF_KVPRESS_VENV, else venv-kvpress under "
+             "$KVSHELF_CACHE)")] = None,
+    methods: Annotated[str | None, typer.Option(
+        help="comma-separated kvshelf methods to run (default: all); full and the kvpress presses always run")] = None,
+    model: ModelOpt = "smollm2-135m",
+) -> None:
+    """Needle accuracy, perplexity increase, KV bytes and decode speed of each pruning method vs kvpress."""
+    from kvshelf.bench.pruning import STATIC, run
+    from kvshelf.kvstore.errors import KVShelfError
+
+    chosen = corpus_path(corpus)
+    only = None
+    if methods is not None:
+        only = tuple(m.strip() for m in methods.split(",") if m.strip())
+        unknown = sorted(set(only) - {*STATIC, "tokenselect"})
+        if unknown or not only:
+            known = ", ".join((*STATIC, "tokenselect"))
+            raise KVShelfError(f"--methods: unknown {unknown or methods!r}; known: {known}")
+    run(json_path=str(json_path) if json_path else None, corpus=str(chosen) if chosen else None, cases=cases,
+        windows=windows, model_name=model, kvpress=kvpress, kvpress_venv=str(kvpress_venv) if kvpress_venv else None,
+        methods=only, console=console)
+
+
+def bench_codecs(
+    json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+    corpus: Annotated[Path | None, typer.Option(help="JSONL of {title, abstract}")] = None,
+    windows: Annotated[int, typer.Option(min=1, help="2,048-token perplexity windows")] = 8,
+    anchors: Annotated[bool, typer.Option(help="also measure HF QuantizedCache (quanto/HQQ)")] = True,
+    only: Annotated[list[str] | None, typer.Option("--only", help="only this codec's settings (repeatable)")] = None,
+    model: ModelOpt = "smollm2-135m",
+) -> None:
+    """Compression ratio, bits per value, encode/decode MB/s and perplexity increase of every codec."""
+    from kvshelf.bench.codecs import run
+
+    chosen = corpus_path(corpus)
+    run(str(json_path) if json_path else None, str(chosen) if chosen else None, windows=windows,
+        model_name=model, anchors=anchors, only=only, console=console)
+
+
+def bench_mla(
+    json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+    shape: Annotated[str, typer.Option(help="a shaped MLA model (adapters.shaped)")] = "deepseek-v3-shaped",
+    tokens: Annotated[int, typer.Option(min=1, max=65536, help="tokens in the block")] = 256,
+    codecs: Annotated[str, typer.Option(help="comma-separated codecs")] = "raw,fp16,bf16,zstd,int8",
+    dtype: Annotated[str, typer.Option(help="the block's dtype")] = "bfloat16",
+) -> None:
+    """Bytes of an MLA block (the latent transformers caches) against the expanded keys and values it stands for."""
+    from kvshelf.bench.mla import run
+    from kvshelf.kvstore.errors import KVShelfError
+
+    chosen = tuple(c.strip() for c in codecs.split(",") if c.strip())
+    if not chosen:
+        raise KVShelfError("--codecs names no codec")
+    run(json_path=str(json_path) if json_path else None, shape=shape, tokens=tokens, codecs=chosen, dtype=dtype,
+        console=console)
+
