@@ -29,7 +29,7 @@ class SnapKV(PruningMethod):
 
     recomputes_queries: ClassVar[bool] = True
     window: int = 16  # the last tokens (the question): tuned on needle cases disjoint from the benchmark's (see
-    # the README); a 64-token window (kvpress's) mixes context tokens into the vote and loses needles at 25%
+    # docs/pruning.md); a 64-token window (kvpress's) mixes context tokens into the vote and loses needles at 25%
     kernel: int = 7
     pooling: str = "max"  # the paper's clustering; "avg" (kernel 5) is kvpress's choice
 

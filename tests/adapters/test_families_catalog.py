@@ -1,6 +1,6 @@
 """The suite follows transformers (issue 32): every model type of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` is placed
 by ``catalog`` (hand-written suite, built from a tiny config, or excluded with the reason), and prefix reuse runs
-on every built family against ``expected_catalog`` (the README's catalog table).
+on every built family against ``expected_catalog`` (docs/families.md's catalog table).
 
 Each built family: a tiny random model (fp32; sdpa, or eager where the class has none) through ``CachedGenerator``
 over a memory ``TieredStore``, three chained prompts (40, 64, 76 tokens; blocks of 16): the first stores 2 blocks

@@ -286,7 +286,7 @@ def nemotron_h_8b_shaped():
 
 
 def test_readme_sizing_of_published_shapes() -> None:
-    """The README's snapshot sizing (bf16 models, 256-token blocks), from configs alone."""
+    """The snapshot sizing of docs/families.md (bf16 models, 256-token blocks), from configs alone."""
     from kvshelf.adapters.shaped import shaped_config
 
     sizes = {name: st.state_sizes(config, block_size=256, dtype=torch.bfloat16) for name, config in (

@@ -8,7 +8,7 @@
 
 ``run_cell`` applies it: give it the reference and a callable running the path; it returns ``"exact"`` or
 ``"refused"`` and fails the test on anything else. ``EXACT`` / ``REFUSED`` are the outcomes the suites compare
-against their tables of expected outcomes (which the README's support table is rendered from).
+against their tables of expected outcomes (which docs/families.md's support table is rendered from).
 """
 
 from __future__ import annotations

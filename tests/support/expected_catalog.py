@@ -1,5 +1,5 @@
 """What prefix reuse (``CachedGenerator``) does on each family the catalog builds (``catalog.built()``), checked by
-``tests/adapters/test_families_catalog.py`` and rendered into the README's catalog table (``support_table``).
+``tests/adapters/test_families_catalog.py`` and rendered into docs/families.md's catalog table (``support_table``).
 
 ``EXACT``: identical greedy tokens and fp32 logits within 1e-4 of plain ``generate``, reusing what was stored.
 ``REFUSED``: model type -> why (a phrase of kvshelf's ``UnsupportedModelError``, which also names the model type
@@ -50,7 +50,7 @@ HYBRID: dict[str, str] = {
                      "qwen4_exp_text", "recurrent_gemma", "rwkv", "xlstm"), "refused"),
 }
 
-#: model type -> "exact" | "refused" (the README's catalog table)
+#: model type -> "exact" | "refused" (docs/families.md's catalog table)
 EXPECTED: dict[str, str] = {
     **dict.fromkeys(EXACT, "exact"), **dict.fromkeys(REFUSED, "refused"), **HYBRID,
 }

@@ -1,4 +1,4 @@
-"""What the architecture suite expects of prefix reuse (``CachedGenerator``) on each family (the README table's
+"""What the architecture suite expects of prefix reuse (``CachedGenerator``) on each family (the docs' families table's
 source): ``{(family, "prefix"): "exact" | "refused"}``, checked cell by cell by
 ``tests/adapters/test_families_prefix.py``.
 

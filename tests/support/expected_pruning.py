@@ -1,4 +1,4 @@
-"""What the architecture suite expects of token pruning and selection on each family (the README table's source):
+"""What the architecture suite expects of token pruning and selection on each family (the families table's source):
 ``{(family, method): "exact" | "refused"}``, one column per method of ``kvshelf.adapters.pruning.METHODS``,
 checked cell by cell by ``tests/adapters/test_families_pruning.py``.
 

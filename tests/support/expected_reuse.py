@@ -1,4 +1,4 @@
-"""What the architecture suite expects of the RAG and prompt-module paths on each family (the README table's
+"""What the architecture suite expects of the RAG and prompt-module paths on each family (the docs' families table's
 source): ``{(family, path): "exact" | "approximate" | "refused"}``, checked cell by cell by
 ``tests/adapters/test_families_reuse.py``.
 
