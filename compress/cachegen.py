@@ -1,48 +1,10 @@
 """``cachegen``: CacheGen-style entropy coding of the KV cache.
 
 After CacheGen (Liu et al., "CacheGen: KV Cache Compression and Streaming for Fast Large Language Model
-Serving", SIGCOMM 2024), with QuaRot's rotation (Ashkboos et al., "QuaRot: Outlier-Free 4-Bit Inference in
-Rotated LLMs", 2024) in front. Keys and values are ``[layers, kv_heads, tokens, head_dim]``.
-
-* **Rotation** (optional, ``rotate``, when ``head_dim`` is a power of two): every ``head_dim`` vector of keys and
-  values is multiplied by the orthonormal Hadamard matrix (``compress.hadamard``), which spreads outlier
-  channels. Off by default: with per-channel means and entropy-coded (unclipped) symbols outliers cost bits,
-  not accuracy, and on SmolLM2 the rotation did not help (8 windows: +0.35% vs +0.22% perplexity at ~4.1x).
-* **Layer-dependent quantization, steps from the spread**: a *stream* is the keys (or the values) of one layer,
-  ``[kv_heads * head_dim channels, tokens]``. Each channel is centred on its mean over the block's tokens
-  (fp16, one per channel) and quantized with the stream's uniform step ``step = std / 2**(b - 2)`` (fp16, one
-  per stream), ``std`` being the stream's deviation from those means: ``2**b`` steps span +-2 std. ``b = bits``,
-  plus ``early_extra_bits`` in the first ``ceil(early_fraction * layers)`` layers (early layers matter more),
-  plus ``key_extra_bits`` for keys or ``value_extra_bits`` for values. Symbols are unbounded integers (no
-  clipping), so there is no min/max range to store and outliers cost bits, not accuracy.
-* **Attention sinks in fp16** (``sink_ratio``): tokens whose value norm (mean over layers and heads) is below
-  ``sink_ratio`` times the block's median, at most 8 per block, are stored in fp16 and replaced by their
-  channels' means before quantization. Such tokens (a sequence's first token on Llama-style models; Xiao et al.,
-  "Efficient Streaming Language Models with Attention Sinks", 2024) draw much of every query's attention; on
-  SmolLM2 keeping that one token exact cuts the perplexity cost of ``bits=3.5`` from ~2.4% to ~0.3%.
-* **Deltas against anchor tokens**: tokens are split into groups of ``group_size``; the first token of each
-  group is its anchor. A channel is coded either directly (``round((x - mean) / step)``) or, for its non-anchor
-  tokens, as the delta to its decoded anchor (``round((x - x_hat[anchor]) / step)``), whichever has the smaller
-  mean magnitude (one flag per channel).
-* **Entropy coding with compact per-stream models** (``constriction``'s ANS coder): each symbol ``s`` is split
-  into a coarse part ``c = round(s / 2**r)`` and ``r`` fine bits, ``r`` chosen per stream (0..16) from a
-  histogram of its symbols so that ``c`` is mostly 0. The significance map (``c != 0``), 16 tokens of a channel
-  per ANS symbol (words with up to three set flags; the rarer others are an escape symbol plus the raw word), is
-  coded under a per-stream model stored as one fp16 probability. Nonzero ``c`` (+-1) carry a sign bit; the fine
-  bits are stored as is (near uniform: entropy coding them gains little, as CABAC's bypass bins); symbols with
-  ``|c| >= 2`` are escapes: their fine bits stay in the fine planes, their index (as a uint16 gap to the previous
-  escape) and ``c`` (int8) are stored apart, ~24 bits each (wider gaps and parts in uint32 / int32 overflow
-  sections). Flag probabilities are rounded to a log grid (8 steps per octave), so a process builds few ANS
-  models. Coding 16 flags per ANS symbol keeps the ANS decoder near 2 ns per value (``constriction`` decodes a
-  symbol of this alphabet in ~30 ns); everything else is vectorised numpy, done once over the whole block:
-  ``symbol * step`` into the output, then the channel means or (delta channels) the decoded anchors added in
-  place. The whole decode is ~3.5-4 ns per value on one core (>= 500 MB/s of fp16-equivalent data).
-
-Error bound: in the rotated domain every element is within ``step / 2`` of the input (escapes included), so
-each decoded ``(layer, head, token)`` vector is within ``sqrt(head_dim) * step / 2`` of the input in L2 norm,
-hence each element too (``step / 2`` without rotation); plus float32 rounding (a few ulps of the block's
-largest value) and the rounding of the output dtype; sink tokens are within fp16 rounding (2**-11 relative).
-Inputs beyond the fp16 range saturate to it.
+Serving", SIGCOMM 2024), with QuaRot's Hadamard rotation (Ashkboos et al., 2024) as an option: layer-dependent
+uniform steps from each stream's spread, deltas against anchor tokens, sinks in fp16, ANS coding with compact
+per-stream models. Keys and values: ``[layers, kv_heads, tokens, head_dim]``. The design and error bound:
+docs/codecs.md, "How cachegen works".
 """
 
 from __future__ import annotations

@@ -1,65 +1,9 @@
 """``xquant``: the KV cache stored as a quantized, entropy-coded latent of the layer input, rematerialized at load.
 
 After XQuant (Tomar et al., "XQuant: Breaking the Memory Wall for LLM Inference with KV Cache Rematerialization",
-2025). XQuant stores the post-RMSNorm attention input ``X`` and recomputes ``K = X W_k``, ``V = X W_v`` at load
-time; for GQA models, where ``X`` (576 wide on SmolLM2) is wider than ``[K V]`` (384), it stores ``X`` projected on
-the right singular vectors of ``[W_k; W_v]`` instead: a latent of width ``C = 2 * kv_heads * head_dim`` from which
-the pre-RoPE keys and the values are one matrix product away. Since the pre-RoPE keys and the values *are*
-linear in ``X`` (no bias on Llama-style models), that latent is an orthonormal change of basis of
-``Z = [K_pre | V]`` (``[tokens, C]`` per layer), and this codec computes it from the block's keys and values:
-
-* **Pre-RoPE**: keys are un-rotated at the block's positions (``start_pos``, which is why this codec is given
-  the block's position: see ``Codec.encode_at``) and rotated back after decoding.
-* **Latent basis** (``XQuantTables.basis``, ``[layers, C, C]``, orthonormal columns, by decreasing energy):
-  either the left singular vectors of ``[W_k; W_v]`` (XQuant's SVD latent, ``basis="svd"`` in the adapter), or
-  those of ``[W_k; W_v]`` whitened by the activations' covariance, i.e. the eigenvectors of ``Cov(Z)`` on a
-  calibration text (the "activation-aware" SVD of SVD-LLM, Wang et al. 2024 and Palu, Chang et al. 2024;
-  ``basis="klt"``, the default: it compacts the energy of ``Z`` best, the Karhunen-Loeve transform).
-* **Quantization** of each latent component ``i`` with a uniform step ``step_i = step * key_step_scale **
-  key_share_i`` (``key_share_i``: the fraction of the basis vector lying in the key half), around the component's
-  mean over the block (fp16, stored). One step for all components is the MSE-optimal allocation of transform
-  coding (reverse water-filling: low-energy components get few or zero bits by themselves); components whose
-  calibration spread is below ``drop_below * step_i`` are not stored at all (their block mean stands in).
-  ``drop_below=0.4`` drops the whole lowest class, ``0.8`` most of the next one too: on text like the
-  calibration's that costs little perplexity, saves bits and shrinks the decode's work (SmolLM2, step 0.35:
-  5,539 / 3,680 of 11,520 components kept instead of 9,120; 7.1x / 8.2x at +0.31% / +0.34% on the bench corpus
-  vs 6.7x at +0.34%), but it trusts the calibration: with calibration text unlike the cached text (measured:
-  SmolLM2 on the synthetic test documents) components it drops carry real signal (next-token KL 0.095 at 0.4 vs
-  0.007 at the default 0.1). So the default stays 0.1; larger values are for calibration matched to the data.
-* **Entropy coding, fast to decode**: components are put in four classes by their calibration spread over
-  their step (known to both sides, no side information). A class packs 4, 3, 2 or 1 symbols of alphabet 3, 5, 15
-  or 255 per byte (symbols beyond a class's range are escapes: int32 position + int32 symbol) and the byte
-  stream is Huffman coded by zstd (literals-only parameters). Packing several small symbols per byte lets the
-  byte-wise Huffman code reach well below 1 bit per symbol on low-energy components. Within a class the symbols
-  go layer by layer, token-major within a layer (format 2), the layout the decoder's matrix product wants.
-* **Attention sinks in fp16**: tokens whose latent energy is far above the block's median (a sequence's first
-  token on Llama-style models; Xiao et al., "Efficient Streaming Language Models with Attention Sinks", 2024),
-  at most ``max_sinks``, are stored as their exact fp16 keys and values and excluded from the statistics.
-* **Rematerialization** at decode: ``Z = S @ (steps * basis[:, kept]) + mean @ basis`` per layer (``S``: the
-  symbols), then RoPE at the tokens' positions. Decoding is two stages: ``prepare_at`` checks the payload and
-  entropy-decodes the symbols (a damaged block fails here, before anything is written); ``XQuantPayload.
-  write_run`` then rematerializes consecutive blocks of a prefix together: each layer's symbols over all their
-  tokens as one int8 matrix ``[tokens, kept]``, times the step-scaled basis quantized to int8 per output column
-  (``matmul="int8"``, the default: an exact int32 product, ~3x faster than bf16 on AVX-512 VNNI CPUs; ``"bf16"``
-  and ``"fp32"`` are float products), then one fused pass (column scales, block means, RoPE, cache layout)
-  straight into the cache's tensors (``adapters.cache_bridge.cache_from_prepared``). Unpacking, placing and
-  that pass are numba loops (``compress.xquant_kernels``), with a numpy / torch fallback.
-
-The codec needs the model (``needs_model``): it is built with the digest of an ``XQuantTables`` bound in this
-process (``bind_tables``); ``adapters.xquant.xquant_params(model)`` computes and binds the tables of a HF model
-and returns the codec parameters. Encoding or decoding a block whose tables are not bound raises
-``XQuantUnboundError`` naming the digest (never a guess). Tables are shared across processes by saving them
-(``save_tables`` / ``load_tables``, safetensors); recomputing them elsewhere may differ in the last float bits
-and then has another digest.
-
-Error bound (``drop_below=0``): every latent component is within ``step_i / 2`` of the input (escapes
-included), so the L2 error of each token's ``[K_pre | V]`` (hence of its keys and values, RoPE being a rotation)
-is at most ``sqrt(C) * max_i step_i / 2`` with ``matmul="fp32"``, plus float32 rounding and the output dtype's
-rounding; sink tokens are within fp16 rounding. Dropped components add their deviation from the block mean.
-``matmul="int8"`` adds the rounding of the int8 matrix, at most ``sum_i |S_i| * scale_j / 2`` on output column
-``j`` (``scale_j``: the column's largest entry / 127; measured below a quarter of the quantization error), and
-``"bf16"`` that of bf16 (2**-9 relative); symbols beyond int8 (rare escapes) have their tokens rematerialized in
-float32. Keys, values: ``[layers, kv_heads, tokens, head_dim]``.
+2025): pre-RoPE ``[K | V]`` per token projected on a latent basis (``XQuantTables``), one uniform step, packed
+symbols Huffman-coded by zstd, sinks in fp16; one matrix product per layer at load. Keys, values:
+``[layers, kv_heads, tokens, head_dim]``. The design, parameters and error bound: docs/codecs.md, "How xquant works".
 """
 
 from __future__ import annotations
