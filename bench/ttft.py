@@ -1,53 +1,6 @@
-"""``kvshelf bench ttft``: time to first token with full prefill vs. reuse from memory and from disk.
-
-For contexts of 1,024 / 2,048 / 4,096 tokens from the corpus plus a ~32-token question:
-
-* ``full``: no reuse, the whole prompt is prefilled (the anchor);
-* ``warm-memory``: the context's blocks are in the embedded store's memory tier;
-* ``warm-disk``: a fresh process whose store has only the LMDB tier holding the blocks, encoded with the disk
-  codec (``--codec``, default ``raw``), timed after one untimed load of the same context (as the parent's modes
-  run after earlier calls);
-* ``warm-disk-raw`` (with a disk codec other than ``raw``): the anchor of ``warm-disk`` in the same run, a fresh
-  process reading the same blocks stored ``raw`` in an LMDB store of their own; ``vs_raw`` is its TTFT over the
-  codec's (above 1: the codec is faster).
-
-With ``cold=True`` (``--cold``) these two modes are ``cold-disk`` and ``cold-disk-raw``: before each timed call the
-process closes its store, drops the LMDB file from the operating system's page cache (``posix_fadvise``
-``DONTNEED``) and reopens the store, so the blocks are read from the disk itself: where a compressed tier saves
-reading time.
-
-The disk-mode processes run in ``rounds`` (default 3), the two disk modes alternating (raw first in even rounds,
-the codec first in odd ones), each a fresh process timing ``runs`` calls; their TTFT is the median of all
-``rounds * runs`` calls, so a slow spell of a shared machine weighs on both alike.
-
-Codec parameters go with ``--codec-params JSON``. ``xquant`` needs the model's tables: they are computed on
-calibration text (the corpus's end, as ``bench codecs`` does), saved to a safetensors file, and loaded by the
-warm-disk process before its timed runs, as a server loads them once at start beside the weights.
-
-The disk-mode processes run with glibc's malloc thresholds fixed (``WORKER_MALLOC``): large freed blocks are
-kept and reused instead of returned to the system. Without it, glibc's dynamic mmap threshold decides per process
-whether the ~190 MB a raw 4,096-token read copies out of LMDB land in recycled memory or in freshly faulted pages
-(measured: raw loads of ~30 ms in some processes, 60-100 ms in others), and the comparison measured the
-allocator's mood rather than the codecs.
-
-Each mode's TTFT is the median of ``runs`` calls; ``same_output`` compares 16 greedy tokens with ``full``.
-
-Remote reuse (``remote=True``: ``--remote``; ``redis=True``: ``--redis``) replaces the disk modes:
-
-* ``warm-remote``: a ``kvshelf serve`` in another process (``bench.servers.kvshelf_server``: its tiers keep the
-  blocks as sent) holds the contexts' blocks, one namespace per codec; a fresh process whose store is a
-  ``RemoteStore(..., codec=..., shared_memory=False)`` (the wire path, as a worker on another host gets it) loads
-  them over gRPC, decodes them and prefills the question;
-* ``warm-redis``: a real ``redis-server`` (``bench.servers.redis_server``) is the only tier of the fresh process's
-  ``TieredStore`` (one key prefix per codec, values encoded with it).
-
-Each codec of ``codecs`` runs, and ``raw`` always as the anchor: all in ``rounds`` of fresh processes (the order
-reversed in odd rounds, as the disk modes alternate). The blocks are the ones the full prefill stored, re-keyed
-per namespace and encoded with each codec by its client. Rows carry ``codec``, ``vs_raw`` (raw's TTFT over the
-codec's), ``bytes`` (what one load of the context moves), ``fetch_s`` (fetching those bytes alone, undecoded),
-``load_s`` (fetch + decode into a cache, no forward pass: ``ttft_s - load_s`` is the question's prefill) and
-``dppl_rel`` (the codec's relative perplexity increase from ``bench/results/codecs.json``, when it measured these
-parameters).
+"""``kvshelf bench ttft``: time to first token with full prefill vs. reuse from memory, from disk (each codec
+against ``raw`` in the same run), from a remote ``kvshelf serve`` and from Redis. The method:
+docs/benchmarks.md, "TTFT: full prefill vs reuse".
 """
 
 from __future__ import annotations
