@@ -12,11 +12,10 @@ from typing import Any, Literal
 from kvshelf.kvstore.codec import get_codec
 from kvshelf.kvstore.errors import ConfigError
 from kvshelf.kvstore.eviction import DEFAULT_POLICY, make_policy
-from kvshelf.kvstore.lmdb_tier import LMDBTier
-from kvshelf.kvstore.memory_tier import MemoryTier
 from kvshelf.kvstore.paths import cache_dir
 from kvshelf.kvstore.protocol import DEFAULT_NAMESPACE
 from kvshelf.kvstore.store import TieredStore, TierSpec
+from kvshelf.kvstore.tier_registry import lmdb_url, open_tier
 
 DEFAULT_MEMORY_BYTES = 2 << 30
 MAX_SIZE_BYTES = 1 << 60  # 1 EiB: a larger size is a typo, never a capacity
@@ -95,6 +94,9 @@ def open_embedded_store(
     (``kvstore.lmdb_tier.lmdb_slack_bytes``: 39.25 MiB for 256 MiB, ~2.7% for 1 TiB). (Before, it was only a
     size limit: past it every put failed with ``StoreFullError``.)
 
+    The tiers come from the tier registry (``kvstore.tier_registry``: ``memory://`` and ``lmdb://``), as those of
+    ``kvshelf serve`` do.
+
     Raises ``TierDamagedError`` (naming the path and the recovery) when ``data_dir/lmdb`` is damaged: salvage it
     with ``kvshelf repair`` (``kvstore.lmdb_tier.repair``) or move it aside (``lmdb_tier.repair.move_aside``)."""
     path = Path(data_dir) if data_dir is not None else default_data_dir()
@@ -110,13 +112,8 @@ def open_embedded_store(
                           f"{MIN_DISK_BYTES} bytes (1 MiB)")
     specs: list[TierSpec] = []
     if memory is not None:
-        specs.append(TierSpec(MemoryTier(memory, policy=eviction_policy), memory_codec))
-    specs.append(
-        TierSpec(
-            LMDBTier(path / "lmdb", capacity_bytes=max_disk, policy=eviction_policy, durable=durable,
-                     sync_interval_s=sync_interval_s),
-            disk_codec,
-            dict(disk_codec_params or {}),
-        )
-    )
+        specs.append(TierSpec(open_tier("memory://", capacity_bytes=memory, policy=eviction_policy), memory_codec))
+    disk = open_tier(lmdb_url(path / "lmdb"), capacity_bytes=max_disk, policy=eviction_policy, durable=durable,
+                     sync_interval_s=sync_interval_s)
+    specs.append(TierSpec(disk, disk_codec, dict(disk_codec_params or {})))
     return TieredStore(specs, write_policy=write_policy, namespace=namespace)

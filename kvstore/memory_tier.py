@@ -5,11 +5,15 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Sequence, Set
 from sys import getsizeof
+from typing import TYPE_CHECKING, Any
 
 from kvshelf.kvstore.errors import ConfigError
 from kvshelf.kvstore.eviction import DEFAULT_POLICY, EvictionPolicy, make_policy
 from kvshelf.kvstore.footprint import DICT_ENTRY_BYTES, bytes_object, containers
 from kvshelf.kvstore.tier import EvictionCallback, Tier, TierUsage
+
+if TYPE_CHECKING:
+    from kvshelf.kvstore.tier_registry import TierURL
 
 #: the policy's memory of keys not held (ghost lists, learnt chain links) may take up to 1/EXTRA_SHARE of the
 #: capacity (it counts against the capacity as the held entries do)
@@ -255,3 +259,16 @@ class MemoryTier(Tier):
         """``bytes``: the values' bytes (``memory_bytes()`` is what the capacity bounds; see the class docstring)."""
         with self._lock:
             return TierUsage(blocks=len(self._data), bytes=self._bytes, capacity_bytes=self.capacity_bytes)
+
+
+def open_url(url: TierURL, *, capacity_bytes: int = 2 << 30, policy: str = DEFAULT_POLICY, **options: Any
+             ) -> MemoryTier:
+    """``memory://[?capacity=SIZE&policy=NAME]`` (kvstore/tier_registry.py): a ``MemoryTier``."""
+    if url.location:
+        raise url.error("memory:// takes no host or path (only ?capacity=SIZE&policy=NAME)")
+    capacity = url.take_size("capacity", capacity_bytes)
+    policy = url.take("policy", policy)
+    url.done(("capacity", "policy"))
+    if not capacity:
+        raise url.error("capacity must be > 0 bytes")
+    return MemoryTier(capacity, policy=policy, **options)

@@ -9,6 +9,7 @@ import os
 import threading
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import lmdb
 
@@ -39,6 +40,9 @@ from kvshelf.kvstore.lmdb_tier.writes import Writes
 from kvshelf.kvstore.periodic_sync import PeriodicSync
 from kvshelf.kvstore.rwlock import RWLock
 from kvshelf.kvstore.tier import EvictionCallback, Tier
+
+if TYPE_CHECKING:
+    from kvshelf.kvstore.tier_registry import TierURL
 
 log = logging.getLogger(__package__)
 
@@ -280,3 +284,18 @@ class LMDBTier(Reads, Writes, Bounded, Transactions, Tier):
         with self._lock.write():
             self._closed = True
             self._env.close()
+
+
+def open_url(url: TierURL, *, capacity_bytes: int | None = None, policy: str = DEFAULT_POLICY, durable: bool = True,
+             sync_interval_s: float | None = None, **options: Any) -> LMDBTier:
+    """``lmdb://PATH[?capacity=SIZE&policy=NAME&durable=BOOL&sync_interval=SECONDS]`` (kvstore/tier_registry.py):
+    an ``LMDBTier`` in the directory PATH (``lmdb:///abs/dir`` or ``lmdb://relative/dir``)."""
+    if not url.location:
+        raise url.error("lmdb:// needs the directory of the environment (lmdb:///path/to/dir)")
+    capacity = url.take_size("capacity", capacity_bytes)
+    policy = url.take("policy", policy)
+    durable = url.take_bool("durable", durable)
+    sync_interval_s = url.take_float("sync_interval", sync_interval_s)
+    url.done(("capacity", "policy", "durable", "sync_interval"))
+    return LMDBTier(url.location, capacity_bytes=capacity, policy=policy, durable=durable,
+                    sync_interval_s=sync_interval_s, **options)

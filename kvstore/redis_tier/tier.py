@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from kvshelf.kvstore.errors import ConfigError, TierUnavailableError
 from kvshelf.kvstore.redis_tier.accounting import Accounting
@@ -23,6 +24,9 @@ from kvshelf.kvstore.redis_tier.reads import Reads
 from kvshelf.kvstore.redis_tier.writes import Writes
 from kvshelf.kvstore.redis_usage import RECONCILE_INTERVAL_S
 from kvshelf.kvstore.tier import EvictionCallback, Tier
+
+if TYPE_CHECKING:
+    from kvshelf.kvstore.tier_registry import TierURL
 
 
 class RedisTier(Reads, Writes, Delete, Accounting, KeyLayout, Connection, Tier):
@@ -122,3 +126,12 @@ class RedisTier(Reads, Writes, Delete, Accounting, KeyLayout, Connection, Tier):
         if client is not None:
             with contextlib.suppress(*_UNAVAILABLE):
                 client.close()
+
+
+def open_url(url: TierURL, **options: Any) -> RedisTier:
+    """``redis://[:password@]host:port/db``, ``rediss://`` (TLS), ``redis+cluster://host:port`` (a seed node of a
+    Redis Cluster) or ``rediss+cluster://`` (kvstore/tier_registry.py): a ``RedisTier``; the query goes to
+    redis-py as it is. ``options``: ``RedisTier.from_url``'s keywords."""
+    if not url.location.split("/", 1)[0].rsplit("@", 1)[-1]:
+        raise url.error("a Redis URL needs a host (redis://HOST:PORT/DB)")
+    return RedisTier.from_url(url.url, **options)

@@ -1,8 +1,11 @@
 """The ``Tier`` contract: one behaviour suite run against every tier.
 
-Tiers under test (the ``tier`` fixture's params; a new tier gets the whole suite by adding one): ``MemoryTier``,
-``LMDBTier`` in a temporary directory, and ``RedisTier`` on a real standalone ``redis-server`` and on a real local
-3-node Redis Cluster (``tests/support/redis_servers.py``; each test under a key prefix of its own). What only one
+Tiers under test: every scheme of the tier registry (``kvstore.tier_registry.SCHEMES``), each opened by its URL
+(``URLS`` below says where a scheme's tier lives in a test; a registered scheme missing there fails
+``test_every_registered_scheme_is_tested``): ``memory://``, ``lmdb://`` in a temporary directory, ``redis://`` on a
+real standalone ``redis-server`` and ``redis+cluster://`` on a real local 3-node Redis Cluster
+(``tests/support/redis_servers.py``; each test under a key prefix of its own). ``rediss://`` and
+``rediss+cluster://`` (TLS) are skipped: the test helpers start no TLS Redis. What only one
 tier does (eviction policies, LMDB map growth, Redis chunk layout and failures) is tested in that tier's own file.
 """
 
@@ -17,7 +20,8 @@ import pytest
 import redis_servers
 from helpers import key_of, make_block, run_workers
 
-from kvshelf.kvstore import LMDBTier, MemoryTier, RedisTier, Tier, encode_block
+from kvshelf.kvstore import Tier, encode_block
+from kvshelf.kvstore.tier_registry import SCHEMES, lmdb_url, open_tier
 
 # the real Redis servers (session-scoped; tests share them under key prefixes of their own)
 redis_server = redis_servers.redis_server
@@ -26,18 +30,34 @@ redis_cluster = redis_servers.redis_cluster
 MiB = 1 << 20
 CHUNK = 64 << 10  # the Redis tiers' chunk size here, so that the sizes below cross chunk boundaries
 SIZES = [0, 1, 100, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK, 5 * CHUNK + 17]
-TIERS = ["memory", "lmdb", "redis", "redis-cluster"]
+#: scheme -> (URL of its tier in a test (``{tmp}``: a temporary directory, ``{redis}``: the URL of the server
+#: fixture named next), that fixture or None, the options); None: not testable here, with the reason
+URLS: dict[str, tuple[str, str | None, dict[str, object]] | str] = {
+    "memory": ("memory://?capacity=64MiB", None, {}),
+    "lmdb": ("{tmp}", None, {"initial_map_bytes": MiB, "max_map_bytes": 256 * MiB, "durable": False}),
+    "redis": ("{redis}", "redis_server", {"chunk_bytes": CHUNK}),
+    "redis+cluster": ("{redis}", "redis_cluster", {"chunk_bytes": CHUNK}),
+    "rediss": "the test helpers start no TLS redis-server",
+    "rediss+cluster": "the test helpers start no TLS Redis Cluster",
+}
 
 
-@pytest.fixture(params=TIERS)
+def test_every_registered_scheme_is_tested() -> None:
+    assert sorted(URLS) == sorted(SCHEMES), "a scheme of kvstore.tier_registry.SCHEMES needs its line in URLS"
+
+
+@pytest.fixture(params=list(SCHEMES))
 def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tier]:
-    if request.param == "memory":
-        made: Tier = MemoryTier(64 * MiB)
-    elif request.param == "lmdb":
-        made = LMDBTier(tmp_path / "lmdb", initial_map_bytes=MiB, max_map_bytes=256 * MiB, durable=False)
-    else:
-        servers = request.getfixturevalue("redis_server" if request.param == "redis" else "redis_cluster")
-        made = RedisTier.from_url(servers.url, prefix=f"t{os.urandom(6).hex()}:", chunk_bytes=CHUNK)
+    how = URLS[request.param]
+    if isinstance(how, str):
+        pytest.skip(f"{request.param}://: {how}")
+    url, fixture, options = how
+    if fixture is not None:
+        url = url.format(redis=request.getfixturevalue(fixture).url)
+        options = {**options, "prefix": f"t{os.urandom(6).hex()}:"}
+    url = url.format(tmp=lmdb_url(tmp_path / "lmdb"))
+    assert url.startswith(request.param + "://")
+    made = open_tier(url, **options)
     yield made
     made.close()
 
