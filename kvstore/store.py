@@ -36,7 +36,7 @@ from kvshelf.kvstore.errors import (
     TierDamagedError,
     TierUnavailableError,
 )
-from kvshelf.kvstore.keys import KEY_BYTES, check_keys
+from kvshelf.kvstore.keys import BlockKey, block_key_of, check_keys
 from kvshelf.kvstore.limits import DEFAULT_MAX_DECODE_BYTES
 from kvshelf.kvstore.protocol import DEFAULT_NAMESPACE, UNKNOWN_MODEL
 from kvshelf.kvstore.stats import ALL_TIERS, UNKNOWN, Counters, StoreEvent
@@ -56,10 +56,11 @@ def _header_of(value: bytes) -> BlockHeader | None:
         return None
 
 
-def header_key(tier_key: bytes) -> bytes:
+def header_key(tier_key: bytes) -> BlockKey:
     """The key an encoded value names in its header: a tier key may carry a scope prefix before it
-    (the service prefixes a tag of the tenant's namespace), the header holds the unscoped key."""
-    return tier_key[-KEY_BYTES:]
+    (the service prefixes a tag of the tenant's namespace), the header holds the unscoped key
+    (``kvstore.keys.block_key_of``)."""
+    return block_key_of(tier_key)
 
 
 @dataclass

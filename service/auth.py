@@ -21,15 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from kvshelf.kvstore.errors import ConfigError
-from kvshelf.kvstore.keys import SCOPE_BYTES
+from kvshelf.kvstore.keys import scope_tag as scope_tag  # the namespace scope of tier keys lives in kvstore.keys
 from kvshelf.service.errors import BearerError
 
 MAX_NAMESPACE_CHARS = 256
-
-
-def scope_tag(namespace: str) -> bytes:
-    """The 8-byte BLAKE2b tag of ``namespace`` that prefixes its tier keys (tier key = tag + 16-byte key)."""
-    return hashlib.blake2b(namespace.encode(), digest_size=SCOPE_BYTES, person=b"kvshelf-scope-v1").digest()
 
 
 def bearer_token(metadata: Sequence[tuple[str, Any]] | None) -> str:

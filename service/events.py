@@ -47,12 +47,11 @@ from typing import Any
 import grpc
 
 from kvshelf.kvstore.errors import ConfigError
-from kvshelf.kvstore.keys import KEY_BYTES, PARENT_EXTRA, SCOPE_BYTES
+from kvshelf.kvstore.keys import KEY_BYTES, PARENT_EXTRA, SCOPE_BYTES, is_scoped, scope_tag, split_scoped
 from kvshelf.kvstore.memory_tier import MemoryTier
 from kvshelf.kvstore.stats import UNKNOWN, StoreEvent
 from kvshelf.kvstore.store import TieredStore
 from kvshelf.proto import kvshelf_pb2 as pb
-from kvshelf.service.auth import scope_tag
 from kvshelf.service.errors import StreamRefusedError
 from kvshelf.service.fairness import end_call
 from kvshelf.service.status import fail
@@ -262,11 +261,10 @@ def _records(fh: Any, first: int) -> Iterator[Record | str]:
         if length > MAX_RECORD_PAYLOAD:
             yield f"record length {length} is not plausible"
             return
-        body = fh.read(SCOPE_BYTES + length)
-        if len(body) < SCOPE_BYTES + length:
+        tag, payload = fh.read(SCOPE_BYTES), fh.read(length)
+        if len(tag) < SCOPE_BYTES or len(payload) < length:
             yield "torn record"
             return
-        tag, payload = body[:SCOPE_BYTES], body[SCOPE_BYTES:]
         if _crc(seq, tag, payload) != crc:
             yield f"checksum mismatch at seq {seq}"
             return
@@ -402,9 +400,9 @@ class EventHub:
 
     def _on_store_event(self, event: StoreEvent) -> None:
         key = event.key
-        if len(key) != SCOPE_BYTES + KEY_BYTES:
+        if not is_scoped(key):
             return  # not a service (namespace-scoped) key
-        tag, block = key[:SCOPE_BYTES], key[SCOPE_BYTES:]
+        tag, block = split_scoped(key)
         if event.kind == "stored":
             with self._lock:
                 parent, tokens = self._annotations.get(key, (b"", array("I")))

@@ -7,7 +7,8 @@ decodes a block only to re-encode it for a tier of another codec (``--disk-codec
 when its declared shape decodes within the max block size and the namespace's quota. Puts take quota and
 in-flight budget (server-wide, and a per-tenant share of ``max_call_bytes``) at each value's first chunk, so an
 over-limit put is refused before it is buffered. Tenants are isolated by key scoping: a tier key is
-``scope_tag(namespace) + key``, so one namespace can never read, test, pin, list or delete another's blocks.
+``scope(scope_tag(namespace), key)`` (``kvstore.keys``), so one namespace can never read, test, pin, list or delete
+another's blocks.
 One tenant cannot take the worker threads (``service/fairness.py``): streams take slots (workers less a reserve
 for unary calls) under a per-tenant cap, and a watchdog ends idle and too slow streams and calls whose request
 message never comes.
@@ -39,18 +40,16 @@ from kvshelf.kvstore.errors import (
     CorruptBlockError,
     ForeignBlockError,
 )
-from kvshelf.kvstore.keys import KEY_BYTES
+from kvshelf.kvstore.keys import KEY_BYTES, SCOPED_KEY_BYTES, BlockKey, ScopedKey, scope, scope_tag, unscope
 from kvshelf.kvstore.stats import ALL_TIERS, TIER_METRICS
 from kvshelf.kvstore.store import TieredStore, TierSpec
 from kvshelf.proto import kvshelf_pb2 as pb
 from kvshelf.service.arena import ArenaWriter
 from kvshelf.service.auth import (
     MAX_NAMESPACE_CHARS,
-    SCOPE_BYTES,
     BearerError,
     TokenTable,
     bearer_token,
-    scope_tag,
 )
 from kvshelf.service.errors import ArenaUnavailable, WireError, WireLimitError
 from kvshelf.service.events import EventHub, open_event_log
@@ -265,7 +264,8 @@ class _PutCall:
         if self.limits.quota_bytes is not None:
             assert self._key is not None
             usage = self.servicer.usage
-            new = usage.reserve(self.tag, self.namespace, [(self.tag + self._key, size)], self.limits.quota_bytes,
+            tier_key = scope(self.tag, BlockKey(self._key))
+            new = usage.reserve(self.tag, self.namespace, [(tier_key, size)], self.limits.quota_bytes,
                                 replacing=self._value_quota)
             add_tier_bytes(self._quota, new, self._value_quota)
             self._value_quota = new
@@ -453,11 +453,12 @@ class KVShelfServicer:
                 fail(grpc.StatusCode.INVALID_ARGUMENT,
                       f"key {i} is {len(key)} bytes; block keys are {KEY_BYTES} bytes")
 
-    def scoped(self, context: grpc.ServicerContext, requested: str, keys: Sequence[bytes]) -> tuple[str, list[bytes]]:
+    def scoped(self, context: grpc.ServicerContext, requested: str,
+               keys: Sequence[bytes]) -> tuple[str, list[ScopedKey]]:
         namespace = self.namespace(context, requested)
         self.check_keys(keys)
         tag = scope_tag(namespace)
-        return namespace, [tag + key for key in keys]
+        return namespace, [scope(tag, BlockKey(key)) for key in keys]
 
     # -- health ---------------------------------------------------------------------------------------
 
@@ -526,7 +527,7 @@ class KVShelfServicer:
                 return pb.PutBlocksResponse(received=0, stored=0)
             values = call.values()
             targets = self.store.write_targets()
-            items = [(call.tag + key, value) for key, value in values]
+            items = [(scope(call.tag, BlockKey(key)), value) for key, value in values]
             sizes: list[tuple[bytes, int | TierBytes]] = []
             reencoded: TierBytes = {}  # per tier: the re-encoded copies it is handed at once
             for (key, value), header in zip(items, headers, strict=True):
@@ -547,7 +548,8 @@ class KVShelfServicer:
             if call is not None:
                 call.close()
 
-    def _check_reencode(self, tier_key: bytes, header: BlockHeader, nbytes: int, targets: Sequence[TierSpec]) -> None:
+    def _check_reencode(self, tier_key: ScopedKey, header: BlockHeader, nbytes: int,
+                        targets: Sequence[TierSpec]) -> None:
         """RESOURCE_EXHAUSTED when the block would decode to more than the max block size (a tier that re-encodes
         it decodes it; a tier that keeps it as sent hands it to clients that decode it), or a tier that re-encodes
         it would store more: from the declared shape and dtype, before anything is allocated."""
@@ -560,7 +562,7 @@ class KVShelfServicer:
         why = (f"(up to {stored} stored) to be re-encoded from {header.codec} for tier(s) "
                f"{', '.join(s.tier.name for s in reencoding)}" if reencoding else f"from {header.codec} once fetched")
         fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
-              f"block {tier_key[SCOPE_BYTES:].hex()} of declared shape {describe_shape(header.shape)} "
+              f"block {unscope(tier_key).hex()} of declared shape {describe_shape(header.shape)} "
               f"{DTYPE_NAMES[header.dtype]} decodes to {decoded} bytes {why}: over the max block size of {limit} bytes")
 
     def _verify(self, namespace: str, key: bytes, value: bytes) -> BlockHeader:
@@ -619,12 +621,12 @@ class KVShelfServicer:
                     continue
                 offset = arena.write(value) if arena is not None else None
                 if offset is not None:
-                    yield encode_arena_response(index, tier_key[SCOPE_BYTES:], offset, len(value))
+                    yield encode_arena_response(index, unscope(tier_key), offset, len(value))
                     continue
                 first = True
                 for data, last in iter_chunks(value, chunk_bytes):
                     if first:
-                        yield encode_chunk_response(index, data, key=tier_key[SCOPE_BYTES:], last=last,
+                        yield encode_chunk_response(index, data, key=unscope(tier_key), last=last,
                                                     total_size=len(value))
                         first = False
                     else:
@@ -661,7 +663,7 @@ class KVShelfServicer:
         # every pin of the namespace goes too, held or not
         tag = scope_tag(namespace)
         with self.events.clearing(tag):  # one AllBlocksCleared event instead of a removal per block
-            count = self.store.clear_prefix(tag, SCOPE_BYTES + KEY_BYTES)
+            count = self.store.clear_prefix(tag, SCOPED_KEY_BYTES)
         self.events.cleared(tag)
         return pb.CountResponse(count=count)
 

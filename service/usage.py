@@ -10,10 +10,9 @@ from typing import Any
 import grpc
 
 from kvshelf.kvstore.errors import TierUnavailableError
-from kvshelf.kvstore.keys import KEY_BYTES
+from kvshelf.kvstore.keys import SCOPED_KEY_BYTES, is_scoped, scope_of
 from kvshelf.kvstore.stats import StoreEvent
 from kvshelf.kvstore.store import TieredStore
-from kvshelf.service.auth import SCOPE_BYTES
 from kvshelf.service.status import fail
 
 #: bytes per tier: what a put will store in each tier, or what it has reserved there
@@ -55,9 +54,9 @@ class NamespaceUsage:
             self._scan(tag)
 
     def _on_event(self, event: StoreEvent) -> None:
-        if len(event.key) != SCOPE_BYTES + KEY_BYTES:
+        if not is_scoped(event.key):
             return
-        tag = event.key[:SCOPE_BYTES]
+        tag = scope_of(event.key)
         with self._lock:
             if tag not in self._sizes:
                 return  # the namespace's first use scans the tiers
@@ -173,7 +172,7 @@ class InflightBudget:
 def tier_keys(tier: Any, tag: bytes) -> list[bytes]:
     """The tier keys of one namespace (tag + 16-byte key) in ``tier``; [] if it cannot list or is unreachable."""
     try:
-        return tier.keys_with_prefix(tag, SCOPE_BYTES + KEY_BYTES)  # Redis: a SCAN matching the tag
+        return tier.keys_with_prefix(tag, SCOPED_KEY_BYTES)  # Redis: a SCAN matching the tag
     except (NotImplementedError, TierUnavailableError):
         return []
 

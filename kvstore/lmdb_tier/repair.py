@@ -30,7 +30,7 @@ from pathlib import Path
 
 from kvshelf.kvstore.encoding import verify_block
 from kvshelf.kvstore.errors import KVShelfError
-from kvshelf.kvstore.keys import KEY_BYTES, SCOPE_BYTES
+from kvshelf.kvstore.keys import TIER_KEY_LENGTHS
 from kvshelf.kvstore.lmdb_tier.file import (
     F_BIGDATA,
     F_SUBDATA,
@@ -181,7 +181,7 @@ def salvage(path: Path, report: RepairReport, *, total: Callable[[int], None] | 
             except _FileDamage:
                 continue
             for lo, hi, nflags, key, at in nodes:
-                if len(key) not in (KEY_BYTES, KEY_BYTES + SCOPE_BYTES) or key in seen:
+                if len(key) not in TIER_KEY_LENGTHS or key in seen:
                     continue
                 value = _verified(reader, key, raw, lo, hi, nflags, at)
                 if value is None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import random
 import struct
+import tomllib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -33,7 +36,20 @@ from kvshelf.kvstore import (
     read_header,
 )
 from kvshelf.kvstore.encoding import MAGIC
-from kvshelf.kvstore.keys import block_key
+from kvshelf.kvstore.keys import (
+    SCOPE_BYTES,
+    SCOPED_KEY_BYTES,
+    TIER_KEY_LENGTHS,
+    block_key,
+    block_key_of,
+    check_keys,
+    is_scoped,
+    scope,
+    scope_of,
+    scope_tag,
+    split_scoped,
+    unscope,
+)
 
 FP = "model-a"
 NS = "tenant-1"
@@ -611,3 +627,97 @@ def test_unsupported_dtype_is_rejected_at_encode():
     block = KVBlock(k, k.clone(), (1, 2), 0, FP)
     with pytest.raises(KVShelfError, match="dtype"):
         encode_block(block, b"k" * 16)
+
+
+# -- scoped keys ------------------------------------------------------------------------------------------------
+
+
+def test_scope_joins_a_namespace_tag_and_a_block_key():
+    key = block_key(FP, NS, None, [1, 2, 3])
+    tag = scope_tag("team-a")
+    scoped = scope(tag, key)
+    assert len(tag) == SCOPE_BYTES == 8 and len(scoped) == SCOPED_KEY_BYTES == 24
+    assert scoped == tag + key and scoped.startswith(tag)
+    assert unscope(scoped) == key and scope_of(scoped) == tag and split_scoped(scoped) == (tag, key)
+    assert is_scoped(scoped) and not is_scoped(key)
+    assert block_key_of(scoped) == key == block_key_of(key)  # a store's tier key: scoped or bare
+    assert scope(scope_tag("team-b"), key) != scoped  # namespaces never share a tier key
+    assert scope_tag("team-a") == tag  # stable: a tag is a digest of the name
+    assert check_keys([key, scoped], scoped=True) == [key, scoped] and TIER_KEY_LENGTHS == (16, 24)
+
+
+def test_scope_helpers_refuse_wrong_lengths():
+    key, tag = block_key(FP, NS, None, [1]), scope_tag("a")
+    for bad in (lambda: scope(tag, key + b"x"), lambda: scope(tag[:4], key), lambda: unscope(key),
+                lambda: scope_of(key), lambda: split_scoped(tag + key + b"x")):
+        with pytest.raises(ConfigError):
+            bad()
+
+
+# the key widths a fixed-offset slice of a key or tag would cut at
+_KEY_WIDTH_NAMES = {"KEY_BYTES", "SCOPE_BYTES", "SCOPED_KEY_BYTES"}
+_KEY_WIDTHS = {8, 16, 24}
+
+
+def _source_modules() -> list[Path]:
+    """Every module of the package: the folders of pyproject's package-dir mapping (``kvshelf/`` with its CLI)."""
+    repo = Path(__file__).resolve().parents[2]
+    folders = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values()
+    return sorted(p for folder in set(folders) for p in (repo / folder).rglob("*.py"))
+
+
+def _last_name(node: ast.expr) -> str:
+    while isinstance(node, ast.Call | ast.Subscript):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return node.id if isinstance(node, ast.Name) else ""
+
+
+def _int_value(node: ast.expr | None) -> int | None:
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        inner = _int_value(node.operand)
+        return None if inner is None else -inner
+    return node.value if isinstance(node, ast.Constant) and type(node.value) is int else None
+
+
+def key_slices(tree: ast.AST) -> list[tuple[int, str]]:
+    """``(line, why)`` of each slice that cuts a key at a fixed offset: a slice bound that names ``KEY_BYTES``,
+    ``SCOPE_BYTES`` or ``SCOPED_KEY_BYTES`` (anywhere in its expression, bare or as an attribute), or an
+    integer-literal bound of a key width (+-8, 16, 24) on a subscripted expression whose last name ends in ``key``
+    or ``tag`` (``key``, ``tier_key``, ``event.key``, ``self._tag``...)."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Subscript):
+            continue
+        parts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+        for part in parts:
+            if not isinstance(part, ast.Slice):
+                continue
+            bounds = [b for b in (part.lower, part.upper, part.step) if b is not None]
+            names = {n.id if isinstance(n, ast.Name) else n.attr
+                     for b in bounds for n in ast.walk(b) if isinstance(n, ast.Name | ast.Attribute)}
+            if names & _KEY_WIDTH_NAMES:
+                found.append((node.lineno, f"sliced at {', '.join(sorted(names & _KEY_WIDTH_NAMES))}"))
+            elif _last_name(node.value).lower().endswith(("key", "tag")) and any(
+                    abs(v) in _KEY_WIDTHS for v in map(_int_value, bounds) if v is not None):
+                found.append((node.lineno, f"{_last_name(node.value)} sliced at a key width"))
+    return found
+
+
+def test_key_slicing_rule_catches_the_old_patterns():
+    for code in ("key[SCOPE_BYTES:]", "k[:-KEY_BYTES]", "b[:keys.SCOPE_BYTES + n]", "tier_key[-16:]",
+                 "event.key[:8]", "self._tag[0:24]", "key[:, 16:]"):
+        assert key_slices(ast.parse(code)), code
+    for code in ("keys[:held]", "key[:, :, :kv_end]", "raw[_HEADER.size:]", "first[:16]", "key[:4]"):
+        assert not key_slices(ast.parse(code)), code
+
+
+def test_only_keys_module_slices_keys_at_fixed_offsets():
+    """Keys are cut and joined by ``kvstore.keys`` alone (``scope``, ``unscope``, ``scope_of``, ``split_scoped``,
+    ``block_key_of``): no other module of the package slices at a key width (the rule: ``key_slices``)."""
+    modules = _source_modules()
+    assert any(p.parts[-2:] == ("kvstore", "keys.py") for p in modules)
+    offenders = [f"{p}:{line}: {why}" for p in modules if p.parts[-2:] != ("kvstore", "keys.py")
+                 for line, why in key_slices(ast.parse(p.read_text(), str(p)))]
+    assert not offenders, "slice keys with kvstore.keys' helpers:\n" + "\n".join(offenders)
