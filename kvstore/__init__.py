@@ -1,29 +1,48 @@
-"""Blocks, keys, tiers, the tiered store, eviction and stats. Knows neither transformers nor gRPC."""
+"""Blocks, keys, tiers, the tiered store, eviction and stats. Knows neither transformers nor gRPC.
 
-from kvshelf.kvstore.block import KVBlock
-from kvshelf.kvstore.embedded import open_embedded_store, parse_size
-from kvshelf.kvstore.encoding import decode_block, encode_block, read_header
-from kvshelf.kvstore.errors import (
-    CodecParamError,
-    ConfigError,
-    CorruptBlockError,
-    ForeignBlockError,
-    KVShelfError,
-    StoreFullError,
-    TierUnavailableError,
-    UnknownCodecError,
-)
-from kvshelf.kvstore.fingerprint import fingerprint_from_properties
-from kvshelf.kvstore.keys import KEY_BYTES, BlockSpan, chunk_key, prefix_block_keys, prefix_block_spans
-from kvshelf.kvstore.lmdb_tier import LMDBTier
-from kvshelf.kvstore.memory_tier import MemoryTier
-from kvshelf.kvstore.protocol import BlockStore
-from kvshelf.kvstore.redis_tier import RedisTier
-from kvshelf.kvstore.stats import StoreEvent
-from kvshelf.kvstore.store import TieredStore, TierSpec
-from kvshelf.kvstore.tier import Tier, TierUsage
+Names are loaded on first use (as in the root package), so importing a light module of this package
+(``kvshelf.kvstore.errors``, ``kvshelf.kvstore.keys``) loads neither torch nor the tiers.
+"""
 
-__all__ = [
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+#: public name -> the module that defines it
+_EXPORTS: dict[str, str] = {
+    "KVBlock": "kvshelf.kvstore.block",
+    "open_embedded_store": "kvshelf.kvstore.embedded",
+    "parse_size": "kvshelf.kvstore.embedded",
+    "decode_block": "kvshelf.kvstore.encoding",
+    "encode_block": "kvshelf.kvstore.encoding",
+    "read_header": "kvshelf.kvstore.encoding",
+    "CodecParamError": "kvshelf.kvstore.errors",
+    "ConfigError": "kvshelf.kvstore.errors",
+    "CorruptBlockError": "kvshelf.kvstore.errors",
+    "ForeignBlockError": "kvshelf.kvstore.errors",
+    "KVShelfError": "kvshelf.kvstore.errors",
+    "StoreFullError": "kvshelf.kvstore.errors",
+    "TierUnavailableError": "kvshelf.kvstore.errors",
+    "UnknownCodecError": "kvshelf.kvstore.errors",
+    "fingerprint_from_properties": "kvshelf.kvstore.fingerprint",
+    "KEY_BYTES": "kvshelf.kvstore.keys",
+    "BlockSpan": "kvshelf.kvstore.keys",
+    "chunk_key": "kvshelf.kvstore.keys",
+    "prefix_block_keys": "kvshelf.kvstore.keys",
+    "prefix_block_spans": "kvshelf.kvstore.keys",
+    "LMDBTier": "kvshelf.kvstore.lmdb_tier",
+    "MemoryTier": "kvshelf.kvstore.memory_tier",
+    "BlockStore": "kvshelf.kvstore.protocol",
+    "RedisTier": "kvshelf.kvstore.redis_tier",
+    "StoreEvent": "kvshelf.kvstore.stats",
+    "TieredStore": "kvshelf.kvstore.store",
+    "TierSpec": "kvshelf.kvstore.store",
+    "Tier": "kvshelf.kvstore.tier",
+    "TierUsage": "kvshelf.kvstore.tier",
+}
+
+__all__ = [  # the literal list static tools read; tests/test_public_api.py checks it against _EXPORTS
     "KEY_BYTES",
     "BlockSpan",
     "BlockStore",
@@ -54,3 +73,41 @@ __all__ = [
     "prefix_block_spans",
     "read_header",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvshelf.kvstore' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+if TYPE_CHECKING:  # what static type checkers and IDEs see
+    from kvshelf.kvstore.block import KVBlock
+    from kvshelf.kvstore.embedded import open_embedded_store, parse_size
+    from kvshelf.kvstore.encoding import decode_block, encode_block, read_header
+    from kvshelf.kvstore.errors import (
+        CodecParamError,
+        ConfigError,
+        CorruptBlockError,
+        ForeignBlockError,
+        KVShelfError,
+        StoreFullError,
+        TierUnavailableError,
+        UnknownCodecError,
+    )
+    from kvshelf.kvstore.fingerprint import fingerprint_from_properties
+    from kvshelf.kvstore.keys import KEY_BYTES, BlockSpan, chunk_key, prefix_block_keys, prefix_block_spans
+    from kvshelf.kvstore.lmdb_tier import LMDBTier
+    from kvshelf.kvstore.memory_tier import MemoryTier
+    from kvshelf.kvstore.protocol import BlockStore
+    from kvshelf.kvstore.redis_tier import RedisTier
+    from kvshelf.kvstore.stats import StoreEvent
+    from kvshelf.kvstore.store import TieredStore, TierSpec
+    from kvshelf.kvstore.tier import Tier, TierUsage

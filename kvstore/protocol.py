@@ -22,9 +22,10 @@ The common rules:
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any, Protocol, Self, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
 
-from kvshelf.kvstore.block import KVBlock, PreparedBlock
+if TYPE_CHECKING:  # annotations only: importing the interface loads no torch
+    from kvshelf.kvstore.block import KVBlock, PreparedBlock
 
 DEFAULT_NAMESPACE = "default"
 #: the model name lookups are counted under when none is given

@@ -3,6 +3,11 @@
 Blocks are encoded on the client (``encode_block`` with the chosen codec) and decoded and verified on the
 client (a damaged or foreign value is a miss, never returned). The server only stores bytes.
 
+Light to import: torch and the block format (``kvstore.block``, ``kvstore.encoding``, ``kvstore.store``) load only in
+the methods that encode or decode blocks (``put_many``, ``get_many``, ``get_prepared_many``), so the admin and
+event calls (``stats``, ``subscribe_events``; ``kvshelf stats`` and ``kvshelf events``) and the encoded-bytes ones
+start without them (``tests/test_cli_imports.py``).
+
 Errors: when the server cannot be reached (connection refused, DNS, TLS handshake, deadline), calls raise
 ``kvstore.errors.TierUnavailableError`` naming the address; any other refusal by the server (bad token,
 another namespace, a quota, a bad input) raises ``RemoteStoreError`` carrying the gRPC status code.
@@ -20,25 +25,25 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 import grpc
 import grpc.experimental
 
-from kvshelf.kvstore.block import KVBlock, PreparedBlock
-from kvshelf.kvstore.encoding import decode_block, encode_block, prepare_block
 from kvshelf.kvstore.errors import ConfigError, KVShelfError, TierUnavailableError
 from kvshelf.kvstore.keys import check_keys
 from kvshelf.kvstore.limits import DEFAULT_MAX_DECODE_BYTES
 from kvshelf.kvstore.protocol import DEFAULT_NAMESPACE, UNKNOWN_MODEL
-from kvshelf.kvstore.store import decode_all
 from kvshelf.proto import kvshelf_pb2 as pb
 from kvshelf.proto import kvshelf_pb2_grpc as pb_grpc
 from kvshelf.service.arena import DEFAULT_ARENA_BYTES, ArenaPool, ClientArena, shared_memory_supported
 from kvshelf.service.errors import ArenaUnavailable, RemoteStoreError, WireError
 from kvshelf.service.fairness import RETRY_AFTER_METADATA
-from kvshelf.service.server import MAX_CHUNK_BYTES, MAX_MESSAGE_BYTES
+from kvshelf.service.limits import MAX_CHUNK_BYTES, MAX_MESSAGE_BYTES
 from kvshelf.service.wire import decode_response, encode_put_request
+
+if TYPE_CHECKING:
+    from kvshelf.kvstore.block import KVBlock, PreparedBlock
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -248,6 +253,8 @@ class RemoteStore:
 
     def put_many(self, entries: Sequence[tuple[bytes, KVBlock]], *, pin: bool = False) -> int:
         """Encode ``(key, block)`` pairs with this store's codec and send them."""
+        from kvshelf.kvstore.encoding import encode_block  # torch: only where blocks are encoded
+
         entries = list(entries)
         check_keys(k for k, _ in entries)
         return self.put_encoded_many(
@@ -349,6 +356,8 @@ class RemoteStore:
         tokens: Sequence[int] | None = None,
     ) -> list[KVBlock | None]:
         """Blocks for ``keys`` (``None`` for misses), verified here: a damaged or foreign value is a miss."""
+        from kvshelf.kvstore.encoding import decode_block  # torch: only where blocks are decoded
+
         return self._checked(keys, fingerprint, namespace, tokens,
                              functools.partial(decode_block, copy=copy))
 
@@ -358,12 +367,16 @@ class RemoteStore:
     ) -> list[PreparedBlock | None]:
         """Like ``get_many``, but checked and parsed only (see ``TieredStore.get_prepared_many``): the caller's
         ``cache_from_prepared`` decodes them straight into a cache."""
+        from kvshelf.kvstore.encoding import prepare_block
+
         return self._checked(keys, fingerprint, namespace, tokens, prepare_block, parallel=True)
 
     def _checked(self, keys: Sequence[bytes], fingerprint: str, namespace: str | None,
                  tokens: Sequence[int] | None, read: Callable[..., T], *, parallel: bool = False) -> list[T | None]:
         """``read`` every fetched value (``parallel``: the entropy decoding of compressed blocks on a few threads,
         as ``TieredStore.get_prepared_many`` does); a damaged or foreign one is a miss."""
+        from kvshelf.kvstore.store import decode_all
+
         keys = list(keys)
         namespace = namespace or self.namespace
 

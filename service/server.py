@@ -59,6 +59,7 @@ from kvshelf.service.fairness import (
     reserved_workers,
 )
 from kvshelf.service.history import StatsHistory
+from kvshelf.service.limits import MAX_CHUNK_BYTES, MAX_MESSAGE_BYTES
 from kvshelf.service.reflection import enable_reflection
 from kvshelf.service.status import abort_call, client_fault, fail
 from kvshelf.service.strikes import TenantStrikes
@@ -82,8 +83,6 @@ RESPONSE_FRAMING_BYTES = 256
 #: of stock gRPC clients (grpc-js, Python and Go with default channel options).
 CHUNK_BYTES = (4 << 20) - RESPONSE_FRAMING_BYTES
 MIN_CHUNK_BYTES = 64 << 10  # a smaller GetBlocksRequest.max_chunk_bytes is raised to this (documented in the proto)
-MAX_CHUNK_BYTES = 16 << 20  # the most data one Chunk carries: PutBlocks, and GetBlocks when asked for
-MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + (64 << 10)  # gRPC message limit: one full chunk plus framing
 #: Bytes one PutBlocksRequest may carry besides its chunk's data (namespace, key, parent key, token ids, and any
 #: unknown fields): a block's token ids take ~1-5 bytes each, so this admits blocks of 50k+ tokens (blocks are 256
 #: by default). A larger message is refused (RESOURCE_EXHAUSTED) before protobuf parses it, so padding can make a

@@ -24,6 +24,7 @@ def stats(
     interval: Annotated[float, typer.Option(min=0.2, help="seconds between refreshes with --watch")] = 2.0,
     as_json: Annotated[bool, typer.Option("--json", help="print the raw stats as JSON")] = False,
     plot: Annotated[Path | None, typer.Option(help="draw hit rate and usage over time (server history) to PNG")] = None,
+    connect_timeout: Annotated[float, typer.Option(min=0.1, help="seconds to wait for the server")] = 10.0,
 ) -> None:
     """The admin view: hit rates (blocks and tokens), usage per tier, top namespaces and models, evictions."""
     from kvshelf.kvstore.errors import KVShelfError
@@ -32,7 +33,7 @@ def stats(
 
     if (server is None) == (data_dir is None):
         raise KVShelfError("give exactly one of --server HOST:PORT or --data-dir DIR")
-    fetch = _remote_stats(server, token, namespace, tls_ca) if server else _local_stats(data_dir)
+    fetch = _remote_stats(server, token, namespace, tls_ca, connect_timeout) if server else _local_stats(data_dir)
     if plot is not None:
         history = fetch().get("history")
         if history is None:
@@ -63,11 +64,12 @@ def stats(
             pass
 
 
+def _remote_stats(server: str, token: str | None, namespace: str, tls_ca: Path | None,
+                  connect_timeout: float) -> Callable[[], dict]:
+    from kvshelf.service.client import RemoteStore  # light: no torch (the admin calls move no blocks)
 
-def _remote_stats(server: str, token: str | None, namespace: str, tls_ca: Path | None) -> Callable[[], dict]:
-    from kvshelf.service.client import RemoteStore
-
-    remote = RemoteStore(server, token=token, namespace=namespace, tls_ca=tls_ca)
+    remote = RemoteStore(server, token=token, namespace=namespace, tls_ca=tls_ca, shared_memory=False,
+                         connect_timeout_s=connect_timeout)
     return remote.stats
 
 
