@@ -86,7 +86,7 @@ class AbuseSettings:
         (``hold_s``), with gaps (``gap_s``, a third of it) in which its other abuse meets a free stream cap."""
         from kvshelf.service.serve import ServeConfig
 
-        hold = (self.idle_timeout if self.idle_timeout is not None else ServeConfig().idle_timeout) + 2.0
+        hold = (self.idle_timeout if self.idle_timeout is not None else ServeConfig().fairness.idle_timeout_s) + 2.0
         return {"hold_s": hold, "gap_s": max(2.0, hold / 3)}
 
     def serve_args(self, data_dir: Path, tokens: Path) -> list[str]:

@@ -50,6 +50,9 @@ ALLOWED: dict[str, set[str]] = {
 ROOT_EXPORTS_FROM = {"kvstore", "compress", "reuse", "adapters", "service"}
 #: what the command line's modules may import at module level, besides the standard library and ``kvshelf.cli``
 CLI_MODULE_LEVEL = {"typer", "rich"}
+#: modules of other parts the command line may import at module level: the settings of ``kvshelf serve``, whose flags
+#: it builds from them (standard library only at module level: ``test_light_modules_import_the_standard_library``)
+CLI_LIGHT_MODULES = {"kvshelf.service.config"}
 #: third-party top-level modules -> the parts that may import them (any import, lazy or not)
 RESTRICTED: dict[str, set[str]] = {
     "transformers": {"adapters"},
@@ -262,9 +265,22 @@ def test_the_command_line_is_light_at_module_level() -> None:
     (``tests/test_cli_imports.py`` runs it)."""
     wrong = [_show(i) for i in imports() if i.part == CLI and i.module_level
              and not (i.module == "__future__" or i.module.split(".")[0] in sys.stdlib_module_names | CLI_MODULE_LEVEL
-                      or i.module == f"{ROOT}.{CLI}" or i.module.startswith(f"{ROOT}.{CLI}."))]
+                      or i.module == f"{ROOT}.{CLI}" or i.module.startswith(f"{ROOT}.{CLI}.")
+                      or i.module in CLI_LIGHT_MODULES)]
     assert not wrong, "module-level imports of the command line that load more than it needs for --help:\n" + (
         "\n".join(wrong))
+
+
+def test_light_modules_import_the_standard_library() -> None:
+    """What the command line imports of other parts at module level (``CLI_LIGHT_MODULES``) imports only the
+    standard library at module level."""
+    for module in CLI_LIGHT_MODULES:
+        path = REPO / part_folders()[module.split(".")[1]] / (module.split(".")[-1] + ".py")
+        tree = ast.parse(path.read_text())
+        names = [alias.name for node in tree.body if isinstance(node, ast.Import) for alias in node.names]
+        names += [node.module or "" for node in tree.body if isinstance(node, ast.ImportFrom) and node.level == 0]
+        wrong = [name for name in names if name != "__future__" and name.split(".")[0] not in sys.stdlib_module_names]
+        assert not wrong, f"{module} imports {wrong} at module level"
 
 
 def test_kvstore_imports_no_other_part_at_module_level() -> None:

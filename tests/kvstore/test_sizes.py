@@ -132,9 +132,14 @@ def test_sizes_from_environment_and_config_file_name_their_source(tmp_path):
 
 
 def test_serve_checks_a_config_built_in_python(tmp_path):
+    from kvshelf.service.config import LimitsSection, ServerSection, StoreSection
     from kvshelf.service.serve import ServeConfig, serve
 
-    config = ServeConfig(listen="127.0.0.1:0", data_dir=str(tmp_path / "data"), max_inflight="1.5")
+    with pytest.raises(ConfigError, match="^--max-inflight: "):
+        ServeConfig.from_settings(listen="127.0.0.1:0", data_dir=str(tmp_path / "data"), max_inflight="1.5")
+    data_dir = str(tmp_path / "data")
+    config = ServeConfig(server=ServerSection(listen="127.0.0.1:0"), store=StoreSection(data_dir=data_dir),
+                         limits=LimitsSection(max_inflight_bytes=0))
     stop = threading.Event()
     stop.set()  # were it to start, it would stop at once
     with pytest.raises(ConfigError, match="^--max-inflight: "):

@@ -104,8 +104,8 @@ def serving(tmp_path, capsys) -> Iterator[Callable[[], str]]:
 
     def start() -> str:
         ready = threading.Event()
-        config = ServeConfig(listen="127.0.0.1:0", data_dir=str(tmp_path / "data"), memory="16MiB",
-                             max_disk="64MiB", grace=0, arena_sweep_interval=SWEEP_S)
+        config = ServeConfig.from_settings(listen="127.0.0.1:0", data_dir=str(tmp_path / "data"), memory="16MiB",
+                                           max_disk="64MiB", grace=0, arena_sweep_interval=SWEEP_S)
         thread = threading.Thread(target=serve, args=(config,), kwargs={"ready": ready, "stop": stop}, daemon=True)
         thread.start()
         threads.append(thread)

@@ -76,8 +76,8 @@ def test_lmdb_tier_refuses_a_bad_sync_interval(tmp_path, bad):
 
 
 def test_serve_config_checks_durability():
-    assert load_config({}, env={}).durability == "fsync"
-    assert load_config({"durability": "interval"}, env={}).durability == "interval"
+    assert load_config({}, env={}).store.durability == "fsync"
+    assert load_config({"durability": "interval"}, env={}).store.durability == "interval"
     with pytest.raises(ConfigError, match="durability must be one of fsync, interval"):
         load_config({"durability": "sometimes"}, env={})
     with pytest.raises(ConfigError, match="sync_interval must be > 0"):

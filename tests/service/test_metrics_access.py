@@ -59,7 +59,7 @@ class _Serving:
         out = capsys.readouterr().out
         (self.line,) = [line for line in out.splitlines() if "kvshelf serving on" in line]
         self.grpc = self.line.split("kvshelf serving on ", 1)[1].split()[0]
-        self.metrics_port = config.metrics_port
+        self.metrics_port = config.metrics.port
 
     def _run(self, config: ServeConfig) -> None:
         try:
@@ -78,8 +78,8 @@ def serving(tmp_path, capsys) -> Iterator[Callable[..., _Serving]]:
     started: list[_Serving] = []
 
     def start(**settings: object) -> _Serving:
-        config = ServeConfig(listen="127.0.0.1:0", data_dir=str(tmp_path / "data"), memory="16MiB",
-                             max_disk="64MiB", metrics_port=_free_port(), grace=0, **settings)
+        config = ServeConfig.from_settings(listen="127.0.0.1:0", data_dir=str(tmp_path / "data"), memory="16MiB",
+                                           max_disk="64MiB", metrics_port=_free_port(), grace=0, **settings)
         running = _Serving(config, capsys)
         started.append(running)
         return running

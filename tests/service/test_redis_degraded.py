@@ -27,8 +27,9 @@ FAST_S = 5.0
 
 
 def test_hung_redis_degrades_like_a_dead_one_and_recovers(pausable_redis: PausableRedis, tmp_path: Path) -> None:
-    config = ServeConfig(data_dir=str(tmp_path / "data"), memory="64MiB", max_disk="64MiB", redis=pausable_redis.url)
-    assert config.redis_timeout == 1.0
+    config = ServeConfig.from_settings(data_dir=str(tmp_path / "data"), memory="64MiB", max_disk="64MiB",
+                                       redis=pausable_redis.url)
+    assert config.store.redis_timeout == 1.0
     store = open_store(config)
     assert [spec.tier.name for spec in store.specs] == ["memory", "disk", "redis"]
     running = start_server(store, "127.0.0.1:0", health_interval_s=0.5)
@@ -91,7 +92,7 @@ def test_hung_redis_degrades_like_a_dead_one_and_recovers(pausable_redis: Pausab
 def test_poisoned_redis_keys_are_counted_misses_never_internal(pausable_redis: PausableRedis, tmp_path: Path) -> None:
     """Keys of the wrong type at a value's manifest and at the usage hash (issue 20, item 7): the tenant's reads
     are counted corrupt misses, Stats answers, Delete removes the key and the next put replaces it."""
-    store = open_store(ServeConfig(data_dir=str(tmp_path / "data"), memory="64MiB", max_disk="64MiB",
+    store = open_store(ServeConfig.from_settings(data_dir=str(tmp_path / "data"), memory="64MiB", max_disk="64MiB",
                                    redis=pausable_redis.url))
     running = start_server(store, "127.0.0.1:0")
     raw = pausable_redis.client()

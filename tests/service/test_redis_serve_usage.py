@@ -48,7 +48,7 @@ def test_serve_with_redis_stats_follow_what_redis_holds(maxmemory_redis: Any, tm
     one (kvstore.redis_usage)."""
     with maxmemory_redis.client() as client:
         client.config_set("maxmemory-policy", "allkeys-lfu")
-    store = open_store(ServeConfig(data_dir=str(tmp_path / "data"), memory="1MiB", max_disk="256MiB",
+    store = open_store(ServeConfig.from_settings(data_dir=str(tmp_path / "data"), memory="1MiB", max_disk="256MiB",
                                    redis=maxmemory_redis.url))
     running = start_server(store)
     blocks = [make_block(48 + i, layers=2, heads=2, head_dim=64) for i in range(80)]  # ~100 KiB each, ~8 MiB

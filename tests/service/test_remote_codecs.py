@@ -112,7 +112,7 @@ def test_an_explicit_disk_codec_still_reencodes_within_the_max_block(tmp_path):
     from kvshelf.service.client import RemoteStoreError
     from kvshelf.service.server import ServerLimits
 
-    store = open_store(ServeConfig(data_dir=str(tmp_path / "data"), memory="64MiB", disk_codec="raw"))
+    store = open_store(ServeConfig.from_settings(data_dir=str(tmp_path / "data"), memory="64MiB", disk_codec="raw"))
     running = start_server(store, limits=ServerLimits(max_block_bytes=20_000))
     try:
         with RemoteStore(f"127.0.0.1:{running.port}", namespace="default", codec="int8",
@@ -142,7 +142,7 @@ def test_blocks_kept_as_sent_still_decode_within_the_max_block(tmp_path):
     from kvshelf.service.client import RemoteStoreError
     from kvshelf.service.server import ServerLimits
 
-    store = open_store(ServeConfig(data_dir=str(tmp_path / "data"), memory="64MiB"))
+    store = open_store(ServeConfig.from_settings(data_dir=str(tmp_path / "data"), memory="64MiB"))
     running = start_server(store, limits=ServerLimits(max_block_bytes=1 << 20))
     try:
         with RemoteStore(f"127.0.0.1:{running.port}", namespace="default", codec="zstd",
@@ -169,7 +169,7 @@ def test_the_adapter_path_over_int8_matches_the_embedded_store(model, tmp_path):
     store whose tier is int8: the same blocks, decoded by the same code, once on each side."""
     prompt = torch.randint(3, 500, (100,), generator=torch.Generator().manual_seed(7)).tolist()
     embedded = open_embedded_store(tmp_path / "embedded", memory_bytes=None, disk_codec="int8", durable=False)
-    store = open_store(ServeConfig(data_dir=str(tmp_path / "served"), memory="64MiB"))
+    store = open_store(ServeConfig.from_settings(data_dir=str(tmp_path / "served"), memory="64MiB"))
     running = start_server(store)
     try:
         with RemoteStore(f"127.0.0.1:{running.port}", namespace="default", codec="int8",

@@ -23,7 +23,8 @@ from kvshelf.service.server import start_server
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """An in-process server; tiers keep blocks as sent (memory over LMDB)."""
-    store = open_store(ServeConfig(data_dir=str(tmp_path_factory.mktemp("served") / "data"), memory="64MiB"))
+    data_dir = tmp_path_factory.mktemp("served") / "data"
+    store = open_store(ServeConfig.from_settings(data_dir=str(data_dir), memory="64MiB"))
     running = start_server(store)
     yield store, f"127.0.0.1:{running.port}"
     running.stop(0)
@@ -65,7 +66,7 @@ def test_every_codec_carries_mla_blocks_over_the_remote_store(served, codec, par
 
 def test_a_server_that_reencodes_keeps_both_head_dims(tmp_path):
     """``--disk-codec int8``: LMDB re-encodes the raw MLA blocks a client sends, values of their own head dim."""
-    store = open_store(ServeConfig(data_dir=str(tmp_path / "data"), memory="64MiB", disk_codec="int8"))
+    store = open_store(ServeConfig.from_settings(data_dir=str(tmp_path / "data"), memory="64MiB", disk_codec="int8"))
     running = start_server(store)
     try:
         with RemoteStore(f"127.0.0.1:{running.port}", namespace="default", codec="raw",

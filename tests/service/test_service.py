@@ -444,8 +444,9 @@ def test_config_precedence(tmp_path):
     config.write_text('[serve]\nlisten = "127.0.0.1:1111"\nmemory = "1GiB"\nquota = "5MiB"\ngrace = 3\n')
     env = {"KVSHELF_LISTEN": "127.0.0.1:2222", "KVSHELF_MEMORY": "512MiB"}
     got = load_config({"listen": "127.0.0.1:3333", "memory": None}, env=env, config_file=config)
-    assert (got.listen, got.memory, got.quota, got.grace) == ("127.0.0.1:3333", "512MiB", "5MiB", 3.0)
-    assert load_config({}, env={"KVSHELF_CONFIG": str(config)}).listen == "127.0.0.1:1111"
+    assert (got.server.listen, got.store.memory_bytes, got.limits.quota_bytes, got.server.grace) == (
+        "127.0.0.1:3333", 512 << 20, 5 << 20, 3.0)  # sizes parsed once, into bytes
+    assert load_config({}, env={"KVSHELF_CONFIG": str(config)}).server.listen == "127.0.0.1:1111"
     assert load_config({}, env={}) == ServeConfig()
     config.write_text("listn = 'x'\n")
     with pytest.raises(ConfigError, match="unknown setting 'listn'"):
@@ -455,12 +456,12 @@ def test_config_precedence(tmp_path):
 
 
 def test_shared_memory_setting_from_every_source(tmp_path):
-    assert load_config({}, env={}).shared_memory is True
-    assert load_config({}, env={"KVSHELF_SHARED_MEMORY": "false"}).shared_memory is False
-    assert load_config({"shared_memory": True}, env={"KVSHELF_SHARED_MEMORY": "0"}).shared_memory is True
+    assert load_config({}, env={}).server.shared_memory is True
+    assert load_config({}, env={"KVSHELF_SHARED_MEMORY": "false"}).server.shared_memory is False
+    assert load_config({"shared_memory": True}, env={"KVSHELF_SHARED_MEMORY": "0"}).server.shared_memory is True
     config = tmp_path / "kvshelf.toml"
     config.write_text("shared-memory = false\n")
-    assert load_config({}, env={}, config_file=config).shared_memory is False
+    assert load_config({}, env={}, config_file=config).server.shared_memory is False
     with pytest.raises(ConfigError, match="KVSHELF_SHARED_MEMORY: shared_memory must be true or false, got 'maybe'"):
         load_config({}, env={"KVSHELF_SHARED_MEMORY": "maybe"})
 

@@ -89,7 +89,7 @@ def test_strike_settings_are_checked():
     from kvshelf.kvstore.errors import ConfigError
     from kvshelf.service.serve import load_config
 
-    assert load_config({"strike_burst": 0}, env={}).strike_burst == 0  # off
+    assert load_config({"strike_burst": 0}, env={}).fairness.strike_burst == 0  # off
     with pytest.raises(ConfigError, match="strike_burst"):
         load_config({"strike_burst": -1}, env={})
     with pytest.raises(ConfigError, match="strike"):
