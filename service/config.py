@@ -79,7 +79,9 @@ def _check_redis_url(url: str) -> None:
 
     if url.split("://", 1)[0].lower() not in REDIS_SCHEMES or "://" not in url:
         raise _error(f"{url!r} is not a Redis URL; use one of {', '.join(s + '://' for s in REDIS_SCHEMES)}")
-    TierURL.parse(url)
+    parsed = TierURL.parse(url)
+    if not parsed.location.split("/", 1)[0].rsplit("@", 1)[-1]:
+        raise parsed.error("a Redis URL needs a host (redis://HOST:PORT/DB)")
 
 
 # -- the sections --------------------------------------------------------------------------------------------------

@@ -81,6 +81,7 @@ def test_redis_accepts_every_redis_scheme_of_the_registry(scheme: str) -> None:
     ("http://cache:6379", r"^--redis: 'http://cache:6379' is not a Redis URL; use one of redis://, rediss://"),
     ("memory://", r"^--redis: 'memory://' is not a Redis URL"),
     ("cache:6379", r"^--redis: 'cache:6379' is not a Redis URL"),
+    ("rediss+cluster://", r"^--redis: tier URL 'rediss\+cluster://': a Redis URL needs a host"),
 ])
 def test_bad_redis_urls_are_named(url: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
