@@ -206,7 +206,7 @@ class CachedGenerator(Closable):
     def _read_own_writes(self, keys: list[bytes]) -> None:
         """Wait for this generator's pending writes when some of ``keys`` are not held yet (they may be among
         them). An uncounted ``held`` probe, only while writes are pending."""
-        if self._writer is None or not keys or not self._writer.stats()["pending_blocks"]:
+        if self._writer is None or not keys or not self._writer.typed_stats().pending_blocks:
             return
         if not all(self.store.held(keys, namespace=self.namespace)):
             self._writer.flush()

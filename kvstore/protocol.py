@@ -24,19 +24,20 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
 
+from kvshelf.kvstore.stats import StoreStats, TierStats, field_names  # no torch either
+
 if TYPE_CHECKING:  # annotations only: importing the interface loads no torch
     from kvshelf.kvstore.block import KVBlock, PreparedBlock
 
 DEFAULT_NAMESPACE = "default"
 #: the model name lookups are counted under when none is given
 UNKNOWN_MODEL = "?"
-#: keys every store's ``stats()`` has (a store may add more: the server adds its usage and health)
-STATS_KEYS = frozenset({"tiers", "lookup_hit_rate", "retrieve_hit_rate", "rows", "pinned"})
-#: keys of every entry of ``stats()["tiers"]``
-TIER_STATS_KEYS = frozenset({
-    "name", "codec", "available", "blocks", "bytes", "capacity_bytes", "hits", "misses", "bytes_read",
-    "bytes_written", "evictions", "corrupt", "foreign", "rejected", "unavailable",
-})
+#: keys every store's ``stats()`` has: the fields of ``kvstore.stats.StoreStats``, whose ``as_dict()`` an embedded
+#: store returns (a store may add more: the server adds its usage and health)
+STATS_KEYS = field_names(StoreStats)
+#: keys of every entry of ``stats()["tiers"]``: the fields of ``kvstore.stats.TierStats`` but ``damaged`` (which a
+#: server's per-namespace view leaves out)
+TIER_STATS_KEYS = field_names(TierStats) - {"damaged"}
 #: the methods of the interface (what the signature test compares)
 METHODS = (
     "put_many", "put_encoded_many", "get_many", "get_prepared_many", "get_encoded_many", "lookup_prefix",

@@ -39,7 +39,16 @@ from kvshelf.kvstore.errors import (
 from kvshelf.kvstore.keys import BlockKey, block_key_of, check_keys
 from kvshelf.kvstore.limits import DEFAULT_MAX_DECODE_BYTES
 from kvshelf.kvstore.protocol import DEFAULT_NAMESPACE, UNKNOWN_MODEL
-from kvshelf.kvstore.stats import ALL_TIERS, UNKNOWN, Counters, StoreEvent
+from kvshelf.kvstore.stats import (
+    ALL_TIERS,
+    TIER_STATS_METRICS,
+    UNKNOWN,
+    Counters,
+    Metric,
+    StoreEvent,
+    StoreStats,
+    TierStats,
+)
 from kvshelf.kvstore.tier import Tier, TierUsage
 
 log = logging.getLogger(__name__)
@@ -342,11 +351,11 @@ class TieredStore:
         rejected = []
         for i, ((key, value), (ns, model)) in enumerate(zip(encoded, owners, strict=True)):
             if present is not None and present[i] is None:
-                self.counters.add(name, ns, model, "rejected")
+                self.counters.add(name, ns, model, Metric.REJECTED)
                 rejected.append((key, value))
                 continue
-            self.counters.add(name, ns, model, "blocks_written")
-            self.counters.add(name, ns, model, "bytes_written", len(value))
+            self.counters.add(name, ns, model, Metric.BLOCKS_WRITTEN)
+            self.counters.add(name, ns, model, Metric.BYTES_WRITTEN, len(value))
             header = _header_of(value)
             self._emit(StoreEvent("stored", name, key, len(value), ns, model, header.codec if header else "", header))
         return rejected
@@ -359,7 +368,7 @@ class TieredStore:
             ns, model, codec = header.namespace, header.fingerprint, header.codec
         except KVShelfError:
             ns = model = UNKNOWN
-        self.counters.add(spec.tier.name, ns, model, "evictions")
+        self.counters.add(spec.tier.name, ns, model, Metric.EVICTIONS)
         self._emit(StoreEvent("evicted", spec.tier.name, key, len(value), ns, model, codec))
         # an empty value: the medium evicted it on its own (Redis's maxmemory) and it is gone: nothing to write down
         if value and self.write_policy == "back" and index + 1 < len(self.specs):
@@ -396,8 +405,8 @@ class TieredStore:
             return
         if stored:
             header = read_header(value)
-            self.counters.add(lower.tier.name, header.namespace, header.fingerprint, "blocks_written")
-            self.counters.add(lower.tier.name, header.namespace, header.fingerprint, "bytes_written", len(value))
+            self.counters.add(lower.tier.name, header.namespace, header.fingerprint, Metric.BLOCKS_WRITTEN)
+            self.counters.add(lower.tier.name, header.namespace, header.fingerprint, Metric.BYTES_WRITTEN, len(value))
             self._emit(StoreEvent("stored", lower.tier.name, key, len(value), header.namespace, header.fingerprint,
                                   header.codec, header))
 
@@ -428,11 +437,11 @@ class TieredStore:
                     progress = True
                     if n == len(keys):
                         break
-        self.counters.add(ALL_TIERS, namespace, model, "lookup_blocks", len(keys))
-        self.counters.add(ALL_TIERS, namespace, model, "lookup_hit_blocks", n)
+        self.counters.add(ALL_TIERS, namespace, model, Metric.LOOKUP_BLOCKS, len(keys))
+        self.counters.add(ALL_TIERS, namespace, model, Metric.LOOKUP_HIT_BLOCKS, n)
         if tokens is not None:
-            self.counters.add(ALL_TIERS, namespace, model, "lookup_tokens", sum(tokens))
-            self.counters.add(ALL_TIERS, namespace, model, "lookup_hit_tokens", sum(tokens[:n]))
+            self.counters.add(ALL_TIERS, namespace, model, Metric.LOOKUP_TOKENS, sum(tokens))
+            self.counters.add(ALL_TIERS, namespace, model, Metric.LOOKUP_HIT_TOKENS, sum(tokens[:n]))
         return n
 
     contains_many = lookup_prefix
@@ -511,17 +520,17 @@ class TieredStore:
                         raise outcome
                     result[j] = outcome
                 except ForeignBlockError:
-                    self.counters.add(name, namespace, model, "foreign")
+                    self.counters.add(name, namespace, model, Metric.FOREIGN)
                     missed.append(j)
                     continue
                 except BlockTooLargeError as exc:  # within the header limits, over this reader's: kept for others
                     log.warning("tier %s: not decoding block %s: %s", name, keys[j].hex(), exc)
-                    self.counters.add(name, namespace, model, "rejected")
+                    self.counters.add(name, namespace, model, Metric.REJECTED)
                     missed.append(j)
                     continue
                 except KVShelfError as exc:
                     log.warning("tier %s: dropping damaged block %s: %s", name, keys[j].hex(), exc)
-                    self.counters.add(name, namespace, model, "corrupt")
+                    self.counters.add(name, namespace, model, Metric.CORRUPT)
                     try:
                         self._delete_from(spec, [keys[j]])
                     except TierUnavailableError as exc:
@@ -529,19 +538,19 @@ class TieredStore:
                     self._forget_pins([keys[j]])
                     missed.append(j)
                     continue
-                self.counters.add(name, namespace, model, "bytes_read", len(value))
+                self.counters.add(name, namespace, model, Metric.BYTES_READ, len(value))
                 promote.append((keys[j], value))
-            self.counters.add(name, namespace, model, "hits", len(remaining) - len(missed))
-            self.counters.add(name, namespace, model, "misses", len(missed))
+            self.counters.add(name, namespace, model, Metric.HITS, len(remaining) - len(missed))
+            self.counters.add(name, namespace, model, Metric.MISSES, len(missed))
             if index > 0 and promote:
                 self._promote(index, promote)
             remaining = missed
-        self.counters.add(ALL_TIERS, namespace, model, "retrieve_blocks", len(keys))
-        self.counters.add(ALL_TIERS, namespace, model, "retrieve_hit_blocks", len(keys) - len(remaining))
+        self.counters.add(ALL_TIERS, namespace, model, Metric.RETRIEVE_BLOCKS, len(keys))
+        self.counters.add(ALL_TIERS, namespace, model, Metric.RETRIEVE_HIT_BLOCKS, len(keys) - len(remaining))
         if tokens is not None:
             missed_tokens = sum(tokens[j] for j in remaining)
-            self.counters.add(ALL_TIERS, namespace, model, "retrieve_tokens", sum(tokens))
-            self.counters.add(ALL_TIERS, namespace, model, "retrieve_hit_tokens", sum(tokens) - missed_tokens)
+            self.counters.add(ALL_TIERS, namespace, model, Metric.RETRIEVE_TOKENS, sum(tokens))
+            self.counters.add(ALL_TIERS, namespace, model, Metric.RETRIEVE_HIT_TOKENS, sum(tokens) - missed_tokens)
         return result
 
     def _promote(self, found_in: int, hits: list[tuple[bytes, bytes]]) -> None:
@@ -589,7 +598,7 @@ class TieredStore:
         elif spec.tier.name not in self._damaged_logged:
             self._damaged_logged.add(spec.tier.name)
             log.error("tier %s is damaged, skipped until repaired (the other tiers serve): %s", spec.tier.name, exc)
-        self.counters.add(spec.tier.name, UNKNOWN, UNKNOWN, "unavailable")
+        self.counters.add(spec.tier.name, UNKNOWN, UNKNOWN, Metric.UNAVAILABLE)
 
     def _log_unavailable(self, name: str, exc: TierUnavailableError) -> None:
         """One warning per tier every ``UNAVAILABLE_LOG_INTERVAL_S`` while it stays unreachable (a dead Redis under
@@ -735,8 +744,8 @@ class TieredStore:
         with self._lock:
             return list(self._pinned)
 
-    def stats(self) -> dict[str, Any]:
-        """A JSON-ready snapshot: usage and counters per tier, and counter rows per namespace and model."""
+    def typed_stats(self) -> StoreStats:
+        """A snapshot: usage and counters per tier, and counter rows per namespace and model."""
         tiers = []
         for spec in self.specs:
             name = spec.tier.name
@@ -744,32 +753,33 @@ class TieredStore:
                 usage: TierUsage | None = spec.tier.usage()
             except TierUnavailableError:
                 usage = None
-            tiers.append(
-                {
-                    "name": name,
-                    "codec": spec.codec_label,
-                    "available": usage is not None,
-                    "damaged": bool(getattr(spec.tier, "damaged", False)),
-                    "blocks": usage.blocks if usage else None,
-                    "bytes": usage.bytes if usage else None,
-                    "capacity_bytes": usage.capacity_bytes if usage else None,
-                    **{m: self.counters.total(m, tier=name) for m in (
-                        "hits", "misses", "bytes_read", "bytes_written", "evictions", "corrupt", "foreign",
-                        "rejected", "unavailable")},
-                }
-            )
+            tiers.append(TierStats(
+                name=name,
+                codec=spec.codec_label,
+                available=usage is not None,
+                damaged=bool(getattr(spec.tier, "damaged", False)),
+                blocks=usage.blocks if usage else None,
+                bytes=usage.bytes if usage else None,
+                capacity_bytes=usage.capacity_bytes if usage else None,
+                **{m.value: self.counters.total(m, tier=name) for m in TIER_STATS_METRICS},
+            ))
         self._check_pins_after_losses()
-        lookups = self.counters.total("lookup_blocks", tier=ALL_TIERS)
-        retrieves = self.counters.total("retrieve_blocks", tier=ALL_TIERS)
-        return {
-            "tiers": tiers,
-            "lookup_hit_rate": self.counters.total("lookup_hit_blocks", tier=ALL_TIERS) / lookups if lookups else None,
-            "retrieve_hit_rate": (
-                self.counters.total("retrieve_hit_blocks", tier=ALL_TIERS) / retrieves if retrieves else None
-            ),
-            "rows": self.counters.rows(),
-            "pinned": len(self.pinned_keys()),
-        }
+
+        def rate(hit: Metric, asked: Metric) -> float | None:
+            n = self.counters.total(asked, tier=ALL_TIERS)
+            return self.counters.total(hit, tier=ALL_TIERS) / n if n else None
+
+        return StoreStats(
+            tiers=tuple(tiers),
+            lookup_hit_rate=rate(Metric.LOOKUP_HIT_BLOCKS, Metric.LOOKUP_BLOCKS),
+            retrieve_hit_rate=rate(Metric.RETRIEVE_HIT_BLOCKS, Metric.RETRIEVE_BLOCKS),
+            rows=tuple(self.counters.counter_rows()),
+            pinned=len(self.pinned_keys()),
+        )
+
+    def stats(self) -> dict[str, Any]:
+        """``typed_stats()`` as a JSON-ready dict (``StoreStats.as_dict``)."""
+        return self.typed_stats().as_dict()
 
     def close(self) -> None:
         for spec in self.specs:

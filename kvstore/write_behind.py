@@ -25,6 +25,7 @@ from typing import Any
 from kvshelf.kvstore.block import KVBlock
 from kvshelf.kvstore.errors import ConfigError, WriteBehindError
 from kvshelf.kvstore.protocol import BlockStore
+from kvshelf.kvstore.stats import WriterStats
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class WriteBehind:
         self._pending = 0  # blocks queued or being written
         self._closed = False
         self._counts = {"submitted_blocks": 0, "written_blocks": 0, "rejected_blocks": 0, "failed_blocks": 0,
-                        "failed_batches": 0}
+                        "failed_batches": 0}  # the running counts of ``WriterStats``
         self._last_error: str | None = None
         self._thread = threading.Thread(target=self._run, name="kvshelf-write-behind", daemon=True)
         self._thread.start()
@@ -107,12 +108,16 @@ class WriteBehind:
                 atexit.unregister(self._exit_hook)
         return self.stats()
 
-    def stats(self) -> dict[str, Any]:
+    def typed_stats(self) -> WriterStats:
         """Counts: ``submitted_blocks``, ``written_blocks``, ``rejected_blocks`` (not accepted by the first tier:
         full), ``failed_blocks`` / ``failed_batches`` (the write raised), ``pending_blocks``, ``last_error``."""
         with self._cond:
-            return {**self._counts, "pending_blocks": self._pending, "last_error": self._last_error,
-                    "closed": self._closed}
+            return WriterStats(**self._counts, pending_blocks=self._pending, last_error=self._last_error,
+                               closed=self._closed)
+
+    def stats(self) -> dict[str, Any]:
+        """``typed_stats()`` as a JSON-ready dict (``WriterStats.as_dict``)."""
+        return self.typed_stats().as_dict()
 
     def __enter__(self) -> WriteBehind:
         return self

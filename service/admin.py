@@ -14,7 +14,7 @@ from rich.console import Group
 from rich.table import Table
 
 from kvshelf.kvstore.errors import KVShelfError
-from kvshelf.kvstore.stats import ALL_TIERS
+from kvshelf.kvstore.stats import ALL_TIERS, BLOCK_COUNTS, Metric
 
 
 def _pct(hit: float, total: float) -> str:
@@ -35,9 +35,9 @@ def _top(rows: list[dict[str, Any]], by: str, limit: int) -> list[tuple[str, dic
     totals: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for row in rows:
         if row["tier"] == ALL_TIERS:
-            for metric in ("lookup_blocks", "lookup_hit_blocks", "retrieve_blocks", "retrieve_hit_blocks"):
-                totals[str(row[by])][metric] += int(row.get(metric, 0))
-    ranked = sorted(totals.items(), key=lambda kv: -kv[1]["retrieve_blocks"] - kv[1]["lookup_blocks"])
+            for metric in BLOCK_COUNTS:
+                totals[str(row[by])][metric.value] += int(row.get(metric, 0))
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][Metric.RETRIEVE_BLOCKS] - kv[1][Metric.LOOKUP_BLOCKS])
     return ranked[:limit]
 
 
@@ -49,12 +49,15 @@ def render(stats: dict[str, Any], title: str = "kvshelf", top: int = 5) -> Group
         summary.add_column(col, justify="right")
     rows = stats.get("rows", [])
 
-    def total(metric: str) -> int:
+    def total(metric: Metric) -> int:
         return sum(int(r.get(metric, 0)) for r in rows if r["tier"] == ALL_TIERS)
 
-    for kind in ("lookup", "retrieve"):
-        blocks, block_hits = total(f"{kind}_blocks"), total(f"{kind}_hit_blocks")
-        tokens, token_hits = total(f"{kind}_tokens"), total(f"{kind}_hit_tokens")
+    for kind, counts in (
+        ("lookup", (Metric.LOOKUP_BLOCKS, Metric.LOOKUP_HIT_BLOCKS, Metric.LOOKUP_TOKENS, Metric.LOOKUP_HIT_TOKENS)),
+        ("retrieve", (Metric.RETRIEVE_BLOCKS, Metric.RETRIEVE_HIT_BLOCKS, Metric.RETRIEVE_TOKENS,
+                      Metric.RETRIEVE_HIT_TOKENS)),
+    ):
+        blocks, block_hits, tokens, token_hits = map(total, counts)
         summary.add_row(kind, str(blocks), str(block_hits), _pct(block_hits, blocks), str(tokens), str(token_hits),
                         _pct(token_hits, tokens))
     tiers = Table(title="tiers")
@@ -62,18 +65,20 @@ def render(stats: dict[str, Any], title: str = "kvshelf", top: int = 5) -> Group
                 "corrupt", "foreign"):
         tiers.add_column(col, justify="right")
     for t in stats.get("tiers", []):
-        asked = t["hits"] + t["misses"]
+        hits, misses = t[Metric.HITS], t[Metric.MISSES]
         tiers.add_row(t["name"], t["codec"], "-" if t["blocks"] is None else str(t["blocks"]), _size(t["bytes"]),
-                      _size(t["capacity_bytes"]) if t["capacity_bytes"] else "-", str(t["hits"]), str(t["misses"]),
-                      _pct(t["hits"], asked), str(t["evictions"]), str(t["corrupt"]), str(t["foreign"]))
+                      _size(t["capacity_bytes"]) if t["capacity_bytes"] else "-", str(hits), str(misses),
+                      _pct(hits, hits + misses), str(t[Metric.EVICTIONS]), str(t[Metric.CORRUPT]),
+                      str(t[Metric.FOREIGN]))
     parts: list[Any] = [summary, tiers]
     for by, label in (("namespace", "top namespaces"), ("model", "top models")):
         table = Table(title=label)
         for col in (by, "lookups", "lookup hit rate", "retrievals", "retrieve hit rate"):
             table.add_column(col, justify="right")
         for name, m in _top(rows, by, top):
-            table.add_row(name, str(m["lookup_blocks"]), _pct(m["lookup_hit_blocks"], m["lookup_blocks"]),
-                          str(m["retrieve_blocks"]), _pct(m["retrieve_hit_blocks"], m["retrieve_blocks"]))
+            lookups, retrieves = m[Metric.LOOKUP_BLOCKS], m[Metric.RETRIEVE_BLOCKS]
+            table.add_row(name, str(lookups), _pct(m[Metric.LOOKUP_HIT_BLOCKS], lookups),
+                          str(retrieves), _pct(m[Metric.RETRIEVE_HIT_BLOCKS], retrieves))
         parts.append(table)
     return Group(*parts)
 

@@ -11,19 +11,17 @@ import time
 from collections import deque
 from typing import Any
 
-from kvshelf.kvstore.stats import ALL_TIERS
+from kvshelf.kvstore.stats import ALL_TIERS, BLOCK_COUNTS
 
 
 def sample(store: Any) -> dict[str, Any]:
     """One point: time, cumulative lookup/retrieve counts, and bytes, blocks and evictions per tier."""
-    stats = store.stats()
+    stats = store.typed_stats()
     counters = store.counters
     return {
         "t": time.time(),
-        **{m: counters.total(m, tier=ALL_TIERS) for m in (
-            "lookup_blocks", "lookup_hit_blocks", "retrieve_blocks", "retrieve_hit_blocks")},
-        "tiers": {t["name"]: {"bytes": t["bytes"], "blocks": t["blocks"], "evictions": t["evictions"]}
-                  for t in stats["tiers"]},
+        **{m.value: counters.total(m, tier=ALL_TIERS) for m in BLOCK_COUNTS},
+        "tiers": {t.name: {"bytes": t.bytes, "blocks": t.blocks, "evictions": t.evictions} for t in stats.tiers},
     }
 
 

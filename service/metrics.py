@@ -36,36 +36,37 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from kvshelf.kvstore.errors import ConfigError
-from kvshelf.kvstore.stats import ALL_TIERS, STORE_METRICS, TIER_METRICS
+from kvshelf.kvstore.stats import ALL_TIERS, STORE_METRICS, TIER_METRICS, Metric
 
 log = logging.getLogger(__name__)
 _TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*")  # RFC 6750 b64token: what a Bearer header can carry
 
-_HELP = {
-    "hits": "blocks served by this tier",
-    "misses": "blocks asked of this tier and not found there",
-    "bytes_read": "encoded bytes served by this tier",
-    "bytes_written": "encoded bytes written to this tier",
-    "blocks_written": "blocks written to this tier",
-    "evictions": "blocks this tier evicted",
-    "corrupt": "damaged values found (a miss; the value is dropped)",
-    "foreign": "values of another key, namespace or model (a miss)",
-    "rejected": "blocks this tier refused (too large, or room only by evicting pinned blocks), and blocks read from "
-                "it that would take more than the reader's max_decode_bytes to decode (a miss; the value is kept)",
-    "unavailable": "operations skipped because the tier was unreachable",
-    "lookup_blocks": "blocks asked for by prefix lookups",
-    "lookup_hit_blocks": "blocks found by prefix lookups",
-    "retrieve_blocks": "blocks asked for by retrievals",
-    "retrieve_hit_blocks": "blocks served by retrievals",
-    "lookup_tokens": "tokens asked for by prefix lookups",
-    "lookup_hit_tokens": "tokens found by prefix lookups",
-    "retrieve_tokens": "tokens asked for by retrievals",
-    "retrieve_hit_tokens": "tokens served by retrievals",
+_HELP: dict[Metric, str] = {
+    Metric.HITS: "blocks served by this tier",
+    Metric.MISSES: "blocks asked of this tier and not found there",
+    Metric.BYTES_READ: "encoded bytes served by this tier",
+    Metric.BYTES_WRITTEN: "encoded bytes written to this tier",
+    Metric.BLOCKS_WRITTEN: "blocks written to this tier",
+    Metric.EVICTIONS: "blocks this tier evicted",
+    Metric.CORRUPT: "damaged values found (a miss; the value is dropped)",
+    Metric.FOREIGN: "values of another key, namespace or model (a miss)",
+    Metric.REJECTED: "blocks this tier refused (too large, or room only by evicting pinned blocks), and blocks read "
+                     "from it that would take more than the reader's max_decode_bytes to decode (a miss; the value "
+                     "is kept)",
+    Metric.UNAVAILABLE: "operations skipped because the tier was unreachable",
+    Metric.LOOKUP_BLOCKS: "blocks asked for by prefix lookups",
+    Metric.LOOKUP_HIT_BLOCKS: "blocks found by prefix lookups",
+    Metric.RETRIEVE_BLOCKS: "blocks asked for by retrievals",
+    Metric.RETRIEVE_HIT_BLOCKS: "blocks served by retrievals",
+    Metric.LOOKUP_TOKENS: "tokens asked for by prefix lookups",
+    Metric.LOOKUP_HIT_TOKENS: "tokens found by prefix lookups",
+    Metric.RETRIEVE_TOKENS: "tokens asked for by retrievals",
+    Metric.RETRIEVE_HIT_TOKENS: "tokens served by retrievals",
 }
 
 
 class StoreCollector(Collector):
-    """Reads ``store.counters`` and ``store.stats()`` on every scrape; with ``namespaces``, only the rows of
+    """Reads ``store.counters`` and ``store.typed_stats()`` on every scrape; with ``namespaces``, only the rows of
     those namespaces (the per-tier totals, which name no namespace, are always exported)."""
 
     def __init__(self, store: Any, prefix: str = "kvshelf", namespaces: Collection[str] | None = None) -> None:
@@ -74,9 +75,9 @@ class StoreCollector(Collector):
         self.namespaces = frozenset(namespaces) if namespaces is not None else None
 
     def collect(self) -> Iterator[Any]:
-        rows = self.store.counters.rows()
+        rows = self.store.counters.counter_rows()
         if self.namespaces is not None:
-            rows = [row for row in rows if row["namespace"] in self.namespaces]
+            rows = [row for row in rows if row.namespace in self.namespaces]
         tier_families = {
             m: CounterMetricFamily(f"{self.prefix}_tier_{m}", _HELP[m], labels=["tier", "namespace", "model"])
             for m in TIER_METRICS
@@ -87,10 +88,8 @@ class StoreCollector(Collector):
             for m in store_metrics
         }
         for row in rows:
-            tier, ns, model = str(row["tier"]), str(row["namespace"]), str(row["model"])
-            for metric, value in row.items():
-                if metric in ("tier", "namespace", "model"):
-                    continue
+            tier, ns, model = row.tier, row.namespace, row.model
+            for metric, value in row.counts.items():
                 if tier == ALL_TIERS and metric in store_families:
                     store_families[metric].add_metric([ns, model], float(value))
                 elif tier != ALL_TIERS and metric in tier_families:
@@ -100,11 +99,11 @@ class StoreCollector(Collector):
         held_bytes = GaugeMetricFamily(f"{self.prefix}_tier_bytes", "encoded bytes held", labels=["tier"])
         held_blocks = GaugeMetricFamily(f"{self.prefix}_tier_blocks", "blocks held", labels=["tier"])
         up = GaugeMetricFamily(f"{self.prefix}_tier_available", "1 when the tier is reachable", labels=["tier"])
-        for tier in self.store.stats()["tiers"]:
-            up.add_metric([tier["name"]], 1.0 if tier.get("available", True) else 0.0)
-            if tier.get("bytes") is not None:
-                held_bytes.add_metric([tier["name"]], float(tier["bytes"]))
-                held_blocks.add_metric([tier["name"]], float(tier["blocks"]))
+        for tier in self.store.typed_stats().tiers:
+            up.add_metric([tier.name], 1.0 if tier.available else 0.0)
+            if tier.bytes is not None:
+                held_bytes.add_metric([tier.name], float(tier.bytes))
+                held_blocks.add_metric([tier.name], float(tier.blocks or 0))
         yield from (held_bytes, held_blocks, up)
 
 

@@ -41,7 +41,7 @@ from kvshelf.kvstore.errors import (
     ForeignBlockError,
 )
 from kvshelf.kvstore.keys import KEY_BYTES, SCOPED_KEY_BYTES, BlockKey, ScopedKey, scope, scope_tag, unscope
-from kvshelf.kvstore.stats import ALL_TIERS, TIER_METRICS
+from kvshelf.kvstore.stats import ALL_TIERS, TIER_METRICS, Metric
 from kvshelf.kvstore.store import TieredStore, TierSpec
 from kvshelf.proto import kvshelf_pb2 as pb
 from kvshelf.service.arena import ArenaWriter
@@ -463,9 +463,9 @@ class KVShelfServicer:
 
     def refresh_health(self) -> list[str]:
         """Probe the tiers; set the health statuses; return the names of unreachable (or damaged) tiers."""
-        tiers = self.store.stats()["tiers"]
-        down = [t["name"] for t in tiers if not t["available"]]
-        self.damaged_tiers = [t["name"] for t in tiers if t.get("damaged")]
+        tiers = self.store.typed_stats().tiers
+        down = [t.name for t in tiers if not t.available]
+        self.damaged_tiers = [t.name for t in tiers if t.damaged]
         serving = health_pb2.HealthCheckResponse.SERVING
         self.health.set("", serving)
         self.health.set(SERVICE_NAME, serving)  # the local tiers serve even when a shared tier is down
@@ -669,29 +669,29 @@ class KVShelfServicer:
     def Stats(self, req: pb.StatsRequest, context: grpc.ServicerContext) -> Message:
         namespace = self.namespace(context, req.namespace)
         down = self.refresh_health()
-        full = self.store.stats()
-        rows = [r for r in full["rows"] if r["namespace"] == namespace]
+        full = self.store.typed_stats()
+        rows = [r for r in full.rows if r.namespace == namespace]
         tag = scope_tag(namespace)
         held = self.usage.usage(tag)
         tiers = []
-        for t in full["tiers"]:
-            blocks, nbytes = held.get(t["name"], (0, 0))
-            entry = {"name": t["name"], "codec": t["codec"], "available": t["available"], "blocks": blocks,
-                     "bytes": nbytes, "capacity_bytes": t["capacity_bytes"]}
+        for t in full.tiers:
+            blocks, nbytes = held.get(t.name, (0, 0))
+            entry = {"name": t.name, "codec": t.codec, "available": t.available, "blocks": blocks,
+                     "bytes": nbytes, "capacity_bytes": t.capacity_bytes}
             for metric in TIER_METRICS:
-                entry[metric] = sum(int(r.get(metric, 0)) for r in rows if r["tier"] == t["name"])
+                entry[metric.value] = sum(r.get(metric) for r in rows if r.tier == t.name)
             tiers.append(entry)
 
-        def rate(hit: str, total: str) -> float | None:
-            n = sum(int(r.get(total, 0)) for r in rows if r["tier"] == ALL_TIERS)
-            return sum(int(r.get(hit, 0)) for r in rows if r["tier"] == ALL_TIERS) / n if n else None
+        def rate(hit: Metric, total: Metric) -> float | None:
+            n = sum(r.get(total) for r in rows if r.tier == ALL_TIERS)
+            return sum(r.get(hit) for r in rows if r.tier == ALL_TIERS) / n if n else None
 
         out: dict[str, Any] = {
             "namespace": namespace,
             "tiers": tiers,
-            "lookup_hit_rate": rate("lookup_hit_blocks", "lookup_blocks"),
-            "retrieve_hit_rate": rate("retrieve_hit_blocks", "retrieve_blocks"),
-            "rows": rows,
+            "lookup_hit_rate": rate(Metric.LOOKUP_HIT_BLOCKS, Metric.LOOKUP_BLOCKS),
+            "retrieve_hit_rate": rate(Metric.RETRIEVE_HIT_BLOCKS, Metric.RETRIEVE_BLOCKS),
+            "rows": [r.as_dict() for r in rows],
             "pinned": sum(1 for key in self.store.pinned_keys() if key.startswith(tag)),
             "usage": {"bytes": max((b for _, b in held.values()), default=0), "quota_bytes": self.limits.quota_bytes},
             "health": {"status": "degraded" if down else "serving", "unavailable_tiers": down,
@@ -703,7 +703,7 @@ class KVShelfServicer:
             "events": self.events.stats(namespace),
         }
         if self.tokens is None:  # dev mode: the whole store (every namespace) and its history for the admin tool
-            out["store"] = full
+            out["store"] = full.as_dict()
             if self.history is not None:
                 out["history"] = self.history.points()
         return pb.StatsResponse(json=json.dumps(out), degraded=bool(down))

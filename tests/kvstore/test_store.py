@@ -756,3 +756,48 @@ def test_a_block_over_the_readers_decode_bound_is_a_kept_miss():
     assert_same_block(small.get_many([key], fingerprint=FINGERPRINT)[0], block)
     with pytest.raises(ConfigError):
         TieredStore([MemoryTier(1 << 20)], max_decode_bytes=0)
+
+
+def test_typed_stats_are_the_source_of_stats(store):
+    """``stats()`` is ``typed_stats().as_dict()``: frozen dataclasses with typed fields, rendered in the JSON shape
+    (key order included) the gRPC Stats, ``kvshelf stats``, metrics and bench JSON have always had."""
+    import dataclasses
+
+    from kvshelf.kvstore.protocol import STATS_KEYS, TIER_STATS_KEYS
+    from kvshelf.kvstore.stats import STORE_METRICS, TIER_METRICS, Metric
+
+    items = blocks(3)
+    store.put_many(items)
+    store.lookup_prefix([k for k, _ in items], tokens=[4, 4, 4])
+    store.get_many([k for k, _ in items] + [b"\x01" * 16], fingerprint=FP)
+    typed = store.typed_stats()
+    assert store.stats() == typed.as_dict() and set(typed.as_dict()) == STATS_KEYS
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        typed.pinned = 1  # type: ignore[misc]
+    memory = typed.tier("memory")
+    assert memory.hits == 3 and memory.misses == 1 and memory.hits == tier_stats(store, "memory")["hits"]
+    assert list(memory.as_dict()) == ["name", "codec", "available", "damaged", "blocks", "bytes", "capacity_bytes",
+                                      "hits", "misses", "bytes_read", "bytes_written", "evictions", "corrupt",
+                                      "foreign", "rejected", "unavailable"]
+    assert set(memory.as_dict()) - {"damaged"} == TIER_STATS_KEYS
+    (row,) = [r for r in typed.rows if r.tier == "*" and r.model == "?"]  # the lookups (the reads: the model's)
+    assert row.get(Metric.LOOKUP_BLOCKS) == 3 and row.get(Metric.LOOKUP_HIT_BLOCKS) == 3
+    assert typed.lookup_hit_rate == 1.0 and typed.retrieve_hit_rate == 3 / 4
+    # counter names are plain strings in the JSON, and every name is one Metric
+    text = json.dumps(store.stats())
+    assert '"lookup_hit_blocks": 3' in text and "Metric" not in text
+    assert {type(k) for r in store.stats()["rows"] for k in r} == {str}
+    assert set(TIER_METRICS) | set(STORE_METRICS) == set(Metric) and Metric.HITS == "hits"
+
+
+def test_write_behind_typed_stats(store):
+    from kvshelf.kvstore.stats import WriterStats
+    from kvshelf.kvstore.write_behind import WriteBehind
+
+    writer = WriteBehind(store)
+    writer.submit(blocks(2))
+    assert writer.flush() == writer.typed_stats().as_dict()
+    final = writer.close()
+    assert list(final) == ["submitted_blocks", "written_blocks", "rejected_blocks", "failed_blocks",
+                           "failed_batches", "pending_blocks", "last_error", "closed"]
+    assert writer.typed_stats() == WriterStats(submitted_blocks=2, written_blocks=2, closed=True)
