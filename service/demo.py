@@ -21,6 +21,8 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
+from kvshelf.kvstore.stats import Metric
+
 if TYPE_CHECKING:
     from kvshelf.kvstore.protocol import BlockStore
 
@@ -218,8 +220,8 @@ def _report(console: Console, rows: list[dict], memory_stats: dict, disk: dict) 
     for col in ("tier", "codec", "blocks", "bytes", "hits", "misses", "bytes read"):
         tiers.add_column(col, justify="right")
     for t in disk["stats"]["tiers"]:
-        tiers.add_row(t["name"], t["codec"], str(t["blocks"]), _mib(t["bytes"]), str(t["hits"]), str(t["misses"]),
-                      _mib(t["bytes_read"]))
+        tiers.add_row(t["name"], t["codec"], str(t["blocks"]), _mib(t["bytes"]), str(t[Metric.HITS]),
+                      str(t[Metric.MISSES]), _mib(t[Metric.BYTES_READ]))
     console.print(tiers)
     first, second = memory_stats["retrieve_hit_rate"], disk["stats"]["retrieve_hit_rate"]
     console.print(
