@@ -31,19 +31,19 @@ from rich.table import Table
 from kvshelf.bench.common import machine_description, save_results
 from kvshelf.bench.servers import HOST, START_TIMEOUT_S, RedisProcess, binary, free_port
 from kvshelf.kvstore.errors import ConfigError
+from kvshelf.kvstore.keys import KEY_BYTES, SCOPE_BYTES, SCOPED_KEY_BYTES, BlockKey, ScopeTag, scope
 from kvshelf.kvstore.redis_tier import CLEAR_SCAN_COUNT
 
-TAG_BYTES, KEY_BYTES = 8, 16
 PREFIX = "bench-clear:"
 PUT_BATCH = 1000
 
 
-def _tag(n: int) -> bytes:
-    return n.to_bytes(TAG_BYTES, "big")
+def _tag(n: int) -> ScopeTag:
+    return ScopeTag(n.to_bytes(SCOPE_BYTES, "big"))
 
 
-def _keys(tag: bytes, count: int, seed: int) -> list[bytes]:
-    return [tag + (seed * 10_000_000 + i).to_bytes(KEY_BYTES, "big") for i in range(count)]
+def _keys(tag: ScopeTag, count: int, seed: int) -> list[bytes]:
+    return [scope(tag, BlockKey((seed * 10_000_000 + i).to_bytes(KEY_BYTES, "big"))) for i in range(count)]
 
 
 def _start_cluster(workdir: Path, size: int = 3) -> list[RedisProcess]:
@@ -114,11 +114,11 @@ def _measure(path: str, store: Any, nodes: list[RedisProcess], tag: bytes) -> di
     start = time.perf_counter()
     if path == "old":
         listed = tier.keys()  # what service.usage.tier_keys did
-        keys = [k for k in listed if len(k) == TAG_BYTES + KEY_BYTES and k.startswith(tag)]
+        keys = [k for k in listed if len(k) == SCOPED_KEY_BYTES and k.startswith(tag)]
         store.delete(keys)
         cleared = len(keys)
     else:
-        cleared = store.clear_prefix(tag, TAG_BYTES + KEY_BYTES)
+        cleared = store.clear_prefix(tag, SCOPED_KEY_BYTES)
     seconds = time.perf_counter() - start
     after = _commandstats(nodes)
     return {"path": path, "keys_in_redis": before["keys"], "keys_cleared": cleared, "seconds": round(seconds, 4),
