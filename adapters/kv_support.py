@@ -1,4 +1,4 @@
-"""Model-level checks of a path's support, before any work (issue 32: the suite follows transformers).
+"""Model-level checks of a path's support, before any work (the suite follows transformers).
 
 ``check_supported`` (``cache_bridge``) judges a config; some causal LMs of transformers pass it and still have no
 KV cache kvshelf can store, which only the model shows:

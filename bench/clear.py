@@ -4,11 +4,12 @@ A Redis-only ``TieredStore`` (the tier every process of a service shares) is fil
 other namespaces (service tier keys: an 8-byte namespace tag + a 16-byte key, spread over ``namespaces`` tags) and
 ``ns_keys`` of the namespace cleared. Then, on the same data (the cleared namespace written again between runs):
 
-* ``old``: what the server's ``Clear`` did before issue 22: list every key of the tier (``SCAN`` matching the tier's
+* ``old``: the naive path (the anchor): list every key of the tier (``SCAN`` matching the tier's
   prefix: every manifest of every namespace comes back to the client), keep the namespace's, then
   ``TieredStore.delete`` (a ``contains`` round trip per key and tier, for the removed events);
-* ``new``: ``TieredStore.clear_prefix`` (what ``Clear`` does now): a ``SCAN`` whose ``MATCH`` names the namespace's
-  tag (Redis filters; only its manifests come back), each page removed at once (``GETDEL`` + ``UNLINK``).
+* ``new``: ``TieredStore.clear_prefix`` (what the server's ``Clear`` does): a ``SCAN`` whose ``MATCH`` names the
+  namespace's tag (Redis filters; only its manifests come back), each page removed at once (``GETDEL`` +
+  ``UNLINK``).
 
 Each row: keys in Redis before, keys cleared, seconds, Redis's own counts from ``INFO commandstats`` (summed over
 primaries): SCAN calls, the seconds Redis spent in them and their average per call (how long one call blocks Redis:

@@ -1,6 +1,6 @@
 """``kvshelf bench codecs``: size, speed and perplexity cost of every KV codec on SmolLM2.
 
-Quality protocol (issue 4): windows of 2,048 corpus tokens; prefill tokens ``[0, 1536)``; encode then decode their
+Quality protocol: windows of 2,048 corpus tokens; prefill tokens ``[0, 1536)``; encode then decode their
 KV (in 256-token blocks through ``encode_block``/``decode_block``, as the store does); teacher-forced perplexity of
 tokens ``[1536, 2048)`` attending to the decoded KV; the absolute and relative increase over the uncompressed KV,
 averaged over the windows. The prefill of each window is shared by all codecs.

@@ -1,6 +1,6 @@
 """``kvshelf bench lmdb-capacity``: a bounded LMDB tier under random puts and gets for a fixed time.
 
-The figure (issue 21): an ``LMDBTier`` with a 256 MiB capacity under 10 minutes of random puts of 1-8 MiB
+The figure: an ``LMDBTier`` with a 256 MiB capacity under 10 minutes of random puts of 1-8 MiB
 blocks: the file never exceeds capacity + slack (``kvstore.lmdb_tier.lmdb_slack_bytes``), 0 errors, and every
 get returns a correct block or a counted miss.
 

@@ -1,4 +1,4 @@
-"""Every path of prefix reuse on every family the catalog builds (issue 32: "built as a tiny random config and run
+"""Every path of prefix reuse on every family the catalog builds ("built as a tiny random config and run
 through every path"): besides the block-chained prompts of ``test_families_catalog`` (fp32, sdpa), each built
 family runs
 

@@ -1,4 +1,4 @@
-"""The suite follows transformers (issue 32): every model type of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` is placed
+"""The suite follows transformers: every model type of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` is placed
 by ``catalog`` (hand-written suite, built from a tiny config, or excluded with the reason), and prefix reuse runs
 on every built family against ``expected_catalog`` (docs/families.md's catalog table).
 

@@ -1,6 +1,6 @@
 """MLA models (DeepSeek-V2/V3, MiniCPM3) beyond the architecture suite's cells: their blocks as stored (the cache's
 compressed latent as keys, the rotated key part as values: different head dims) are reused from disk, never dropped
-as damaged (issue 32: every block was stored, then dropped on read); xquant refuses them with a clear error."""
+as damaged; xquant refuses them with a clear error."""
 
 from __future__ import annotations
 

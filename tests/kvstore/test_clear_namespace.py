@@ -1,4 +1,4 @@
-"""``Clear(namespace)`` on a large Redis (issue 22, item 4): ``TieredStore.clear_prefix`` (what the server's ``Clear``
+"""``Clear(namespace)`` on a large Redis: ``TieredStore.clear_prefix`` (what the server's ``Clear``
 calls) removes exactly the namespace's values -- none of another namespace's, however many -- on a standalone Redis
 and a local Redis Cluster, after Redis evicted some of the namespace's values on its own, with chunked values, and
 without a round trip per key of the whole keyspace (the old ``Clear`` listed every value of every namespace and then

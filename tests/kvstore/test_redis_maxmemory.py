@@ -1,4 +1,4 @@
-"""Redis keeps its own ``maxmemory`` policy (issue 21, item 1): kvshelf never evicts from Redis, and the Redis tier's
+"""Redis keeps its own ``maxmemory`` policy: kvshelf never evicts from Redis, and the Redis tier's
 usage counters, the per-namespace usage and quota of the gRPC service, and ``stats`` stay right while Redis evicts
 (``allkeys-lru``) or refuses writes (``noeviction``). Real ``redis-server`` processes (standalone with
 ``--maxmemory 4mb``, and a local 3-node Cluster with a memory limit per node) and a real gRPC server on loopback.

@@ -1,4 +1,4 @@
-"""A hung Redis degrades the server like a dead one (issue 20, item 6): a real server with memory, LMDB and Redis
+"""A hung Redis degrades the server like a dead one: a real server with memory, LMDB and Redis
 tiers, and a real ``redis-server`` frozen with SIGSTOP (it accepts connections and never answers). Puts and gets
 finish in about the Redis timeout (the other tiers serve), Stats answers ``degraded`` and the ``tiers`` health
 service says NOT_SERVING; after SIGCONT the server is SERVING again and reads hit Redis again."""
@@ -90,7 +90,7 @@ def test_hung_redis_degrades_like_a_dead_one_and_recovers(pausable_redis: Pausab
 
 
 def test_poisoned_redis_keys_are_counted_misses_never_internal(pausable_redis: PausableRedis, tmp_path: Path) -> None:
-    """Keys of the wrong type at a value's manifest and at the usage hash (issue 20, item 7): the tenant's reads
+    """Keys of the wrong type at a value's manifest and at the usage hash: the tenant's reads
     are counted corrupt misses, Stats answers, Delete removes the key and the next put replaces it."""
     store = open_store(ServeConfig.from_settings(data_dir=str(tmp_path / "data"), memory="64MiB", max_disk="64MiB",
                                    redis=pausable_redis.url))

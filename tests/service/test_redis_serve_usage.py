@@ -1,4 +1,4 @@
-"""``kvshelf serve --redis`` over a Redis that evicts on its own (issue 22, item 4: the usage counters of the Redis
+"""``kvshelf serve --redis`` over a Redis that evicts on its own (the usage counters of the Redis
 tier, checked through the service as ``open_store`` builds it: memory, LMDB, Redis). ``Stats`` (the namespace's row
 and the admin view of the whole store) shows what Redis really holds, Redis's evictions are counted, and ``Clear``
 leaves the Redis counters at zero. A real ``redis-server`` (``--maxmemory 4mb``, allkeys-lfu), a real gRPC server."""

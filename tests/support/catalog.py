@@ -1,4 +1,4 @@
-"""Every model type of transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, placed (issue 32: the suite follows
+"""Every model type of transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, placed (the suite follows
 transformers).
 
 Each model type is exactly one of:

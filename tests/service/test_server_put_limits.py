@@ -1,4 +1,4 @@
-"""The server's write path against a hostile tenant (issue 20): decompression bombs, payloads that disagree with
+"""The server's write path against a hostile tenant: decompression bombs, payloads that disagree with
 their shape, deeply nested headers, quota bypass by overwrites, limits checked before a put is buffered, and the
 in-flight put budget. Real gRPC server on loopback over a real LMDB store in tmp_path."""
 

@@ -1,4 +1,4 @@
-"""The Redis tier against a hung server and a damaged or hostile Redis (issue 20, items 6, 7 and 9), with a real
+"""The Redis tier against a hung server and a damaged or hostile Redis, with a real
 ``redis-server``: frozen with SIGSTOP (it accepts connections and never answers), and keys of the wrong type,
 contradictory manifests and damaged usage counters written behind the tier's back."""
 
@@ -323,7 +323,7 @@ def test_plausible_manifest_of_many_missing_chunks_costs_one_round(raw: Any, red
     assert tier.contains_many([key]) == 0
     assert commands(raw, "get") - gets < 1000  # it sent 400,000 GETs (5 s, +210 MB)
     assert commands(raw, "strlen") - strlens < 1000
-    # a value with missing chunks (as Redis's eviction leaves one) is removed by the read that finds it (issue 21:
+    # a value with missing chunks (as Redis's eviction leaves one) is removed by the read that finds it (so
     # the usage counters follow Redis's evictions), in one command: its chunks beyond the first missing one are not
     # looked for one by one
     assert raw.exists(manifest_name(prefix, key)) == 0

@@ -1,4 +1,4 @@
-"""Pins of keys the store no longer holds (issue 22, item 4): every path that removes a pinned key from the last
+"""Pins of keys the store no longer holds: every path that removes a pinned key from the last
 tier holding it drops its pin, so the pinned set never grows without bound and ``stats()["pinned"]`` counts held
 blocks. Real tiers: a memory tier, an LMDB environment damaged on disk, a ``redis-server`` that evicts on its own,
 and a gRPC server's ``Clear``.
