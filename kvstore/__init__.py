@@ -40,10 +40,22 @@ _EXPORTS: dict[str, str] = {
     "TierSpec": "kvshelf.kvstore.store",
     "Tier": "kvshelf.kvstore.tier",
     "TierUsage": "kvshelf.kvstore.tier",
+    "BlockKey": "kvshelf.kvstore.keys",
+    "ScopedKey": "kvshelf.kvstore.keys",
+    "ScopeTag": "kvshelf.kvstore.keys",
+    "scope": "kvshelf.kvstore.keys",
+    "unscope": "kvshelf.kvstore.keys",
+    "scope_of": "kvshelf.kvstore.keys",
+    "Metric": "kvshelf.kvstore.stats",
+    "StoreStats": "kvshelf.kvstore.stats",
+    "TierStats": "kvshelf.kvstore.stats",
+    "WriterStats": "kvshelf.kvstore.stats",
+    "open_tier": "kvshelf.kvstore.tier_registry",
 }
 
 __all__ = [  # the literal list static tools read; tests/test_public_api.py checks it against _EXPORTS
     "KEY_BYTES",
+    "BlockKey",
     "BlockSpan",
     "BlockStore",
     "CodecParamError",
@@ -54,24 +66,34 @@ __all__ = [  # the literal list static tools read; tests/test_public_api.py chec
     "KVShelfError",
     "LMDBTier",
     "MemoryTier",
+    "Metric",
     "RedisTier",
+    "ScopeTag",
+    "ScopedKey",
     "StoreEvent",
     "StoreFullError",
+    "StoreStats",
     "Tier",
     "TierSpec",
+    "TierStats",
     "TierUnavailableError",
     "TierUsage",
     "TieredStore",
     "UnknownCodecError",
+    "WriterStats",
     "chunk_key",
     "decode_block",
     "encode_block",
     "fingerprint_from_properties",
     "open_embedded_store",
+    "open_tier",
     "parse_size",
     "prefix_block_keys",
     "prefix_block_spans",
     "read_header",
+    "scope",
+    "scope_of",
+    "unscope",
 ]
 
 
@@ -103,11 +125,24 @@ if TYPE_CHECKING:  # what static type checkers and IDEs see
         UnknownCodecError,
     )
     from kvshelf.kvstore.fingerprint import fingerprint_from_properties
-    from kvshelf.kvstore.keys import KEY_BYTES, BlockSpan, chunk_key, prefix_block_keys, prefix_block_spans
+    from kvshelf.kvstore.keys import (
+        KEY_BYTES,
+        BlockKey,
+        BlockSpan,
+        ScopedKey,
+        ScopeTag,
+        chunk_key,
+        prefix_block_keys,
+        prefix_block_spans,
+        scope,
+        scope_of,
+        unscope,
+    )
     from kvshelf.kvstore.lmdb_tier import LMDBTier
     from kvshelf.kvstore.memory_tier import MemoryTier
     from kvshelf.kvstore.protocol import BlockStore
     from kvshelf.kvstore.redis_tier import RedisTier
-    from kvshelf.kvstore.stats import StoreEvent
+    from kvshelf.kvstore.stats import Metric, StoreEvent, StoreStats, TierStats, WriterStats
     from kvshelf.kvstore.store import TieredStore, TierSpec
     from kvshelf.kvstore.tier import Tier, TierUsage
+    from kvshelf.kvstore.tier_registry import open_tier
