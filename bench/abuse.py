@@ -478,6 +478,17 @@ def checks(results: list[dict[str, Any]]) -> list[tuple[str, bool, str]]:
 
 
 def _print(results: list[dict[str, Any]], verdicts: list[tuple[str, bool, str]], console: Console) -> None:
+    for table in results_tables({"results": results}):
+        console.print(table)
+    for what, passed, detail in verdicts:
+        mark = "[green]PASS[/green]" if passed else "[red]FAIL[/red]"
+        console.print(f"  {mark} {what}: {detail}", highlight=False)
+
+
+def results_tables(payload: dict[str, Any]) -> list[Table]:
+    """The tables of a saved payload (``{"results": [alone, under_abuse]}``): the phases side by side, then the
+    abuser's calls by kind when it ran (``run``'s printout; docs/benchmarks.md renders them)."""
+    results = payload["results"]
     table = Table(title=f"abuse: honest tenant alone vs under abuse ({results[0]['machine']})")
     table.add_column("")
     for r in results:
@@ -509,8 +520,8 @@ def _print(results: list[dict[str, Any]], verdicts: list[tuple[str, bool, str]],
     ]
     for label, cell in rows:
         table.add_row(label, *(str(cell(r)) for r in results))
-    console.print(table)
-    abuse = results[1].get("abuser", {})
+    tables = [table]
+    abuse = results[1].get("abuser", {}) if len(results) > 1 else {}
     if abuse.get("kinds"):
         kinds = Table(title=f"abuse calls by kind ({abuse['calls']} calls in {abuse['seconds']:.1f} s, "
                             f"{abuse['calls_per_s']:.0f}/s; HELD: open until the abuser let go)")
@@ -522,10 +533,8 @@ def _print(results: list[dict[str, Any]], verdicts: list[tuple[str, bool, str]],
             odd = abuse["unexpected"].get(kind, {})
             kinds.add_row(kind, _codes(codes), str(abuse["refused_at_admission"].get(kind, "")),
                           f"[red]{_codes(odd)}[/red]" if odd else "")
-        console.print(kinds)
-    for what, passed, detail in verdicts:
-        mark = "[green]PASS[/green]" if passed else "[red]FAIL[/red]"
-        console.print(f"  {mark} {what}: {detail}", highlight=False)
+        tables.append(kinds)
+    return tables
 
 
 def _codes(codes: dict[str, int]) -> str:

@@ -169,19 +169,25 @@ def run(*, json_path: str | None, other: int = 1_000_000, ns_keys: int = 10_000,
             for node in nodes:
                 node.stop()
     mode = "cluster (3 primaries)" if cluster else "standalone"
-    table = Table(title=f"Clear(namespace) on Redis {mode}: {ns_keys} keys among {other} of other namespaces")
-    for column in ("path", "keys in Redis", "cleared", "seconds", "SCAN calls", "Redis s in SCAN", "commands"):
-        table.add_column(column, justify="right")
-    for row in rows:
-        table.add_row(row["path"], str(row["keys_in_redis"]), str(row["keys_cleared"]), f"{row['seconds']:.3f}",
-                      str(row["scan_calls"]), f"{row['scan_redis_seconds']:.3f}", str(row["commands"]))
-    console.print(table)
     payload = {"bench": "clear", "machine": machine_description(), "redis": mode, "other_keys": other,
                "namespace_keys": ns_keys, "namespaces": namespaces, "value_bytes": value_bytes,
                "new_scan_count": scan_count or CLEAR_SCAN_COUNT, "rows": rows,
                "usage_after": {"blocks": usage.blocks, "bytes": usage.bytes}}
     if len(rows) == 2:
         payload["speedup"] = round(rows[0]["seconds"] / rows[1]["seconds"], 2) if rows[1]["seconds"] else None
+    console.print(results_table(payload))
     save_results(json_path, payload, console)
     return payload
+
+
+def results_table(payload: dict[str, Any]) -> Table:
+    """The results table of a saved payload (``run``'s printout; docs/benchmarks.md renders it)."""
+    table = Table(title=f"Clear(namespace) on Redis {payload['redis']}: {payload['namespace_keys']} keys among "
+                        f"{payload['other_keys']} of other namespaces")
+    for column in ("path", "keys in Redis", "cleared", "seconds", "SCAN calls", "Redis s in SCAN", "commands"):
+        table.add_column(column, justify="right")
+    for row in payload["rows"]:
+        table.add_row(row["path"], str(row["keys_in_redis"]), str(row["keys_cleared"]), f"{row['seconds']:.3f}",
+                      str(row["scan_calls"]), f"{row['scan_redis_seconds']:.3f}", str(row["commands"]))
+    return table
 

@@ -331,6 +331,20 @@ def _fmt(value: Any, spec: str) -> str:
 
 
 def _print_table(console: Console, payload: dict[str, Any]) -> None:
+    console.print(results_table(payload), width=max(console.width, 160))
+    gain = payload.get("int4_vs_cachegen")
+    if gain:
+        console.print(f"entropy-coding gain: cachegen {_short_value(gain['cachegen_params']) or 'defaults'} is "
+                      f"{gain['cachegen_ratio']:.2f}x vs fp16 at {100 * gain['cachegen_dppl_rel']:+.2f}% Δppl, int4 "
+                      f"{_short_value(gain['int4_params'])} {gain['int4_ratio']:.2f}x at "
+                      f"{100 * gain['int4_dppl_rel']:+.2f}%: [bold]{gain['smaller_than_int4']:.2f}x smaller[/bold] "
+                      "than int4 at no more Δppl")
+    else:
+        console.print("entropy-coding gain: no cachegen setting at or below int4's Δppl in this run")
+
+
+def results_table(payload: dict[str, Any]) -> Table:
+    """The results table of a saved payload (``run``'s printout; docs/benchmarks.md renders it)."""
     table = Table(title=f"KV codecs, {payload['model']}, {payload['windows']} windows, baseline ppl "
                         f"{payload['baseline_ppl']:.3f} ({payload['machine']})", padding=(0, 1))
     for column in ("codec", "params", "ratio", "bits/val", "ppl", "Δppl", "Δppl%", "enc MB/s", "dec MB/s"):
@@ -345,13 +359,4 @@ def _print_table(console: Console, payload: dict[str, Any]) -> None:
                       _fmt(r["bits_per_value"], ".2f"), _fmt(r["ppl"], ".2f"), _fmt(r["dppl"], "+.3f"),
                       "-" if r["dppl_rel"] is None else f"{100 * r['dppl_rel']:+.2f}%",
                       _fmt(r["encode_mb_s"], ".0f"), _fmt(r["decode_mb_s"], ".0f"))
-    console.print(table, width=max(console.width, 160))
-    gain = payload.get("int4_vs_cachegen")
-    if gain:
-        console.print(f"entropy-coding gain: cachegen {_short_value(gain['cachegen_params']) or 'defaults'} is "
-                      f"{gain['cachegen_ratio']:.2f}x vs fp16 at {100 * gain['cachegen_dppl_rel']:+.2f}% Δppl, int4 "
-                      f"{_short_value(gain['int4_params'])} {gain['int4_ratio']:.2f}x at "
-                      f"{100 * gain['int4_dppl_rel']:+.2f}%: [bold]{gain['smaller_than_int4']:.2f}x smaller[/bold] "
-                      "than int4 at no more Δppl")
-    else:
-        console.print("entropy-coding gain: no cachegen setting at or below int4's Δppl in this run")
+    return table

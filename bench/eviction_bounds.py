@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rich.table import Table
+
 from kvshelf.kvstore.replay import opt_hits
 from kvshelf.kvstore.trace import Trace
 
@@ -109,6 +111,18 @@ def bounds(trace: Trace, fractions: Sequence[float]) -> dict[str, Any]:
         rows.append({"capacity_fraction": fraction, "capacity_blocks": capacity, **rates,
                      **{f"{k}_vs_opt": v / rates["opt"] for k, v in rates.items() if k != "opt" and rates["opt"]}})
     return {"trace": trace.path, "results": rows}
+
+
+def results_table(report: dict[str, Any]) -> Table:
+    """The table of a report (``bounds``' result, as saved): ``kvshelf bench eviction-bounds``' printout;
+    docs/benchmarks.md renders it."""
+    table = Table(title=f"eviction bounds: {report['trace']}")
+    for col in ("capacity", "OPT", "LRU", "oracle LRU", "oracle GDF", "LRU/OPT", "o.LRU/OPT", "o.GDF/OPT"):
+        table.add_column(col, justify="right")
+    for row in report["results"]:
+        table.add_row(f"{row['capacity_fraction']:g}", *(f"{row[k]:.3f}" for k in (
+            "opt", "lru", "dead_lru", "dead_gdf", "lru_vs_opt", "dead_lru_vs_opt", "dead_gdf_vs_opt")))
+    return table
 
 
 def write(report: dict[str, Any], path: Path) -> Path:

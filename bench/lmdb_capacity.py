@@ -133,20 +133,27 @@ def run(*, duration_s: float, capacity: int, min_block: int = MiB, max_block: in
         "mean_held_fraction": round(held_sum / max(counts["puts"], 1) / capacity, 4),
         "puts_per_s": round(counts["puts"] / elapsed, 1) if elapsed else 0.0, "errors_seen": errors, "ok": ok,
     }
-    table = Table(title=f"LMDB tier, capacity {capacity / MiB:g} MiB, blocks {min_block / MiB:g}-"
-                        f"{max_block / MiB:g} MiB, {elapsed:.0f} s")
-    table.add_column("measure")
-    table.add_column("value", justify="right")
-    for name in ("puts", "stored", "not_stored", "gets", "hits", "misses", "wrong", "evictions", "errors",
-                 "map_full_retries"):
-        table.add_row(name, str(result[name]))
-    table.add_row("max file size", f"{max_file / MiB:.2f} MiB")
-    table.add_row("capacity + slack", f"{bound / MiB:.2f} MiB ({capacity / MiB:g} + {(bound - capacity) / MiB:.2f})")
-    table.add_row("held at the end", f"{usage.bytes / MiB:.2f} MiB in {usage.blocks} blocks")
-    table.add_row("mean held after a put", f"{100 * result['mean_held_fraction']:.1f}% of the capacity")
-    table.add_row("invariants", "[green]held[/green]" if ok else "[red]BROKEN[/red]")
-    console.print(table)
+    console.print(results_table(result))
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def results_table(payload: dict[str, Any]) -> Table:
+    """The results table of a saved payload (``run``'s printout; docs/benchmarks.md renders it). The duration in
+    the title is the payload's ``duration_s`` (rounded to 0.1 s when saved)."""
+    capacity, bound = payload["capacity_bytes"], payload["bound_bytes"]
+    table = Table(title=f"LMDB tier, capacity {capacity / MiB:g} MiB, blocks {payload['min_block_bytes'] / MiB:g}-"
+                        f"{payload['max_block_bytes'] / MiB:g} MiB, {payload['duration_s']:.0f} s")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    for name in ("puts", "stored", "not_stored", "gets", "hits", "misses", "wrong", "evictions", "errors",
+                 "map_full_retries"):
+        table.add_row(name, str(payload[name]))
+    table.add_row("max file size", f"{payload['max_file_bytes'] / MiB:.2f} MiB")
+    table.add_row("capacity + slack", f"{bound / MiB:.2f} MiB ({capacity / MiB:g} + {(bound - capacity) / MiB:.2f})")
+    table.add_row("held at the end", f"{payload['held_bytes'] / MiB:.2f} MiB in {payload['held_blocks']} blocks")
+    table.add_row("mean held after a put", f"{100 * payload['mean_held_fraction']:.1f}% of the capacity")
+    table.add_row("invariants", "[green]held[/green]" if payload["ok"] else "[red]BROKEN[/red]")
+    return table

@@ -78,12 +78,17 @@ def run(*, json_path: str | None, reps: int = 50, console: Console | None = None
         for name, s in timings.items()
     ]
     payload = {"machine": machine_description(), "reps": reps, "results": results}
-    table = Table(title=f"LMDB read of one 8 MiB block, median of {reps} ({payload['machine']})")
-    for col in ("path", "MiB", "ms", "GB/s", "vs raw LMDB"):
-        table.add_column(col, justify="right")
-    for r in results:
-        table.add_row(r["path"], f"{r['block_mib']:.2f}", f"{r['ms']:.2f}", f"{r['gb_s']:.2f}",
-                      f"{r['vs_raw_lmdb']:.2f}x")
-    console.print(table)
+    console.print(results_table(payload))
     save_results(json_path, payload, console)
     return payload
+
+
+def results_table(payload: dict[str, Any]) -> Table:
+    """The results table of a saved payload (``run``'s printout; docs/benchmarks.md renders it)."""
+    table = Table(title=f"LMDB read of one 8 MiB block, median of {payload['reps']} ({payload['machine']})")
+    for col in ("path", "MiB", "ms", "GB/s", "vs raw LMDB"):
+        table.add_column(col, justify="right")
+    for r in payload["results"]:
+        table.add_row(r["path"], f"{r['block_mib']:.2f}", f"{r['ms']:.2f}", f"{r['gb_s']:.2f}",
+                      f"{r['vs_raw_lmdb']:.2f}x")
+    return table

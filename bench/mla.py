@@ -155,7 +155,17 @@ def run(*, json_path: str | None, shape: str = "deepseek-v3-shaped", tokens: int
                "expanded_per_token_layer": config.num_attention_heads * (config.qk_nope_head_dim
                                                                          + config.qk_rope_head_dim
                                                                          + config.v_head_dim)}
-    table = Table(title=f"MLA block, {shape}, {tokens} tokens, {dtype} ({payload['machine']})")
+    console.print(results_table(payload))
+    save_results(json_path, payload, console)
+    return payload
+
+
+def results_table(payload: dict[str, Any]) -> Table:
+    """The results table of a saved payload (``run``'s printout; docs/benchmarks.md renders it)."""
+    rows = payload["results"]
+    first = rows[0]
+    table = Table(title=f"MLA block, {payload['shape']}, {first['tokens']} tokens, {first['dtype']} "
+                        f"({payload['machine']})")
     for column in ("codec", "bytes", "vs expanded K/V", "encode ms", "decode ms", "max abs error",
                    "tiny model: same tokens", "max logit diff"):
         table.add_column(column, justify="left" if column == "codec" else "right")
@@ -164,6 +174,4 @@ def run(*, json_path: str | None, shape: str = "deepseek-v3-shaped", tokens: int
             "yes" if row["same_tokens"] else "no", f"{row['max_logit_diff']:.2g}")
         table.add_row(row["codec"], f"{row['bytes']:,}", f"{row['ratio_vs_expanded']:.1f}x",
                       f"{row['encode_ms']:.1f}", f"{row['decode_ms']:.1f}", f"{row['max_abs_error']:.3g}", *exact)
-    console.print(table)
-    save_results(json_path, payload, console)
-    return payload
+    return table

@@ -551,6 +551,13 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def _print_table(console: Console, payload: dict[str, Any]) -> None:
+    console.print(results_table(payload))
+    for budget, ratio in payload["speed"]["snapkv_ratio"].items():
+        console.print(f"SnapKV decode speed at budget {budget}: kvshelf / kvpress = {ratio:.3f}x (median of pairs)")
+
+
+def results_table(payload: dict[str, Any]) -> Table:
+    """The results table of a saved payload (``run``'s printout; docs/benchmarks.md renders it)."""
     table = Table(title=f"Token pruning, {payload['model']}, needle ~{payload['needle_tokens']} tokens, "
                         f"ppl windows of {payload['ppl_window']} ({payload['machine']})", caption=payload["kvpress"])
     for column in ("method", "impl", "budget", "needle acc", "Δppl rel", "peak KV MiB", "decode tok/s", "cases"):
@@ -559,9 +566,7 @@ def _print_table(console: Console, payload: dict[str, Any]) -> None:
         table.add_row(r["method"], r["impl"], f"{r['budget']:.3f}", _fmt(r["accuracy"], ".3f"),
                       _fmt(r["dppl_rel"], "+.4f"), f"{r['kv_bytes'] / 2**20:.1f}", _fmt(r["decode_tok_s"], ".1f"),
                       str(r["cases"]))
-    console.print(table)
-    for budget, ratio in payload["speed"]["snapkv_ratio"].items():
-        console.print(f"SnapKV decode speed at budget {budget}: kvshelf / kvpress = {ratio:.3f}x (median of pairs)")
+    return table
 
 
 if __name__ == "__main__":

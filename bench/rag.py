@@ -245,6 +245,14 @@ def run(*, json_path: str | None, corpus: str | None, cases: int = 40, runs: int
 
 
 def _print(console: Console, payload: dict[str, Any]) -> None:
+    for table in results_tables(payload):
+        console.print(table)
+
+
+def results_tables(payload: dict[str, Any]) -> list[Table]:
+    """The tables of a saved payload: needle QA by mode, TTFT of 8 x 512-token chunks, the prompt module
+    (``run``'s printout; docs/benchmarks.md renders them)."""
+    tables = []
     table = Table(title=f"RAG needle QA, {payload['model']} ({payload['machine']}), TTFT: median over cases")
     for column in ("mode", "accuracy", "accuracy (shuffled)", "KL vs full", "TTFT (s)", "speedup", "cases",
                    "chunks computed after precompute"):
@@ -253,21 +261,22 @@ def _print(console: Console, payload: dict[str, Any]) -> None:
         table.add_row(r["mode"], f"{r['accuracy']:.1%}", f"{r['accuracy_shuffled']:.1%}", f"{r['kl']:.4f}",
                       f"{r['ttft_s']:.3f}", f"{r['speedup']:.1f}x", str(r["cases"]),
                       str(r.get("chunks_computed_after_precompute", "-")))
-    console.print(table)
+    tables.append(table)
     table = Table(title="TTFT, 8 chunks x 512 tokens (warm chunk cache)")
     for column in ("mode", "prompt tokens", "TTFT (s)", "speedup", "recomputed tokens"):
         table.add_column(column, justify="right")
     for r in payload["ttft_8x512"]:
         table.add_row(r["mode"], str(r["prompt_tokens"]), f"{r['ttft_s']:.3f}", f"{r['speedup']:.1f}x",
                       str(r["recomputed_tokens"]))
-    console.print(table)
+    tables.append(table)
     m = payload["prompt_module"]
     table = Table(title="Prompt module: 2,048-token module + 64 free tokens")
     for column in ("module tokens", "free tokens", "full TTFT (s)", "module TTFT (s)", "speedup", "same output"):
         table.add_column(column, justify="right")
     table.add_row(str(m["module_tokens"]), str(m["free_tokens"]), f"{m['full_ttft_s']:.3f}",
                   f"{m['module_ttft_s']:.3f}", f"{m['speedup']:.1f}x", "yes" if m["same_output"] else "NO")
-    console.print(table)
+    tables.append(table)
+    return tables
 
 
 if __name__ == "__main__":

@@ -610,6 +610,19 @@ def _share(a: float | None, b: float | None) -> str:
 
 
 def print_tables(console: Console, payload: dict[str, Any]) -> None:
+    tables = results_tables(payload)
+    console.print(tables[0])
+    same = ", ".join(f"{w} {v['same']}/{v['requests']}" for w, v in payload["same_answers"].items())
+    acc = payload["accuracy_same_requests"]
+    console.print(f"[dim]{payload['machine']}; on the requests both systems completed: same answers {same}; "
+                  f"accuracy hf {acc['hf']}, kvshelf {acc['kvshelf']} ({acc['requests']} questions)[/dim]")
+    for table in tables[1:]:
+        console.print(table)
+
+
+def results_tables(payload: dict[str, Any]) -> list[Table]:
+    """The tables of a saved payload: throughput and TTFT by workload and system, then the chat turns when measured
+    (``run``'s printout; docs/benchmarks.md renders them)."""
     s = payload["settings"]
     rows = {(r["system"], r["workload"]): r for r in payload["results"]}
     table = Table(title=f"Serving, {payload['model']}: {s['clients']} clients x {s['seconds']:g} s, torch threads "
@@ -627,11 +640,7 @@ def print_tables(console: Console, payload: dict[str, Any]) -> None:
                           f"{_times(hf['ttft_p50_s'], kv['ttft_p50_s'])} lower",
                           f"{_times(hf['ttft_p99_s'], kv['ttft_p99_s'])} lower",
                           _share(kv["accuracy"], hf["accuracy"]), end_section=True)
-    console.print(table)
-    same = ", ".join(f"{w} {v['same']}/{v['requests']}" for w, v in payload["same_answers"].items())
-    acc = payload["accuracy_same_requests"]
-    console.print(f"[dim]{payload['machine']}; on the requests both systems completed: same answers {same}; "
-                  f"accuracy hf {acc['hf']}, kvshelf {acc['kvshelf']} ({acc['requests']} questions)[/dim]")
+    tables = [table]
     if payload["chat_turns"]:
         table = Table(title="Chat turns: one conversation, ~300 tokens added per turn; TTFT with vs without reuse")
         for column in ("turn", "context tokens", "added", "reused", "TTFT reuse (s)", "TTFT no reuse (s)",
@@ -640,8 +649,8 @@ def print_tables(console: Console, payload: dict[str, Any]) -> None:
         for r in payload["chat_turns"]:
             table.add_row(str(r["turn"]), str(r["context_tokens"]), str(r["added_tokens"]), str(r["reused_tokens"]),
                           f"{r['ttft_reuse_s']:.3f}", f"{r['ttft_no_reuse_s']:.3f}", f"{r['speedup']:.1f}x")
-        console.print(table)
-
+        tables.append(table)
+    return tables
 
 if __name__ == "__main__":
     run(json_path=str(results_path("serve.json")), corpus=None)  # $KVSHELF_CACHE/bench-results/serve.json

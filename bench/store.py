@@ -291,13 +291,18 @@ def run(
                "client_env": {"GLIBC_TUNABLES": LARGE_BUFFER_TUNABLES},
                "note": "grpc: a same-host client's default (gets through a /dev/shm arena); grpc-wire: every byte "
                        "over gRPC/HTTP/2 on loopback; vs_redis: MB/s over raw redis-py's in this run"}
+    console.print(results_table(payload))
+    save_results(json_path, payload, console)
+    return payload
+
+
+def results_table(payload: dict[str, Any]) -> Table:
+    """The results table of a saved payload (``run``'s printout; docs/benchmarks.md renders it)."""
     table = Table(title=f"store throughput ({payload['machine']})")
     for col in ("backend", "op", "block MiB", "clients", "MB/s", "vs redis", "p50 ms", "p99 ms", "p99/p50", "errors"):
         table.add_column(col, justify="right")
-    for r in results:
+    for r in payload["results"]:
         ratio = f"{r['vs_redis']:.2f}x" if r["vs_redis"] is not None else "-"
         table.add_row(r["backend"], r["op"], str(r["block_mib"]), str(r["clients"]), f"{r['mb_s']:.0f}", ratio,
                       f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}", f"{r['p99_ms'] / r['p50_ms']:.1f}", str(r["errors"]))
-    console.print(table)
-    save_results(json_path, payload, console)
-    return payload
+    return table

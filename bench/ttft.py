@@ -517,6 +517,15 @@ def codec_dppl_rel(codec: str, params: dict[str, Any], results: Path = CODECS_RE
 
 
 def _print_table(console: Console, payload: dict[str, Any]) -> None:
+    console.print(results_table(payload), width=max(console.width, 130))
+    for r in payload["results"]:
+        if "snapshots" in r:
+            console.print(f"  {r['tokens']} tokens: stored {r['snapshots']} state snapshots "
+                          f"({r['snapshot_bytes'] / 1e6:.1f} MB) beside {r['kv_bytes'] / 1e6:.1f} MB of KV blocks")
+
+
+def results_table(payload: dict[str, Any]) -> Table:
+    """The results table of a saved payload (``run``'s printout; docs/benchmarks.md renders it)."""
     if "disk_rounds" in payload:
         rounds = payload["disk_rounds"]
         disk = "cold" if payload.get("cold_disk") else "warm"
@@ -542,11 +551,7 @@ def _print_table(console: Console, payload: dict[str, Any]) -> None:
                       f"{r['bytes'] / 1e6:.1f}" if "bytes" in r else "-",
                       f"{r['fetch_s']:.3f}" if "fetch_s" in r else "-", f"{r['load_s']:.3f}" if "load_s" in r else "-",
                       f"{100 * dppl:+.2f}%" if dppl is not None else "-", str(r["reused_tokens"]), same)
-    console.print(table, width=max(console.width, 130))
-    for r in payload["results"]:
-        if "snapshots" in r:
-            console.print(f"  {r['tokens']} tokens: stored {r['snapshots']} state snapshots "
-                          f"({r['snapshot_bytes'] / 1e6:.1f} MB) beside {r['kv_bytes'] / 1e6:.1f} MB of KV blocks")
+    return table
 
 
 if __name__ == "__main__":

@@ -27,13 +27,24 @@ def render(report: ReplayReport) -> Table:
     """One row per policy and capacity: its prefix-hit rate next to OPT's and LRU's at the same capacity."""
     title = (f"replay {report.trace}: {report.requests} requests, {report.distinct_blocks} distinct blocks of "
              f"{_size(report.block_bytes)}, {report.tier} tier ({report.seconds:.1f} s)")
+    return results_table(report.as_json(), title)
+
+
+def results_table(payload: dict[str, Any], title: str | None = None) -> Table:
+    """``render``'s table from the saved JSON (``ReplayReport.as_json``). The JSON keeps neither the request
+    count, the distinct blocks nor the seconds, so the default title names the trace, the block size and the
+    tier only."""
+    if title is None:
+        rows = payload["results"]
+        first = rows[0] if rows else {"block_bytes": 0, "tier": "?"}
+        title = f"replay {payload['trace']}: blocks of {_size(first['block_bytes'])}, {first['tier']} tier"
     table = Table(title=title, title_justify="left", caption="* the default policy (kvstore.eviction.DEFAULT_POLICY)",
                   caption_justify="left")
     table.add_column("policy")
     table.add_column("capacity")
     for name in ("bytes", "hit rate", "OPT", "LRU", "/ OPT", "/ LRU"):
         table.add_column(name, justify="right")
-    for row in report.as_json()["results"]:
+    for row in payload["results"]:
         policy = row["policy"] + (" *" if row["default"] else "")
         fraction = row["capacity_fraction"]
         capacity = row["capacity"] if row["capacity"] == f"{fraction:g}" else f"{row['capacity']} ({fraction:.3g})"

@@ -67,9 +67,7 @@ def bench_eviction_bounds(
 ) -> None:
     """Upper bounds for any eviction policy on a trace: OPT, LRU, and LRU / GreedyDual-frequency told by an
     oracle which blocks will never be used again (bench/eviction_bounds.py)."""
-    from rich.table import Table
-
-    from kvshelf.bench.eviction_bounds import bounds, write
+    from kvshelf.bench.eviction_bounds import bounds, results_table, write
     from kvshelf.kvstore.errors import KVShelfError
     from kvshelf.kvstore.replay import parse_capacities
     from kvshelf.kvstore.trace import read_trace
@@ -79,13 +77,7 @@ def bench_eviction_bounds(
     if len(fractions) != len(specs):
         raise KVShelfError("--capacities: the bounds take fractions of the trace's distinct blocks, not byte sizes")
     report = bounds(read_trace(trace), fractions)
-    table = Table(title=f"eviction bounds: {trace}")
-    for col in ("capacity", "OPT", "LRU", "oracle LRU", "oracle GDF", "LRU/OPT", "o.LRU/OPT", "o.GDF/OPT"):
-        table.add_column(col, justify="right")
-    for row in report["results"]:
-        table.add_row(f"{row['capacity_fraction']:g}", *(f"{row[k]:.3f}" for k in (
-            "opt", "lru", "dead_lru", "dead_gdf", "lru_vs_opt", "dead_lru_vs_opt", "dead_gdf_vs_opt")))
-    console.print(table)
+    console.print(results_table(report))
     if json_path is not None:
         console.print(f"wrote {write(report, json_path)}")
 
