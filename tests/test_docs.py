@@ -13,6 +13,8 @@
   - any other comment, or none: a ``python`` block, run here as written in a fresh directory (the README's
     quickstarts load the real SmolLM2 model, so they are ``slow``);
 * the settings table of docs/configuration.md is the one ``docs/gen_config.py`` renders from ``ServeConfig``;
+* the results tables of docs/benchmarks.md are the ones ``docs/gen_benchmarks.py`` renders from
+  bench/results/*.json, and every results file has its table there;
 * no page tells build-to-build history ("the build before", "used to", "now"...): the docs say what is.
 """
 
@@ -196,6 +198,44 @@ def test_configuration_table_is_generated_from_serve_config() -> None:
     for name in SECTIONS:
         assert f"### `{name}`" in page
 
+
+
+def test_benchmark_tables_are_rendered_from_the_results() -> None:
+    spec = importlib.util.spec_from_file_location("gen_benchmarks", DOCS / "gen_benchmarks.py")
+    assert spec and spec.loader
+    gen_benchmarks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen_benchmarks)
+    page = (DOCS / "benchmarks.md").read_text()
+    assert not gen_benchmarks.problems(page), "\n".join(gen_benchmarks.problems(page))
+    assert page == gen_benchmarks.render(page), (
+        "docs/benchmarks.md's results tables differ from bench/results/*.json: run .venv/bin/python "
+        "docs/gen_benchmarks.py")
+    from kvshelf.bench.tables import END, TABLES, result_files
+
+    files = result_files()
+    assert files, "no bench/results/*.json"
+    for name in files:
+        entries = [t for t in TABLES if t.file == name]
+        assert entries, f"bench/results/{name} has no table (kvshelf.bench.tables.TABLES)"
+        for entry in entries:
+            start = page.find(entry.begin)
+            assert start >= 0, f"bench/results/{name}: no {entry.begin} in docs/benchmarks.md"
+            block = page[start:page.index(END, start)]
+            assert block.splitlines()[1].startswith("Machine: "), f"{entry.begin}: the first line names the machine"
+            assert "\n|---" in block or "\n|--" in block, f"{entry.begin}: no markdown table"
+
+
+def test_benchmark_table_to_markdown() -> None:
+    from rich.table import Table
+
+    from kvshelf.bench.tables import to_markdown
+
+    table = Table(title="t [green]1[/green]", caption="c")
+    table.add_column("name")
+    table.add_column("n", justify="right")
+    table.add_column("mid", justify="center")
+    table.add_row("a|b", "[red]2[/red]", "x *")
+    assert to_markdown(table) == ("**t 1**\n\n| name | n | mid |\n|---|---:|:---:|\n| a\\|b | 2 | x \\* |\n\nc")
 
 DOC_PYTHON_BLOCKS = [b for page in PAGES for b in blocks(page) if b.language == "python" and b.marker != "fragment"]
 
