@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import redis
 import redis.cluster
@@ -135,9 +135,39 @@ class _Breaker:
             return bool(self._backoff)
 
 
+#: the query parameters of a ``rediss://`` URL, passed to redis-py's TLS connection (file paths as they are)
+TLS_PARAMETERS = ("ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname")
+
+
+def _tls_options(url: str, query: str, tls: bool) -> dict[str, Any]:
+    """redis-py's TLS keywords from the query of ``url``; any other parameter (or one on a plain ``redis://``
+    URL) is a ``ConfigError``, never silently dropped."""
+    options: dict[str, Any] = {}
+    for name, value in parse_qsl(query, keep_blank_values=True):
+        if name not in TLS_PARAMETERS:
+            raise ConfigError(f"unknown parameter {name!r} in Redis URL {url!r}; accepted: {', '.join(TLS_PARAMETERS)}")
+        if not tls:
+            raise ConfigError(f"{name} in {url!r} needs TLS: use rediss:// (or rediss+cluster://)")
+        if name in options:
+            raise ConfigError(f"parameter {name!r} given twice in Redis URL {url!r}")
+        if name == "ssl_cert_reqs":
+            if value.lower() not in ("none", "optional", "required"):
+                raise ConfigError(f"ssl_cert_reqs must be none, optional or required, got {value!r} in {url!r}")
+            options[name] = value.lower()
+        elif name == "ssl_check_hostname":
+            if value.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                raise ConfigError(f"ssl_check_hostname must be true or false, got {value!r} in {url!r}")
+            options[name] = value.lower() in ("1", "true", "yes", "on")
+        else:
+            options[name] = value
+    return options
+
+
 def connector(url: str, socket_timeout: float) -> tuple[Callable[[], Client], str]:
     """The client factory of ``redis://[:password@]host:port/db`` (standalone) or ``redis+cluster://host:port`` (a
-    seed node of a Redis Cluster), and where it points (for messages). Nothing is connected here."""
+    seed node of a Redis Cluster), or of ``rediss://`` / ``rediss+cluster://`` (TLS; the query may carry
+    ``TLS_PARAMETERS``, e.g. ``?ssl_ca_certs=/path/ca.pem``), and where it points (for messages). Nothing is
+    connected here."""
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme not in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
@@ -158,6 +188,7 @@ def connector(url: str, socket_timeout: float) -> tuple[Callable[[], Client], st
         "socket_timeout": socket_timeout,
         "socket_connect_timeout": socket_timeout,
         "decode_responses": False,
+        **_tls_options(url, parts.query, scheme.startswith("rediss")),
     }
     # a few quick retries of a dropped connection (milliseconds), never of a timeout: a hung server must cost
     # a call one timeout, not three

@@ -130,8 +130,9 @@ class RedisTier(Reads, Writes, Delete, Accounting, KeyLayout, Connection, Tier):
 
 def open_url(url: TierURL, **options: Any) -> RedisTier:
     """``redis://[:password@]host:port/db``, ``rediss://`` (TLS), ``redis+cluster://host:port`` (a seed node of a
-    Redis Cluster) or ``rediss+cluster://`` (kvstore/tier_registry.py): a ``RedisTier``; the query goes to
-    redis-py as it is. ``options``: ``RedisTier.from_url``'s keywords."""
+    Redis Cluster) or ``rediss+cluster://`` (kvstore/tier_registry.py): a ``RedisTier``; the query may carry
+    only the TLS parameters of ``connection.TLS_PARAMETERS`` (``rediss://``), which go to redis-py.
+    ``options``: ``RedisTier.from_url``'s keywords."""
     if not url.location.split("/", 1)[0].rsplit("@", 1)[-1]:
         raise url.error("a Redis URL needs a host (redis://HOST:PORT/DB)")
     return RedisTier.from_url(url.url, **options)

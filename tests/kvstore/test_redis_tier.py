@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,8 @@ redis_server = redis_servers.redis_server
 redis_cluster = redis_servers.redis_cluster
 restartable_redis = redis_servers.restartable_redis
 restartable_cluster = redis_servers.restartable_cluster
+tls_files = redis_servers.tls_files
+tls_redis_server = redis_servers.tls_redis_server
 
 KiB = 1 << 10
 CHUNK = 64 * KiB
@@ -354,3 +357,69 @@ def test_unknown_url_scheme_is_config_error(url: str) -> None:
 def test_bad_settings_are_config_errors(url: str, kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         RedisTier.from_url(url, **kwargs)
+
+
+def test_tls_query_parameters_reach_the_connection() -> None:
+    """A ``rediss://`` URL's TLS parameters go to redis-py's TLS connection (nothing connects here)."""
+    tier = RedisTier.from_url("rediss://h:1/0?ssl_ca_certs=/etc/ca%20dir/ca.pem&ssl_cert_reqs=required"
+                              "&ssl_check_hostname=false")
+    client = tier._connect()
+    kwargs = client.connection_pool.connection_kwargs
+    assert client.connection_pool.connection_class is redis.SSLConnection
+    assert (kwargs["ssl_ca_certs"], kwargs["ssl_cert_reqs"], kwargs["ssl_check_hostname"]) == (
+        "/etc/ca dir/ca.pem", "required", False)
+    client.close()
+
+
+@pytest.mark.parametrize(
+    ("url", "match"),
+    [
+        ("redis://h:1/0?ssl_ca_certs=/ca.pem", "needs TLS: use rediss://"),
+        ("rediss://h:1/0?ssl_ca_cert=/ca.pem", "unknown parameter 'ssl_ca_cert'"),
+        ("rediss+cluster://h:1?ssl_cert_reqs=maybe", "ssl_cert_reqs must be none, optional or required"),
+        ("rediss://h:1/0?ssl_check_hostname=perhaps", "ssl_check_hostname must be true or false"),
+    ],
+)
+def test_bad_tls_query_parameters_are_config_errors(url: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        RedisTier.from_url(url)
+
+
+def test_tls_server_round_trip(tls_redis_server: redis_servers.TLSRedisProcess) -> None:
+    """``rediss://...?ssl_ca_certs=CA`` reaches a TLS-only server, verifying its certificate."""
+    tier = RedisTier.from_url(tls_redis_server.url, prefix=f"t{os.urandom(6).hex()}:", chunk_bytes=CHUNK)
+    try:
+        assert tier.put_many([(b"k" * 16, b"v" * (2 * CHUNK + 1))]) == 1
+        assert tier.get_many([b"k" * 16]) == [b"v" * (2 * CHUNK + 1)]
+        assert tier.healthy()
+    finally:
+        tier.close()
+
+
+def test_tls_server_with_an_unknown_ca_is_unavailable(tls_redis_server: redis_servers.TLSRedisProcess) -> None:
+    """Without the CA (the system's CAs only) the certificate fails verification: unavailable, not a hang."""
+    tier = RedisTier.from_url(tls_redis_server.url.split("?")[0], socket_timeout=0.5)
+    try:
+        with pytest.raises(TierUnavailableError, match="is unavailable"):
+            tier.get_many([b"k" * 16])
+    finally:
+        tier.close()
+
+
+def test_plain_client_on_the_tls_port_is_unavailable_not_a_hang(
+        tls_redis_server: redis_servers.TLSRedisProcess) -> None:
+    """A ``redis://`` (no TLS) tier pointed at the TLS port fails within its socket timeout with the tier's
+    unavailable error, then fails at once while its breaker is open."""
+    tier = RedisTier.from_url(tls_redis_server.plain_url, socket_timeout=0.5)
+    try:
+        started = time.monotonic()
+        with pytest.raises(TierUnavailableError,
+                           match=r"Redis tier 'redis' at redis://127\.0\.0\.1:\d+/0 is unavailable"):
+            tier.get_many([b"k" * 16])
+        assert time.monotonic() - started < 3
+        started = time.monotonic()
+        with pytest.raises(TierUnavailableError, match="down for another"):
+            tier.get_many([b"k" * 16])
+        assert time.monotonic() - started < 0.1
+    finally:
+        tier.close()

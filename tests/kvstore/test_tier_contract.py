@@ -3,10 +3,11 @@
 Tiers under test: every scheme of the tier registry (``kvstore.tier_registry.SCHEMES``), each opened by its URL
 (``URLS`` below says where a scheme's tier lives in a test; a registered scheme missing there fails
 ``test_every_registered_scheme_is_tested``): ``memory://``, ``lmdb://`` in a temporary directory, ``redis://`` on a
-real standalone ``redis-server`` and ``redis+cluster://`` on a real local 3-node Redis Cluster
-(``tests/support/redis_servers.py``; each test under a key prefix of its own). ``rediss://`` and
-``rediss+cluster://`` (TLS) are skipped: the test helpers start no TLS Redis. What only one
-tier does (eviction policies, LMDB map growth, Redis chunk layout and failures) is tested in that tier's own file.
+real standalone ``redis-server`` and ``redis+cluster://`` on a real local 3-node Redis Cluster, ``rediss://`` and
+``rediss+cluster://`` on the same speaking only TLS (a self-signed CA made per session, passed in the URL as
+``?ssl_ca_certs=``, the certificate verified) (``tests/support/redis_servers.py``; each test under a key prefix
+of its own). What only one tier does (eviction policies, LMDB map growth, Redis chunk layout and failures) is
+tested in that tier's own file.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from kvshelf.kvstore.tier_registry import SCHEMES, lmdb_url, open_tier
 # the real Redis servers (session-scoped; tests share them under key prefixes of their own)
 redis_server = redis_servers.redis_server
 redis_cluster = redis_servers.redis_cluster
+tls_files = redis_servers.tls_files  # the TLS servers' certificates
+tls_redis_server = redis_servers.tls_redis_server
+tls_redis_cluster = redis_servers.tls_redis_cluster
 
 MiB = 1 << 20
 CHUNK = 64 << 10  # the Redis tiers' chunk size here, so that the sizes below cross chunk boundaries
@@ -37,13 +41,15 @@ URLS: dict[str, tuple[str, str | None, dict[str, object]] | str] = {
     "lmdb": ("{tmp}", None, {"initial_map_bytes": MiB, "max_map_bytes": 256 * MiB, "durable": False}),
     "redis": ("{redis}", "redis_server", {"chunk_bytes": CHUNK}),
     "redis+cluster": ("{redis}", "redis_cluster", {"chunk_bytes": CHUNK}),
-    "rediss": "the test helpers start no TLS redis-server",
-    "rediss+cluster": "the test helpers start no TLS Redis Cluster",
+    "rediss": ("{redis}", "tls_redis_server", {"chunk_bytes": CHUNK}),
+    "rediss+cluster": ("{redis}", "tls_redis_cluster", {"chunk_bytes": CHUNK}),
 }
 
 
 def test_every_registered_scheme_is_tested() -> None:
     assert sorted(URLS) == sorted(SCHEMES), "a scheme of kvstore.tier_registry.SCHEMES needs its line in URLS"
+    untested = {scheme: how for scheme, how in URLS.items() if isinstance(how, str)}
+    assert not untested, f"schemes the contract suite skips: {untested}"
 
 
 @pytest.fixture(params=list(SCHEMES))
