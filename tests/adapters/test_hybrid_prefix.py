@@ -285,7 +285,7 @@ def nemotron_h_8b_shaped():
                               ssm_state_size=128, n_groups=8, conv_kernel=4)
 
 
-def test_readme_sizing_of_published_shapes() -> None:
+def test_sizing_of_published_shapes() -> None:
     """The snapshot sizing of docs/families.md (bf16 models, 256-token blocks), from configs alone."""
     from kvshelf.adapters.shaped import shaped_config
 
