@@ -15,7 +15,6 @@ Run against a server (start one with ``kvshelf serve --config examples/serve.tom
 from __future__ import annotations
 
 import argparse
-import hashlib
 import time
 
 import torch
@@ -36,16 +35,18 @@ def describe(event) -> str:
 
 
 def demo_blocks(namespace: str, count: int = 3, tokens: int = 16) -> list[tuple[bytes, kvshelf.KVBlock]]:
-    """A chain of blocks of a made-up 2-layer model: key_i = hash(key_{i-1}, tokens_i), as prefix blocks chain."""
-    entries, parent = [], b""
-    for i in range(count):
-        ids = tuple(range(i * tokens, (i + 1) * tokens))
-        key = hashlib.blake2b(parent + repr(ids).encode() + str(time.time()).encode(), digest_size=16).digest()
+    """A chain of blocks of a made-up 2-layer model, keyed as kvshelf chains prefix blocks (``prefix_block_keys``);
+    the model's fingerprint is new on every run, so its blocks are too."""
+    fingerprint = f"example-model-{time.time_ns()}"
+    ids = list(range(count * tokens))
+    keys = kvshelf.prefix_block_keys(fingerprint, namespace, ids, tokens)
+    entries = []
+    for i, key in enumerate(keys):
+        span = tuple(ids[i * tokens:(i + 1) * tokens])
         block = kvshelf.KVBlock(keys=torch.randn(2, 2, tokens, 8), values=torch.randn(2, 2, tokens, 8),
-                                token_ids=ids, start_pos=i * tokens, fingerprint="example-model",
-                                namespace=namespace, extra={"parent": parent.hex()} if parent else {})
+                                token_ids=span, start_pos=i * tokens, fingerprint=fingerprint, namespace=namespace,
+                                extra={"parent": keys[i - 1].hex()} if i else {})
         entries.append((key, block))
-        parent = key
     return entries
 
 

@@ -51,6 +51,7 @@ _EXPORTS: dict[str, str] = {
     "TieredStore": "kvshelf.kvstore.store",
     "TierSpec": "kvshelf.kvstore.store",
     "KVBlock": "kvshelf.kvstore.block",
+    "prefix_block_keys": "kvshelf.kvstore.keys",
     "RemoteStore": "kvshelf.service.client",
     "WriteBehind": "kvshelf.kvstore.write_behind",
     "EvictionPolicy": "kvshelf.kvstore.eviction",
@@ -112,7 +113,8 @@ __all__ = [  # the literal list static tools read; a test checks it against _EXP
     "__version__", "load_model", "tiny_llama", "model_fingerprint", "CachedGenerator", "GenerationResult",
     "RAGGenerator", "RAGResult", "precompute", "PrecomputeResult", "ChunkHandle", "Conversation", "ChatTurn",
     "TokenStream", "cached_prefix", "CachedPrefix", "PromptModuleGenerator", "ModuleResult", "PromptSchema",
-    "BlockStore", "open_embedded_store", "TieredStore", "TierSpec", "KVBlock", "RemoteStore", "WriteBehind",
+    "BlockStore", "open_embedded_store", "TieredStore", "TierSpec", "KVBlock", "prefix_block_keys",
+    "RemoteStore", "WriteBehind",
     "available_codecs", "get_codec", "StreamingLLM", "H2O", "Keyformer", "SnapKV", "KeyNorm", "TokenSelect", "Compose",
     "PRUNING_METHODS", "KVShelfError", "ConfigError", "UnknownCodecError", "CodecParamError", "CorruptBlockError",
     "ForeignBlockError", "StoreFullError", "TierUnavailableError", "WriteBehindError", "UnsupportedModelError",
@@ -176,6 +178,7 @@ if TYPE_CHECKING:  # what static type checkers and IDEs see
         WriteBehindError,
     )
     from kvshelf.kvstore.eviction import EvictionPolicy, make_policy
+    from kvshelf.kvstore.keys import prefix_block_keys
     from kvshelf.kvstore.protocol import BlockStore
     from kvshelf.kvstore.store import TieredStore, TierSpec
     from kvshelf.kvstore.write_behind import WriteBehind

@@ -28,6 +28,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from helpers import REPO_ROOT
@@ -183,11 +184,17 @@ def test_no_history_in_the_docs() -> None:
     assert not found, "the docs say what is, not how it changed between builds:\n" + "\n".join(found)
 
 
-def test_configuration_table_is_generated_from_serve_config() -> None:
-    spec = importlib.util.spec_from_file_location("gen_config", DOCS / "gen_config.py")
+def _docs_script(name: str) -> ModuleType:
+    """``docs/NAME.py`` (a script, not a package module), loaded by path."""
+    spec = importlib.util.spec_from_file_location(name, DOCS / f"{name}.py")
     assert spec and spec.loader
-    gen_config = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen_config)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_configuration_table_is_generated_from_serve_config() -> None:
+    gen_config = _docs_script("gen_config")
     page = (DOCS / "configuration.md").read_text()
     assert gen_config.page_table(page) == gen_config.render(), (
         "docs/configuration.md's settings table differs from ServeConfig: run .venv/bin/python docs/gen_config.py")
@@ -201,10 +208,7 @@ def test_configuration_table_is_generated_from_serve_config() -> None:
 
 
 def test_benchmark_tables_are_rendered_from_the_results() -> None:
-    spec = importlib.util.spec_from_file_location("gen_benchmarks", DOCS / "gen_benchmarks.py")
-    assert spec and spec.loader
-    gen_benchmarks = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen_benchmarks)
+    gen_benchmarks = _docs_script("gen_benchmarks")
     page = (DOCS / "benchmarks.md").read_text()
     assert not gen_benchmarks.problems(page), "\n".join(gen_benchmarks.problems(page))
     assert page == gen_benchmarks.render(page), (
