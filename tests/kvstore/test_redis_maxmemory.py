@@ -151,28 +151,29 @@ def test_partly_evicted_chunked_values_are_counted_misses(maxmemory_redis: Any, 
     """Large chunked values under maxmemory: every read is the right block or a counted miss, never a wrong block,
     a corrupt count or an exception; a value whose chunks are partly gone is removed and counted out."""
     tier = RedisTier.from_url(maxmemory_redis.url, prefix=prefix, chunk_bytes=CHUNK)
-    blocks = [make_block(96 + i, layers=2, heads=2, head_dim=64) for i in range(30)]  # ~200 KiB: 4 chunks each
+    blocks = [make_block(96 + i, layers=2, heads=2, head_dim=64) for i in range(32)]  # ~200 KiB: 4 chunks each
     keys = [key_of(block) for block in blocks]
+    filled, damaged = range(30), (30, 31)
     with TieredStore([tier]) as store:
-        for start in range(0, len(blocks), 3):
-            store.put_many(list(zip(keys, blocks, strict=True))[start:start + 3])
-        # the last two again, one by one: the newest keys, which Redis's sampled LRU keeps (whole fills alone can
-        # leave a single whole value: every other one lost a chunk)
-        for i in (len(blocks) - 2, len(blocks) - 1):
-            store.put_many([(keys[i], blocks[i])])
-        # a value with its manifest and a chunk gone (as Redis's sampled LRU may leave it): its other chunks stay
-        # behind, and one whose manifest stayed while a chunk went
-        survivors = [i for i, key in enumerate(keys) if tier.contains_many([key]) == 1]
-        assert len(survivors) >= 2
+        # 30 values into 4 MiB: Redis's sampled LRU evicts manifests and chunks as it likes
+        for start in range(0, len(filled), 3):
+            store.put_many([(keys[i], blocks[i]) for i in filled[start:start + 3]])
+        # Redis evicts no more; two more values are written whole, then damaged as Redis's sampled LRU may leave a
+        # value: one with its manifest gone (its chunks stay behind), one whose manifest stayed while a chunk went
+        set_memory(maxmemory_redis, None)
+        store.put_many([(keys[i], blocks[i]) for i in damaged])
+        assert tier.contains_many([keys[i] for i in damaged]) == len(damaged)
         raw = maxmemory_redis.client()
-        for i, drop in zip(survivors[-2:], ("manifest", "chunk"), strict=True):
+        for i, drop in zip(damaged, ("manifest", "chunk"), strict=True):
             tag = f"{{{prefix}{keys[i].hex()}}}"
             names = sorted(n for n in raw.scan_iter(match=tag.replace("{", "\\{").replace("}", "\\}") + ":*"))
             manifest = f"{tag}:m".encode()
             chunks = [n for n in names if n != manifest]
+            assert len(chunks) >= 2
             raw.delete(manifest if drop == "manifest" else chunks[1])
-        set_memory(maxmemory_redis, None)
         held = held_in_redis(maxmemory_redis, prefix)
+        assert not {keys[i] for i in damaged} & held.keys()
+        assert len(held) < len(filled)  # ~6 MiB went into 4 MiB: Redis evicted some
         for i, block in enumerate(blocks):
             out = store.get_many([keys[i]], fingerprint=block.fingerprint)[0]
             if keys[i] in held:
