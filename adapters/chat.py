@@ -29,6 +29,7 @@ from typing import Any
 
 from kvshelf.adapters.generate import CachedGenerator, GenerationResult
 from kvshelf.adapters.hf import BaseStreamer
+from kvshelf.adapters.miss import MissReason
 from kvshelf.adapters.streaming import TokenStream
 from kvshelf.kvstore.errors import ConfigError
 
@@ -60,6 +61,13 @@ class ChatTurn:
     @property
     def new_ids(self) -> list[int]:
         return self.result.new_ids
+
+    @property
+    def miss_reason(self) -> MissReason | None:
+        """Why the turn's lookup found fewer blocks than its template ids have (``GenerationResult.miss_reason``):
+        an edited history, or a template that re-tokenizes an answer differently, is ``tokens_differ`` at the
+        first token that changed."""
+        return self.result.miss_reason
 
 
 class Conversation:

@@ -34,6 +34,12 @@ Streaming: ``streamer=`` takes a HF streamer (``TextStreamer``...), wrapped in `
 Blocks are keyed by the model's dtype. When a lookup finds nothing, the result says how many blocks of the same
 prompt are stored for the same weights in another common dtype (``other_dtype_blocks``; see
 ``fingerprint.fingerprint_in_dtype`` for which ones can be named).
+
+Why a prompt missed: when a lookup finds fewer blocks than the prompt has, the result's ``miss_reason`` (and
+``miss_reasons``) say why: evicted, stored under another dtype, block size, namespace or model fingerprint, as a
+chunk, with other token ids (the first differing token), or never stored (``adapters.miss``, which bounds the
+work; a full hit costs nothing). The diagnosis runs after the answer (TTFT does not pay for it);
+``explain_misses=False`` turns it off. ``explain(prompt)`` runs it on demand, without generating.
 """
 
 from __future__ import annotations
@@ -54,10 +60,12 @@ from kvshelf.adapters.fingerprint import model_fingerprint, other_dtype_fingerpr
 from kvshelf.adapters.hf import BaseStreamer
 from kvshelf.adapters.kv_support import check_model_supported
 from kvshelf.adapters.lifecycle import Closable
+from kvshelf.adapters.miss import EXPLAIN_SCAN, MissKind, MissQuery, MissReason, MissReport, explain_miss
 from kvshelf.adapters.prompts import Prompt, batch_prompt_ids, is_batch, prompt_ids
 from kvshelf.adapters.streaming import FirstTokenTimer, TokenStream
 from kvshelf.kvstore.block import KVBlock
 from kvshelf.kvstore.errors import ConfigError
+from kvshelf.kvstore.eviction_log import EvictionLog
 from kvshelf.kvstore.keys import PARENT_EXTRA, prefix_block_spans
 from kvshelf.kvstore.protocol import BlockStore, namespace_of
 from kvshelf.kvstore.write_behind import DEFAULT_MAX_PENDING_BLOCKS, WriteBehind
@@ -88,17 +96,26 @@ class GenerationResult:
     # keyed by dtype), and those dtypes; 0 and () when something was reused or none is found
     other_dtype_blocks: int = 0
     other_dtypes: tuple[str, ...] = ()
+    # why the lookup found fewer blocks than the prompt has (``adapters.miss``): every finding, and the first;
+    # () and None on a full hit, without a lookup (reuse=False, no store), with explain_misses=False, and for a
+    # prompt with no full block that no other setting holds
+    miss_reasons: tuple[MissReason, ...] = ()
+    miss_reason: MissReason | None = None
 
 
 @dataclass
 class _Row:
-    """One prompt of a call: its ids, what was loaded for it, and its cache once prefilled."""
+    """One prompt of a call: its ids, what was loaded for it, and its cache once prefilled. ``asked`` and
+    ``found``: the blocks its lookup asked for and found (``looked``: a lookup ran)."""
 
     ids: list[int]
     reused: int = 0
     loaded: int = 0
     missed: bool = False
     cache: Any = None
+    looked: bool = False
+    asked: int = 0
+    found: int = 0
 
 
 class CachedGenerator(Closable):
@@ -120,6 +137,9 @@ class CachedGenerator(Closable):
             N-th block boundary (default 4; 0: only at the end of ``cacheable_prefix`` and of a chat turn).
         snapshot_codec: the codec state snapshots are written in: ``raw`` (default, exact) or ``zstd``;
             ``fp16`` / ``bf16`` opt in to rounding the state.
+        explain_misses: say in each result why its lookup found fewer blocks than the prompt has
+            (``miss_reason``; default). It also keeps an ``EvictionLog`` of the store's evictions (an embedded
+            store's events), to tell an evicted block from one never stored.
 
     A generator is a context manager; ``close()`` flushes the pending writes, after which every call raises
     ``ConfigError``. It may be shared by threads.
@@ -137,6 +157,7 @@ class CachedGenerator(Closable):
         max_pending_blocks: int = DEFAULT_MAX_PENDING_BLOCKS,
         snapshot_every: int = hybrid.DEFAULT_SNAPSHOT_EVERY,
         snapshot_codec: str = "raw",
+        explain_misses: bool = True,
     ) -> None:
         if block_size <= 0:
             raise ConfigError(f"block_size must be > 0, got {block_size}")
@@ -168,6 +189,16 @@ class CachedGenerator(Closable):
             # a generator dropped without close() still writes what it queued (CPython: when its last reference
             # goes; else at interpreter exit, by the writer's own hook)
             self._finalizer = weakref.finalize(self, _close_writer, self._writer)
+        self.explain_misses = explain_misses
+        #: the store's evictions heard while this generator watched (``explain_misses`` and an embedded store)
+        self.eviction_log: EvictionLog | None = None
+        self._unwatch: weakref.finalize | None = None
+        if explain_misses and store is not None:
+            log = EvictionLog()
+            unsubscribe = log.watch(store)
+            if unsubscribe is not None:
+                self.eviction_log = log
+                self._unwatch = weakref.finalize(self, unsubscribe)
 
     # -- lifecycle --------------------------------------------------------------------------------------------
 
@@ -187,6 +218,8 @@ class CachedGenerator(Closable):
         super().close()
         if self._writer is not None:
             self._writer.close(timeout_s)
+        if self._unwatch is not None:
+            self._unwatch()
 
     # -- keys, lookup, storing ---------------------------------------------------------------------------------
 
@@ -233,6 +266,7 @@ class CachedGenerator(Closable):
             self.store.lookup_prefix(keys, namespace=self.namespace, model=fingerprint, tokens=tokens)
             if keys else 0
         )
+        row.looked, row.asked, row.found = True, len(keys), found
         if not found:
             row.missed = bool(keys)
             return row
@@ -266,6 +300,53 @@ class CachedGenerator(Closable):
                 count += run
                 dtypes.append(name.removeprefix("torch."))
         return count, tuple(dtypes)
+
+    def _miss_reasons(self, row: _Row, cacheable_prefix: int | None, fingerprint: str) -> tuple[MissReason, ...]:
+        """Why ``row``'s lookup found fewer blocks than it asked for (``adapters.miss.explain_miss``); () on a full
+        hit, without a lookup, or with ``explain_misses`` off."""
+        if not self.explain_misses or not row.looked or (row.asked and row.found >= row.asked):
+            return ()
+        query = MissQuery(row.ids, fingerprint, self.namespace, self.block_size, row.found, cacheable_prefix)
+        return explain_miss(self.model, self.tokenizer, self.store, query, eviction_log=self.eviction_log)
+
+    def _other_dtypes(self, row: _Row, cacheable_prefix: int | None,
+                      reasons: tuple[MissReason, ...]) -> tuple[int, tuple[str, ...]]:
+        """``other_dtype_blocks`` and ``other_dtypes`` of a row that reused nothing: read off its miss reasons
+        when they were looked for (the same probes), else probed (``_other_dtype_blocks``)."""
+        if not row.missed:
+            return 0, ()
+        if not self.explain_misses:
+            return self._other_dtype_blocks(row.ids, cacheable_prefix)
+        found = [r for r in reasons if r.kind is MissKind.OTHER_DTYPE]
+        return sum(r.blocks for r in found), tuple(str(r.candidate) for r in found)
+
+    def explain(self, prompt: Prompt, *, cacheable_prefix: int | None = None, namespaces: Sequence[str] = (),
+                scan: int = EXPLAIN_SCAN, scan_tiers: int | None = None) -> MissReport:
+        """Why ``prompt`` would miss, without generating: its blocks, how many of them lead the store (an
+        uncounted ``held`` probe, after this generator's pending writes) and the findings of
+        ``adapters.miss.explain_miss`` (none on a full hit). ``namespaces``: other namespaces to try first;
+        ``scan``: stored values whose headers are compared, from the first ``scan_tiers`` tiers (``None``: all).
+        Raises ``ConfigError`` without a store, for an empty prompt or a ``cacheable_prefix`` out of range."""
+        self._check_open()
+        if self.store is None:
+            raise ConfigError("explain needs a generator with a store")
+        ids = self.encode(prompt)
+        if not ids:
+            raise ConfigError("the prompt is empty")
+        if cacheable_prefix is not None and not 0 < cacheable_prefix <= len(ids):
+            raise ConfigError(
+                f"cacheable_prefix must be in [1, {len(ids)}] (the prompt length), got {cacheable_prefix}"
+            )
+        self.flush()
+        fingerprint = self.fingerprint
+        spans = self._spans(ids, cacheable_prefix, fingerprint)
+        held = self.store.held([span.key for span in spans], namespace=self.namespace) if spans else []
+        found = next((i for i, present in enumerate(held) if not present), len(held))
+        query = MissQuery(ids, fingerprint, self.namespace, self.block_size, found, cacheable_prefix)
+        reasons = explain_miss(self.model, self.tokenizer, self.store, query, eviction_log=self.eviction_log,
+                               namespaces=namespaces, scan=scan, scan_tiers=scan_tiers)
+        return MissReport(len(ids), self.block_size, len(spans), found, spans[found - 1].end if found else 0,
+                          reasons)
 
     def _block_entries(self, ids: list[int], cache: Any, loaded: int, limit: int, partial: bool,
                        fingerprint: str) -> list[tuple[bytes, KVBlock]]:
@@ -449,8 +530,10 @@ class CachedGenerator(Closable):
                                               cacheable_prefix is not None, fingerprint)
             stored = self._put(entries, wait)
             hybrid.put(self, snapshots, ids + new_ids, fingerprint)
-        # after the answer (TTFT does not pay for it): what a miss would have found in another dtype
-        other_blocks, other_dtypes = self._other_dtype_blocks(ids, cacheable_prefix) if row.missed else (0, ())
+        # after the answer (TTFT does not pay for it): why the lookup missed, and what it would have found in
+        # another dtype
+        reasons = self._miss_reasons(row, cacheable_prefix, fingerprint)
+        other_blocks, other_dtypes = self._other_dtypes(row, cacheable_prefix, reasons)
         return GenerationResult(
             prompt_ids=ids,
             new_ids=new_ids,
@@ -463,6 +546,8 @@ class CachedGenerator(Closable):
             logits=getattr(out, "logits", None),
             other_dtype_blocks=other_blocks,
             other_dtypes=other_dtypes,
+            miss_reasons=reasons,
+            miss_reason=reasons[0] if reasons else None,
         )
 
     def _prefill_row(self, row: _Row) -> None:
@@ -544,7 +629,8 @@ class CachedGenerator(Closable):
             if store and self.store is not None:
                 entries = self._block_entries(row.ids, row.cache, row.loaded, len(row.ids), False, fingerprint)
                 stored = self._put(entries, wait)
-            other_blocks, other_dtypes = self._other_dtype_blocks(row.ids, None) if row.missed else (0, ())
+            reasons = self._miss_reasons(row, None, fingerprint)
+            other_blocks, other_dtypes = self._other_dtypes(row, None, reasons)
             results.append(GenerationResult(
                 prompt_ids=row.ids,
                 new_ids=new_ids,
@@ -557,6 +643,8 @@ class CachedGenerator(Closable):
                 logits=tuple(step[b:b + 1] for step in logits[:len(new_ids)]) if logits is not None else None,
                 other_dtype_blocks=other_blocks,
                 other_dtypes=other_dtypes,
+                miss_reasons=reasons,
+                miss_reason=reasons[0] if reasons else None,
             ))
         return results
 

@@ -32,6 +32,9 @@ _EXPORTS: dict[str, str] = {
     "model_fingerprint": "kvshelf.adapters.fingerprint",
     "CachedGenerator": "kvshelf.adapters.generate",
     "GenerationResult": "kvshelf.adapters.generate",
+    "MissReason": "kvshelf.adapters.miss",
+    "MissKind": "kvshelf.adapters.miss",
+    "MissReport": "kvshelf.adapters.miss",
     "RAGGenerator": "kvshelf.adapters.rag",
     "RAGResult": "kvshelf.adapters.rag",
     "precompute": "kvshelf.adapters.rag",
@@ -111,7 +114,8 @@ _RENAMED = {"PRUNING_METHODS": "METHODS"}
 
 __all__ = [  # the literal list static tools read; a test checks it against _EXPORTS
     "__version__", "load_model", "tiny_llama", "model_fingerprint", "CachedGenerator", "GenerationResult",
-    "RAGGenerator", "RAGResult", "precompute", "PrecomputeResult", "ChunkHandle", "Conversation", "ChatTurn",
+    "MissReason", "MissKind", "MissReport", "RAGGenerator", "RAGResult", "precompute", "PrecomputeResult",
+    "ChunkHandle", "Conversation", "ChatTurn",
     "TokenStream", "cached_prefix", "CachedPrefix", "PromptModuleGenerator", "ModuleResult", "PromptSchema",
     "BlockStore", "open_embedded_store", "TieredStore", "TierSpec", "KVBlock", "prefix_block_keys",
     "RemoteStore", "WriteBehind",

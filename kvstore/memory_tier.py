@@ -119,6 +119,11 @@ class MemoryTier(Tier):
         self._report(evicted)
         return out
 
+    def peek_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """The values of ``keys``, the policy told nothing (no hit, no recency)."""
+        with self._lock:
+            return [self._data.get(key) for key in keys]
+
     def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> int:
         evicted: list[tuple[bytes, bytes]] = []
         stored = 0

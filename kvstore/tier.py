@@ -46,6 +46,11 @@ class Tier(ABC):
     @abstractmethod
     def usage(self) -> TierUsage: ...
 
+    def peek_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """``get_many`` that the eviction policy does not hear of (diagnostics: ``adapters.miss`` reads headers
+        with it). This default is ``get_many``; tiers whose policy counts reads override it."""
+        return self.get_many(keys)
+
     def keys(self) -> list[bytes]:
         """Every key held (for admin tools and tests; may be slow on large tiers)."""
         raise NotImplementedError(f"tier {self.name} cannot list its keys")

@@ -92,7 +92,7 @@ def commands(output: str) -> list[str]:
 def test_every_command_is_listed_in_order() -> None:
     """The list in ``kvshelf/cli/__init__.py`` makes every command, in its order."""
     assert commands(run_probe("--help").stdout) == [
-        "demo", "serve", "repair", "replay", "precompute", "prepare-model", "stats", "events", "bench"]
+        "demo", "serve", "repair", "replay", "precompute", "prepare-model", "stats", "events", "explain", "bench"]
     assert commands(run_probe("bench", "--help").stdout) == [
         "replay", "eviction-bounds", "ttft", "rag", "serve", "pruning", "codecs", "mla", "lmdb", "lmdb-capacity",
         "store", "clear", "chaos", "abuse"]

@@ -16,7 +16,7 @@ from kvshelf.kvstore.tier import TierUsage
 
 
 class Reads:
-    """``get_many``, ``contains_many``, ``keys``, ``usage`` and ``audit`` (a mixin of ``LMDBTier``)."""
+    """``get_many``, ``peek_many``, ``contains_many``, ``keys``, ``usage`` and ``audit`` (a mixin of ``LMDBTier``)."""
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         def fn(txn: lmdb.Transaction) -> list[bytes | None]:
@@ -33,6 +33,14 @@ class Reads:
                     if value is not None and key in self._known:
                         self.policy.on_hit(key)
         return out
+
+    def peek_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """The values of ``keys`` as ``get_many`` reads them, the policy told nothing (no hit, no recency)."""
+
+        def fn(txn: lmdb.Transaction) -> list[bytes | None]:
+            return [bytes(buf) if (buf := txn.get(key)) is not None else None for key in keys]
+
+        return self._read(fn)
 
     def contains_many(self, keys: Sequence[bytes]) -> int:
         def fn(txn: lmdb.Transaction) -> int:

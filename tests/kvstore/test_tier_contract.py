@@ -174,6 +174,13 @@ def test_pins_and_the_eviction_callback_within_capacity(tier: Tier) -> None:
     tier.set_eviction_callback(None)
 
 
+def test_peek_many_reads_what_get_many_reads(tier: Tier) -> None:
+    values = [v(i, 700 + i) for i in range(3)]
+    tier.put_many([(k(i), values[i]) for i in range(3)])
+    assert tier.peek_many([k(2), k(9), k(0)]) == [values[2], None, values[0]] == tier.get_many([k(2), k(9), k(0)])
+    assert tier.peek_many([]) == []
+
+
 def test_threads_sharing_one_tier(tier: Tier) -> None:
     """Concurrent puts, gets and deletes: a read is a miss or the one value of its key; the usage stays exact."""
     value = {i: v(i, 200 + 61 * i) for i in range(24)}
