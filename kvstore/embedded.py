@@ -7,7 +7,7 @@ import os
 import re
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from kvshelf.kvstore.codec import get_codec
 from kvshelf.kvstore.errors import ConfigError
@@ -16,6 +16,9 @@ from kvshelf.kvstore.paths import cache_dir
 from kvshelf.kvstore.protocol import DEFAULT_NAMESPACE
 from kvshelf.kvstore.store import TieredStore, TierSpec
 from kvshelf.kvstore.tier_registry import lmdb_url, open_tier
+
+if TYPE_CHECKING:
+    from kvshelf.kvstore.vllm_events import KVEventsSettings
 
 DEFAULT_MEMORY_BYTES = 2 << 30
 MAX_SIZE_BYTES = 1 << 60  # 1 EiB: a larger size is a typo, never a capacity
@@ -80,6 +83,7 @@ def open_embedded_store(
     write_policy: Literal["through", "back"] = "through",
     namespace: str = DEFAULT_NAMESPACE,
     eviction_policy: str = DEFAULT_POLICY,
+    kv_events: KVEventsSettings | None = None,
 ) -> TieredStore:
     """A ``TieredStore`` of a memory tier (omitted when ``memory_bytes`` is None) over LMDB in ``data_dir``;
     reads default to ``namespace``. ``eviction_policy`` (a name of ``kvstore.eviction.POLICIES``) picks what
@@ -93,6 +97,9 @@ def open_embedded_store(
     ``eviction_policy``) to stay under it; its file stays under the capacity plus a slack for LMDB's own pages
     (``kvstore.lmdb_tier.lmdb_slack_bytes``: 39.25 MiB for 256 MiB, ~2.7% for 1 TiB). (Before, it was only a
     size limit: past it every put failed with ``StoreFullError``.)
+
+    ``kv_events``: publish the store's block events in vLLM's format over ZeroMQ (``kvstore.vllm_events``); the
+    publisher closes with the store. An endpoint in use is a ``ConfigError`` before anything is opened.
 
     The tiers come from the tier registry (``kvstore.tier_registry``: ``memory://`` and ``lmdb://``), as those of
     ``kvshelf serve`` do.
@@ -110,10 +117,23 @@ def open_embedded_store(
     if max_disk < MIN_DISK_BYTES:
         raise ConfigError(f"max_disk_bytes: {max_disk_bytes!r} is below the minimum disk capacity of "
                           f"{MIN_DISK_BYTES} bytes (1 MiB)")
-    specs: list[TierSpec] = []
-    if memory is not None:
-        specs.append(TierSpec(open_tier("memory://", capacity_bytes=memory, policy=eviction_policy), memory_codec))
-    disk = open_tier(lmdb_url(path / "lmdb"), capacity_bytes=max_disk, policy=eviction_policy, durable=durable,
-                     sync_interval_s=sync_interval_s)
-    specs.append(TierSpec(disk, disk_codec, dict(disk_codec_params or {})))
-    return TieredStore(specs, write_policy=write_policy, namespace=namespace)
+    publisher = None
+    if kv_events is not None:
+        from kvshelf.kvstore.vllm_events import VLLMEventPublisher
+
+        publisher = VLLMEventPublisher(kv_events)
+    try:
+        specs: list[TierSpec] = []
+        if memory is not None:
+            specs.append(TierSpec(open_tier("memory://", capacity_bytes=memory, policy=eviction_policy), memory_codec))
+        disk = open_tier(lmdb_url(path / "lmdb"), capacity_bytes=max_disk, policy=eviction_policy, durable=durable,
+                         sync_interval_s=sync_interval_s)
+        specs.append(TierSpec(disk, disk_codec, dict(disk_codec_params or {})))
+    except BaseException:
+        if publisher is not None:
+            publisher.close()
+        raise
+    store = TieredStore(specs, write_policy=write_policy, namespace=namespace)
+    if publisher is not None:
+        store.on_close(publisher.attach(store).close)
+    return store

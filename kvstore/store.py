@@ -217,6 +217,7 @@ class TieredStore:
         self.max_decode_bytes = max_decode_bytes
         self.counters = Counters()
         self._listeners: list[Listener] = []
+        self._closers: list[Callable[[], None]] = []
         self._pinned: set[bytes] = set()
         self._loss_epochs: dict[str, int] = {}  # tier -> its loss_epoch when the pins were last checked
         self._lock = threading.Lock()
@@ -781,7 +782,14 @@ class TieredStore:
         """``typed_stats()`` as a JSON-ready dict (``StoreStats.as_dict``)."""
         return self.typed_stats().as_dict()
 
+    def on_close(self, closer: Callable[[], None]) -> None:
+        """Call ``closer`` when the store closes, before its tiers close (a publisher of its events, say)."""
+        self._closers.append(closer)
+
     def close(self) -> None:
+        closers, self._closers = self._closers, []
+        for closer in closers:
+            closer()
         for spec in self.specs:
             spec.tier.close()
 

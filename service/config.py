@@ -1,8 +1,8 @@
 """The configuration of ``kvshelf serve``: one nested, parsed dataclass, the single source of every setting.
 
 ``ServeConfig`` has one section per concern (``server``, ``store``, ``limits``, ``fairness``, ``events``,
-``auth``, ``metrics``); each field carries its metadata (``setting``): its key (the TOML key and the base of the
-flag and of the environment variable), its help text and how its text is read. From it come:
+``kv_events``, ``auth``, ``metrics``); each field carries its metadata (``setting``): its key (the TOML key and the
+base of the flag and of the environment variable), its help text and how its text is read. From it come:
 
 * the flags of ``kvshelf serve`` (``kvshelf/cli/serve.py`` builds its options from ``SETTINGS``);
 * the ``KVSHELF_<KEY>`` environment variables and the TOML keys (``load_config``);
@@ -186,6 +186,52 @@ class EventsSection:
                                     kind="int", minimum=1)
 
 
+def _check_endpoint(setting_key: str) -> Callable[[Any], None]:
+    def check(value: Any) -> None:
+        if value:
+            from kvshelf.kvstore.vllm_events import parse_endpoint
+
+            parse_endpoint(str(value), setting_key)
+
+    return check
+
+
+@dataclass(frozen=True)
+class KVEventsSection:
+    """vLLM-format KV events over ZeroMQ for routers (``kvstore/vllm_events.py``; vLLM's ``KVEventsConfig``)."""
+
+    endpoint: str = setting("", "publish vLLM-format KV events here: tcp://*:PORT binds, tcp://HOST:PORT connects; "
+                            "unset: off", kind="str", key="kv_events_endpoint",
+                            check=_check_endpoint("kv_events_endpoint"))
+    replay_endpoint: str = setting("", "ROUTER endpoint (bound) that replays buffered batches from a sequence "
+                                   "number; unset: no replay", kind="str", key="kv_events_replay_endpoint",
+                                   check=_check_endpoint("kv_events_replay_endpoint"))
+    topic: str = setting("", "topic prefix of every batch (the batch's namespace follows it)", kind="str",
+                         key="kv_events_topic")
+    buffer_steps: int = setting(10_000, "batches kept for replay", kind="int", key="kv_events_buffer_steps",
+                                minimum=1)
+    hwm: int = setting(100_000, "ZeroMQ high-water mark of the PUB socket (batches per subscriber)", kind="int",
+                       key="kv_events_hwm", minimum=1)
+    max_queue_size: int = setting(100_000, "events waiting to be published; past it an event is dropped (counted)",
+                                  kind="int", key="kv_events_queue", minimum=1)
+    block_hashes: str = setting("int", "block hashes as vLLM's int (the key's low 64 bits) or the key's bytes",
+                                kind="str", key="kv_events_block_hashes", choices=("int", "bytes"))
+    namespaces: str = setting("", "comma-separated namespaces whose events are published; unset: every one",
+                              kind="str", key="kv_events_namespaces")
+
+    def settings(self) -> Any:
+        """``kvstore.vllm_events.KVEventsSettings`` (None when no endpoint is set)."""
+        if not self.endpoint:
+            return None
+        from kvshelf.kvstore.vllm_events import KVEventsSettings
+
+        names = frozenset(n.strip() for n in self.namespaces.split(",") if n.strip()) or None
+        return KVEventsSettings(endpoint=self.endpoint, replay_endpoint=self.replay_endpoint or None,
+                                topic=self.topic, buffer_steps=self.buffer_steps, hwm=self.hwm,
+                                max_queue_size=self.max_queue_size, block_hashes=self.block_hashes,  # type: ignore
+                                namespaces=names)
+
+
 @dataclass(frozen=True)
 class AuthSection:
     """Who may call: bearer tokens and TLS."""
@@ -218,6 +264,7 @@ class ServeConfig:
     limits: LimitsSection = field(default_factory=LimitsSection)
     fairness: FairnessSection = field(default_factory=FairnessSection)
     events: EventsSection = field(default_factory=EventsSection)
+    kv_events: KVEventsSection = field(default_factory=KVEventsSection)
     auth: AuthSection = field(default_factory=AuthSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
 

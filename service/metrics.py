@@ -107,6 +107,31 @@ class StoreCollector(Collector):
         yield from (held_bytes, held_blocks, up)
 
 
+class KVEventsCollector(Collector):
+    """The vLLM-format KV event publisher's counters (``kvstore.vllm_events.VLLMEventPublisher.stats``)."""
+
+    def __init__(self, publisher: Any, prefix: str = "kvshelf") -> None:
+        self.publisher = publisher
+        self.prefix = prefix
+
+    def collect(self) -> Iterator[Any]:
+        stats = self.publisher.stats()
+        p = f"{self.prefix}_kv_events"
+        published = CounterMetricFamily(f"{p}_published", "vLLM-format KV events published", labels=[])
+        published.add_metric([], float(stats["published_events"]))
+        batches = CounterMetricFamily(f"{p}_batches", "vLLM-format KV event batches published", labels=[])
+        batches.add_metric([], float(stats["published_batches"]))
+        dropped = CounterMetricFamily(f"{p}_dropped", "KV events or batches dropped: 'queue' (events, publisher "
+                                      "behind), 'hwm' (batches a subscriber at its high-water mark lost)",
+                                      labels=["reason"])
+        dropped.add_metric(["queue"], float(stats["queue_drops"]))
+        dropped.add_metric(["hwm"], float(stats["hwm_drops"]))
+        replays = CounterMetricFamily(f"{p}_replays", "replay requests answered", labels=["result"])
+        replays.add_metric(["ok"], float(stats["replays"]))
+        replays.add_metric(["malformed"], float(stats["bad_replay_requests"]))
+        yield from (published, batches, dropped, replays)
+
+
 class LatencyInterceptor(grpc.ServerInterceptor):
     """Observes the duration of every unary and streaming call in ``kvshelf_request_seconds{method}``."""
 

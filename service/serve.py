@@ -112,16 +112,28 @@ def serve(config: ServeConfig, *, ready: threading.Event | None = None, stop: th
         check_metrics_access(metrics_settings.addr, metrics_token)  # before anything is opened
     store = open_store(config)
     history = StatsHistory(store, interval_s=config.server.history_interval).start()
-    metrics = None
+    metrics = publisher = None
     try:
+        kv_events = config.kv_events.settings()
+        if kv_events is not None:  # vLLM-format KV events for routers (an endpoint in use: ConfigError)
+            from kvshelf.kvstore.vllm_events import VLLMEventPublisher
+
+            publisher = VLLMEventPublisher(kv_events).attach(store)
+            store.on_close(publisher.close)
         interceptors = []
         if metrics_settings.port:
             metrics = serve_metrics(store, metrics_settings.port, metrics_settings.addr, token=metrics_token,
                                     namespaces=metrics_namespaces)
             interceptors.append(metrics.interceptor)
+            if publisher is not None:
+                from kvshelf.service.metrics import KVEventsCollector
+
+                metrics.registry.register(KVEventsCollector(publisher))
         running = start_server(store, config.server.listen, tokens=tokens, limits=limits, tls_cert=cert, tls_key=key,
                                max_workers=config.server.workers, interceptors=interceptors, history=history,
                                events_dir=config.resolved_data_dir() / "events")
+        if publisher is not None:
+            running.servicer.clear_listeners.append(publisher.cleared)
     except BaseException:
         if metrics is not None:
             metrics.close()
@@ -138,6 +150,8 @@ def serve(config: ServeConfig, *, ready: threading.Event | None = None, stop: th
     host = config.server.listen.rsplit(":", 1)[0]
     mode = "tokens" if tokens else "dev mode: no tokens file, namespaces from requests"
     metrics_line = f"; metrics on {metrics.describe()}" if metrics is not None else ""
+    if publisher is not None:
+        metrics_line += f"; vLLM KV events on {publisher.settings.endpoint}"
     print(f"kvshelf serving on {host}:{running.port} ({'TLS' if cert else 'plaintext'}; {mode}; "
           f"data {config.resolved_data_dir()}{metrics_line})", flush=True)
     if ready is not None:

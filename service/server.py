@@ -327,6 +327,8 @@ class KVShelfServicer:
                                queue_events=self.limits.subscriber_queue,
                                max_subscriptions=self.limits.max_subscriptions,
                                tenant_subscriptions=self.limits.tenant_subscriptions)
+        #: called with the namespace after each Clear (the vLLM-format publisher's AllBlocksCleared)
+        self.clear_listeners: list[Callable[[str], None]] = []
         self.health = health.HealthServicer()
         self._stop = threading.Event()
         self._prober: threading.Thread | None = None
@@ -664,6 +666,8 @@ class KVShelfServicer:
         with self.events.clearing(tag):  # one AllBlocksCleared event instead of a removal per block
             count = self.store.clear_prefix(tag, SCOPED_KEY_BYTES)
         self.events.cleared(tag)
+        for listener in self.clear_listeners:
+            listener(namespace)
         return pb.CountResponse(count=count)
 
     def Stats(self, req: pb.StatsRequest, context: grpc.ServicerContext) -> Message:

@@ -4,7 +4,6 @@ vLLM 0.28.0, not imported from kvshelf. A real embedded store (memory over LMDB)
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,64 +13,22 @@ import msgspec
 import pytest
 import zmq
 from helpers import make_block
+from vllm_schema import (
+    DECODER,
+    END_SEQ,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    free_port,
+    receive,
+    subscriber,
+)
 
 from kvshelf.kvstore import open_embedded_store
 from kvshelf.kvstore.errors import ConfigError
 from kvshelf.kvstore.keys import prefix_block_keys
 from kvshelf.kvstore.vllm_events import VLLM_VERSION, KVEventsSettings, VLLMEventPublisher
-
-# -- vLLM 0.28.0's schema, declared by the subscriber ---------------------------------------------------------------
-
-
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[int | bytes]
-    parent_block_hash: int | bytes | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[int | bytes]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
-
-DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
-FP = "fp-vllm-events"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -85,25 +42,6 @@ def ctx() -> Iterator[zmq.Context]:
     context = zmq.Context()
     yield context
     context.destroy(linger=0)
-
-
-def subscriber(ctx: zmq.Context, port: int, topic: bytes = b"") -> zmq.Socket:
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, topic)
-    sub.setsockopt(zmq.LINGER, 0)
-    sub.connect(f"tcp://127.0.0.1:{port}")
-    return sub
-
-
-def receive(sub: zmq.Socket, until: int, timeout_s: float = 5.0) -> list[tuple[bytes, int, KVEventBatch]]:
-    """``(topic, seq, batch)`` messages until one with sequence ``until - 1`` arrives."""
-    out: list[tuple[bytes, int, KVEventBatch]] = []
-    deadline = time.monotonic() + timeout_s
-    while not out or out[-1][1] < until - 1:
-        assert sub.poll(max(1, int((deadline - time.monotonic()) * 1000))), f"no event after {len(out)} messages"
-        topic, seq, payload = sub.recv_multipart()
-        out.append((topic, int.from_bytes(seq, "big"), DECODER.decode(payload)))
-    return out
 
 
 def dealer_replay(ctx: zmq.Context, port: int, start: int, *frames: bytes) -> list[tuple[int, bytes]]:
@@ -123,6 +61,9 @@ def dealer_replay(ctx: zmq.Context, port: int, start: int, *frames: bytes) -> li
             out.append((int.from_bytes(seq, "big"), payload))
     finally:
         dealer.close(linger=0)
+
+
+FP = "fp-vllm-events"
 
 
 def settings(ports: tuple[int, int], **kw: Any) -> KVEventsSettings:

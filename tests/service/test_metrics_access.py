@@ -5,8 +5,6 @@ tenants not even named), and no unauthenticated endpoint on a non-loopback addre
 from __future__ import annotations
 
 import re
-import socket
-import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -14,30 +12,18 @@ from pathlib import Path
 
 import pytest
 from helpers import FINGERPRINT, key_of, make_block
+from service_helpers import InProcessServe as _Serving
+from service_helpers import free_port as _free_port
 from service_helpers import kvshelf_cli
+from service_helpers import scrape as _scrape
 
 from kvshelf.kvstore import open_embedded_store
 from kvshelf.kvstore.errors import ConfigError
 from kvshelf.service.client import RemoteStore
 from kvshelf.service.metrics import serve_metrics
-from kvshelf.service.serve import ServeConfig, serve
+from kvshelf.service.serve import ServeConfig
 
 TOKEN = "s3cret-metrics-token_0123456789"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _scrape(url: str, token: str | None = None) -> tuple[int, str]:
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
 
 
 def _token_file(tmp_path: Path, token: str = TOKEN) -> Path:
@@ -45,32 +31,6 @@ def _token_file(tmp_path: Path, token: str = TOKEN) -> Path:
     path.write_text(token + "\n")
     path.chmod(0o600)
     return path
-
-
-class _Serving:
-    """``serve(config)`` in a thread: ``grpc`` address, ``metrics_port``, the start-up ``line``."""
-
-    def __init__(self, config: ServeConfig, capsys: pytest.CaptureFixture[str]) -> None:
-        self.ready, self.stop = threading.Event(), threading.Event()
-        self.errors: list[BaseException] = []
-        self.thread = threading.Thread(target=self._run, args=(config,), daemon=True)
-        self.thread.start()
-        assert self.ready.wait(60), self.errors
-        out = capsys.readouterr().out
-        (self.line,) = [line for line in out.splitlines() if "kvshelf serving on" in line]
-        self.grpc = self.line.split("kvshelf serving on ", 1)[1].split()[0]
-        self.metrics_port = config.metrics.port
-
-    def _run(self, config: ServeConfig) -> None:
-        try:
-            serve(config, ready=self.ready, stop=self.stop)
-        except BaseException as exc:  # noqa: BLE001 (shown by the failing ready.wait)
-            self.errors.append(exc)
-            self.ready.set()
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(60)
 
 
 @pytest.fixture

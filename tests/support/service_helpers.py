@@ -4,10 +4,15 @@ certificate, and the one stand-in of the suite (a tier whose backing service is 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import threading
+import urllib.error
+import urllib.request
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 from helpers import REPO_ROOT
 
@@ -120,3 +125,45 @@ def put_with_lineage(port: int, namespace: str, entries: list, lineage: list) ->
                                     response_deserializer=pb.PutBlocksResponse.FromString)
         return call(put_requests(items, namespace, lineage=lineage), timeout=60).stored
 
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(url: str, token: str | None = None) -> tuple[int, str]:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+class InProcessServe:
+    """``serve(config)`` in a thread: ``grpc`` address, ``metrics_port``, the start-up ``line``."""
+
+    def __init__(self, config: Any, capsys: Any) -> None:
+        self.ready, self.stop = threading.Event(), threading.Event()
+        self.errors: list[BaseException] = []
+        self.thread = threading.Thread(target=self._run, args=(config,), daemon=True)
+        self.thread.start()
+        assert self.ready.wait(60), self.errors
+        out = capsys.readouterr().out
+        (self.line,) = [line for line in out.splitlines() if "kvshelf serving on" in line]
+        self.grpc = self.line.split("kvshelf serving on ", 1)[1].split()[0]
+        self.metrics_port = config.metrics.port
+
+    def _run(self, config: Any) -> None:
+        try:
+            from kvshelf.service.serve import serve
+
+            serve(config, ready=self.ready, stop=self.stop)
+        except BaseException as exc:  # noqa: BLE001 (shown by the failing ready.wait)
+            self.errors.append(exc)
+            self.ready.set()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(60)
