@@ -45,6 +45,7 @@ for _name, _command in (
     ("lmdb-capacity", bench_store.bench_lmdb_capacity),
     ("store", bench_store.bench_store),
     ("clear", bench_store.bench_clear),
+    ("kv-events", bench_store.bench_kv_events),
     ("chaos", bench_store.bench_chaos),
     ("abuse", bench_store.bench_abuse),
 ):

@@ -1,5 +1,5 @@
-"""The benchmarks of the store and the service: ``kvshelf bench lmdb | lmdb-capacity | store | clear | chaos |
-abuse``."""
+"""The benchmarks of the store and the service: ``kvshelf bench lmdb | lmdb-capacity | store | clear | kv-events |
+chaos | abuse``."""
 
 from __future__ import annotations
 
@@ -89,6 +89,18 @@ def bench_clear(
         raise KVShelfError("--other must be >= 0, --ns-keys and --scan-count > 0")
     run(json_path=str(json_path) if json_path else None, other=other, ns_keys=ns_keys, cluster=cluster,
         paths=chosen, scan_count=scan_count, console=console)
+
+
+def bench_kv_events(
+    json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+    puts: Annotated[int, typer.Option(min=1, help="blocks put (one event each)")] = 10_000,
+    tokens: Annotated[int, typer.Option(min=1, max=65_536, help="token ids per block")] = 16,
+    rounds: Annotated[int, typer.Option(min=1, help="rounds of each mode (the fastest kept)")] = 3,
+) -> None:
+    """vLLM-format KV events: server time per event and delay to a ZeroMQ subscriber (bench/kv_events.py)."""
+    from kvshelf.bench.kv_events import run
+
+    run(json_path=str(json_path) if json_path else None, puts=puts, tokens=tokens, rounds=rounds, console=console)
 
 
 def bench_chaos(
