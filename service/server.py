@@ -59,6 +59,7 @@ from kvshelf.service.fairness import (
     reserved_workers,
 )
 from kvshelf.service.history import StatsHistory
+from kvshelf.service.hot_prefixes import HotPrefixes
 from kvshelf.service.limits import MAX_CHUNK_BYTES, MAX_MESSAGE_BYTES
 from kvshelf.service.reflection import enable_reflection
 from kvshelf.service.status import abort_call, client_fault, fail
@@ -329,6 +330,8 @@ class KVShelfServicer:
                                tenant_subscriptions=self.limits.tenant_subscriptions)
         #: called with the namespace after each Clear (the vLLM-format publisher's AllBlocksCleared)
         self.clear_listeners: list[Callable[[str], None]] = []
+        #: the most reused prefixes (the deepest key of each reused run), per namespace (the admin dashboard)
+        self.hot_prefixes = HotPrefixes()
         self.health = health.HealthServicer()
         self._stop = threading.Event()
         self._prober: threading.Thread | None = None
@@ -611,12 +614,17 @@ class KVShelfServicer:
                     arena: ArenaWriter | None) -> Iterator[bytes]:
         chunk_bytes = (min(max(req.max_chunk_bytes, MIN_CHUNK_BYTES), MAX_CHUNK_BYTES) if req.max_chunk_bytes
                        else CHUNK_BYTES)
+        run = 0  # the leading run of served keys: the reused prefix (counted in hot_prefixes when it ends)
         for start in range(0, len(keys), 16):  # bounded memory: a few blocks at a time
             batch = keys[start : start + 16]
             tokens = list(req.tokens[start : start + 16]) if len(req.tokens) == len(keys) else None
             values = self.store.get_encoded_many(batch, namespace=namespace, fingerprint=fingerprint, tokens=tokens)
             for offset, (tier_key, value) in enumerate(zip(batch, values, strict=True)):
                 index = start + offset
+                if run == index and value is not None:
+                    run += 1
+                elif run == index and run:  # the first miss ends the reused prefix
+                    self._count_prefix(namespace, keys, run, req.tokens)
                 if value is None:
                     yield encode_miss_response(index)
                     continue
@@ -632,6 +640,8 @@ class KVShelfServicer:
                         first = False
                     else:
                         yield encode_chunk_response(index, data, last=last)
+        if run == len(keys) and run:  # every key served: the whole request was a reused prefix
+            self._count_prefix(namespace, keys, run, req.tokens)
 
     def Contains(self, req: pb.KeysRequest, context: grpc.ServicerContext) -> Message:
         _, keys = self.scoped(context, req.namespace, list(req.keys))
@@ -643,7 +653,14 @@ class KVShelfServicer:
         namespace, keys = self.scoped(context, req.namespace, list(req.keys))
         tokens = list(req.tokens) if len(req.tokens) == len(keys) else None
         found = self.store.lookup_prefix(keys, namespace=namespace, model=req.model or "?", tokens=tokens)
+        if found:
+            self._count_prefix(namespace, keys, found, tokens)
         return pb.LookupPrefixResponse(found=found)
+
+    def _count_prefix(self, namespace: str, keys: Sequence[bytes], depth: int, tokens: Sequence[int] | None) -> None:
+        """One reuse of the prefix of ``keys[:depth]`` (``tokens``: the request's tokens per key, if it sent them)."""
+        length = sum(tokens[:depth]) if tokens is not None and len(tokens) == len(keys) else None
+        self.hot_prefixes.hit(namespace, unscope(keys[depth - 1]), depth, length)
 
     def Delete(self, req: pb.KeysRequest, context: grpc.ServicerContext) -> Message:
         _, keys = self.scoped(context, req.namespace, list(req.keys))
@@ -666,6 +683,7 @@ class KVShelfServicer:
         with self.events.clearing(tag):  # one AllBlocksCleared event instead of a removal per block
             count = self.store.clear_prefix(tag, SCOPED_KEY_BYTES)
         self.events.cleared(tag)
+        self.hot_prefixes.forget(namespace)
         for listener in self.clear_listeners:
             listener(namespace)
         return pb.CountResponse(count=count)
@@ -705,6 +723,7 @@ class KVShelfServicer:
                         "server_ended_idle": self.streams.ended_idle,
                         "server_ended_slow": self.streams.ended_slow},
             "events": self.events.stats(namespace),
+            "top_prefixes": self.hot_prefixes.top(10, None if self.tokens is None else frozenset((namespace,))),
         }
         if self.tokens is None:  # dev mode: the whole store (every namespace) and its history for the admin tool
             out["store"] = full.as_dict()

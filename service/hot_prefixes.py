@@ -1,0 +1,73 @@
+"""``HotPrefixes``: a bounded count of the most reused cached prefixes, for the admin dashboard and ``Stats``.
+
+A reused prefix is named by the key of its deepest block (keys chain, so that key stands for every token before it
+too): a ``LookupPrefix`` that found ``n`` blocks reused the prefix ending at its ``n``-th key, a ``GetBlocks``
+whose first ``n`` keys were served reused the prefix ending at the ``n``-th. Counted per ``(namespace, key)`` with
+the Space-Saving algorithm (Metwally et al., 2005): at most ``capacity`` entries; a new key in a full table takes
+the place of the least counted one and inherits its count, so a count may overstate a key's hits by at most the
+``error`` it inherited, and any key hit more than ``total / capacity`` times is in the table.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+DEFAULT_CAPACITY = 512
+
+
+@dataclass
+class _Entry:
+    count: int
+    error: int  # the count inherited from the entry it replaced (an upper bound of the overstatement)
+    blocks: int  # the prefix's depth in blocks
+    tokens: int | None  # its length in tokens, when the call named the blocks' token counts
+    last_seen: float
+
+
+class HotPrefixes:
+    """Thread-safe, bounded: ``hit`` costs one dict update (a scan of ``capacity`` entries when a new key finds
+    the table full)."""
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._entries: dict[tuple[str, bytes], _Entry] = {}
+        self.total = 0
+
+    def hit(self, namespace: str, key: bytes, blocks: int, tokens: int | None = None) -> None:
+        """Count one reuse of the prefix of ``blocks`` blocks (``tokens`` tokens) that ends at ``key``."""
+        now = time.time()
+        with self._lock:
+            self.total += 1
+            entry = self._entries.get((namespace, key))
+            if entry is not None:
+                entry.count += 1
+                entry.blocks, entry.last_seen = blocks, now
+                entry.tokens = tokens if tokens is not None else entry.tokens
+                return
+            inherited = 0
+            if len(self._entries) >= self.capacity:
+                victim = min(self._entries, key=lambda k: self._entries[k].count)
+                inherited = self._entries.pop(victim).count
+            self._entries[(namespace, key)] = _Entry(inherited + 1, inherited, blocks, tokens, now)
+
+    def top(self, limit: int = 10, namespaces: frozenset[str] | None = None) -> list[dict[str, object]]:
+        """The ``limit`` most reused prefixes (of ``namespaces`` only, when given), most first, JSON-ready:
+        ``namespace``, ``key`` (hex), ``hits``, ``error``, ``blocks``, ``tokens``, ``last_seen`` (Unix time)."""
+        with self._lock:
+            items = [(ns, key, e.count, e.error, e.blocks, e.tokens, e.last_seen)
+                     for (ns, key), e in self._entries.items() if namespaces is None or ns in namespaces]
+        items.sort(key=lambda item: (-item[2], item[0], item[1]))
+        return [{"namespace": ns, "key": key.hex(), "hits": count, "error": error, "blocks": blocks,
+                 "tokens": tokens, "last_seen": seen}
+                for ns, key, count, error, blocks, tokens, seen in items[:limit]]
+
+    def forget(self, namespace: str) -> None:
+        """Drop a namespace's entries (its blocks were cleared)."""
+        with self._lock:
+            for name in [k for k in self._entries if k[0] == namespace]:
+                del self._entries[name]
