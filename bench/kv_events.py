@@ -7,7 +7,8 @@ subscriber in another process (as a router is) reading and decoding every batch;
 alternating, the fastest round of each kept. Reported: the put loop's seconds with and without events, their
 difference per event (the put path's share: the listener, the queue, and the publisher thread's turns on the
 interpreter lock), the publisher thread's CPU time per event (encoding and sending), their sum (server time per
-event), and the delay from the last put's return to the last event's arrival.
+event), the process's CPU time per event (from the first put until every event is sent, with events less
+without), and the delay from the last put's return to the last event's arrival.
 """
 
 from __future__ import annotations
@@ -48,14 +49,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _put_all(entries: list[tuple[bytes, KVBlock]], publisher: VLLMEventPublisher | None) -> tuple[TieredStore, float]:
+def _put_all(entries: list[tuple[bytes, KVBlock]],
+             publisher: VLLMEventPublisher | None) -> tuple[TieredStore, float, float, float]:
+    """The store, the put loop's seconds, the process CPU seconds until every event is sent, and the wall-clock
+    time the last put returned."""
     store = TieredStore([TierSpec(MemoryTier(1 << 34), "raw")])
     if publisher is not None:
         publisher.attach(store)
-    started = time.perf_counter()
+    cpu, started = time.process_time(), time.perf_counter()
     for entry in entries:
         store.put_many([entry])
-    return store, time.perf_counter() - started
+    seconds, last_put = time.perf_counter() - started, time.time()
+    if publisher is not None:
+        publisher.flush()
+    return store, seconds, time.process_time() - cpu, last_put
 
 
 #: the subscriber: another process (as a router is), reading until it has every event; prints the wall-clock time
@@ -85,9 +92,7 @@ def _with_events(entries: list[tuple[bytes, KVBlock]]) -> dict[str, float]:
         assert reader.stdout is not None
         reader.stdout.readline()  # connected
         time.sleep(0.5)  # the subscription reaches the publisher
-        store, seconds = _put_all(entries, publisher)
-        last_put = time.time()
-        publisher.flush()
+        store, seconds, cpu_s, last_put = _put_all(entries, publisher)
         received, last = reader.stdout.readline().split()
         reader.wait(30)
         stats = publisher.stats()
@@ -97,30 +102,33 @@ def _with_events(entries: list[tuple[bytes, KVBlock]]) -> dict[str, float]:
         publisher.close()
         if reader.poll() is None:
             reader.kill()
-    return {"seconds": seconds, "events": int(received), "published": stats["published_events"],
+    return {"seconds": seconds, "cpu_s": cpu_s, "events": int(received), "published": stats["published_events"],
             "batches": stats["published_batches"], "drops": stats["queue_drops"] + stats["hwm_drops"],
             "thread_cpu_s": cpu, "delay_s": max(0.0, float(last) - last_put)}
 
 
 def run(*, json_path: str | None, puts: int = 10_000, tokens: int = 16, rounds: int = 3, console: Any) -> dict:
     entries = _blocks(puts, tokens)
-    plain, evented = [], []
+    plain, plain_cpu, evented = [], [], []
     for _ in range(rounds):
-        store, seconds = _put_all(entries, None)
+        store, seconds, cpu_s, _ = _put_all(entries, None)
         store.close()
         plain.append(seconds)
+        plain_cpu.append(cpu_s)
         evented.append(_with_events(entries))
     best = min(evented, key=lambda r: r["seconds"])
     anchor = min(plain)
     events = max(best["published"], 1)
     put_path_us = max(0.0, (best["seconds"] - anchor) / events * 1e6)
     thread_us = best["thread_cpu_s"] / events * 1e6
+    cpu_us = max(0.0, (min(r["cpu_s"] for r in evented) - min(plain_cpu)) / events * 1e6)
     payload = {"bench": "kv_events", "machine": machine_description(), "puts": puts, "tokens_per_block": tokens,
                "rounds": rounds, "anchor_put_loop_s": round(anchor, 4), "events_put_loop_s": round(best["seconds"], 4),
                "events_published": best["published"], "events_received": best["events"],
                "batches": best["batches"], "dropped": best["drops"],
                "put_path_us_per_event": round(put_path_us, 2), "publisher_cpu_us_per_event": round(thread_us, 2),
                "server_us_per_event": round(put_path_us + thread_us, 2),
+               "server_cpu_us_per_event": round(cpu_us, 2),
                "last_event_after_last_put_s": round(best["delay_s"], 4),
                "all_rounds": [{"anchor_s": round(a, 4), "events_s": round(r["seconds"], 4),
                                "delay_s": round(r["delay_s"], 4)} for a, r in zip(plain, evented, strict=True)]}
@@ -134,10 +142,12 @@ def results_table(payload: dict[str, Any]) -> Table:
     table = Table(title=f"vLLM-format KV events: {payload['puts']} puts of {payload['tokens_per_block']}-token "
                         f"blocks, memory tier, best of {payload['rounds']}")
     for column in ("put loop, no events (s)", "put loop, events (s)", "events received", "dropped",
-                   "put path µs/event", "publisher µs/event", "server µs/event", "last event after last put (s)"):
+                   "put path µs/event", "publisher µs/event", "server µs/event", "server CPU µs/event",
+                   "last event after last put (s)"):
         table.add_column(column, justify="right")
     table.add_row(f"{payload['anchor_put_loop_s']:.3f}", f"{payload['events_put_loop_s']:.3f}",
                   f"{payload['events_received']}/{payload['events_published']}", str(payload["dropped"]),
                   f"{payload['put_path_us_per_event']:.2f}", f"{payload['publisher_cpu_us_per_event']:.2f}",
-                  f"{payload['server_us_per_event']:.2f}", f"{payload['last_event_after_last_put_s']:.3f}")
+                  f"{payload['server_us_per_event']:.2f}", f"{payload['server_cpu_us_per_event']:.2f}",
+                  f"{payload['last_event_after_last_put_s']:.3f}")
     return table

@@ -18,17 +18,16 @@ or, with ``block_hashes="bytes"``, the 16 bytes; ``parent_block_hash`` is the ch
 first block); ``token_ids`` are the block's tokens and ``block_size`` their count; ``medium`` names the tier
 (``MEDIA``). ``group_idx`` is 0: a kvshelf block holds every layer.
 
-Puts are never slowed: the store's listener only queues a small tuple (``max_queue_size``: past it the event is
-dropped and counted); a thread encodes and sends. The PUB socket is an XPUB with ``XPUB_NODROP``: a batch that a
-subscriber's high-water mark refuses is counted (``hwm_drops``) and sent to the others as PUB would. A subscriber
-sees a gap in the sequence numbers and asks the replay endpoint.
+Puts are never slowed: the store's listener only appends the event to a bounded queue (``max_queue_size``: past it
+the event is dropped and counted); a thread lets a burst gather (``BATCH_WINDOW_S``), then reads, filters, encodes
+and sends it. The PUB socket is an XPUB with ``XPUB_NODROP``: a batch that a subscriber's high-water mark refuses is
+counted (``hwm_drops``) and sent to the others as PUB would. A subscriber sees a gap in the sequence numbers and
+asks the replay endpoint.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import queue
 import re
 import threading
 import time
@@ -193,14 +192,15 @@ class VLLMEventPublisher:
         settings.check()
         self.settings = settings
         self._ctx = context or zmq.Context.instance()
-        self._queue: queue.Queue[tuple[str, object] | None] = queue.Queue(maxsize=settings.max_queue_size)
+        self._pending: deque[tuple[Any, Any]] = deque()
+        self._wake = threading.Event()
+        self._busy = False
         self._buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=settings.buffer_steps)
         self._media: dict[str, str] = {}
         self._names: dict[bytes, str] = {}
         self.published_events = self.published_batches = self.queue_drops = self.hwm_drops = 0
         self.replays = self.bad_replay_requests = 0
         self._seq = 0
-        self._offered = self._handled = 0
         self.thread_cpu_s = 0.0  # CPU time of the publisher thread encoding and sending
         self._lock = threading.Lock()
         self._unsubscribe: list[Any] = []
@@ -231,10 +231,43 @@ class VLLMEventPublisher:
         """Publish ``store``'s events (a ``TieredStore``): its tiers' media are read now."""
         self._media.update({spec.tier.name: medium_of(spec.tier) for spec in store.specs})
         default = getattr(store, "namespace", "default")
-        self._unsubscribe.append(store.subscribe(lambda event: self._on_store_event(event, default)))
+        self._unsubscribe.append(store.subscribe(lambda event: self._enqueue((event, default))))
         return self
 
-    def _on_store_event(self, event: StoreEvent, default_namespace: str) -> None:
+    def stored(self, namespace: str, key: bytes, parent: bytes, tokens: tuple[int, ...], medium: str) -> None:
+        """A block of ``namespace`` was stored in ``medium`` (``parent``: b"" for a chain's first block)."""
+        self._enqueue((namespace, _Stored(key, parent, tokens, medium)))
+
+    def removed(self, namespace: str, key: bytes, medium: str) -> None:
+        self._enqueue((namespace, _Removed(key, medium)))
+
+    def cleared(self, namespace: str) -> None:
+        """Every block of ``namespace`` is gone (``AllBlocksCleared``)."""
+        self._enqueue((namespace, _CLEARED))
+
+    def _enqueue(self, item: tuple[Any, Any]) -> None:
+        """The put path's whole share: a bounded append (the thread reads, filters and encodes it)."""
+        pending = self._pending
+        if len(pending) >= self.settings.max_queue_size:
+            with self._lock:
+                self.queue_drops += 1
+            return
+        was_empty = not pending
+        pending.append(item)
+        if was_empty:
+            self._wake.set()
+
+    def _resolve(self, item: tuple[Any, Any]) -> tuple[str, object] | None:
+        """``(namespace, event)`` of a queued item (a store's event is read here), None when filtered out."""
+        first, second = item
+        if isinstance(first, StoreEvent):
+            namespace, event = self._from_store(first, second)
+        else:
+            namespace, event = first, second
+        allowed = self.settings.namespaces
+        return None if allowed is not None and namespace not in allowed else (namespace, event)
+
+    def _from_store(self, event: StoreEvent, default_namespace: str) -> tuple[str, object]:
         namespace = event.namespace
         if is_scoped(event.key):
             tag = scope_of(event.key)
@@ -246,72 +279,42 @@ class VLLMEventPublisher:
             namespace = default_namespace
         medium = self._media.get(event.tier, event.tier.upper())
         key = block_key_of(event.key)
-        if event.kind == "stored":
-            header = event.header
-            tokens = tuple(header.token_ids) if header is not None else ()
-            parent = _parent_of(header.extra) if header is not None else b""
-            self.stored(namespace, key, parent, tokens, medium)
-        else:
-            self.removed(namespace, key, medium)
-
-    def stored(self, namespace: str, key: bytes, parent: bytes, tokens: tuple[int, ...], medium: str) -> None:
-        """A block of ``namespace`` was stored in ``medium`` (``parent``: b"" for a chain's first block)."""
-        self._offer(namespace, _Stored(key, parent, tokens, medium))
-
-    def removed(self, namespace: str, key: bytes, medium: str) -> None:
-        self._offer(namespace, _Removed(key, medium))
-
-    def cleared(self, namespace: str) -> None:
-        """Every block of ``namespace`` is gone (``AllBlocksCleared``)."""
-        self._offer(namespace, _CLEARED)
-
-    def _offer(self, namespace: str, event: object) -> None:
-        allowed = self.settings.namespaces
-        if allowed is not None and namespace not in allowed:
-            return
-        with self._lock:
-            try:
-                self._queue.put_nowait((namespace, event))
-            except queue.Full:
-                self.queue_drops += 1
-            else:
-                self._offered += 1
+        if event.kind != "stored":
+            return namespace, _Removed(key, medium)
+        header = event.header
+        tokens = tuple(header.token_ids) if header is not None else ()
+        parent = _parent_of(header.extra) if header is not None else b""
+        return namespace, _Stored(key, parent, tokens, medium)
 
     # -- the thread ---------------------------------------------------------------------------------------------
 
     def _run(self) -> None:
         encoder = msgspec.msgpack.Encoder()
+        pending = self._pending
         while True:
             self._serve_replays()
             self._drain_subscriptions()
-            try:
-                first = self._queue.get(timeout=0.05)
-            except queue.Empty:
+            if not pending:
                 if not self._running:
                     break
+                self._wake.wait(0.05)
+                self._wake.clear()
                 continue
-            if first is None:
-                break
+            self._busy = True
             time.sleep(BATCH_WINDOW_S)  # let a burst gather: one batch, one wake-up of this thread
-            items = [first]
-            while len(items) < MAX_BATCH_EVENTS:
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:
-                    self._running = False
-                    break
-                items.append(item)
             started = time.thread_time()
+            items = []
+            while pending and len(items) < MAX_BATCH_EVENTS:
+                resolved = self._resolve(pending.popleft())
+                if resolved is not None:
+                    items.append(resolved)
             try:
-                self._send(encoder, items)
+                if items:
+                    self._send(encoder, items)
             except Exception:  # never let one bad batch stop the stream
                 log.exception("publishing vLLM KV events failed")
             self.thread_cpu_s += time.thread_time() - started
-            self._handled += len(items)
-            if not self._running and self._queue.empty():
-                break
+            self._busy = False
         self._serve_replays()
 
     def _send(self, encoder: msgspec.msgpack.Encoder, items: list[tuple[str, object]]) -> None:
@@ -386,12 +389,12 @@ class VLLMEventPublisher:
     def stats(self) -> dict[str, int]:
         return {"published_events": self.published_events, "published_batches": self.published_batches,
                 "queue_drops": self.queue_drops, "hwm_drops": self.hwm_drops, "replays": self.replays,
-                "bad_replay_requests": self.bad_replay_requests, "queued": self._queue.qsize()}
+                "bad_replay_requests": self.bad_replay_requests, "queued": len(self._pending)}
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until every queued event is sent (True) or ``timeout_s`` passes (False)."""
         deadline = time.monotonic() + timeout_s
-        while self._handled < self._offered:
+        while self._pending or self._busy:
             if time.monotonic() >= deadline or not self._thread.is_alive():
                 return False
             time.sleep(0.002)
@@ -405,8 +408,7 @@ class VLLMEventPublisher:
         if not self._running and not self._thread.is_alive():
             return
         self._running = False
-        with contextlib.suppress(queue.Full):
-            self._queue.put(None, timeout=1.0)
+        self._wake.set()
         self._thread.join(timeout=2.0)
         self._pub.close(linger=0)
         if self._replay is not None:

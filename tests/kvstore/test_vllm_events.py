@@ -320,3 +320,17 @@ def test_an_endpoint_in_use_is_a_config_error(ctx: zmq.Context, ports: tuple[int
         with pytest.raises(ConfigError, match="kv_events_replay_endpoint: .* address already in use"):
             VLLMEventPublisher(KVEventsSettings(endpoint=f"tcp://*:{free_port()}",
                                                 replay_endpoint=f"tcp://*:{ports[1]}"), context=ctx)
+
+
+def test_bench_kv_events_delivers_every_event_to_a_subscriber_process(tmp_path: Path) -> None:
+    import io
+    import json
+
+    from rich.console import Console
+
+    from kvshelf.bench.kv_events import run
+
+    payload = run(json_path=str(tmp_path / "kv_events.json"), puts=300, rounds=1, console=Console(file=io.StringIO()))
+    assert payload["events_published"] == payload["events_received"] == 300 and payload["dropped"] == 0
+    assert json.loads((tmp_path / "kv_events.json").read_text())["puts"] == 300
+    assert payload["publisher_cpu_us_per_event"] > 0
