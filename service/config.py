@@ -1,8 +1,8 @@
 """The configuration of ``kvshelf serve``: one nested, parsed dataclass, the single source of every setting.
 
 ``ServeConfig`` has one section per concern (``server``, ``store``, ``limits``, ``fairness``, ``events``,
-``kv_events``, ``auth``, ``metrics``); each field carries its metadata (``setting``): its key (the TOML key and the
-base of the flag and of the environment variable), its help text and how its text is read. From it come:
+``kv_events``, ``auth``, ``metrics``, ``admin``); each field carries its metadata (``setting``): its key (the TOML
+key and the base of the flag and of the environment variable), its help text and how its text is read. From it come:
 
 * the flags of ``kvshelf serve`` (``kvshelf/cli/serve.py`` builds its options from ``SETTINGS``);
 * the ``KVSHELF_<KEY>`` environment variables and the TOML keys (``load_config``);
@@ -256,6 +256,20 @@ class MetricsSection:
 
 
 @dataclass(frozen=True)
+class AdminSection:
+    """The admin dashboard: a web page of live charts (``service/dashboard.py``)."""
+
+    port: int = setting(0, "admin dashboard (web page) on this port; 0: off", kind="int", key="admin_port",
+                        minimum=0)
+    addr: str = setting("127.0.0.1", "address of the dashboard; any other than loopback needs admin_token_file",
+                        kind="str", key="admin_addr")
+    token_file: str = setting("", "file holding the token the dashboard requires (a bearer header or its login "
+                              "form); unset: no token", kind="str", key="admin_token_file")
+    namespaces: str = setting("", "comma-separated namespaces the dashboard shows; unset: every namespace",
+                              kind="str", key="admin_namespaces")
+
+
+@dataclass(frozen=True)
 class ServeConfig:
     """Every setting of ``kvshelf serve``, parsed (sizes in bytes), one section per concern."""
 
@@ -267,6 +281,7 @@ class ServeConfig:
     kv_events: KVEventsSection = field(default_factory=KVEventsSection)
     auth: AuthSection = field(default_factory=AuthSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
+    admin: AdminSection = field(default_factory=AdminSection)
 
     @classmethod
     def from_settings(cls, **settings: Any) -> ServeConfig:
@@ -285,6 +300,10 @@ class ServeConfig:
             raise _error("TLS needs both --tls-cert and --tls-key")
         if not 0 <= self.metrics.port < 65536:
             raise _error(f"--metrics-port: metrics_port must be in [0, 65535], got {self.metrics.port}")
+        if not 0 <= self.admin.port < 65536:
+            raise _error(f"--admin-port: admin_port must be in [0, 65535], got {self.admin.port}")
+        if self.admin.port and self.admin.port == self.metrics.port:
+            raise _error(f"--admin-port: {self.admin.port} is also --metrics-port; give each its own port")
 
     def server_limits(self) -> Any:
         """``service.server.ServerLimits`` from the limits, fairness and events sections (same field names) and

@@ -189,31 +189,31 @@ def is_loopback(addr: str) -> bool:
     return bool(infos) and all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
 
 
-def read_token_file(path: str | Path) -> str:
-    """The bearer token in ``path`` (surrounding whitespace ignored); a ``ConfigError`` naming what is wrong."""
+def read_token_file(path: str | Path, flag: str = "--metrics-token-file") -> str:
+    """The bearer token in ``path`` (surrounding whitespace ignored); a ``ConfigError`` starting with ``flag`` and
+    naming what is wrong."""
     path = Path(path)
     try:
         token = path.read_text(encoding="ascii").strip()
         mode = path.stat().st_mode
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"--metrics-token-file: cannot read {path}: {exc}") from None
+        raise ConfigError(f"{flag}: cannot read {path}: {exc}") from None
     if not token:
-        raise ConfigError(f"--metrics-token-file: {path} is empty")
+        raise ConfigError(f"{flag}: {path} is empty")
     if _TOKEN.fullmatch(token) is None:
-        raise ConfigError(f"--metrics-token-file: {path} must hold one token of letters, digits and -._~+/ "
-                          "(no spaces)")
+        raise ConfigError(f"{flag}: {path} must hold one token of letters, digits and -._~+/ (no spaces)")
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        log.warning("metrics token file %s is readable by other users (chmod 600 it)", path)
+        log.warning("token file %s (%s) is readable by other users (chmod 600 it)", path, flag)
     return token
 
 
-def parse_namespaces(text: str) -> frozenset[str] | None:
-    """``"a, b"`` -> ``{"a", "b"}``; ``""`` -> None (every namespace)."""
+def parse_namespaces(text: str, flag: str = "--metrics-namespaces") -> frozenset[str] | None:
+    """``"a, b"`` -> ``{"a", "b"}``; ``""`` -> None (every namespace); ``","``: a ``ConfigError`` naming ``flag``."""
     if not text.strip():
         return None
     names = frozenset(n.strip() for n in text.split(",") if n.strip())
     if not names:
-        raise ConfigError(f"--metrics-namespaces: no namespace in {text!r}")
+        raise ConfigError(f"{flag}: no namespace in {text!r}")
     return names
 
 

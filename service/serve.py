@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 from kvshelf.kvstore.embedded import open_embedded_store
 from kvshelf.kvstore.errors import ConfigError, TierDamagedError
@@ -86,6 +87,20 @@ def _with_redis(store: TieredStore, config: ServeConfig) -> TieredStore:
                        write_policy=store.write_policy)
 
 
+def _start_dashboard(store: TieredStore, servicer: Any, config: ServeConfig, token: str | None,
+                     namespaces: frozenset[str] | None) -> Any:
+    """The admin dashboard over this server's store, KV event count and most reused prefixes."""
+    from kvshelf.service.dashboard import serve_dashboard
+    from kvshelf.service.dashboard_data import CachedSource, local_snapshot
+
+    def source() -> dict[str, Any]:
+        return local_snapshot(store, events_seq=lambda: servicer.events.next_seq, hot=servicer.hot_prefixes,
+                              namespaces=namespaces)
+
+    return serve_dashboard(CachedSource(source), config.admin.port, config.admin.addr, token=token,
+                           title=f"serve {config.server.listen}")
+
+
 def serve(config: ServeConfig, *, ready: threading.Event | None = None, stop: threading.Event | None = None) -> int:
     """Run the server until SIGTERM/SIGINT (or ``stop`` is set); return the exit code (0).
 
@@ -110,9 +125,16 @@ def serve(config: ServeConfig, *, ready: threading.Event | None = None, stop: th
     metrics_namespaces = parse_namespaces(metrics_settings.namespaces)
     if metrics_settings.port:
         check_metrics_access(metrics_settings.addr, metrics_token)  # before anything is opened
+    admin = config.admin
+    admin_token = read_token_file(admin.token_file, "--admin-token-file") if admin.token_file else None
+    admin_namespaces = parse_namespaces(admin.namespaces, "--admin-namespaces")
+    if admin.port:
+        from kvshelf.service.dashboard import check_dashboard_access
+
+        check_dashboard_access(admin.addr, admin_token)  # before anything is opened
     store = open_store(config)
     history = StatsHistory(store, interval_s=config.server.history_interval).start()
-    metrics = publisher = None
+    metrics = publisher = dashboard = None
     try:
         kv_events = config.kv_events.settings()
         if kv_events is not None:  # vLLM-format KV events for routers (an endpoint in use: ConfigError)
@@ -134,7 +156,11 @@ def serve(config: ServeConfig, *, ready: threading.Event | None = None, stop: th
                                events_dir=config.resolved_data_dir() / "events")
         if publisher is not None:
             running.servicer.clear_listeners.append(publisher.cleared)
+        if admin.port:
+            dashboard = _start_dashboard(store, running.servicer, config, admin_token, admin_namespaces)
     except BaseException:
+        if dashboard is not None:
+            dashboard.close()
         if metrics is not None:
             metrics.close()
         history.stop()
@@ -152,6 +178,8 @@ def serve(config: ServeConfig, *, ready: threading.Event | None = None, stop: th
     metrics_line = f"; metrics on {metrics.describe()}" if metrics is not None else ""
     if publisher is not None:
         metrics_line += f"; vLLM KV events on {publisher.settings.endpoint}"
+    if dashboard is not None:
+        metrics_line += f"; dashboard on {dashboard.describe()}"
     print(f"kvshelf serving on {host}:{running.port} ({'TLS' if cert else 'plaintext'}; {mode}; "
           f"data {config.resolved_data_dir()}{metrics_line})", flush=True)
     if ready is not None:
@@ -161,6 +189,8 @@ def serve(config: ServeConfig, *, ready: threading.Event | None = None, stop: th
     running.stop(config.server.grace)
     if sweeper is not None:
         sweeper.stop()
+    if dashboard is not None:
+        dashboard.close()
     if metrics is not None:
         metrics.close()
     history.stop()

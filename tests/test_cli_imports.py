@@ -74,7 +74,8 @@ def run_probe(*args: str) -> Probe:
     return probe_result(done.returncode, done.stdout, done.stderr)
 
 
-@pytest.mark.parametrize("args", [["--help"], ["stats", "--help"], ["events", "--help"], ["bench", "--help"],
+@pytest.mark.parametrize("args", [["--help"], ["stats", "--help"], ["events", "--help"], ["dashboard", "--help"],
+                                  ["bench", "--help"],
                                   ["serve", "--help"], ["bench", "ttft", "--help"], []],
                          ids=lambda args: " ".join(args) or "no arguments")
 def test_help_loads_nothing_heavy(args: list[str]) -> None:
@@ -92,7 +93,8 @@ def commands(output: str) -> list[str]:
 def test_every_command_is_listed_in_order() -> None:
     """The list in ``kvshelf/cli/__init__.py`` makes every command, in its order."""
     assert commands(run_probe("--help").stdout) == [
-        "demo", "serve", "repair", "replay", "precompute", "prepare-model", "stats", "events", "explain", "bench"]
+        "demo", "serve", "repair", "replay", "precompute", "prepare-model", "stats", "events", "dashboard", "explain",
+        "bench"]
     assert commands(run_probe("bench", "--help").stdout) == [
         "replay", "eviction-bounds", "ttft", "rag", "serve", "pruning", "codecs", "mla", "lmdb", "lmdb-capacity",
         "store", "clear", "kv-events", "chaos", "abuse"]
@@ -189,15 +191,49 @@ def test_events_of_a_server_load_no_torch_and_ctrl_c_exits_0(served: str) -> Non
     assert_no_model_stack(probe, "kvshelf events")
 
 
+def test_dashboard_of_a_server_loads_no_torch_and_ctrl_c_exits_0(served: str) -> None:
+    """``kvshelf dashboard --target``: the page and its data over HTTP from a real server's Stats, then Ctrl-C."""
+    import urllib.request
+
+    proc = subprocess.Popen(probe_command("dashboard", "--target", served, "--port", "0"), cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        match = re.search(r"on (http://127\.0\.0\.1:\d+/) \(no token: loopback only\)", first)
+        assert match, first + (proc.stderr.read() if proc.poll() is not None and proc.stderr else "")
+        with urllib.request.urlopen(match.group(1), timeout=WAIT_S) as page:
+            assert b"kvshelf admin" in page.read()
+        key = _put_one(served)
+        from kvshelf.service.client import RemoteStore
+
+        with RemoteStore(served, shared_memory=False) as remote:
+            assert remote.lookup_prefix([key]) == 1
+        with urllib.request.urlopen(match.group(1) + "api/data", timeout=WAIT_S) as response:
+            data = json.loads(response.read())
+        assert data["scope"] == "every namespace" and data["title"] == served
+        assert key.hex() in [p["key"] for p in data["top_prefixes"]]
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=WAIT_S)
+        probe = probe_result(proc.returncode, first + out, err)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert probe.code == 0, probe.stderr
+    assert_no_model_stack(probe, "kvshelf dashboard")
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-@pytest.mark.parametrize("command", ["stats", "events"])
+@pytest.mark.parametrize("command", ["stats", "events", "dashboard"])
 def test_no_server_is_one_error_line_and_no_torch(command: str) -> None:
-    probe = run_probe(command, "--server", f"127.0.0.1:{_free_port()}", "--connect-timeout", "1")
+    flag = "--target" if command == "dashboard" else "--server"
+    probe = run_probe(command, flag, f"127.0.0.1:{_free_port()}", "--connect-timeout", "1")
     assert probe.code == 2
     err = probe.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and "unreachable" in err[0], probe.stderr

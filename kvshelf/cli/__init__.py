@@ -15,7 +15,7 @@ import sys
 import typer
 from rich.console import Console
 
-from kvshelf.cli import bench_models, bench_store, demo, events, explain, model, replay, serve, stats
+from kvshelf.cli import bench_models, bench_store, dashboard, demo, events, explain, model, replay, serve, stats
 
 app = typer.Typer(help="kvshelf: KV-cache management and context reuse for transformer LLMs.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
@@ -30,6 +30,7 @@ app.command()(model.precompute)
 app.command("prepare-model")(model.prepare_model)
 app.command()(stats.stats)
 app.command()(events.events)
+app.command()(dashboard.dashboard)
 app.command()(explain.explain)
 
 for _name, _command in (
