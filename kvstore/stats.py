@@ -199,6 +199,11 @@ class Counters:
             counts.setdefault((tier, ns, model), {})[str(metric)] = value  # plain names, as JSON has them
         return [CounterRow(tier, ns, model, row) for (tier, ns, model), row in counts.items()]
 
+    def snapshot(self) -> dict[tuple[str, str, str, str], int]:
+        """A copy of every count by ``(tier, namespace, model, metric)``, unsorted (the cheapest full read)."""
+        with self._lock:
+            return dict(self._counts)
+
     def rows(self) -> list[dict[str, str | int]]:
         """``counter_rows()`` as JSON-ready dicts."""
         return [row.as_dict() for row in self.counter_rows()]

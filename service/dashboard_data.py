@@ -17,10 +17,13 @@ import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
-from kvshelf.kvstore.stats import ALL_TIERS, BLOCK_COUNTS
+from kvshelf.kvstore.errors import TierUnavailableError
+from kvshelf.kvstore.stats import ALL_TIERS, BLOCK_COUNTS, Metric
 
 Snapshot = dict[str, Any]
 TOP_PREFIXES = 10
+_SERIES_COUNTS = tuple(m.value for m in BLOCK_COUNTS)
+_TIER_COUNTS = frozenset((Metric.EVICTIONS.value, Metric.HITS.value, Metric.MISSES.value))
 
 
 def _series(rows: Iterable[Mapping[str, Any]], namespaces: Collection[str] | None) -> list[dict[str, Any]]:
@@ -29,7 +32,7 @@ def _series(rows: Iterable[Mapping[str, Any]], namespaces: Collection[str] | Non
     for row in rows:
         if row["tier"] != ALL_TIERS or (namespaces is not None and row["namespace"] not in namespaces):
             continue
-        counts = {m.value: int(row.get(m.value, 0)) for m in BLOCK_COUNTS}
+        counts = {name: int(row.get(name, 0)) for name in _SERIES_COUNTS}
         if any(counts.values()):
             out.append({"namespace": row["namespace"], "model": row["model"], **counts})
     return out
@@ -45,23 +48,33 @@ def _tier(name: str, available: bool, blocks: int | None, nbytes: int | None, ca
 def local_snapshot(store: Any, *, events_seq: Callable[[], int] | None = None, hot: Any = None,
                    namespaces: Collection[str] | None = None) -> Snapshot:
     """A snapshot of ``store`` (a ``TieredStore``) in this process. ``events_seq``: the KV event count;
-    ``hot``: a ``HotPrefixes``; ``namespaces``: only these namespaces' rows and prefixes (tier totals, which name
-    no namespace, are always there)."""
-    stats = store.typed_stats()
+    ``hot``: a ``HotPrefixes``; ``namespaces``: only these namespaces' rows, tier counters and prefixes (tier usage,
+    which names no namespace, is the tier's whole). One pass over the store's counts (``Counters.snapshot``)."""
     scope = frozenset(namespaces) if namespaces is not None else None
-    if scope is None:  # the tiers' counters, summed over namespaces by the store
-        tiers = [_tier(t.name, t.available, t.blocks, t.bytes, t.capacity_bytes, t.as_dict()) for t in stats.tiers]
-    else:  # only the shown namespaces' counters; usage is the tier's whole
-        sums: dict[str, dict[str, int]] = {t.name: {} for t in stats.tiers}
-        for row in stats.rows:
-            if row.tier in sums and row.namespace in scope:
-                for metric in ("evictions", "hits", "misses"):
-                    sums[row.tier][metric] = sums[row.tier].get(metric, 0) + int(row.counts.get(metric, 0))
-        tiers = [_tier(t.name, t.available, t.blocks, t.bytes, t.capacity_bytes, sums[t.name]) for t in stats.tiers]
+    series: dict[tuple[str, str], dict[str, int]] = {}
+    sums: dict[str, dict[str, int]] = {}
+    for (tier, ns, model, metric), value in store.counters.snapshot().items():
+        if scope is not None and ns not in scope:
+            continue
+        if tier == ALL_TIERS:
+            if metric in _SERIES_COUNTS:
+                series.setdefault((ns, model), dict.fromkeys(_SERIES_COUNTS, 0))[str(metric)] = value
+        elif metric in _TIER_COUNTS:
+            counts = sums.setdefault(tier, {})
+            counts[str(metric)] = counts.get(str(metric), 0) + value
+    tiers = []
+    for spec in store.specs:
+        try:
+            usage = spec.tier.usage()
+        except TierUnavailableError:
+            usage = None
+        tiers.append(_tier(spec.tier.name, usage is not None, usage.blocks if usage else None,
+                           usage.bytes if usage else None, usage.capacity_bytes if usage else None,
+                           sums.get(spec.tier.name, {})))
     return {
         "t": time.time(),
         "scope": "every namespace" if scope is None else "namespaces " + ", ".join(sorted(scope)),
-        "series": _series((r.as_dict() for r in stats.rows), scope),
+        "series": [{"namespace": ns, "model": model, **counts} for (ns, model), counts in sorted(series.items())],
         "tiers": tiers,
         "events": events_seq() if events_seq is not None else None,
         "top_prefixes": hot.top(TOP_PREFIXES, scope) if hot is not None else [],

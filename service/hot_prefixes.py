@@ -10,6 +10,7 @@ the place of the least counted one and inherits its count, so a count may overst
 
 from __future__ import annotations
 
+import heapq
 import threading
 import time
 from dataclasses import dataclass
@@ -59,12 +60,15 @@ class HotPrefixes:
         """The ``limit`` most reused prefixes (of ``namespaces`` only, when given), most first, JSON-ready:
         ``namespace``, ``key`` (hex), ``hits``, ``error``, ``blocks``, ``tokens``, ``last_seen`` (Unix time)."""
         with self._lock:
-            items = [(ns, key, e.count, e.error, e.blocks, e.tokens, e.last_seen)
-                     for (ns, key), e in self._entries.items() if namespaces is None or ns in namespaces]
-        items.sort(key=lambda item: (-item[2], item[0], item[1]))
+            entries = self._entries.items()
+            if namespaces is not None:
+                entries = [item for item in entries if item[0][0] in namespaces]  # type: ignore[assignment]
+            best = heapq.nlargest(limit, entries, key=lambda item: item[1].count)
+            items = [(ns, key, e.count, e.error, e.blocks, e.tokens, e.last_seen) for (ns, key), e in best]
+        items.sort(key=lambda item: (-item[2], item[0], item[1]))  # ties in a stable order
         return [{"namespace": ns, "key": key.hex(), "hits": count, "error": error, "blocks": blocks,
                  "tokens": tokens, "last_seen": seen}
-                for ns, key, count, error, blocks, tokens, seen in items[:limit]]
+                for ns, key, count, error, blocks, tokens, seen in items]
 
     def forget(self, namespace: str) -> None:
         """Drop a namespace's entries (its blocks were cleared)."""

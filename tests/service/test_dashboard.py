@@ -1,0 +1,234 @@
+"""The admin dashboard over HTTP: its data endpoint follows real traffic of a real ``kvshelf serve``, the access
+rules are those of ``/metrics`` (loopback by default; elsewhere a token, 401 without it), bad settings are
+``ConfigError``s, the most reused prefixes are counted within a bound, and a data call costs the server <= 1 ms.
+The page itself runs in a real browser in ``test_dashboard_browser.py``."""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import time
+
+import pytest
+from dashboard_helpers import TOKEN, request, serve_with_dashboard, token_file, traffic
+from helpers import FINGERPRINT
+from service_helpers import free_port, kvshelf_cli
+
+from kvshelf.kvstore import open_embedded_store
+from kvshelf.kvstore.errors import ConfigError
+from kvshelf.service.dashboard import DashboardApp, load_asset, serve_dashboard
+from kvshelf.service.dashboard_data import CachedSource, local_snapshot, remote_snapshot
+from kvshelf.service.hot_prefixes import HotPrefixes
+from kvshelf.service.serve import ServeConfig
+
+
+def _data(port: int, token: str | None = None) -> dict:
+    status, _, body = request(f"http://127.0.0.1:{port}/api/data", token=token)
+    assert status == 200, body
+    return json.loads(body)
+
+
+def _wait_for(port: int, check, token: str | None = None, timeout_s: float = 10.0) -> dict:  # noqa: ANN001
+    """The first snapshot that passes ``check`` (the endpoint answers from a snapshot at most 0.5 s old)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        data = _data(port, token)
+        if check(data) or time.monotonic() > deadline:
+            return data
+        time.sleep(0.1)
+
+
+def _series(data: dict, namespace: str) -> dict:
+    (row,) = [s for s in data["series"] if s["namespace"] == namespace]
+    return row
+
+
+def test_data_endpoint_follows_puts_gets_and_lookups(tmp_path, capsys):
+    running, port = serve_with_dashboard(tmp_path, capsys)
+    try:
+        assert f"dashboard on http://127.0.0.1:{port}/ (no token: loopback only)" in running.line
+        status, headers, page = request(f"http://127.0.0.1:{port}/")
+        assert status == 200 and b"kvshelf admin" in page and headers["Content-Type"].startswith("text/html")
+        assert "script-src 'self'" in headers["Content-Security-Policy"]
+        for asset in ("dashboard.js", "dashboard.css"):
+            assert request(f"http://127.0.0.1:{port}/{asset}")[2] == load_asset(asset)
+        before = _data(port)
+        assert before["series"] == [] and before["top_prefixes"] == [] and before["scope"] == "every namespace"
+        assert {t["name"] for t in before["tiers"]} == {"memory", "disk"}
+        assert all(t["blocks"] == 0 and t["bytes"] == 0 for t in before["tiers"])
+
+        keys_a = traffic(running.grpc, "tenant-a", 3)
+        traffic(running.grpc, "tenant-b", 1, seed=1)
+        after = _wait_for(port, lambda d: len(d["series"]) == 2)
+        a = _series(after, "tenant-a")
+        assert a["model"] == FINGERPRINT
+        assert (a["retrieve_blocks"], a["retrieve_hit_blocks"]) == (4, 3)  # three stored, one never stored
+        assert (a["lookup_blocks"], a["lookup_hit_blocks"]) == (3, 3)
+        memory = next(t for t in after["tiers"] if t["name"] == "memory")
+        assert memory["blocks"] == 4 and memory["bytes"] > 0 and memory["hits"] >= 4
+        assert after["events"] >= before["events"] + 4 * 2  # each put: stored in memory and on disk
+        top = after["top_prefixes"][0]
+        assert top == {"namespace": "tenant-a", "key": keys_a[-1].hex(), "hits": 2, "error": 0, "blocks": 3,
+                       "tokens": 12, "last_seen": top["last_seen"]}
+        assert abs(top["last_seen"] - time.time()) < 60
+        assert request(f"http://127.0.0.1:{port}/nowhere")[0] == 404
+        assert request(f"http://127.0.0.1:{port}/api/data", data=b"x=1")[0] == 405
+    finally:
+        running.close()
+
+
+def test_namespace_filter_leaves_other_tenants_unnamed(tmp_path, capsys):
+    running, port = serve_with_dashboard(tmp_path, capsys, admin_namespaces="tenant-a")
+    try:
+        traffic(running.grpc, "tenant-a", 2)
+        traffic(running.grpc, "secret-project", 2, seed=1)
+        data = _wait_for(port, lambda d: d["series"] and d["top_prefixes"])
+        body = json.dumps(data)
+        assert "tenant-a" in body and "secret-project" not in body
+        assert data["scope"] == "namespaces tenant-a"
+        assert next(t for t in data["tiers"] if t["name"] == "memory")["blocks"] == 4  # tier totals name no tenant
+    finally:
+        running.close()
+
+
+def test_token_401_without_it_then_bearer_and_login_cookie(tmp_path, capsys):
+    """A non-loopback bind with a token file: every request needs the token (even one that comes over loopback)."""
+    running, port = serve_with_dashboard(tmp_path, capsys, admin_addr="0.0.0.0",
+                                         admin_token_file=str(token_file(tmp_path)))
+    base = f"http://127.0.0.1:{port}"
+    try:
+        assert f"dashboard on http://0.0.0.0:{port}/ (bearer token)" in running.line
+        traffic(running.grpc, "tenant-a", 1)
+        for path in ("/api/data", "/", "/dashboard.js"):
+            status, headers, body = request(base + path)
+            assert status == 401 and b"tenant-a" not in body, path
+            assert headers["WWW-Authenticate"].startswith("Bearer")
+        assert b'<form method="post" action="/login">' in request(base + "/")[2]  # the page's 401: a login form
+        assert request(base + "/api/data", token="not-the-token")[0] == 401
+        assert request(base + "/api/data", token=TOKEN[:-1])[0] == 401
+        assert request(base + "/api/data", cookie=f"kvshelf_admin={TOKEN}x")[0] == 401
+        assert "tenant-a" in json.dumps(_data(port, TOKEN))
+
+        assert request(base + "/login", data=b"token=wrong")[0] == 401
+        status, headers, _ = request(base + "/login", data=f"token={TOKEN}".encode())
+        assert status == 303 and headers["Location"] == "/"
+        cookie = headers["Set-Cookie"]
+        assert "HttpOnly" in cookie and "SameSite=Strict" in cookie
+        status, _, body = request(base + "/api/data", cookie=cookie.split(";", 1)[0])
+        assert status == 200 and b"tenant-a" in body
+        assert request(base + "/login", data=b"t" * 5000)[0] == 400
+    finally:
+        running.close()
+
+
+def test_non_loopback_without_token_is_a_config_error(tmp_path):
+    store = open_embedded_store(tmp_path / "data", memory_bytes="1MiB", max_disk_bytes="16MiB")
+    try:
+        source = CachedSource(lambda: local_snapshot(store))
+        with pytest.raises(ConfigError, match="admin-token-file"):
+            serve_dashboard(source, 0, "0.0.0.0")
+        endpoint = serve_dashboard(source, 0, "0.0.0.0", token=TOKEN)
+        try:
+            assert request(f"http://127.0.0.1:{endpoint.port}/api/data")[0] == 401
+        finally:
+            endpoint.close()
+    finally:
+        store.close()
+
+
+def test_cli_refuses_public_dashboard_without_token(tmp_path):
+    result = kvshelf_cli("serve", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "data"),
+                         "--admin-port", str(free_port()), "--admin-addr", "0.0.0.0")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert re.fullmatch(r"error: --admin-addr '0\.0\.0\.0' is not a loopback address.*\n", result.stderr)
+    assert not (tmp_path / "data").exists()  # refused before the store was opened
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"admin_port": 70000}, "--admin-port: admin_port must be in"),
+    ({"admin_port": -1}, "--admin-port: admin_port must be >= 0"),
+    ({"admin_port": "eighty"}, "--admin-port: admin_port must be a number"),
+    ({"admin_port": 9100, "metrics_port": 9100}, "--admin-port: 9100 is also --metrics-port"),
+])
+def test_bad_settings_are_config_errors(settings, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        ServeConfig.from_settings(**settings)
+
+
+@pytest.mark.parametrize(("args", "why"), [
+    (["--admin-token-file", "EMPTY"], "error: --admin-token-file: "),
+    (["--admin-token-file", "MISSING"], "error: --admin-token-file: cannot read"),
+    (["--admin-namespaces", " , "], "error: --admin-namespaces: no namespace in"),
+])
+def test_bad_token_file_or_namespaces_is_a_clear_error(tmp_path, args, why):
+    (tmp_path / "EMPTY").write_text("\n")
+    args = [str(tmp_path / a) if a in ("EMPTY", "MISSING") else a for a in args]
+    result = kvshelf_cli("serve", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "data"),
+                         "--admin-port", str(free_port()), *args)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.startswith(why), result.stderr
+    assert not (tmp_path / "data").exists()
+
+
+def test_remote_snapshot_of_a_token_holder_is_its_namespace():
+    """A server with tokens answers Stats for the caller's namespace only (no ``store`` part)."""
+    stats = {"namespace": "tenant-a", "rows": [
+        {"tier": "*", "namespace": "tenant-a", "model": "m", "lookup_blocks": 2, "lookup_hit_blocks": 1},
+        {"tier": "memory", "namespace": "tenant-a", "model": "m", "hits": 1}],
+        "tiers": [{"name": "memory", "available": True, "blocks": 1, "bytes": 10, "capacity_bytes": 100,
+                   "hits": 1, "misses": 0, "evictions": 0}],
+        "events": {"next_seq": 7}, "top_prefixes": []}
+    snap = remote_snapshot(stats)
+    assert snap["scope"] == "namespace tenant-a" and snap["events"] == 7
+    assert snap["series"] == [{"namespace": "tenant-a", "model": "m", "lookup_blocks": 2, "lookup_hit_blocks": 1,
+                               "retrieve_blocks": 0, "retrieve_hit_blocks": 0}]
+    assert snap["tiers"][0]["bytes"] == 10
+
+
+def test_hot_prefixes_stay_bounded_and_keep_the_heavy_hitters():
+    hot = HotPrefixes(capacity=8)
+    heavy = b"h" * 16
+    for i in range(2000):
+        hot.hit("ns", i.to_bytes(16, "big"), 1)  # 2000 distinct keys, each once
+        if i % 4 == 0:
+            hot.hit("ns", heavy, 5, 20)  # one key a fifth of the time: more than total / capacity
+    assert len(hot.top(100)) == 8
+    first = hot.top(1)[0]
+    assert first["key"] == heavy.hex() and first["blocks"] == 5 and first["tokens"] == 20
+    assert first["hits"] - first["error"] <= 500 <= first["hits"]  # Space-Saving: a bounded overstatement
+    hot.hit("other", heavy, 1)
+    assert [p["namespace"] for p in hot.top(10, frozenset({"other"}))] == ["other"]
+    hot.forget("ns")
+    assert [p["namespace"] for p in hot.top(10)] == ["other"]
+    with pytest.raises(ValueError, match="capacity"):
+        HotPrefixes(capacity=0)
+
+
+def test_data_call_costs_at_most_1_ms_of_server_time(tmp_path, capsys):
+    """The data endpoint's work (a fresh snapshot of the store and its JSON), timed in process over many calls,
+    with 8 namespaces x 2 models of counters and a full table of reused prefixes."""
+    store = open_embedded_store(tmp_path / "data", memory_bytes="16MiB", max_disk_bytes="64MiB")
+    try:
+        for i in range(16):
+            ns, model = f"tenant-{i % 8}", f"model-{i // 8}"
+            for tier in ("memory", "disk", "*"):
+                for metric in ("hits", "misses", "evictions", "lookup_blocks", "lookup_hit_blocks",
+                               "retrieve_blocks", "retrieve_hit_blocks"):
+                    store.counters.add(tier, ns, model, metric, 10 + i)
+        hot = HotPrefixes()
+        for i in range(1000):
+            hot.hit(f"tenant-{i % 8}", i.to_bytes(16, "big"), i % 7 + 1)
+        app = DashboardApp(lambda: local_snapshot(store, events_seq=lambda: 1234, hot=hot))
+        assert len(json.loads(app.data())["series"]) == 16
+        times = []
+        for _ in range(500):
+            start = time.perf_counter()
+            app.data()
+            times.append(time.perf_counter() - start)
+        median = statistics.median(times)
+        print(f"dashboard data call: median {median * 1e6:.0f} us, p90 "
+              f"{statistics.quantiles(times, n=10)[-1] * 1e6:.0f} us, mean {statistics.fmean(times) * 1e6:.0f} us")
+        assert median <= 1e-3
+    finally:
+        store.close()
