@@ -88,7 +88,7 @@ def _with_redis(store: TieredStore, config: ServeConfig) -> TieredStore:
 
 
 def _start_dashboard(store: TieredStore, servicer: Any, config: ServeConfig, token: str | None,
-                     namespaces: frozenset[str] | None) -> Any:
+                     namespaces: frozenset[str] | None, title: str) -> Any:
     """The admin dashboard over this server's store, KV event count and most reused prefixes."""
     from kvshelf.service.dashboard import serve_dashboard
     from kvshelf.service.dashboard_data import CachedSource, local_snapshot
@@ -97,8 +97,7 @@ def _start_dashboard(store: TieredStore, servicer: Any, config: ServeConfig, tok
         return local_snapshot(store, events_seq=lambda: servicer.events.next_seq, hot=servicer.hot_prefixes,
                               namespaces=namespaces)
 
-    return serve_dashboard(CachedSource(source), config.admin.port, config.admin.addr, token=token,
-                           title=f"serve {config.server.listen}")
+    return serve_dashboard(CachedSource(source), config.admin.port, config.admin.addr, token=token, title=title)
 
 
 def serve(config: ServeConfig, *, ready: threading.Event | None = None, stop: threading.Event | None = None) -> int:
@@ -157,7 +156,8 @@ def serve(config: ServeConfig, *, ready: threading.Event | None = None, stop: th
         if publisher is not None:
             running.servicer.clear_listeners.append(publisher.cleared)
         if admin.port:
-            dashboard = _start_dashboard(store, running.servicer, config, admin_token, admin_namespaces)
+            title = f"serve {config.server.listen.rsplit(':', 1)[0]}:{running.port}"
+            dashboard = _start_dashboard(store, running.servicer, config, admin_token, admin_namespaces, title)
     except BaseException:
         if dashboard is not None:
             dashboard.close()
