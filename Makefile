@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install demo test test-fast bench bench-codecs lint clean redis
+.PHONY: install demo test test-fast bench bench-codecs lint clean redis chromium
 
 install: $(STAMP)
 
@@ -28,7 +28,11 @@ demo: install
 redis:
 	command -v redis-server >/dev/null || (apt-get update && apt-get install -y redis-server)
 
-test: install redis
+# chromium and its chromedriver for the admin dashboard's browser tests: Debian's packages, when absent.
+chromium:
+	test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || (apt-get update && apt-get install -y chromium chromium-driver)
+
+test: install redis chromium
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -q
 
