@@ -103,12 +103,14 @@ def test_wheel_holds_every_subpackage_and_module(built: tuple[Path, Path]) -> No
     assert not stray
 
 
-def test_wheel_ships_the_proto_files_and_the_command(built: tuple[Path, Path]) -> None:
+def test_wheel_ships_the_proto_files_the_dashboard_and_the_command(built: tuple[Path, Path]) -> None:
     _, wheel = built
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
         for name in ("kvshelf.proto", "kvshelf_pb2.py", "kvshelf_pb2.pyi", "kvshelf_pb2_grpc.py"):
             assert f"kvshelf/proto/{name}" in names, name
+        for name in ("index.html", "dashboard.js", "dashboard.css"):  # the admin dashboard's page: nothing fetched
+            assert f"kvshelf/service/dashboard_assets/{name}" in names, name
         entry_points = _dist_info(sorted(names), "entry_points.txt")
         assert entry_points, "no entry_points.txt in the wheel"
         parser = configparser.ConfigParser()
@@ -123,6 +125,7 @@ import kvshelf.proto.kvshelf_pb2 as pb
 proto = importlib.import_module("proto")  # proto-plus's package (ours is kvshelf.proto)
 from kvshelf import KVBlock, KVShelfError, TieredStore, available_codecs, get_codec
 from kvshelf.kvstore.encoding import decode_block, encode_block
+from kvshelf.service.dashboard import load_asset
 import torch
 
 block = KVBlock(torch.ones(2, 1, 3, 4), torch.zeros(2, 1, 3, 4), (1, 2, 3), 0, "fp")
@@ -134,6 +137,7 @@ print(json.dumps({
     "codecs": available_codecs(), "round_trip": bool(torch.allclose(back.keys, block.keys, atol=0.01)),
     "errors": KVShelfError.__module__, "codec_module": get_codec.__module__,
     "store": TieredStore.__module__,
+    "dashboard_page": b"/dashboard.js" in load_asset("index.html"),
     "bare": [n for n in ("kvstore", "compress", "reuse", "adapters", "service", "bench")
              if importlib.util.find_spec(n) is not None],
     "editable": [f.__class__.__module__ for f in sys.meta_path if "editable" in f.__class__.__module__],
@@ -167,6 +171,7 @@ def test_wheel_installs_and_imports_in_a_fresh_venv(built: tuple[Path, Path], tm
     assert out["round_trip"]
     assert out["errors"] == "kvshelf.kvstore.errors" and out["store"] == "kvshelf.kvstore.store"
     assert out["codec_module"] == "kvshelf.kvstore.codec"
+    assert out["dashboard_page"]  # the dashboard's page read from the installed package
     assert out["bare"] == [] and out["editable"] == []
 
     help_text = _run([str(venv / "bin" / "kvshelf"), "--help"], cwd=neutral, env=env).stdout
