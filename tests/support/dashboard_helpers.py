@@ -61,7 +61,7 @@ def traffic(address: str, namespace: str, blocks: int, *, seed: int = 0) -> list
     absent = key_of(make_block([seed * 1000 + 999_000 + j for j in range(4)], namespace=namespace))
     with RemoteStore(address, namespace=namespace, shared_memory=False) as remote:
         assert remote.put_many(list(zip(keys, items, strict=True))) == blocks
-        got = remote.get_many([*keys, absent], fingerprint=FINGERPRINT)
+        got = remote.get_many([*keys, absent], fingerprint=FINGERPRINT, tokens=[4] * (blocks + 1))
         assert all(b is not None for b in got[:-1]) and got[-1] is None
         assert remote.lookup_prefix(keys, model=FINGERPRINT, tokens=[4] * blocks) == blocks
     return keys
