@@ -38,6 +38,7 @@ for _name, _command in (
     ("eviction-bounds", replay.bench_eviction_bounds),
     ("ttft", bench_models.bench_ttft),
     ("rag", bench_models.bench_rag),
+    ("rag-chain", bench_models.bench_rag_chain),
     ("serve", bench_models.bench_serve),
     ("pruning", bench_models.bench_pruning),
     ("codecs", bench_models.bench_codecs),

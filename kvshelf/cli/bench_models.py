@@ -1,4 +1,4 @@
-"""The benchmarks that run a model: ``kvshelf bench ttft | rag | serve | pruning | codecs | mla``."""
+"""The benchmarks that run a model: ``kvshelf bench ttft | rag | rag-chain | serve | pruning | codecs | mla``."""
 
 from __future__ import annotations
 
@@ -87,6 +87,20 @@ def bench_rag(
     chosen = corpus_path(corpus)
     run(json_path=str(json_path) if json_path else None, corpus=str(chosen) if chosen else None, cases=cases,
         runs=runs, model_name=model, console=console)
+
+
+def bench_rag_chain(
+    json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+    corpus: Annotated[Path | None, typer.Option(help="JSONL of {title, abstract}")] = None,
+    cases: Annotated[int, typer.Option(min=1, help="planted-fact questions (8 chunks each)")] = 20,
+    model: ModelOpt = "smollm2-135m",
+) -> None:
+    """One LangChain RAG chain: LangChain's HuggingFace chat model vs kvshelf's; TTFT p50 and accuracy."""
+    from kvshelf.bench.rag_chain import run
+
+    chosen = corpus_path(corpus)
+    run(json_path=str(json_path) if json_path else None, corpus=str(chosen) if chosen else None, cases=cases,
+        model_name=model, console=console)
 
 
 def bench_serve(
