@@ -193,10 +193,12 @@ def test_hot_prefixes_stay_bounded_and_keep_the_heavy_hitters():
         hot.hit("ns", i.to_bytes(16, "big"), 1)  # 2000 distinct keys, each once
         if i % 4 == 0:
             hot.hit("ns", heavy, 5, 20)  # one key a fifth of the time: more than total / capacity
-    assert len(hot.top(100)) == 8
+    assert 6 <= len(hot.top(100)) <= 8  # a full table drops its least counted quarter for a new key
     first = hot.top(1)[0]
     assert first["key"] == heavy.hex() and first["blocks"] == 5 and first["tokens"] == 20
     assert first["hits"] - first["error"] <= 500 <= first["hits"]  # Space-Saving: a bounded overstatement
+    late = max(hot.top(100), key=lambda p: p["error"])  # a key that entered after drops: its count starts above them
+    assert late["error"] > 0 and late["hits"] == late["error"] + 1
     hot.hit("other", heavy, 1)
     assert [p["namespace"] for p in hot.top(10, frozenset({"other"}))] == ["other"]
     hot.forget("ns")
