@@ -17,7 +17,8 @@ def dashboard(
                                                                "requires")] = None,
     token: Annotated[str | None, typer.Option(help="bearer token of the server (servers with a tokens file)",
                                               envvar="KVSHELF_TOKEN")] = None,
-    namespace: Annotated[str, typer.Option(help="namespace (dev-mode servers show every one)")] = "default",
+    namespace: Annotated[str, typer.Option(help="namespace: the one of --token on a server with tokens (dev-mode "
+                                                "servers show every one)")] = "default",
     tls_ca: Annotated[Path | None, typer.Option(help="CA certificate of a TLS server")] = None,
     connect_timeout: Annotated[float, typer.Option(min=0.1, help="seconds to wait for the server")] = 10.0,
 ) -> None:

@@ -13,10 +13,11 @@ import time
 import pytest
 from dashboard_helpers import TOKEN, request, serve_with_dashboard, token_file, traffic
 from helpers import FINGERPRINT
-from service_helpers import free_port, kvshelf_cli
+from service_helpers import free_port, kvshelf_cli, write_tokens
 
 from kvshelf.kvstore import open_embedded_store
 from kvshelf.kvstore.errors import ConfigError
+from kvshelf.service.client import RemoteStore
 from kvshelf.service.dashboard import DashboardApp, load_asset, serve_dashboard
 from kvshelf.service.dashboard_data import CachedSource, local_snapshot, remote_snapshot
 from kvshelf.service.hot_prefixes import HotPrefixes
@@ -171,19 +172,23 @@ def test_bad_token_file_or_namespaces_is_a_clear_error(tmp_path, args, why):
     assert not (tmp_path / "data").exists()
 
 
-def test_remote_snapshot_of_a_token_holder_is_its_namespace():
-    """A server with tokens answers Stats for the caller's namespace only (no ``store`` part)."""
-    stats = {"namespace": "tenant-a", "rows": [
-        {"tier": "*", "namespace": "tenant-a", "model": "m", "lookup_blocks": 2, "lookup_hit_blocks": 1},
-        {"tier": "memory", "namespace": "tenant-a", "model": "m", "hits": 1}],
-        "tiers": [{"name": "memory", "available": True, "blocks": 1, "bytes": 10, "capacity_bytes": 100,
-                   "hits": 1, "misses": 0, "evictions": 0}],
-        "events": {"next_seq": 7}, "top_prefixes": []}
-    snap = remote_snapshot(stats)
-    assert snap["scope"] == "namespace tenant-a" and snap["events"] == 7
-    assert snap["series"] == [{"namespace": "tenant-a", "model": "m", "lookup_blocks": 2, "lookup_hit_blocks": 1,
-                               "retrieve_blocks": 0, "retrieve_hit_blocks": 0}]
-    assert snap["tiers"][0]["bytes"] == 10
+def test_remote_snapshot_of_a_token_holder_is_its_namespace(tmp_path, capsys):
+    """``kvshelf dashboard``'s source against a real server with tokens: only the token's namespace (its rows, its
+    share of each tier, its reused prefixes), never the other tenant's."""
+    running, _ = serve_with_dashboard(tmp_path, capsys, tokens_file=str(write_tokens(tmp_path / "tokens.toml")))
+    try:
+        keys_a = traffic(running.grpc, "tenant-a", 2, token="token-of-tenant-a")
+        traffic(running.grpc, "tenant-b", 3, seed=1, token="token-of-tenant-b")
+        with RemoteStore(running.grpc, token="token-of-tenant-a", namespace="tenant-a", shared_memory=False) as remote:
+            snap = remote_snapshot(remote.stats())
+    finally:
+        running.close()
+    assert snap["scope"] == "namespace tenant-a" and "tenant-b" not in json.dumps(snap)
+    assert [(s["namespace"], s["retrieve_blocks"], s["retrieve_hit_blocks"]) for s in snap["series"]] == [
+        ("tenant-a", 3, 2)]
+    assert next(t for t in snap["tiers"] if t["name"] == "memory")["blocks"] == 2  # its share, not the tier's 5
+    assert [p["key"] for p in snap["top_prefixes"]] == [keys_a[-1].hex()]
+    assert snap["events"] > 0
 
 
 def test_hot_prefixes_stay_bounded_and_keep_the_heavy_hitters():

@@ -53,13 +53,14 @@ def request(url: str, *, token: str | None = None, cookie: str | None = None, da
         return exc.code, dict(exc.headers), exc.read()
 
 
-def traffic(address: str, namespace: str, blocks: int, *, seed: int = 0) -> list[bytes]:
+def traffic(address: str, namespace: str, blocks: int, *, seed: int = 0, token: str | None = None) -> list[bytes]:
     """Put ``blocks`` blocks of 4 tokens into ``namespace``, get them all (hits) and one never stored (a miss), and
-    look the run up as a prefix (a reuse of the prefix ending at the last key): the keys put."""
+    look the run up as a prefix (a reuse of the prefix ending at the last key): the keys put. ``token``: the
+    bearer token of a server with a tokens file (its namespace must be ``namespace``)."""
     items = [make_block([seed * 1000 + 4 * i + j for j in range(4)], namespace=namespace) for i in range(blocks)]
     keys = [key_of(block) for block in items]
     absent = key_of(make_block([seed * 1000 + 999_000 + j for j in range(4)], namespace=namespace))
-    with RemoteStore(address, namespace=namespace, shared_memory=False) as remote:
+    with RemoteStore(address, namespace=namespace, token=token, shared_memory=False) as remote:
         assert remote.put_many(list(zip(keys, items, strict=True))) == blocks
         got = remote.get_many([*keys, absent], fingerprint=FINGERPRINT, tokens=[4] * (blocks + 1))
         assert all(b is not None for b in got[:-1]) and got[-1] is None
