@@ -169,6 +169,12 @@ def block_key_of(tier_key: bytes) -> BlockKey:
     return BlockKey(tier_key[-KEY_BYTES:])
 
 
+def key_low64(key: bytes) -> int:
+    """A block key's last 8 bytes as an unsigned big-endian int (the int form of a block hash vLLM's KV events
+    carry: ``kvstore.vllm_events``)."""
+    return int.from_bytes(key[-8:], "big")
+
+
 #: the lengths a store's tier key may have: a bare block key, or a scoped one
 TIER_KEY_LENGTHS = (KEY_BYTES, SCOPED_KEY_BYTES)
 

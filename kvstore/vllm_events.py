@@ -39,7 +39,7 @@ import msgspec
 import zmq
 
 from kvshelf.kvstore.errors import ConfigError
-from kvshelf.kvstore.keys import KEY_BYTES, PARENT_EXTRA, block_key_of, is_scoped, scope_of
+from kvshelf.kvstore.keys import KEY_BYTES, PARENT_EXTRA, block_key_of, is_scoped, key_low64, scope_of
 from kvshelf.kvstore.stats import UNKNOWN, StoreEvent
 
 log = logging.getLogger(__name__)
@@ -149,7 +149,7 @@ class KVEventsSettings:
 
 def block_hash(key: bytes, form: Literal["int", "bytes"]) -> int | bytes:
     """A block key as vLLM's ``ExternalBlockHash``: the low 64 bits big-endian (``int``) or its bytes."""
-    return int.from_bytes(key[-8:], "big") if form == "int" else bytes(key)
+    return key_low64(key) if form == "int" else bytes(key)
 
 
 def medium_of(tier: Any) -> str:
