@@ -11,9 +11,9 @@ Systems, on the same model object:
 
 * ``hf``: ``ChatHuggingFace`` over ``HuggingFacePipeline`` (``adapters.integrations.hf_baseline``); the context
   slot holds the chunks' text, every request prefills the whole prompt.
-* ``kvshelf``: ``KVShelfChatModel`` (``adapters.integrations.langchain``) in its default mode; the context slot
-  holds ``format_documents(docs)``, so each chunk's KV comes from the store. The chunks were stored before the run
-  (not timed), as a RAG pipeline precomputes its corpus offline.
+* ``kvshelf``: ``KVShelfChatModel`` (``adapters.integrations.langchain``), in its default mode unless ``mode``
+  names another; the context slot holds ``format_documents(docs)``, so each chunk's KV comes from the store. The
+  chunks were stored before the run (not timed), as a RAG pipeline precomputes its corpus offline.
 
 A case's answer is right when it holds the planted code (the chat models' answers are not opened with "The secret
 code is", as ``bench rag``'s are: a chain's chat model writes the whole assistant turn). TTFT: from
@@ -80,7 +80,7 @@ def _timed(chain: Any, inputs: dict[str, Any]) -> tuple[float, str]:
 
 
 def run(*, json_path: str | None, corpus: str | None, cases: int = 20, model_name: str = "smollm2-135m",
-        console: Console | None = None) -> dict[str, Any]:
+        mode: str | None = None, console: Console | None = None) -> dict[str, Any]:
     from kvshelf.adapters.integrations.core import RAGChat
     from kvshelf.adapters.integrations.hf_baseline import hf_chat_model
     from kvshelf.adapters.integrations.langchain import KVShelfChatModel, format_documents
@@ -97,7 +97,7 @@ def run(*, json_path: str | None, corpus: str | None, cases: int = 20, model_nam
     retriever = _retriever(docs)
     with tempfile.TemporaryDirectory(prefix="kvshelf-rag-chain-") as tmp:
         store = open_embedded_store(tmp)
-        rag = RAGChat(model, tokenizer, store, max_new_tokens=NEW_TOKENS)
+        rag = RAGChat(model, tokenizer, store, max_new_tokens=NEW_TOKENS, **({"mode": mode} if mode else {}))
         # offline (not timed): every case's chunks stored as the default mode reads them, after the chat prefix
         stored = 0
         for case_docs in docs:

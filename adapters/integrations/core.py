@@ -28,8 +28,9 @@ from kvshelf.kvstore.errors import ConfigError
 from kvshelf.kvstore.protocol import BlockStore
 
 DOC_START, DOC_END = "\ue000", "\ue001"  # private-use characters around each marked document
-#: the default mode: the most accurate reuse mode of ``kvshelf bench rag``'s needle QA (docs/benchmarks.md)
-DEFAULT_MODE = "block-attention"
+#: the default mode, the most accurate reuse mode: CacheBlend over the prefix-encoded blocks (closest to ``full`` in
+#: ``kvshelf bench rag``, and in ``kvshelf bench rag-chain``'s free-form answers; docs/integrations.md)
+DEFAULT_MODE = "reuse-blend"
 DEFAULT_SEPARATOR = "\n\n"
 PLAIN = "plain"  # ``Answer.mode`` of a call without documents
 MAX_GENERATORS = 16  # RAG generators kept, one per distinct prefix (system prompt and history)
@@ -103,7 +104,7 @@ class RAGChat(Closable):
     Args:
         model, tokenizer: a HF causal LM and its tokenizer (with a chat template).
         store: a kvshelf store for the documents' KV (``None``: computed on every call).
-        mode: the RAG mode (``rag.MODES``); default ``block-attention``, the most accurate reuse mode measured.
+        mode: the RAG mode (``rag.MODES``); default ``reuse-blend``, the most accurate reuse mode measured.
         chunk_size, overlap: a document longer than ``chunk_size`` tokens is split as ``precompute`` splits one.
         separator: text appended to each document (its chunk ends with it).
         max_new_tokens: the default answer length; ``generate_kwargs`` go to ``model.generate`` on every call.

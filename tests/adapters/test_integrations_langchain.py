@@ -60,7 +60,7 @@ def test_chain_answer_equals_rag_generator_and_reuse_changes_nothing(setup, tmp_
     assert expected.computed_chunks == 3 and expected.new_ids
     first = (prompt() | llm).invoke({"context": format_documents(docs), "question": QUESTION})
     assert first.content == expected.text
-    assert first.response_metadata["computed_chunks"] == 3 and first.response_metadata["mode"] == "block-attention"
+    assert first.response_metadata["computed_chunks"] == 3 and first.response_metadata["mode"] == "reuse-blend"
     second = chain(retriever, llm).invoke(QUESTION)  # the documents' KV now comes from the store
     assert second == expected.text
     again = llm.invoke(prompt().format_messages(context=format_documents(docs), question=QUESTION))
@@ -104,7 +104,7 @@ def test_long_documents_are_split_as_precompute_splits_them(setup, texts, tmp_pa
     docs = [texts[0], texts[1]]  # whole abstracts: several 48-token chunks each
     before, _ = split_prompt(tokenizer, QUESTION)
     done = precompute([d + SEPARATOR for d in docs], model, tokenizer, store, prefix=before, chunk_size=48,
-                      modes=["block-attention"], progress=False)
+                      modes=["reuse-blend"], progress=False)
     assert len(done.chunks) > 4
     # on_missing="error": every piece must be found under precompute's keys
     llm = KVShelfChatModel(rag=RAGChat(model, tokenizer, store, chunk_size=48, on_missing="error",
@@ -113,7 +113,7 @@ def test_long_documents_are_split_as_precompute_splits_them(setup, texts, tmp_pa
     meta = out.response_metadata
     assert meta["chunks"] == len(done.chunks) and meta["reused_chunks"] == len(done.chunks)
     gen = RAGGenerator(model, tokenizer, store, prefix=before, chunk_size=48)
-    assert out.content == gen.generate(done.chunks, split_prompt(tokenizer, QUESTION)[1], mode="block-attention",
+    assert out.content == gen.generate(done.chunks, split_prompt(tokenizer, QUESTION)[1], mode="reuse-blend",
                                        max_new_tokens=NEW).text
 
 

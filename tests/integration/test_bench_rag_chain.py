@@ -32,7 +32,7 @@ def test_short_run_writes_the_json(tmp_path) -> None:
     for row in payload["results"]:
         assert isinstance(row["ttft_p50_s"], float) and row["ttft_p50_s"] > 0
         assert isinstance(row["accuracy"], float) and 0 <= row["accuracy"] <= 1
-    assert payload["machine"] and payload["mode"] == "block-attention"
+    assert payload["machine"] and payload["mode"] == "reuse-blend"
     assert payload["chunks_stored_offline"] >= 8
     hf, kv = payload["results"]
     assert kv["ttft_p50_s"] < hf["ttft_p50_s"]

@@ -1,5 +1,5 @@
 """The RAG framework integrations on the real SmolLM2-135M-Instruct: a LangChain chain with a BM25 retriever over
-the corpus, one document carrying a planted code, answers it as ``RAGGenerator`` does (block-attention, the
+the corpus, one document carrying a planted code, answers it as ``RAGGenerator`` does (reuse-blend, the
 default; and ``full``) and finds the code; without documents it is ``model.generate``'s greedy answer; LlamaIndex
 and Haystack give the same answer for the same documents."""
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from rank_bm25 import BM25Okapi
 
+from kvshelf.adapters.integrations.core import DEFAULT_MODE
 from kvshelf.adapters.rag import RAGGenerator
 
 SYSTEM = "Answer the question from the documents."
@@ -53,7 +54,7 @@ def split_prompt(tokenizer: Any, user: str, system: str | None = SYSTEM) -> tupl
 
 
 def rag_answer(model: Any, tokenizer: Any, documents: list[str], user: str, *, system: str | None = SYSTEM,
-               mode: str = "block-attention", max_new_tokens: int = 8, store: Any = None,
+               mode: str = DEFAULT_MODE, max_new_tokens: int = 8, store: Any = None,
                chunk_size: int = 256) -> Any:
     """``RAGGenerator``'s answer (``RAGResult``) over ``documents`` (each plus the separator) before ``user``."""
     before, after = split_prompt(tokenizer, user, system)
