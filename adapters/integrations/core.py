@@ -75,6 +75,18 @@ def cut_at_stop(text: str, stop: Sequence[str] | None) -> tuple[str, bool]:
     return (text[:min(cuts)], True) if cuts else (text, False)
 
 
+def held_back(text: str, stop: Sequence[str] | None) -> int:
+    """How many characters at the end of ``text`` could begin one of the ``stop`` strings (a stream holds them
+    back until the next piece shows whether the stop string follows)."""
+    held = 0
+    for s in stop or ():
+        for k in range(min(len(s) - 1, len(text)), held, -1):
+            if text.endswith(s[:k]):
+                held = k
+                break
+    return held
+
+
 @dataclass(frozen=True)
 class Answer:
     """One answer: its text and ids, the mode (``"plain"`` without documents), the chunks after splitting, how many

@@ -20,7 +20,7 @@ from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict
 
-from kvshelf.adapters.integrations.core import RAGChat, cut_at_stop, mark_documents
+from kvshelf.adapters.integrations.core import RAGChat, cut_at_stop, held_back, mark_documents
 from kvshelf.kvstore.errors import ConfigError
 
 ROLES = {"system": "system", "human": "user", "ai": "assistant"}
@@ -89,16 +89,24 @@ class KVShelfChatModel(BaseChatModel):
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
         msgs, documents = self._arguments(messages, kwargs)
-        shown = ""
-        text = ""
-        for piece in self.rag.stream(msgs, documents, **kwargs):
-            text += piece
+        shown = text = ""
+        pieces = self.rag.stream(msgs, documents, **kwargs)
+        for piece in _with_end(pieces):
+            text += piece or ""
             kept, stopped = cut_at_stop(text, stop)
-            if len(kept) > len(shown):
-                chunk = ChatGenerationChunk(message=AIMessageChunk(content=kept[len(shown):]))
+            # a piece that may begin a stop string waits for the next one (the end flushes it)
+            visible = kept if stopped or piece is None else kept[:len(kept) - held_back(kept, stop)]
+            if len(visible) > len(shown):
+                chunk = ChatGenerationChunk(message=AIMessageChunk(content=visible[len(shown):]))
                 if run_manager is not None:
                     run_manager.on_llm_new_token(chunk.text, chunk=chunk)
                 yield chunk
-                shown = kept
+                shown = visible
             if stopped:
                 break
+
+
+def _with_end(pieces: Iterator[str]) -> Iterator[str | None]:
+    """``pieces``, then ``None`` for their end."""
+    yield from pieces
+    yield None

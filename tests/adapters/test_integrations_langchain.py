@@ -89,6 +89,21 @@ def test_stream_yields_the_invoke_text(setup, tmp_path):
     assert "".join(pieces) == chain(retriever, llm).invoke(QUESTION)
 
 
+def test_stop_strings_cut_the_answer_streamed_or_not(setup):
+    model, tokenizer, retriever = setup
+    llm = KVShelfChatModel(rag=RAGChat(model, tokenizer, max_new_tokens=NEW))
+    docs = [d.page_content for d in retriever.invoke(QUESTION)]
+    messages = [("system", SYSTEM), ("human", QUESTION)]
+    whole = llm.invoke(messages, documents=docs).content
+    cut = len(whole) // 2
+    stop = whole[cut:cut + 4]  # a stop string that spans stream pieces
+    assert len(stop) == 4 and whole.index(stop) <= cut
+    expected = whole[:whole.index(stop)]
+    assert llm.invoke(messages, documents=docs, stop=[stop]).content == expected
+    assert "".join(c.content for c in llm.stream(messages, documents=docs, stop=[stop])) == expected
+    assert "".join(c.content for c in llm.stream(messages, documents=docs, stop=["\x00never"])) == whole
+
+
 def test_no_documents_is_plain_generate(setup):
     model, tokenizer, _ = setup
     llm = KVShelfChatModel(rag=RAGChat(model, tokenizer, max_new_tokens=NEW))
