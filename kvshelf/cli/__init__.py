@@ -48,6 +48,7 @@ for _name, _command in (
     ("store", bench_store.bench_store),
     ("clear", bench_store.bench_clear),
     ("kv-events", bench_store.bench_kv_events),
+    ("dashboard", bench_store.bench_dashboard),
     ("chaos", bench_store.bench_chaos),
     ("abuse", bench_store.bench_abuse),
 ):

@@ -1,5 +1,5 @@
 """The benchmarks of the store and the service: ``kvshelf bench lmdb | lmdb-capacity | store | clear | kv-events |
-chaos | abuse``."""
+dashboard | chaos | abuse``."""
 
 from __future__ import annotations
 
@@ -101,6 +101,16 @@ def bench_kv_events(
     from kvshelf.bench.kv_events import run
 
     run(json_path=str(json_path) if json_path else None, puts=puts, tokens=tokens, rounds=rounds, console=console)
+
+
+def bench_dashboard(
+    json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+    calls: Annotated[int, typer.Option(min=10, help="data calls timed")] = 500,
+) -> None:
+    """The admin dashboard's data endpoint: server time per call (bench/dashboard.py)."""
+    from kvshelf.bench.dashboard import run
+
+    run(json_path=str(json_path) if json_path else None, calls=calls, console=console)
 
 
 def bench_chaos(

@@ -1,19 +1,19 @@
 """The admin dashboard over HTTP: its data endpoint follows real traffic of a real ``kvshelf serve``, the access
 rules are those of ``/metrics`` (loopback by default; elsewhere a token, 401 without it), bad settings are
-``ConfigError``s, the most reused prefixes are counted within a bound, and a data call costs the server <= 1 ms.
+``ConfigError``s, and the most reused prefixes are counted within a bound.
 The page itself runs in a real browser in ``test_dashboard_browser.py``."""
 
 from __future__ import annotations
 
 import json
 import re
-import statistics
 import time
 
 import pytest
 from dashboard_helpers import TOKEN, request, serve_with_dashboard, token_file, traffic
 from helpers import FINGERPRINT
 from service_helpers import free_port, kvshelf_cli, write_tokens
+from typer.testing import CliRunner
 
 from kvshelf.kvstore import open_embedded_store
 from kvshelf.kvstore.errors import ConfigError
@@ -212,9 +212,9 @@ def test_hot_prefixes_stay_bounded_and_keep_the_heavy_hitters():
         HotPrefixes(capacity=0)
 
 
-def test_data_call_costs_at_most_1_ms_of_server_time(tmp_path, capsys):
-    """The data endpoint's work (a fresh snapshot of the store and its JSON), timed in process over many calls,
-    with 8 namespaces x 2 models of counters and a full table of reused prefixes."""
+def test_data_call_over_many_namespaces_and_a_full_prefix_table(tmp_path):
+    """The data endpoint's snapshot and JSON with 8 namespaces x 2 models of counters and a full table of reused
+    prefixes (``kvshelf bench dashboard`` times it)."""
     store = open_embedded_store(tmp_path / "data", memory_bytes="16MiB", max_disk_bytes="64MiB")
     try:
         for i in range(16):
@@ -227,15 +227,16 @@ def test_data_call_costs_at_most_1_ms_of_server_time(tmp_path, capsys):
         for i in range(1000):
             hot.hit(f"tenant-{i % 8}", i.to_bytes(16, "big"), i % 7 + 1)
         app = DashboardApp(lambda: local_snapshot(store, events_seq=lambda: 1234, hot=hot))
-        assert len(json.loads(app.data())["series"]) == 16
-        times = []
-        for _ in range(500):
-            start = time.perf_counter()
-            app.data()
-            times.append(time.perf_counter() - start)
-        median = statistics.median(times)
-        print(f"dashboard data call: median {median * 1e6:.0f} us, p90 "
-              f"{statistics.quantiles(times, n=10)[-1] * 1e6:.0f} us, mean {statistics.fmean(times) * 1e6:.0f} us")
-        assert median <= 1e-3
+        data = json.loads(app.data())
+        assert len(data["series"]) == 16
     finally:
         store.close()
+
+
+def test_bench_dashboard_times_the_data_call(tmp_path):
+    from kvshelf.cli import app
+
+    result = CliRunner().invoke(app, ["bench", "dashboard", "--calls", "20", "--json", str(tmp_path / "d.json")])
+    assert result.exit_code == 0, result.output
+    payload = json.loads((tmp_path / "d.json").read_text())
+    assert payload["calls"] == 20 and 0 < payload["median_us"] <= payload["p90_us"]
