@@ -93,20 +93,22 @@ def bench_rag_chain(
     json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
     corpus: Annotated[Path | None, typer.Option(help="JSONL of {title, abstract}")] = None,
     cases: Annotated[int, typer.Option(min=1, help="planted-fact questions (8 chunks each)")] = 20,
-    mode: Annotated[str | None, typer.Option(
-        help="kvshelf's RAG mode: full, reuse, reuse-blend, block-attention (default: the chat model's)")] = None,
+    mode: Annotated[list[str] | None, typer.Option(
+        help="kvshelf's RAG mode, a row each (repeatable): full, reuse, reuse-blend, block-attention (default: the "
+             "chat model's)")] = None,
     model: ModelOpt = "smollm2-135m",
 ) -> None:
     """One LangChain RAG chain: LangChain's HuggingFace chat model vs kvshelf's; TTFT p50 and accuracy."""
     from kvshelf.bench.rag_chain import run
     from kvshelf.kvstore.errors import KVShelfError
 
-    modes = ("full", "reuse", "reuse-blend", "block-attention")
-    if mode is not None and mode not in modes:
-        raise KVShelfError(f"--mode: unknown {mode!r}; use one of {', '.join(modes)}")
+    known = ("full", "reuse", "reuse-blend", "block-attention")
+    unknown = sorted(set(mode or ()) - set(known))
+    if unknown:
+        raise KVShelfError(f"--mode: unknown {unknown}; use one of {', '.join(known)}")
     chosen = corpus_path(corpus)
     run(json_path=str(json_path) if json_path else None, corpus=str(chosen) if chosen else None, cases=cases,
-        mode=mode, model_name=model, console=console)
+        modes=mode, model_name=model, console=console)
 
 
 def bench_serve(
