@@ -114,6 +114,16 @@ def state_key(boundary_key: bytes) -> BlockKey:
 #: passed on by the service in the block's BlockStored events (``service/events.py``)
 PARENT_EXTRA = "parent"
 
+
+def parent_of(extra: dict[str, str]) -> bytes:
+    """The parent key a block's ``extra`` names (``PARENT_EXTRA``, hex), else b"": advisory only (KV events carry
+    it), so a malformed one is ignored."""
+    try:
+        parent = bytes.fromhex(extra.get(PARENT_EXTRA, ""))
+    except ValueError:
+        return b""
+    return parent if len(parent) == KEY_BYTES else b""
+
 #: bytes of the tag the service puts before a block key to scope it to a namespace (``scope_tag``)
 SCOPE_BYTES = 8
 #: bytes of a scoped tier key (``ScopedKey``): a scope tag then a block key

@@ -39,7 +39,7 @@ import msgspec
 import zmq
 
 from kvshelf.kvstore.errors import ConfigError
-from kvshelf.kvstore.keys import KEY_BYTES, PARENT_EXTRA, block_key_of, is_scoped, key_low64, scope_of
+from kvshelf.kvstore.keys import block_key_of, is_scoped, key_low64, parent_of, scope_of
 from kvshelf.kvstore.stats import UNKNOWN, StoreEvent
 
 log = logging.getLogger(__name__)
@@ -283,7 +283,7 @@ class VLLMEventPublisher:
             return namespace, _Removed(key, medium)
         header = event.header
         tokens = tuple(header.token_ids) if header is not None else ()
-        parent = _parent_of(header.extra) if header is not None else b""
+        parent = parent_of(header.extra) if header is not None else b""
         return namespace, _Stored(key, parent, tokens, medium)
 
     # -- the thread ---------------------------------------------------------------------------------------------
@@ -432,12 +432,3 @@ def _open(socket: zmq.Socket, endpoint: str, setting: str, *, bind: bool | None 
         reason = "address already in use" if exc.errno == zmq.EADDRINUSE else str(exc)
         raise ConfigError(f"{setting}: cannot {'bind' if binds or bind else 'connect'} {endpoint!r}: "
                           f"{reason}") from None
-
-
-def _parent_of(extra: dict[str, str]) -> bytes:
-    """The parent key a block header names (``PARENT_EXTRA``, hex), else b"" (advisory: a bad one is ignored)."""
-    try:
-        parent = bytes.fromhex(extra.get(PARENT_EXTRA, ""))
-    except ValueError:
-        return b""
-    return parent if len(parent) == KEY_BYTES else b""

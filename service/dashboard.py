@@ -16,20 +16,15 @@ from __future__ import annotations
 
 import hmac
 import json
-import socket
-import threading
 import urllib.parse
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from http.cookies import CookieError, SimpleCookie
 from importlib import resources
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, make_server
-
-from prometheus_client.exposition import ThreadingWSGIServer
 
 from kvshelf.kvstore.errors import ConfigError, KVShelfError
-from kvshelf.service.metrics import is_loopback
+from kvshelf.service.metrics import is_loopback, start_wsgi
 
 COOKIE = "kvshelf_admin"
 ASSETS = {"/": ("index.html", "text/html; charset=utf-8"),
@@ -136,13 +131,6 @@ class DashboardApp:
         return reply("303 See Other", b"", "text/plain; charset=utf-8", [("Location", "/"), ("Set-Cookie", cookie)])
 
 
-class _QuietHandler(WSGIRequestHandler):
-    """No access log line per poll on stderr."""
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base class's name)
-        pass
-
-
 @dataclass
 class DashboardEndpoint:
     """A started dashboard: ``url`` to open, ``close`` to stop it."""
@@ -174,14 +162,5 @@ def serve_dashboard(source: Callable[[], dict[str, Any]], port: int, addr: str =
     ``/api/data`` answer. A non-loopback ``addr`` without a token is a ``ConfigError``."""
     check_dashboard_access(addr, token)
     app = DashboardApp(source, token=token, title=title)
-
-    class _Server(ThreadingWSGIServer):
-        address_family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-
-    try:
-        server = make_server(addr.strip("[]"), port, app, server_class=_Server, handler_class=_QuietHandler)
-    except OSError as exc:
-        raise ConfigError(f"--admin-port: cannot listen on {addr}:{port}: {exc.strerror or exc}") from None
-    threading.Thread(target=server.serve_forever, name="kvshelf-dashboard", daemon=True).start()
-    host, bound_port = server.server_address[:2]
+    server, _, host, bound_port = start_wsgi(app, addr, port, flag="--admin-port", thread_name="kvshelf-dashboard")
     return DashboardEndpoint(host, bound_port, token is not None, server)

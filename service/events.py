@@ -47,7 +47,7 @@ from typing import Any
 import grpc
 
 from kvshelf.kvstore.errors import ConfigError
-from kvshelf.kvstore.keys import KEY_BYTES, PARENT_EXTRA, SCOPE_BYTES, is_scoped, scope_tag, split_scoped
+from kvshelf.kvstore.keys import SCOPE_BYTES, is_scoped, parent_of, scope_tag, split_scoped
 from kvshelf.kvstore.memory_tier import MemoryTier
 from kvshelf.kvstore.stats import UNKNOWN, StoreEvent
 from kvshelf.kvstore.store import TieredStore
@@ -409,7 +409,7 @@ class EventHub:
             header = event.header
             if header is not None:  # what the client sent comes first, then what the block's header says
                 tokens = tokens or header.token_ids
-                parent = parent or _header_parent(header.extra)
+                parent = parent or parent_of(header.extra)
             model = "" if event.model == UNKNOWN else event.model
             stored = pb.BlockStored(block_hashes=[block], parent_block_hash=parent, token_ids=tokens,
                                     block_size=len(tokens), medium=event.tier, model=model, codec=event.codec,
@@ -574,16 +574,6 @@ class EventHub:
             self._unsubscribe()
             self._unsubscribe = None
         self.log.close()
-
-
-def _header_parent(extra: dict[str, str]) -> bytes:
-    """The parent key a block's header names (``PARENT_EXTRA``, hex; the generate adapter sets it), else b"": advisory
-    only, so a malformed one is ignored."""
-    try:
-        parent = bytes.fromhex(extra.get(PARENT_EXTRA, ""))
-    except ValueError:
-        return b""
-    return parent if len(parent) == KEY_BYTES else b""
 
 
 def _events_message(payloads: list[bytes], next_seq: int) -> bytes:

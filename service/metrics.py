@@ -227,10 +227,29 @@ def check_metrics_access(addr: str, token: str | None) -> None:
 
 
 class _QuietHandler(WSGIRequestHandler):
-    """No access log line per scrape on stderr."""
+    """No access log line per request on stderr."""
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base class's name)
         pass
+
+
+def start_wsgi(app: Callable, addr: str, port: int, *, flag: str,
+               thread_name: str) -> tuple[Any, threading.Thread, str, int]:
+    """Serve ``app`` on ``addr:port`` (port 0: a free one; IPv6 in brackets or bare) with prometheus_client's
+    threading server, quietly, on a daemon thread: ``(server, thread, host, bound port)``. An address that cannot
+    be listened on is a ``ConfigError`` naming ``flag``."""
+
+    class _Server(ThreadingWSGIServer):
+        address_family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+
+    try:
+        server = make_server(addr.strip("[]"), port, app, server_class=_Server, handler_class=_QuietHandler)
+    except OSError as exc:
+        raise ConfigError(f"{flag}: cannot listen on {addr}:{port}: {exc.strerror or exc}") from None
+    thread = threading.Thread(target=server.serve_forever, name=thread_name, daemon=True)
+    thread.start()
+    host, bound_port = server.server_address[:2]
+    return server, thread, host, bound_port
 
 
 def _require_token(app: Callable, token: str) -> Callable:
@@ -294,15 +313,7 @@ def serve_metrics(store: Any, port: int, addr: str = "127.0.0.1", *, token: str 
     if token is not None:
         app = _require_token(app, token)
 
-    class _Server(ThreadingWSGIServer):
-        address_family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-
-    try:
-        server = make_server(addr.strip("[]"), port, app, server_class=_Server, handler_class=_QuietHandler)
-    except OSError as exc:
-        raise ConfigError(f"--metrics-port: cannot listen on {addr}:{port}: {exc.strerror or exc}") from None
-    thread = threading.Thread(target=server.serve_forever, name="kvshelf-metrics", daemon=True)
-    thread.start()
-    host, bound_port = server.server_address[:2]
+    server, thread, host, bound_port = start_wsgi(app, addr, port, flag="--metrics-port",
+                                                  thread_name="kvshelf-metrics")
     return MetricsEndpoint(registry, interceptor, host, bound_port, token is not None,
                            frozenset(namespaces) if namespaces is not None else None, server, thread)

@@ -5,14 +5,15 @@ vLLM 0.28.0, not imported from kvshelf. A real embedded store (memory over LMDB)
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
+import vllm_schema
 import zmq
 from helpers import make_block
+from service_helpers import free_port
 from vllm_schema import (
     DECODER,
     END_SEQ,
@@ -20,7 +21,6 @@ from vllm_schema import (
     BlockRemoved,
     BlockStored,
     KVEventBatch,
-    free_port,
     receive,
     subscriber,
 )
@@ -30,18 +30,12 @@ from kvshelf.kvstore.errors import ConfigError
 from kvshelf.kvstore.keys import prefix_block_keys
 from kvshelf.kvstore.vllm_events import VLLM_VERSION, KVEventsSettings, VLLMEventPublisher
 
+ctx = vllm_schema.ctx
+
 
 @pytest.fixture
 def ports() -> tuple[int, int]:
     return free_port(), free_port()
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context]:
-    """A ZeroMQ context of the test's own: every socket left open is closed with it."""
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 def dealer_replay(ctx: zmq.Context, port: int, start: int, *frames: bytes) -> list[tuple[int, bytes]]:

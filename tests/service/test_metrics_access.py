@@ -7,12 +7,10 @@ from __future__ import annotations
 import re
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from helpers import FINGERPRINT, key_of, make_block
-from service_helpers import InProcessServe as _Serving
 from service_helpers import free_port as _free_port
 from service_helpers import kvshelf_cli
 from service_helpers import scrape as _scrape
@@ -21,7 +19,6 @@ from kvshelf.kvstore import open_embedded_store
 from kvshelf.kvstore.errors import ConfigError
 from kvshelf.service.client import RemoteStore
 from kvshelf.service.metrics import serve_metrics
-from kvshelf.service.serve import ServeConfig
 
 TOKEN = "s3cret-metrics-token_0123456789"
 
@@ -31,22 +28,6 @@ def _token_file(tmp_path: Path, token: str = TOKEN) -> Path:
     path.write_text(token + "\n")
     path.chmod(0o600)
     return path
-
-
-@pytest.fixture
-def serving(tmp_path, capsys) -> Iterator[Callable[..., _Serving]]:
-    started: list[_Serving] = []
-
-    def start(**settings: object) -> _Serving:
-        config = ServeConfig.from_settings(listen="127.0.0.1:0", data_dir=str(tmp_path / "data"), memory="16MiB",
-                                           max_disk="64MiB", metrics_port=_free_port(), grace=0, **settings)
-        running = _Serving(config, capsys)
-        started.append(running)
-        return running
-
-    yield start
-    for running in started:
-        running.close()
 
 
 def _fill(address: str, namespaces: tuple[str, ...]) -> None:

@@ -5,14 +5,22 @@ vLLM 0.28.0's schema (declared in tests/kvstore/test_vllm_events.py); their coun
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import vllm_schema
 import zmq
 from helpers import key_of, make_block
 from service_helpers import InProcessServe, free_port, scrape
-from vllm_schema import AllBlocksCleared, BlockRemoved, BlockStored, receive, subscriber, wait_for
+from vllm_schema import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    receive,
+    subscriber,
+    wait_for,
+)
 
 from kvshelf.kvstore import open_embedded_store
 from kvshelf.kvstore.errors import ConfigError
@@ -20,28 +28,7 @@ from kvshelf.kvstore.vllm_events import KVEventsSettings
 from kvshelf.service.client import RemoteStore
 from kvshelf.service.serve import ServeConfig, serve
 
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context]:
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
-@pytest.fixture
-def serving(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Iterator[Callable[..., InProcessServe]]:
-    started: list[InProcessServe] = []
-
-    def start(**settings: object) -> InProcessServe:
-        config = ServeConfig.from_settings(listen="127.0.0.1:0", data_dir=str(tmp_path / "data"), memory="16MiB",
-                                           max_disk="64MiB", metrics_port=free_port(), grace=0, **settings)
-        running = InProcessServe(config, capsys)
-        started.append(running)
-        return running
-
-    yield start
-    for running in started:
-        running.close()
+ctx = vllm_schema.ctx
 
 
 def test_serve_publishes_each_tenants_puts_deletes_and_clears(serving: Callable[..., InProcessServe],

@@ -4,11 +4,12 @@ and the ZeroMQ reading of its stream."""
 
 from __future__ import annotations
 
-import socket
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
+import pytest
 import zmq
 
 # -- vLLM 0.28.0's schema ---------------------------------------------------------------
@@ -58,10 +59,12 @@ DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context]:
+    """A ZeroMQ context of the test's own: every socket left open is closed with it."""
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
 
 
 def subscriber(ctx: zmq.Context, port: int, topic: bytes = b"") -> zmq.Socket:
