@@ -486,6 +486,7 @@ def test_serve_subprocess_end_to_end_and_sigterm_drain(tmp_path):
             yield pb.PutBlocksRequest(chunk=pb.Chunk(data=value[1000:], last=True))
 
         channel = grpc.insecure_channel(proc.address)
+        grpc.channel_ready_future(channel).result(timeout=30)  # connected: the put starts at once, before SIGTERM
         future = pb_grpc.KVShelfStub(channel).PutBlocks.future(
             requests(), timeout=60, metadata=(("authorization", f"Bearer {TOKEN_A}"),))
         assert a.lookup_prefix([MISSING]) == 0  # the server is up and the put is under way
