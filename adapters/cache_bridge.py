@@ -136,33 +136,73 @@ def cache_from_prepared(
     device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
 ) -> DynamicCache:
     """``cache_from_blocks`` for checked, parsed blocks (``TieredStore.get_prepared_many``): each codec writes
-    straight into the cache's tensors, consecutive blocks of one codec in one call (``PreparedPayload.write_run``:
-    one matrix product per layer for ``xquant``), so the blocks' data is written once, in the cache's dtype."""
+    straight into the cache's tensors (``tensors_from_prepared``)."""
     cache = DynamicCache(config=config)
     if not blocks:
         return cache
+    keys, values = tensors_from_prepared(blocks, device=device, dtype=dtype)
+    return cache_from_tensors(keys, values, config, max_tokens=max_tokens, cache=cache)
+
+
+def cache_from_tensors(keys: torch.Tensor, values: torch.Tensor, config: PretrainedConfig, *,
+                       max_tokens: int | None = None, cache: DynamicCache | None = None) -> DynamicCache:
+    """A ``DynamicCache`` whose contents are ``keys`` / ``values`` ``[layers, kv_heads, tokens, head_dim]`` (at most
+    ``max_tokens`` tokens; views, not copies)."""
+    cache = cache if cache is not None else DynamicCache(config=config)
+    if max_tokens is not None:
+        keys, values = keys[:, :, :max_tokens], values[:, :, :max_tokens]
+    _fill(cache, keys, values)
+    return cache
+
+
+def tensors_from_prepared(blocks: Sequence[PreparedBlock], *, device: torch.device | str = "cpu",
+                          dtype: torch.dtype | None = None, stage: bool | None = None,
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks' keys and values, in order along the tokens, as ``[layers, kv_heads, tokens, head_dim]`` tensors
+    on ``device`` in ``dtype`` (default: the blocks'). Each codec writes its blocks straight into them,
+    consecutive blocks of one codec in one call (``PreparedPayload.write_run``: one matrix product per layer for
+    ``xquant``), so the blocks' data is written once.
+
+    On a GPU: a codec whose payloads write into device tensors (``writes_to_device``: ``raw`` and the other
+    codecs that decode to host tensors first copy them, from page-locked memory by DMA where the memory tier is
+    pinned; blocks of the GPU tier copy within the device; codecs that decode on the GPU decode there) writes
+    into the cache on the device; another decodes on the CPU into a page-locked staging buffer, then one copy.
+    ``stage``: True stages every run that way, False none (default: as just said; the tests stage on the CPU).
+    """
     layers, heads, _, dim = blocks[0].shape
     vdim = value_head_dim(blocks[0].shape)  # MLA: the values' head dim differs from the keys'
     for block in blocks:
         if (block.shape[0], block.shape[1], block.shape[3], value_head_dim(block.shape)) != (layers, heads, dim, vdim):
             raise UnsupportedModelError(f"blocks of shapes {blocks[0].shape!r} and {block.shape!r} cannot be joined")
     total = sum(b.num_tokens for b in blocks)
-    staging = torch.device(device).type != "cpu"  # decode on the CPU, then one transfer
+    target = torch.device(device)
     out_dtype = dtype or blocks[0].dtype
-    # faulted in (by torch's threads, or recycled from an earlier cache) before the codecs' loops write them
-    keys = hugepages.empty((layers, heads, total, dim), out_dtype, prefault=True)
-    values = hugepages.empty((layers, heads, total, vdim), out_dtype, prefault=True)
+    if target.type == "cpu":
+        # faulted in (by torch's threads, or recycled from an earlier cache) before the codecs' loops write them
+        keys = hugepages.empty((layers, heads, total, dim), out_dtype, prefault=True)
+        values = hugepages.empty((layers, heads, total, vdim), out_dtype, prefault=True)
+    else:
+        keys = torch.empty((layers, heads, total, dim), dtype=out_dtype, device=target)
+        values = torch.empty((layers, heads, total, vdim), dtype=out_dtype, device=target)
     start = 0
     for run in _runs([b.payload for b in blocks]):
         end = start + sum(p.num_tokens for p in run)
-        type(run[0]).write_run(run, keys[:, :, start:end], values[:, :, start:end])
+        writer = type(run[0])
+        keys_out, values_out = keys[:, :, start:end], values[:, :, start:end]
+        staged = (target.type != "cpu" and not getattr(writer, "writes_to_device", False)) if stage is None else stage
+        if not staged:
+            writer.write_run(run, keys_out, values_out)
+        else:
+            pin = torch.cuda.is_available()
+            staged_keys = torch.empty(keys_out.shape, dtype=out_dtype, pin_memory=pin)
+            staged_values = torch.empty(values_out.shape, dtype=out_dtype, pin_memory=pin)
+            writer.write_run(run, staged_keys, staged_values)
+            keys_out.copy_(staged_keys, non_blocking=pin)
+            values_out.copy_(staged_values, non_blocking=pin)
         start = end
-    if max_tokens is not None:
-        keys, values = keys[:, :, :max_tokens], values[:, :, :max_tokens]
-    if staging:
-        keys, values = keys.to(device), values.to(device)
-    _fill(cache, keys, values)
-    return cache
+    if target.type == "cuda":  # the sources (staging buffers, views of tier memory) must outlive their copies
+        torch.cuda.current_stream(target).synchronize()
+    return keys, values
 
 
 def _runs(payloads: Sequence[PreparedPayload]) -> list[list[PreparedPayload]]:

@@ -55,7 +55,12 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvshelf.adapters import hf, hybrid
 from kvshelf.adapters import states as state_types
-from kvshelf.adapters.cache_bridge import blocks_from_cache, cache_from_prepared, check_supported
+from kvshelf.adapters.cache_bridge import (
+    blocks_from_cache,
+    cache_from_tensors,
+    check_supported,
+    tensors_from_prepared,
+)
 from kvshelf.adapters.fingerprint import model_fingerprint, other_dtype_fingerprints
 from kvshelf.adapters.hf import BaseStreamer
 from kvshelf.adapters.kv_support import check_model_supported
@@ -63,7 +68,7 @@ from kvshelf.adapters.lifecycle import Closable
 from kvshelf.adapters.miss import EXPLAIN_SCAN, MissKind, MissQuery, MissReason, MissReport, explain_miss
 from kvshelf.adapters.prompts import Prompt, batch_prompt_ids, is_batch, prompt_ids
 from kvshelf.adapters.streaming import FirstTokenTimer, TokenStream
-from kvshelf.kvstore.block import KVBlock
+from kvshelf.kvstore.block import KVBlock, PreparedBlock
 from kvshelf.kvstore.errors import ConfigError
 from kvshelf.kvstore.eviction_log import EvictionLog
 from kvshelf.kvstore.keys import PARENT_EXTRA, prefix_block_spans
@@ -283,9 +288,27 @@ class CachedGenerator(Closable):
             return row
         row.loaded = sum(b.num_tokens for b in usable)
         row.reused = min(row.loaded, len(ids) - 1)
-        row.cache = cache_from_prepared(usable, self.model.config, max_tokens=row.reused, device=self.model.device,
-                                        dtype=self.model.dtype)
+        keys_t, values_t = tensors_from_prepared(usable, device=self.model.device, dtype=self.model.dtype)
+        row.cache = cache_from_tensors(keys_t, values_t, self.model.config, max_tokens=row.reused)
+        self._offer_device(keys[: len(usable)], usable, keys_t, values_t)
         return row
+
+    def _offer_device(self, keys: list[bytes], blocks: list[PreparedBlock], keys_t: torch.Tensor,
+                      values_t: torch.Tensor) -> None:
+        """Blocks loaded from below the store's GPU tier, copied into it from the cache just built (when the tier
+        is on the model's device): the next load of this prefix is a copy within the device."""
+        tier = getattr(self.store, "device_tier", None)
+        if tier is None or tier.device != keys_t.device:
+            return
+        held = tier.holds(keys)
+        offers, start = [], 0
+        for key, block, present in zip(keys, blocks, held, strict=True):
+            end = start + block.num_tokens
+            if not present and block.dtype == keys_t.dtype:
+                offers.append((key, KVBlock(keys_t[:, :, start:end], values_t[:, :, start:end], block.token_ids,
+                                            block.start_pos, block.fingerprint, block.namespace)))
+            start = end
+        self.store.offer_device(offers)
 
     def _other_dtype_blocks(self, ids: list[int], cacheable_prefix: int | None) -> tuple[int, tuple[str, ...]]:
         """Blocks of this prompt's cached prefix stored for the model's weights cast to another common dtype, and

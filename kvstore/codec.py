@@ -54,6 +54,9 @@ class PreparedPayload(ABC):
     """
 
     num_tokens: int
+    #: whether ``write`` / ``write_run`` take destinations on any device (a GPU's: the codec decodes there, or
+    #: copies host tensors there); False: CPU destinations only (``adapters.cache_bridge`` stages such runs)
+    writes_to_device: ClassVar[bool] = False
 
     @abstractmethod
     def write(self, keys_out: torch.Tensor, values_out: torch.Tensor) -> None:
@@ -79,7 +82,10 @@ def write_each(run: Sequence[PreparedPayload], keys_out: torch.Tensor, values_ou
 
 
 class DecodedPayload(PreparedPayload):
-    """A payload already decoded to tensors (the default of ``Codec.prepare_at``): ``write`` copies them."""
+    """A payload already decoded to tensors (the default of ``Codec.prepare_at``): ``write`` copies them, to any
+    device (``writes_to_device``)."""
+
+    writes_to_device = True
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.keys, self.values = keys, values

@@ -84,6 +84,9 @@ def open_embedded_store(
     namespace: str = DEFAULT_NAMESPACE,
     eviction_policy: str = DEFAULT_POLICY,
     kv_events: KVEventsSettings | None = None,
+    gpu_bytes: int | str | None = None,
+    device: str = "cuda",
+    pin_memory: bool | None = None,
 ) -> TieredStore:
     """A ``TieredStore`` of a memory tier (omitted when ``memory_bytes`` is None) over LMDB in ``data_dir``;
     reads default to ``namespace``. ``eviction_policy`` (a name of ``kvstore.eviction.POLICIES``) picks what
@@ -97,6 +100,11 @@ def open_embedded_store(
     ``eviction_policy``) to stay under it; its file stays under the capacity plus a slack for LMDB's own pages
     (``kvstore.lmdb_tier.lmdb_slack_bytes``: 39.25 MiB for 256 MiB, ~2.7% for 1 TiB). (Before, it was only a
     size limit: past it every put failed with ``StoreFullError``.)
+
+    ``gpu_bytes``: a GPU tier of that many bytes of decoded blocks on ``device`` above the memory tier
+    (``kvstore.device_tier``; a ``ConfigError`` when ``device`` is a CUDA device this machine lacks). ``pin_memory``:
+    the memory tier keeps its values in page-locked memory, which a GPU reads by DMA
+    (``kvstore.pinned_memory``); default: when the GPU tier is on CUDA.
 
     ``kv_events``: publish the store's block events in vLLM's format over ZeroMQ (``kvstore.vllm_events``); the
     publisher closes with the store. An endpoint in use is a ``ConfigError`` before anything is opened.
@@ -117,6 +125,13 @@ def open_embedded_store(
     if max_disk < MIN_DISK_BYTES:
         raise ConfigError(f"max_disk_bytes: {max_disk_bytes!r} is below the minimum disk capacity of "
                           f"{MIN_DISK_BYTES} bytes (1 MiB)")
+    gpu = None
+    if gpu_bytes is not None:
+        from kvshelf.kvstore.device_tier import DeviceTier
+
+        gpu = DeviceTier(parse_size(gpu_bytes, "gpu_bytes"), device, policy=eviction_policy)
+    if pin_memory is None:
+        pin_memory = gpu is not None and gpu.device.type == "cuda"
     publisher = None
     if kv_events is not None:
         from kvshelf.kvstore.vllm_events import VLLMEventPublisher
@@ -125,7 +140,8 @@ def open_embedded_store(
     try:
         specs: list[TierSpec] = []
         if memory is not None:
-            specs.append(TierSpec(open_tier("memory://", capacity_bytes=memory, policy=eviction_policy), memory_codec))
+            specs.append(TierSpec(open_tier("memory://", capacity_bytes=memory, policy=eviction_policy,
+                                            pinned=pin_memory), memory_codec))
         disk = open_tier(lmdb_url(path / "lmdb"), capacity_bytes=max_disk, policy=eviction_policy, durable=durable,
                          sync_interval_s=sync_interval_s)
         specs.append(TierSpec(disk, disk_codec, dict(disk_codec_params or {})))
@@ -133,7 +149,7 @@ def open_embedded_store(
         if publisher is not None:
             publisher.close()
         raise
-    store = TieredStore(specs, write_policy=write_policy, namespace=namespace)
+    store = TieredStore(specs, write_policy=write_policy, namespace=namespace, device_tier=gpu)
     if publisher is not None:
         store.on_close(publisher.attach(store).close)
     return store

@@ -266,14 +266,20 @@ class MemoryTier(Tier):
             return TierUsage(blocks=len(self._data), bytes=self._bytes, capacity_bytes=self.capacity_bytes)
 
 
-def open_url(url: TierURL, *, capacity_bytes: int = 2 << 30, policy: str = DEFAULT_POLICY, **options: Any
-             ) -> MemoryTier:
-    """``memory://[?capacity=SIZE&policy=NAME]`` (kvstore/tier_registry.py): a ``MemoryTier``."""
+def open_url(url: TierURL, *, capacity_bytes: int = 2 << 30, policy: str = DEFAULT_POLICY, pinned: bool = False,
+             **options: Any) -> MemoryTier:
+    """``memory://[?capacity=SIZE&policy=NAME&pinned=BOOL]`` (kvstore/tier_registry.py): a ``MemoryTier``, or with
+    ``pinned`` a ``PinnedMemoryTier`` (values in page-locked memory where CUDA is present)."""
     if url.location:
-        raise url.error("memory:// takes no host or path (only ?capacity=SIZE&policy=NAME)")
+        raise url.error("memory:// takes no host or path (only ?capacity=SIZE&policy=NAME&pinned=BOOL)")
     capacity = url.take_size("capacity", capacity_bytes)
     policy = url.take("policy", policy)
-    url.done(("capacity", "policy"))
+    pinned = url.take_bool("pinned", pinned)
+    url.done(("capacity", "policy", "pinned"))
     if not capacity:
         raise url.error("capacity must be > 0 bytes")
+    if pinned:
+        from kvshelf.kvstore.pinned_memory import PinnedMemoryTier
+
+        return PinnedMemoryTier(capacity, policy=policy, **options)
     return MemoryTier(capacity, policy=policy, **options)

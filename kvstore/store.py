@@ -11,10 +11,12 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Literal, Self, TypeVar
 
 from kvshelf.kvstore.block import KVBlock, PreparedBlock
-from kvshelf.kvstore.codec import describe_shape, get_codec, payload_len_bounds
+from kvshelf.kvstore.codec import BlockShape, DecodedPayload, describe_shape, get_codec, payload_len_bounds
+from kvshelf.kvstore.device_tier import DeviceTier
 from kvshelf.kvstore.encoding import (
     ITEMSIZES,
     BlockHeader,
@@ -186,12 +188,17 @@ class TieredStore:
     * Keys are 16-byte block keys, or the service's scoped tier keys (an 8-byte namespace tag before the key).
     * Pins name held blocks only: a pinned key that no tier holds any more (a tier dropped it for a value it could not
       hold, no tier took a pinned put, Redis evicted it, a read dropped it as damaged, ``clear_prefix``) loses its pin.
+    * ``device_tier`` (``kvstore.device_tier``: decoded blocks in GPU memory) sits above the tiers: every put writes
+      through to it, ``get_many`` / ``get_prepared_many`` / lookups read it first, and ``offer_device`` fills it
+      with blocks a load brought up from below. It is a cache of decoded tensors: never pinned, evicted blocks
+      dropped (the tiers below hold them), no store events; its hits, misses and writes are counted under its name.
+      ``get_encoded_many`` (the service's reads) does not read it.
     """
 
     def __init__(
         self, tiers: Sequence[Tier | TierSpec], write_policy: Literal["through", "back"] = "through", *,
         namespace: str = DEFAULT_NAMESPACE, max_decoded_bytes: int | None = None,
-        max_decode_bytes: int | None = DEFAULT_MAX_DECODE_BYTES,
+        max_decode_bytes: int | None = DEFAULT_MAX_DECODE_BYTES, device_tier: DeviceTier | None = None,
     ) -> None:
         if not namespace:
             raise ConfigError("namespace must be a non-empty string")
@@ -200,7 +207,7 @@ class TieredStore:
         if write_policy not in ("through", "back"):
             raise ConfigError(f"write_policy must be 'through' or 'back', got {write_policy!r}")
         self.specs = [t if isinstance(t, TierSpec) else TierSpec(t) for t in tiers]
-        names = [s.tier.name for s in self.specs]
+        names = [s.tier.name for s in self.specs] + ([device_tier.name] if device_tier is not None else [])
         if len(set(names)) != len(names):
             raise ConfigError(f"tier names must be unique, got {names}")
         self.write_policy = write_policy
@@ -215,6 +222,7 @@ class TieredStore:
         if max_decode_bytes is not None and max_decode_bytes <= 0:
             raise ConfigError(f"max_decode_bytes must be > 0 (or None), got {max_decode_bytes}")
         self.max_decode_bytes = max_decode_bytes
+        self.device_tier = device_tier
         self.counters = Counters()
         self._listeners: list[Listener] = []
         self._closers: list[Callable[[], None]] = []
@@ -223,6 +231,9 @@ class TieredStore:
         self._lock = threading.Lock()
         self._damaged_logged: set[str] = set()
         self._unavailable_log: dict[str, tuple[float, int]] = {}  # tier -> (last warning, failures unlogged since)
+        if device_tier is not None:
+            device_tier.set_eviction_callback(
+                lambda _, b: self.counters.add(device_tier.name, b.namespace, b.fingerprint, Metric.EVICTIONS))
         for index, spec in enumerate(self.specs):
             spec.tier.set_eviction_callback(lambda k, v, i=index: self._on_evict(i, k, v))
             spec.tier.pin(self._pinned)
@@ -269,7 +280,25 @@ class TieredStore:
             return cache[ident]
 
         owners = [(b.namespace, b.fingerprint) for _, b in entries]
-        return self._write(encode_for, owners, [k for k, _ in entries], pin)
+        accepted = self._write(encode_for, owners, [k for k, _ in entries], pin)
+        self.offer_device(entries)
+        return accepted
+
+    def offer_device(self, entries: Sequence[tuple[bytes, KVBlock]]) -> int:
+        """Store ``(key, block)`` pairs in the device tier only (blocks a load decoded from a lower tier; their
+        tensors are copied); return how many it took (0 without a device tier)."""
+        tier = self.device_tier
+        if tier is None or not entries:
+            return 0
+        stored = tier.put_many(entries)
+        if stored:
+            held = tier.get_many([k for k, _ in entries]) if stored < len(entries) else None
+            for i, (_, block) in enumerate(entries):
+                if held is None or held[i] is not None:
+                    self.counters.add(tier.name, block.namespace, block.fingerprint, Metric.BLOCKS_WRITTEN)
+                    self.counters.add(tier.name, block.namespace, block.fingerprint, Metric.BYTES_WRITTEN,
+                                      block.nbytes)
+        return stored
 
     def write_targets(self) -> list[TierSpec]:
         """The tiers a put writes: every tier (write-through) or the first (write-back)."""
@@ -427,7 +456,7 @@ class TieredStore:
         n, progress = 0, True
         while progress and n < len(keys):
             progress = False
-            for spec in self.specs:
+            for spec in self._lookup_order():
                 try:
                     found = spec.tier.contains_many(keys[n:])
                 except TierUnavailableError as exc:
@@ -447,6 +476,12 @@ class TieredStore:
 
     contains_many = lookup_prefix
 
+    def _lookup_order(self) -> list[Any]:
+        """The tiers a lookup asks, the device tier first (as a spec-like object: ``.tier``)."""
+        if self.device_tier is None:
+            return self.specs
+        return [SimpleNamespace(tier=self.device_tier), *self.specs]
+
     def get_many(
         self, keys: Sequence[bytes], *, fingerprint: str, namespace: str | None = None, copy: bool = True,
         tokens: Sequence[int] | None = None,
@@ -463,7 +498,13 @@ class TieredStore:
             return decode_block(value, expected_key=header_key(key), expected_fingerprint=fingerprint,
                                 expected_namespace=namespace, copy=copy, max_decode_bytes=self.max_decode_bytes)
 
-        return self._fetch(keys, fingerprint, namespace, decode, tokens)
+        def from_device(block: Any) -> KVBlock:  # the tier's own tensors (on its device): a copy unless told
+            if not copy:
+                return block.as_block()
+            return KVBlock(block.keys.clone(), block.values.clone(), block.token_ids, block.start_pos,
+                           block.fingerprint, block.namespace)
+
+        return self._fetch_through_device(keys, fingerprint, namespace, from_device, decode, tokens)
 
     def get_prepared_many(
         self, keys: Sequence[bytes], *, fingerprint: str, namespace: str | None = None,
@@ -477,7 +518,51 @@ class TieredStore:
             return prepare_block(value, expected_key=header_key(key), expected_fingerprint=fingerprint,
                                  expected_namespace=namespace, max_decode_bytes=self.max_decode_bytes)
 
-        return self._fetch(keys, fingerprint, namespace, prepare, tokens, parallel=True)
+        def from_device(block: Any) -> PreparedBlock:  # written by a device-to-device copy
+            return PreparedBlock(payload=DecodedPayload(block.keys, block.values),
+                                 shape=BlockShape(block.keys.shape, block.values.shape[3]), dtype=block.keys.dtype,
+                                 token_ids=block.token_ids, start_pos=block.start_pos,
+                                 fingerprint=block.fingerprint, namespace=block.namespace)
+
+        return self._fetch_through_device(keys, fingerprint, namespace, from_device, prepare, tokens, parallel=True)
+
+    def _fetch_through_device(
+        self, keys: Sequence[bytes], model: str, namespace: str, from_device: Callable[[Any], T],
+        decode: Callable[[bytes, bytes], T], tokens: Sequence[int] | None = None, *, parallel: bool = False,
+    ) -> list[T | None]:
+        """``_fetch`` with the device tier read first (a block of another model or namespace there is a counted
+        ``foreign`` miss); the keys it misses go to the tiers below."""
+        tier = self.device_tier
+        if tier is None:
+            return self._fetch(keys, model, namespace, decode, tokens, parallel=parallel)
+        keys = check_keys(keys, scoped=True)
+        result: list[T | None] = [None] * len(keys)
+        below: list[int] = []
+        for j, block in enumerate(tier.get_many(keys)):
+            if block is not None and (block.fingerprint != model or block.namespace != namespace):
+                self.counters.add(tier.name, namespace, model, Metric.FOREIGN)
+                block = None
+            if block is None:
+                below.append(j)
+                continue
+            result[j] = from_device(block)
+            self.counters.add(tier.name, namespace, model, Metric.BYTES_READ, block.nbytes)
+        hits = len(keys) - len(below)
+        self.counters.add(tier.name, namespace, model, Metric.HITS, hits)
+        self.counters.add(tier.name, namespace, model, Metric.MISSES, len(below))
+        if hits:  # the device tier's share of the retrieve counts (``_fetch`` counts the rest)
+            self.counters.add(ALL_TIERS, namespace, model, Metric.RETRIEVE_BLOCKS, hits)
+            self.counters.add(ALL_TIERS, namespace, model, Metric.RETRIEVE_HIT_BLOCKS, hits)
+            if tokens is not None:
+                hit_tokens = sum(tokens) - sum(tokens[j] for j in below)
+                self.counters.add(ALL_TIERS, namespace, model, Metric.RETRIEVE_TOKENS, hit_tokens)
+                self.counters.add(ALL_TIERS, namespace, model, Metric.RETRIEVE_HIT_TOKENS, hit_tokens)
+        if below:
+            rest = self._fetch([keys[j] for j in below], model, namespace, decode,
+                               [tokens[j] for j in below] if tokens is not None else None, parallel=parallel)
+            for j, value in zip(below, rest, strict=True):
+                result[j] = value
+        return result
 
     def get_encoded_many(
         self, keys: Sequence[bytes], *, fingerprint: str | None = None, namespace: str | None = None,
@@ -630,7 +715,7 @@ class TieredStore:
         interface: a block key already names its namespace (keys are hashes over it)."""
         keys = check_keys(keys, scoped=True)
         present = [False] * len(keys)
-        for spec in self.specs:
+        for spec in self._lookup_order():
             for i, key in enumerate(keys):
                 if present[i]:
                     continue
@@ -645,6 +730,8 @@ class TieredStore:
         keys = check_keys(keys, scoped=True)
         self.unpin(keys)
         removed: set[bytes] = set()
+        if self.device_tier is not None:
+            removed.update(k for k in keys if self.device_tier.delete([k]))
         for spec in self.specs:
             try:
                 removed.update(self._delete_from(spec, keys))
@@ -725,6 +812,8 @@ class TieredStore:
             pins = [k for k in self._pinned if k.startswith(prefix) and (length is None or len(k) == length)]
         self.unpin(pins)
         removed: set[bytes] = set()
+        if self.device_tier is not None:
+            removed.update(self.device_tier.delete_prefix(prefix, length))
         for spec in self.specs:
             try:
                 keys = spec.tier.delete_prefix(prefix, length)
@@ -748,6 +837,14 @@ class TieredStore:
     def typed_stats(self) -> StoreStats:
         """A snapshot: usage and counters per tier, and counter rows per namespace and model."""
         tiers = []
+        if self.device_tier is not None:
+            usage = self.device_tier.usage()
+            name = self.device_tier.name
+            tiers.append(TierStats(
+                name=name, codec=f"decoded on {self.device_tier.device}", available=True, damaged=False,
+                blocks=usage.blocks, bytes=usage.bytes, capacity_bytes=usage.capacity_bytes,
+                **{m.value: self.counters.total(m, tier=name) for m in TIER_STATS_METRICS},
+            ))
         for spec in self.specs:
             name = spec.tier.name
             try:
@@ -790,6 +887,8 @@ class TieredStore:
         closers, self._closers = self._closers, []
         for closer in closers:
             closer()
+        if self.device_tier is not None:
+            self.device_tier.close()
         for spec in self.specs:
             spec.tier.close()
 

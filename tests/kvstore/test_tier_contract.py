@@ -38,6 +38,8 @@ SIZES = [0, 1, 100, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK, 5 * CHUNK + 17]
 #: fixture named next), that fixture or None, the options)
 URLS: dict[str, tuple[str, str | None, dict[str, object]]] = {
     "memory": ("memory://?capacity=64MiB", None, {}),
+    # the CPU tier a GPU reads by DMA: values in buffers of their own (page-locked where CUDA is present)
+    "memory+pinned": ("memory://?capacity=64MiB&pinned=true", None, {}),
     "lmdb": ("{tmp}", None, {"initial_map_bytes": MiB, "max_map_bytes": 256 * MiB, "durable": False}),
     "redis": ("{redis}", "redis_server", {"chunk_bytes": CHUNK}),
     "redis+cluster": ("{redis}", "redis_cluster", {"chunk_bytes": CHUNK}),
@@ -47,17 +49,18 @@ URLS: dict[str, tuple[str, str | None, dict[str, object]]] = {
 
 
 def test_every_registered_scheme_is_tested() -> None:
-    assert sorted(URLS) == sorted(SCHEMES), "a scheme of kvstore.tier_registry.SCHEMES needs its line in URLS"
+    schemes = {name.removesuffix("+pinned") for name in URLS}
+    assert sorted(schemes) == sorted(SCHEMES), "a scheme of kvstore.tier_registry.SCHEMES needs its line in URLS"
 
 
-@pytest.fixture(params=list(SCHEMES))
+@pytest.fixture(params=list(URLS))
 def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tier]:
     url, fixture, options = URLS[request.param]
     if fixture is not None:
         url = url.format(redis=request.getfixturevalue(fixture).url)
         options = {**options, "prefix": f"t{os.urandom(6).hex()}:"}
     url = url.format(tmp=lmdb_url(tmp_path / "lmdb"))
-    assert url.startswith(request.param + "://")
+    assert url.startswith(request.param.removesuffix("+pinned") + "://")
     made = open_tier(url, **options)
     yield made
     made.close()
