@@ -119,7 +119,8 @@ def load_shaped(name: str, dtype: torch.dtype = torch.float32, device: str = "cp
 
     config = shaped_config(name)
     torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.device(device):  # the weights are made where they are used (an 8B model in seconds on a GPU)
+        model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype)
     tokenizer = tf.AutoTokenizer.from_pretrained(str(convert_bundled(next(iter(BUNDLED_MODELS)))),
                                                  local_files_only=True)
-    return model.to(device).eval(), tokenizer
+    return model.eval(), tokenizer

@@ -43,6 +43,7 @@ for _name, _command in (
     ("pruning", bench_models.bench_pruning),
     ("codecs", bench_models.bench_codecs),
     ("mla", bench_models.bench_mla),
+    ("gpu", bench_models.bench_gpu),
     ("lmdb", bench_store.bench_lmdb),
     ("lmdb-capacity", bench_store.bench_lmdb_capacity),
     ("store", bench_store.bench_store),

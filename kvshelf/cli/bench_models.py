@@ -1,4 +1,4 @@
-"""The benchmarks that run a model: ``kvshelf bench ttft | rag | rag-chain | serve | pruning | codecs | mla``."""
+"""The benchmarks that run a model: ``kvshelf bench ttft | rag | rag-chain | serve | pruning | codecs | mla | gpu``."""
 
 from __future__ import annotations
 
@@ -195,3 +195,51 @@ def bench_mla(
     run(json_path=str(json_path) if json_path else None, shape=shape, tokens=tokens, codecs=chosen, dtype=dtype,
         console=console)
 
+
+
+def bench_gpu(
+    json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+    models: Annotated[str, typer.Option(help="comma-separated models (shaped: adapters.shaped)")] =
+        "llama-3-8b-shaped,qwen3.5-0.8b-shaped,smollm2-135m-shaped",
+    lengths: Annotated[str, typer.Option(help="comma-separated context lengths")] = "4096,16384,32768",
+    codecs: Annotated[str, typer.Option(help="comma-separated codecs of the CPU, LMDB and remote tiers")] =
+        "raw,int8,xquant",
+    modes: Annotated[str, typer.Option(help="comma-separated: full (always), warm-gpu, warm-cpu, warm-lmdb, "
+                                            "warm-remote")] = "full,warm-gpu,warm-cpu,warm-lmdb,warm-remote",
+    runs: Annotated[int, typer.Option(min=1, help="runs per row (median reported)")] = 3,
+    device: Annotated[str, typer.Option(help="cuda, cuda:N, or cpu (the same code on the CPU)")] = "cuda",
+    dtype: Annotated[str, typer.Option(help="the models' dtype: bfloat16, float16, float32")] = "bfloat16",
+    gpu_bytes: Annotated[str, typer.Option(help="the GPU tier's capacity")] = "16GiB",
+    memory_bytes: Annotated[str, typer.Option(help="the pinned CPU tier's capacity (per codec)")] = "24GiB",
+    remote_max_tokens: Annotated[int, typer.Option(
+        min=0, help="warm-remote only for contexts up to this many tokens (the gRPC wire moves ~1 GB/s)")] = 8192,
+    corpus: Annotated[Path | None, typer.Option(help="JSONL of {title, abstract} (xquant's calibration text)")] =
+        None,
+) -> None:
+    """TTFT on a GPU: full prefill vs warm loads from the GPU tier, the pinned CPU tier, LMDB and a remote kvshelf
+    serve, per codec; host-to-device GB/s against the card's copy bandwidth; codec decode GB/s on the GPU.
+    Without CUDA: one line, exit 0."""
+    from kvshelf.bench.gpu import MODES, cuda_missing, run
+    from kvshelf.kvstore.codec import get_codec
+    from kvshelf.kvstore.embedded import parse_size
+    from kvshelf.kvstore.errors import KVShelfError
+
+    if cuda_missing(device):
+        console.print(cuda_missing(device))
+        return
+    names = [m.strip() for m in models.split(",") if m.strip()]
+    chosen_codecs = [c.strip() for c in codecs.split(",") if c.strip()]
+    chosen_modes = [m.strip() for m in modes.split(",") if m.strip()]
+    if not names or not chosen_codecs:
+        raise KVShelfError("--models and --codecs each need at least one name")
+    unknown = sorted(set(chosen_modes) - set(MODES))
+    if unknown:
+        raise KVShelfError(f"--modes: unknown {unknown}; known: {', '.join(MODES)}")
+    for codec in chosen_codecs:  # an unknown codec is a clear error before a model loads
+        get_codec(codec)
+    check_device(device, dtype)
+    chosen = corpus_path(corpus)
+    run(json_path=str(json_path) if json_path else None, models=names, lengths=ints(lengths, "--lengths"),
+        codecs=chosen_codecs, modes=chosen_modes, runs=runs, device=device, dtype=dtype,
+        gpu_bytes=parse_size(gpu_bytes, "--gpu-bytes"), memory_bytes=parse_size(memory_bytes, "--memory-bytes"),
+        remote_max_tokens=remote_max_tokens, corpus=str(chosen) if chosen else None, console=console)
