@@ -42,7 +42,7 @@ from tqdm import tqdm
 
 from kvshelf.bench.common import machine_description, median, save_results
 
-DEFAULT_MODELS = ("llama-3-8b-shaped", "qwen3.5-0.8b-shaped", "smollm2-135m-shaped")
+DEFAULT_MODELS = ("llama3-8b-shaped", "qwen3.5-0.8b-shaped", "smollm2-135m-shaped")
 DEFAULT_LENGTHS = (4096, 16384, 32768)
 DEFAULT_CODECS = ("raw", "int8", "xquant")
 MODES = ("full", "warm-gpu", "warm-cpu", "warm-lmdb", "warm-remote")
@@ -130,8 +130,9 @@ def _codec_settings(model: Any, tokenizer: Any, codec: str, corpus: str | None, 
 
 def _measure_model(name: str, *, lengths: Sequence[int], codecs: Sequence[str], modes: Sequence[str], runs: int,
                    new_tokens: int, device: torch.device, dtype: str, block_size: int, gpu_bytes: int,
-                   memory_bytes: int, remote_max_tokens: int, corpus: str | None, tmp: str, console: Console,
-                   rows: list[dict[str, Any]], skipped: list[str]) -> Any:
+                   memory_bytes: int, remote_max_tokens: int, codec_max_tokens: int | None, corpus: str | None,
+                   tmp: str, console: Console, rows: list[dict[str, Any]], skipped: list[str],
+                   checkpoint: Any) -> Any:
     from kvshelf.adapters.generate import CachedGenerator
     from kvshelf.adapters.model import load_model
     from kvshelf.kvstore.device_tier import DeviceTier
@@ -159,9 +160,15 @@ def _measure_model(name: str, *, lengths: Sequence[int], codecs: Sequence[str], 
             out["load_s"] = round(load_s, 4)
             out["load_gb_s"] = round(kv / load_s / 1e9, 2)
         rows.append(out)
+        checkpoint()
 
     for index, codec in enumerate(codecs):
         params = _codec_settings(model, tokenizer, codec, corpus, tmp)
+        limit = codec_max_tokens if index > 0 and codec_max_tokens is not None else None
+        for n in usable if limit is not None else ():
+            if n > limit:
+                skipped.append(f"{name} {codec}: {n} tokens is beyond --codec-max-tokens {limit}")
+        lengths_here = [n for n in usable if limit is None or n <= limit]
         with ExitStack() as stack:
             memory = PinnedMemoryTier(memory_bytes, pin=device.type == "cuda")
             stack.callback(memory.close)
@@ -176,7 +183,7 @@ def _measure_model(name: str, *, lengths: Sequence[int], codecs: Sequence[str], 
             stack.callback(writer.close)
             timer = _Timer(writer, device, runs, new_tokens)
             writer.generate(prompts[usable[0]][:200], max_new_tokens=2, reuse=False, store=False)  # warm-up
-            for n in tqdm(usable, desc=f"{name} {codec}: full prefill (stores the blocks)", unit="ctx"):
+            for n in tqdm(lengths_here, desc=f"{name} {codec}: full prefill (stores the blocks)", unit="ctx"):
                 first = writer.generate(prompts[n], max_new_tokens=new_tokens, reuse=False, store=True, wait=True)
                 if index == 0:
                     full[n] = timer.ttft(prompts[n], reuse=False, first=first)
@@ -190,12 +197,12 @@ def _measure_model(name: str, *, lengths: Sequence[int], codecs: Sequence[str], 
                 reader = CachedGenerator(model, tokenizer, TieredStore([TierSpec(tier, codec, params)]),
                                          block_size=block_size)
                 reader_timer = _Timer(reader, device, runs, new_tokens)
-                for n in tqdm(usable, desc=f"{name} {codec}: {mode}", unit="ctx"):
+                for n in tqdm(lengths_here, desc=f"{name} {codec}: {mode}", unit="ctx"):
                     reader.generate(prompts[n], max_new_tokens=1, reuse=True, store=False)  # untimed first load
                     row(n, mode, codec, reader_timer.ttft(prompts[n], reuse=True), reader_timer.load_s(prompts[n]))
                 reader.close()
         if "warm-remote" in modes:
-            _remote_rows(model, tokenizer, name, codec, params, [n for n in usable if n <= remote_max_tokens],
+            _remote_rows(model, tokenizer, name, codec, params, [n for n in lengths_here if n <= remote_max_tokens],
                          prompts, tmp=tmp, block_size=block_size, runs=runs, new_tokens=new_tokens, device=device,
                          row=row)
     return model
@@ -229,7 +236,8 @@ def run(*, json_path: str | None, models: Sequence[str] = DEFAULT_MODELS,
         lengths: Sequence[int] = DEFAULT_LENGTHS, codecs: Sequence[str] = DEFAULT_CODECS,
         modes: Sequence[str] = MODES, runs: int = 3, new_tokens: int = 8, device: str = "cuda",
         dtype: str = "bfloat16", block_size: int = 256, gpu_bytes: int = 16 << 30, memory_bytes: int = 24 << 30,
-        remote_max_tokens: int = 8192, corpus: str | None = None, decode_tokens: int = 4096,
+        remote_max_tokens: int = 8192, codec_max_tokens: int | None = None, corpus: str | None = None,
+        decode_tokens: int = 4096,
         console: Console | None = None) -> dict[str, Any] | None:
     """The table of the module docstring; None (after one line) where ``device`` is CUDA and there is none."""
     console = console or Console()
@@ -245,10 +253,16 @@ def run(*, json_path: str | None, models: Sequence[str] = DEFAULT_MODELS,
     payload: dict[str, Any] = {
         "device": f"{target} ({torch.cuda.get_device_name(target)})" if target.type == "cuda" else "cpu",
         "machine": machine_description(), "dtype": dtype, "runs": runs, "block_size": block_size,
-        "new_tokens": new_tokens, "remote_max_tokens": remote_max_tokens,
+        "new_tokens": new_tokens, "remote_max_tokens": remote_max_tokens, "codec_max_tokens": codec_max_tokens,
         "copy_gb_s": None, "results": rows, "decode": [], "skipped": skipped,
     }
     payload["copy_gb_s"] = round(copy_bandwidth(target) or 0, 2) or None
+
+    def checkpoint() -> None:  # what is measured so far survives a run cut short
+        if json_path:
+            _h2d_fractions(payload)
+            Path(json_path).write_text(json.dumps(payload, indent=2))
+
     with tempfile.TemporaryDirectory(prefix="kvshelf-bench-gpu-") as tmp:
         model = None
         for name in models:
@@ -257,12 +271,12 @@ def run(*, json_path: str | None, models: Sequence[str] = DEFAULT_MODELS,
             model = _measure_model(name, lengths=lengths, codecs=codecs, modes=modes, runs=runs,
                                    new_tokens=new_tokens, device=target, dtype=dtype, block_size=block_size,
                                    gpu_bytes=gpu_bytes, memory_bytes=memory_bytes,
-                                   remote_max_tokens=remote_max_tokens, corpus=corpus, tmp=tmp, console=console,
-                                   rows=rows, skipped=skipped)
-            _h2d_fractions(payload)
-            if json_path:  # what is measured so far survives a run cut short
-                Path(json_path).write_text(json.dumps(payload, indent=2))
-        payload["decode"] = _decode_rows(target, codecs, model, decode_tokens, dtype, skipped)
+                                   remote_max_tokens=remote_max_tokens, codec_max_tokens=codec_max_tokens,
+                                   corpus=corpus, tmp=tmp, console=console, rows=rows, skipped=skipped,
+                                   checkpoint=checkpoint)
+            if not payload["decode"]:  # the first model's shape (the largest, by the default order)
+                payload["decode"] = _decode_rows(target, codecs, model, decode_tokens, dtype, skipped)
+            checkpoint()
     _h2d_fractions(payload)
     console.print(results_table(payload), width=max(console.width, 140))
     if payload["decode"]:
@@ -287,10 +301,17 @@ def _decode_rows(device: torch.device, codecs: Sequence[str], model: Any, tokens
     except ImportError as exc:
         skipped.append(f"decode rates: {exc}")
         return []
+    from kvshelf.adapters import hf
     from kvshelf.adapters.model import resolve_dtype
 
-    return decode_rates(str(device), [(c, {}) for c in codecs], tokens=tokens, dtype=resolve_dtype(dtype),
-                        model=model)
+    text = model.config.get_text_config(decoder=True)
+    if set(hf.attention_layer_types(model.config)) != {hf.FULL_ATTENTION}:
+        skipped.append(f"decode rates: {text.model_type} has layers other than full attention")
+        return []
+    return decode_rates(str(device), [(c, {}) for c in codecs], layers=text.num_hidden_layers,
+                        kv_heads=text.num_key_value_heads,
+                        head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+                        tokens=tokens, dtype=resolve_dtype(dtype), model=model)
 
 
 def results_table(payload: dict[str, Any]) -> Table:

@@ -200,7 +200,7 @@ def bench_mla(
 def bench_gpu(
     json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
     models: Annotated[str, typer.Option(help="comma-separated models (shaped: adapters.shaped)")] =
-        "llama-3-8b-shaped,qwen3.5-0.8b-shaped,smollm2-135m-shaped",
+        "llama3-8b-shaped,qwen3.5-0.8b-shaped,smollm2-135m-shaped",
     lengths: Annotated[str, typer.Option(help="comma-separated context lengths")] = "4096,16384,32768",
     codecs: Annotated[str, typer.Option(help="comma-separated codecs of the CPU, LMDB and remote tiers")] =
         "raw,int8,xquant",
@@ -213,6 +213,9 @@ def bench_gpu(
     memory_bytes: Annotated[str, typer.Option(help="the pinned CPU tier's capacity (per codec)")] = "24GiB",
     remote_max_tokens: Annotated[int, typer.Option(
         min=0, help="warm-remote only for contexts up to this many tokens (the gRPC wire moves ~1 GB/s)")] = 8192,
+    codec_max_tokens: Annotated[int | None, typer.Option(
+        min=1, help="codecs after the first only for contexts up to this many tokens (their CPU encode is slow)")] =
+        None,
     corpus: Annotated[Path | None, typer.Option(help="JSONL of {title, abstract} (xquant's calibration text)")] =
         None,
 ) -> None:
@@ -242,4 +245,5 @@ def bench_gpu(
     run(json_path=str(json_path) if json_path else None, models=names, lengths=ints(lengths, "--lengths"),
         codecs=chosen_codecs, modes=chosen_modes, runs=runs, device=device, dtype=dtype,
         gpu_bytes=parse_size(gpu_bytes, "--gpu-bytes"), memory_bytes=parse_size(memory_bytes, "--memory-bytes"),
-        remote_max_tokens=remote_max_tokens, corpus=str(chosen) if chosen else None, console=console)
+        remote_max_tokens=remote_max_tokens, codec_max_tokens=codec_max_tokens, corpus=str(chosen) if chosen else None,
+        console=console)
