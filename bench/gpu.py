@@ -343,3 +343,8 @@ def decode_table(payload: dict[str, Any]) -> Table:
         table.add_row(r["codec"], f"{r['decoded_bytes'] / 1e6:.1f}", f"{r['encoded_bytes'] / 1e6:.1f}",
                       f"{1000 * r['decode_s']:.2f}", f"{r['decode_gb_s']:.1f}")
     return table
+
+
+def results_tables(payload: dict[str, Any]) -> list[Table]:
+    """The TTFT table and, when measured, the decode table (docs/benchmarks.md renders both)."""
+    return [results_table(payload), *([decode_table(payload)] if payload.get("decode") else [])]
