@@ -14,11 +14,16 @@ Error bound, per element of a group with fp16 minimum ``z`` and step ``s``:
 
 Payload: ``bits`` bits per value plus 32 bits of fp16 ``(z, s)`` per group, in a ``container`` frame:
 ``int8`` with ``group_size=128`` is ~8.3 bits per value (1.93x smaller than fp16).
+
+Decode runs where the destination lives: into CPU tensors with the host path (``KiviPayload.write``), into a
+GPU's (any device but the CPU) with ``write_portable``: only the packed codes and fp16 side information go to
+the device, unpacked and dequantized there with torch ops, bit for bit the host path's values. Tests run the
+portable path on the CPU (``write_run(..., prefer_portable=True)``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -26,6 +31,8 @@ import torch
 
 from kvshelf.compress.bitpack import half_bytes, half_from, pack_bits, packed_len, unpack_bits
 from kvshelf.compress.container import frame_bytes, pack_sections, unpack_sections
+from kvshelf.compress.device import STAGING_BYTES, portable, typed, upload
+from kvshelf.compress.device import unpack_bits as device_unpack_bits
 from kvshelf.kvstore.codec import (
     Codec,
     PreparedPayload,
@@ -34,6 +41,7 @@ from kvshelf.kvstore.codec import (
     register_codec,
     value_head_dim,
     value_shape,
+    write_each,
 )
 from kvshelf.kvstore.errors import CorruptBlockError
 from kvshelf.kvstore.limits import MAX_GROUP_SIZE
@@ -171,39 +179,79 @@ class KiviCodec(Codec):
     def prepare_at(
         self, payload: memoryview, shape: tuple[int, int, int, int], dtype: torch.dtype, start_pos: int
     ) -> KiviPayload:
-        """Check the payload and unpack its codes; ``write`` dequantizes them into the destination."""
+        """Check the payload's sections; ``write`` dequantizes them into the destination.
+
+        The codes are unpacked here, on the caller's (often a store's decode) thread, where no GPU is present;
+        where CUDA is, they are unpacked when a CPU destination needs them (``eager_host_unpack``): a GPU
+        destination takes the packed codes to the device (``write_portable``)."""
         parts = unpack_sections(payload, 6, self.name)
         if block_numel(shape) == 0:
             if any(len(p) for p in parts):
                 raise CorruptBlockError(f"{self.name} payload has data for an empty block")
             return KiviPayload(self, shape, [])
-        halves = []
+        sections = []
         for n, (rows, cols, _, groups) in enumerate(self._halves(shape, self.group_size)):
             packed, zero_buf, scale_buf = parts[3 * n : 3 * n + 3]
             if len(packed) != packed_len(rows * cols, self.bits):
                 raise CorruptBlockError(f"{self.name} payload: codes are {len(packed)} bytes for {shape!r}")
-            codes = unpack_bits(packed, rows * cols, self.bits).view(rows, cols)
-            zero = half_from(zero_buf, (rows, groups), "zero points", self.name)
-            scale = half_from(scale_buf, (rows, groups), "scales", self.name)
-            halves.append((codes, zero, scale))
-        return KiviPayload(self, shape, halves)
+            for buf, what in ((zero_buf, "zero points"), (scale_buf, "scales")):
+                if len(buf) != 2 * rows * groups:
+                    raise CorruptBlockError(f"{self.name} payload: {what} is {len(buf)} bytes, expected "
+                                            f"{2 * rows * groups}")
+            sections.append((packed, zero_buf, scale_buf))
+        prepared = KiviPayload(self, shape, sections)
+        if eager_host_unpack():
+            prepared.host_halves()
+        return prepared
+
+
+def eager_host_unpack() -> bool:
+    """Whether ``prepare_at`` unpacks the codes for a CPU ``write`` at once: where no CUDA is available (every
+    destination is then on the CPU)."""
+    return not torch.cuda.is_available()
 
 
 class KiviPayload(PreparedPayload):
-    """A KIVI block checked and unpacked: ``codes`` ``[rows, cols]`` uint8 with fp32 ``zero``/``scale`` per group,
-    for the keys (rows: layer, head, channel) then the values (rows: layer, token)."""
+    """A KIVI block checked: for the keys (rows: layer, head, channel) then the values (rows: layer, token), the
+    packed codes ``[rows * cols]`` (``bits`` each) and fp16 zero points and scales ``[rows, groups]``, as views of
+    the payload (``sections``); ``host_halves`` unpacks them for a CPU ``write`` (uint8 codes ``[rows, cols]``,
+    float32 zero points and scales)."""
 
     def __init__(self, codec: KiviCodec, shape: tuple[int, int, int, int],
-                 halves: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
-        self.codec, self.shape, self.halves = codec, shape, halves
+                 sections: list[tuple[memoryview, memoryview, memoryview]]) -> None:
+        self.codec, self.shape, self.sections = codec, shape, sections
         self.num_tokens = shape[2]
+        self._host: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+
+    def host_halves(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The codes unpacked on the CPU: ``(codes [rows, cols] uint8, zero, scale [rows, groups] float32)`` of
+        the keys and the values (computed once)."""
+        if self._host is None:
+            halves = []
+            for (packed, zero_buf, scale_buf), (rows, cols, _, groups) in zip(
+                    self.sections, KiviCodec._halves(self.shape, self.codec.group_size), strict=True):
+                codes = unpack_bits(packed, rows * cols, self.codec.bits).view(rows, cols)
+                zero = half_from(zero_buf, (rows, groups), "zero points", self.codec.name)
+                scale = half_from(scale_buf, (rows, groups), "scales", self.codec.name)
+                halves.append((codes, zero, scale))
+            self._host = halves
+        return self._host
+
+    @property
+    def halves(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        return self.host_halves()
 
     def write(self, keys_out: torch.Tensor, values_out: torch.Tensor) -> None:
-        if not self.halves:
+        """Dequantize into ``keys_out`` / ``values_out`` (``[layers, kv_heads, tokens, head_dim]``, views of a
+        cache allowed); a destination off the CPU takes the portable path (``write_portable``)."""
+        if portable(keys_out):
+            write_portable([self], keys_out, values_out)
+            return
+        if not self.sections:
             return
         layers, heads, tokens, dim = key_shape(self.shape)
         vdim = value_head_dim(self.shape)
-        for n, ((codes, zero, scale), (_, _, g, _)) in enumerate(zip(self.halves, KiviCodec._halves(
+        for n, ((codes, zero, scale), (_, _, g, _)) in enumerate(zip(self.host_halves(), KiviCodec._halves(
                 self.shape, self.codec.group_size), strict=True)):
             out = keys_out if n == 0 else values_out
             direct = _group_view(out, n, g) if out.dtype == torch.float32 else None
@@ -215,6 +263,104 @@ class KiviPayload(PreparedPayload):
             grid, side = direct  # dequantize straight into the destination layout
             torch.addcmul(zero.view(side), codes.view(grid.shape), scale.view(side), out=grid)
 
+    @classmethod
+    def write_run(cls, run: Sequence[PreparedPayload], keys_out: torch.Tensor, values_out: torch.Tensor, *,
+                  prefer_portable: bool = False) -> None:
+        """Write consecutive blocks (tokens along dim 2); off the CPU, or with ``prefer_portable``, through
+        ``write_portable`` (blocks of one shape and codec dequantized together, one copy to the device)."""
+        if portable(keys_out, prefer_portable) and all(isinstance(p, KiviPayload) for p in run):
+            write_portable(run, keys_out, values_out)  # type: ignore[arg-type]
+        else:
+            write_each(run, keys_out, values_out)
+
+
+def write_portable(run: Sequence[KiviPayload], keys_out: torch.Tensor, values_out: torch.Tensor) -> None:
+    """Dequantize consecutive KIVI blocks with torch ops on the device of ``keys_out`` / ``values_out``
+    (``[layers, kv_heads, tokens, head_dim]`` each, the values' head dim may differ (MLA); strided views of a
+    larger cache allowed; any floating dtype), the blocks' tokens one after another along dim 2.
+
+    KIVI's decode (Liu et al., ICML 2024) is ``z + q * s`` per group: only the compact payload goes to the device
+    (``compress.device.upload``: the packed ``bits``-bit codes and the fp16 zero points and scales, one copy per
+    batch from a page-locked buffer where CUDA is present), the codes are unpacked there with shifts and masks,
+    and each group is dequantized in float32 straight into the destination's view (one rounding to its dtype):
+    the same values as the CPU path's ``write``. Consecutive blocks of one codec and token count form a batch
+    (``[blocks, ...]`` views of the destination), cut at ``device.STAGING_BYTES`` of payload.
+    """
+    start, slot = 0, 0
+    for batch in _batches(run):
+        count = len(batch) * batch[0].num_tokens
+        if batch[0].sections:
+            _dequantize_batch(batch, keys_out[:, :, start : start + count], values_out[:, :, start : start + count],
+                              slot)
+            slot ^= 1
+        start += count
+
+
+def _batches(run: Sequence[KiviPayload]) -> list[list[KiviPayload]]:
+    """Consecutive blocks of one codec and shape, at most ``device.STAGING_BYTES`` of payload each (one block
+    at least)."""
+    batches: list[list[KiviPayload]] = []
+    size = 0
+    for part in run:
+        nbytes = sum(len(b) for section in part.sections for b in section)
+        last = batches[-1] if batches else None
+        if (last is not None and last[0].codec == part.codec and last[0].shape == part.shape
+                and value_head_dim(last[0].shape) == value_head_dim(part.shape) and size + nbytes <= STAGING_BYTES):
+            last.append(part)
+            size += nbytes
+        else:
+            batches.append([part])
+            size = nbytes
+    return batches
+
+
+def _dequantize_batch(batch: list[KiviPayload], keys_out: torch.Tensor, values_out: torch.Tensor, slot: int) -> None:
+    """``write_portable`` of blocks of one codec and shape: ``keys_out`` / ``values_out`` hold their tokens."""
+    first = batch[0]
+    codec, blocks = first.codec, len(batch)
+    layers, heads, tokens, dim = key_shape(first.shape)
+    vdim = value_head_dim(first.shape)
+    sent = upload([[part.sections[n][i] for part in batch] for n in range(2) for i in range(3)], keys_out.device,
+                  slot)
+    for n, (rows, cols, g, groups) in enumerate(KiviCodec._halves(first.shape, codec.group_size)):
+        packed, zero, scale = sent[3 * n : 3 * n + 3]
+        codes = device_unpack_bits(packed.view(blocks, -1), rows * cols, codec.bits)  # [blocks, rows * cols]
+        zero = typed(zero, torch.float16, (blocks, rows, groups)).float()
+        scale = typed(scale, torch.float16, (blocks, rows, groups)).float()
+        if n == 0:  # keys: per channel [blocks, layers, heads, dim] over tokens, as a view of the destination
+            out = keys_out.unflatten(2, (blocks, tokens)).permute(2, 0, 1, 4, 3)
+            lead: tuple[int, ...] = (blocks, layers, heads, dim)
+        else:  # values: per token [blocks, layers, tokens] over heads * head_dim
+            out = values_out.unflatten(2, (blocks, tokens)).permute(2, 0, 3, 1, 4)  # [B, L, T, H, Dv]
+            lead = (blocks, layers, tokens)
+        codes, zero, scale = codes.view(*lead, cols), zero.view(*lead, groups), scale.view(*lead, groups)
+        if n == 1 and vdim % g == 0:  # groups within a head
+            _dequantize_grouped(codes.view(*lead, heads, vdim), zero.view(*lead, heads, vdim // g),
+                                scale.view(*lead, heads, vdim // g), g, out)
+        elif n == 1 and g % vdim == 0 and heads % (g // vdim) == 0:  # groups of whole heads
+            m = g // vdim
+            torch.addcmul(zero.view(*lead, heads // m, 1, 1), codes.view(*lead, heads // m, m, vdim),
+                          scale.view(*lead, heads // m, 1, 1), out=out.unflatten(3, (heads // m, m)))
+        elif n == 1:  # groups across heads, not whole ones: dequantized in the destination dtype, then placed
+            flat = torch.empty(*lead, cols, dtype=out.dtype, device=out.device)
+            _dequantize_grouped(codes, zero, scale, g, flat)
+            out.copy_(flat.view(*lead, heads, vdim))
+        else:
+            _dequantize_grouped(codes, zero, scale, g, out)
+
+
+def _dequantize_grouped(codes: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, g: int,
+                        out: torch.Tensor) -> None:
+    """``out = zero + codes * scale`` in float32 (one rounding to ``out``'s dtype), groups of ``g`` along the last
+    axis: ``codes`` / ``out`` ``[..., n]``, ``zero`` / ``scale`` ``[..., ceil(n / g)]``; a partial last group
+    on its own."""
+    n = codes.shape[-1]
+    full = n // g
+    if full:
+        torch.addcmul(zero[..., :full, None], codes[..., : full * g].unflatten(-1, (full, g)),
+                      scale[..., :full, None], out=out[..., : full * g].unflatten(-1, (full, g)))
+    if full * g < n:
+        torch.addcmul(zero[..., full:], codes[..., full * g :], scale[..., full:], out=out[..., full * g :])
 
 def _group_view(out: torch.Tensor, n: int, g: int) -> tuple[torch.Tensor, tuple[int, ...]] | None:
     """For keys (``n = 0``) or values (``n = 1``): a view of ``out`` ``[layers, kv_heads, tokens, head_dim]`` with

@@ -4,6 +4,8 @@ After XQuant (Tomar et al., "XQuant: Breaking the Memory Wall for LLM Inference 
 2025): pre-RoPE ``[K | V]`` per token projected on a latent basis (``XQuantTables``), one uniform step, packed
 symbols Huffman-coded by zstd, sinks in fp16; one matrix product per layer at load. Keys, values:
 ``[layers, kv_heads, tokens, head_dim]``. The design, parameters and error bound: docs/codecs.md, "How xquant works".
+A destination off the CPU (a GPU cache) is rematerialized there (``write_portable``, torch ops on its device;
+tests run it on the CPU with ``write_run(..., prefer_portable=True)``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import numpy as np
 import torch
 import zstandard
 
+from kvshelf.compress import device as devices
 from kvshelf.compress import hugepages, xquant_kernels
 from kvshelf.compress.container import expect_len, pack_sections, unpack_sections
 from kvshelf.compress.raw import tensor_bytes
@@ -200,6 +203,9 @@ class _Plan:
     matrix_bf16: torch.Tensor
     matrix_int8: torch.Tensor  # [layers, width, C] int8: ``matrix`` over ``matrix_scale``, rounded
     matrix_scale: torch.Tensor  # [layers, C] float32: each layer's per-column scale
+    #: the decode's constants sent to a device (``_device_constants``), by (device, matmul): sent once
+    on_device: dict[tuple[str, str], dict[str, torch.Tensor]] = field(default_factory=dict, compare=False,
+                                                                       repr=False)
 
     def escape_coordinates(self, positions: np.ndarray, tokens: int) -> tuple[np.ndarray, ...]:
         """(layer, token, slot) of flat positions in a block's symbols (``XQuantPayload.rows`` order)."""
@@ -617,11 +623,28 @@ class XQuantPayload(PreparedPayload):
         self.write_run([self], keys_out, values_out)
 
     @classmethod
-    def write_run(cls, run: Sequence[PreparedPayload], keys_out: torch.Tensor, values_out: torch.Tensor) -> None:
-        """One matrix product per layer over all tokens of the run's blocks (same codec, consecutive positions)."""
+    def write_run(cls, run: Sequence[PreparedPayload], keys_out: torch.Tensor, values_out: torch.Tensor, *,
+                  prefer_portable: bool = False) -> None:
+        """One matrix product per layer over all tokens of the run's blocks (same codec, consecutive positions).
+
+        A destination off the CPU (or ``prefer_portable``) takes ``write_portable``: the rematerialization runs
+        with torch ops on the destination's device."""
         parts = [p for p in run if isinstance(p, XQuantPayload)]
         if parts and len(parts) == len(run) and all(q.continued_by(p) for q, p in zip(parts, parts[1:], strict=False)):
-            _write_layers(parts, keys_out, values_out)
+            if devices.portable(keys_out, prefer_portable):
+                write_portable(parts, keys_out, values_out)
+            else:
+                _write_layers(parts, keys_out, values_out)
+        elif devices.portable(keys_out, prefer_portable):
+            start = 0
+            for part in run:  # blocks that do not chain: one by one
+                end = start + part.num_tokens
+                keys, values = keys_out[:, :, start:end], values_out[:, :, start:end]
+                if isinstance(part, XQuantPayload):
+                    write_portable([part], keys, values)
+                else:
+                    part.write(keys, values)
+                start = end
         else:
             write_each(run, keys_out, values_out)
 
@@ -732,6 +755,17 @@ def _scratch(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
 def _symbol_matrices(parts: list[XQuantPayload], plan: _Plan, tokens: int, starts: list[int],
                      pool: ThreadPoolExecutor) -> list[torch.Tensor]:
     """Each layer's symbols as a token-major int8 matrix ``[T, kept]`` (the blocks' tokens one after another)."""
+    flat = _placed_symbols(parts, plan, tokens, starts, pool)
+    widths = np.asarray(plan.layer_widths, dtype=np.int64)
+    out_starts = (np.cumsum(widths * tokens) - widths * tokens).astype(np.int64)
+    return [flat[o : o + w * tokens].view(tokens, w) for o, w in zip(out_starts.tolist(), plan.layer_widths,
+                                                                      strict=True)]
+
+
+def _placed_symbols(parts: list[XQuantPayload], plan: _Plan, tokens: int, starts: list[int],
+                    pool: ThreadPoolExecutor) -> torch.Tensor:
+    """The layers' ``[T, kept]`` int8 symbol matrices one after another in one flat buffer (this thread's
+    scratch)."""
     widths = np.asarray(plan.layer_widths, dtype=np.int64)
     out_starts = (np.cumsum(widths * tokens) - widths * tokens).astype(np.int64)
     flat = _scratch("symbols", int(widths.sum()) * tokens, torch.int8)  # every element is placed below
@@ -743,8 +777,7 @@ def _symbol_matrices(parts: list[XQuantPayload], plan: _Plan, tokens: int, start
                                        part.num_tokens, out)
 
     xquant_kernels.run_split(place, len(parts), pool)
-    return [flat[o : o + w * tokens].view(tokens, w) for o, w in zip(out_starts.tolist(), plan.layer_widths,
-                                                                      strict=True)]
+    return flat
 
 
 def _wide_escapes(parts: list[XQuantPayload], plan: _Plan,
@@ -761,3 +794,178 @@ def _wide_escapes(parts: list[XQuantPayload], plan: _Plan,
             found.setdefault(layer, []).append((token[pick] + start, slot[pick], value[pick]))
     return {layer: tuple(torch.from_numpy(np.concatenate(x)) for x in zip(*items, strict=True))  # type: ignore[misc]
             for layer, items in found.items()}
+
+
+# ------------------------------------------------------------------------------------------ the portable decode
+#: elements of a layer chunk's ``[layers, T, C]`` product that the portable path computes at once (its float32
+#: epilogue holds a few of these): 128 MB each
+EPILOGUE_ELEMENTS = 1 << 25
+
+
+def _ceil8(n: int) -> int:
+    return -(-n // 8) * 8
+
+
+def _device_constants(plan: _Plan, tables: XQuantTables, matmul: str, device: torch.device) -> dict[str, torch.Tensor]:
+    """The decode's model tables on ``device``, sent once per (plan, device, matmul) and kept on the plan: the
+    folded matrix ``[layers, width, C]`` of the codec's ``matmul`` (int8 off the CPU: zero-padded to multiples of
+    8 and each layer column-major, as CUDA's ``torch._int_mm`` wants; with its ``[layers, C]`` column scales)
+    and the basis ``[layers, C, C]`` (the block means' rematerialization). On the CPU they are the plan's own
+    tensors."""
+    key = (str(device), matmul)
+    with _PLANS_LOCK:
+        kept = plan.on_device.get(key)
+    if kept is not None:
+        return kept
+    if matmul == "int8":
+        matrix = plan.matrix_int8
+        rows, cols = matrix.shape[1], matrix.shape[2]
+        if device.type == "cpu":
+            on_device = matrix
+        else:  # cuBLASLt's int8 product takes its right operand column-major: each layer stored transposed
+            if rows % 8 or cols % 8:
+                matrix = torch.nn.functional.pad(matrix, (0, _ceil8(cols) - cols, 0, _ceil8(rows) - rows))
+            on_device = matrix.transpose(1, 2).contiguous().to(device).transpose(1, 2)
+        constants = {"matrix": on_device, "scale": plan.matrix_scale.to(device)}
+    else:
+        constants = {"matrix": (plan.matrix_bf16 if matmul == "bf16" else plan.matrix).to(device)}
+    constants["basis"] = tables.basis.to(device)
+    with _PLANS_LOCK:
+        plan.on_device.setdefault(key, constants)
+    return constants
+
+
+def _int_mm(symbols: torch.Tensor, matrix: torch.Tensor, kept: int, width_c: int,
+            pad: bool | None = None) -> torch.Tensor:
+    """``symbols [T, kept] @ matrix[:kept, :C]`` in int32 (exact). On CUDA ``torch._int_mm`` wants more than 16
+    rows and multiples of 8 for the inner and outer sizes: the symbols are zero-padded to fit (``matrix`` already
+    is, by ``_device_constants``), which leaves the product unchanged. ``pad``: whether those rules apply
+    (default: off the CPU)."""
+    tokens = symbols.shape[0]
+    if pad is None:
+        pad = symbols.device.type != "cpu"
+    if not pad:
+        return torch._int_mm(symbols, matrix[:kept, :width_c])
+    if tokens > 16 and kept % 8 == 0 and width_c % 8 == 0:
+        if symbols.data_ptr() % 16:  # cuBLASLt wants its operands 16-byte aligned
+            symbols = symbols.clone()
+        return torch._int_mm(symbols, matrix[:kept, :width_c])
+    padded = symbols.new_zeros(max(tokens, 17), _ceil8(kept))
+    padded[:tokens, :kept] = symbols
+    return torch._int_mm(padded, matrix[: _ceil8(kept)])[:tokens, :width_c]
+
+
+def write_portable(parts: Sequence[XQuantPayload], keys_out: torch.Tensor, values_out: torch.Tensor) -> None:
+    """Rematerialize chained ``xquant`` blocks with torch ops on the device of ``keys_out`` / ``values_out``
+    (``[layers, kv_heads, tokens, head_dim]``, views of a larger cache allowed, any floating dtype).
+
+    XQuant's premise (Tomar et al., 2025: rematerializing the KV cache from a compact latent costs compute, which
+    an accelerator has, instead of memory traffic): only the compact payload goes to the device
+    (``compress.device.upload``: each layer's int8 symbol matrix ``[T, kept]``, the block means ``[layers,
+    blocks, C]``, the fp16 sinks, RoPE's cos / sin ``[T, head_dim / 2]`` and the rare tokens with symbols beyond
+    int8), the model tables once per device (``_device_constants``). Per layer: ``Z = S @ matrix`` (int8
+    ``torch._int_mm``, exact in int32, or the codec's bf16 / fp32 product), column scales, the block means
+    rematerialized, RoPE on the key half, the values as they are; then the sinks. The same operations as the
+    CPU path without numba (``_write_layers_on``'s torch epilogue), so on the CPU the same tensors.
+    """
+    codec = parts[0].codec
+    tables = bound_tables(codec.model)
+    layers, heads, _, dim = parts[0].shape
+    plan = codec._plan()
+    counts = [p.num_tokens for p in parts]
+    tokens = sum(counts)
+    if tokens == 0:
+        return
+    device = keys_out.device
+    width_c = tables.width
+    constants = _device_constants(plan, tables, codec.matmul, device)
+    starts = np.cumsum([0, *counts[:-1]]).tolist()
+    cos, sin = _cos_sin(codec.model, parts[0].start_pos, tokens)  # [T, 1, D/2]
+    block_of = np.repeat(np.arange(len(parts), dtype=np.int64), counts)
+    with xquant_kernels.worker_pool() as pool:
+        flat = _placed_symbols(parts, plan, tokens, starts, pool)  # host: the layers' [T, kept] one after another
+    widths = [tokens * kept for kept in plan.layer_widths]
+    layer_at = np.cumsum([0, *widths]).tolist()
+    wide = _wide_escapes(parts, plan, starts)
+    wide_z: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for layer, (where, slot, value) in wide.items():  # their tokens' products, in float32 on the host
+        kept = plan.layer_widths[layer]
+        picked = torch.unique(where)
+        rows = flat[layer_at[layer] : layer_at[layer + 1]].view(tokens, kept)[picked].float()
+        rows[torch.searchsorted(picked, where), slot] = value
+        wide_z[layer] = (picked, rows @ plan.matrix[layer, :kept])
+    sink_where = np.concatenate([p.sinks + s for p, s in zip(parts, starts, strict=True)])
+    sink_kv = np.concatenate([p.sink_kv for p in parts], axis=3)  # [2, L, H, sinks, D] fp16
+    small: list[object] = [np.stack([p.mean for p in parts], axis=1), cos, sin, block_of, sink_where, sink_kv]
+    for picked, z in wide_z.values():
+        small += [picked, z]
+    sent = devices.upload(small, device, slot=2)
+    means = devices.typed(sent[0], torch.float32, (layers, len(parts), width_c))
+    cos, sin = (devices.typed(t, torch.float32, (tokens, 1, dim // 2)) for t in sent[1:3])
+    block_of_d = devices.typed(sent[3], torch.int64, (tokens,))
+    sink_where_d = devices.typed(sent[4], torch.int64, (len(sink_where),))
+    sink_kv_d = devices.typed(sent[5], torch.float16, sink_kv.shape)
+    wide_d = {layer: (devices.typed(sent[6 + 2 * i], torch.int64, (len(picked),)),
+                      devices.typed(sent[7 + 2 * i], torch.float32, tuple(z.shape)))
+              for i, (layer, (picked, z)) in enumerate(wide_z.items())}
+    offsets = torch.bmm(means, constants["basis"].transpose(1, 2))  # [L, P, C]: the block means rematerialized
+    slot, first = 0, 0
+    for last in _layer_chunks(plan, tokens, width_c):
+        (chunk,) = devices.upload([flat[layer_at[first] : layer_at[last]]], device, slot)
+        slot ^= 1
+        chunk = chunk.view(torch.int8)
+        products = []
+        for layer in range(first, last):
+            kept = plan.layer_widths[layer]
+            s = chunk[layer_at[layer] - layer_at[first] : layer_at[layer + 1] - layer_at[first]].view(tokens, kept)
+            if kept == 0:  # every component of the layer dropped: the means alone
+                products.append(torch.zeros(tokens, width_c, device=device,
+                                            dtype=torch.int32 if codec.matmul == "int8" else torch.float32))
+            elif codec.matmul == "int8":
+                products.append(_int_mm(s, constants["matrix"][layer], kept, width_c))
+            else:
+                matrix = constants["matrix"]
+                products.append(torch.mm(s.to(matrix.dtype), matrix[layer, :kept]).float())
+        product = torch.stack(products)  # [chunk layers, T, C]
+        if codec.matmul == "int8":
+            z = torch.addcmul(offsets[first:last][:, block_of_d], product, constants["scale"][first:last, None])
+        else:
+            z = offsets[first:last][:, block_of_d] + product
+        keys, values = _rotate_split_layers(z, cos, sin, heads)  # [chunk layers, T, H, D]
+        keys_out[first:last].copy_(keys.transpose(1, 2))
+        values_out[first:last].copy_(values.transpose(1, 2))
+        for layer in range(first, last):
+            if layer in wide_d:  # tokens with symbols beyond int8: their float32 products
+                picked, zw = wide_d[layer]
+                z = zw + offsets[layer][block_of_d[picked]]
+                keys, values = _rotate_split(z, cos[picked], sin[picked], heads)
+                keys_out[layer][:, picked] = keys.transpose(0, 1).to(keys_out.dtype)
+                values_out[layer][:, picked] = values.transpose(0, 1).to(values_out.dtype)
+        first = last
+    if len(sink_where):  # the fp16 sink tokens, over every layer at once
+        keys_out[:, :, sink_where_d] = sink_kv_d[0].to(keys_out.dtype)
+        values_out[:, :, sink_where_d] = sink_kv_d[1].to(values_out.dtype)
+
+
+def _rotate_split_layers(z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         heads: int) -> tuple[torch.Tensor, ...]:
+    """``_rotate_split`` of several layers: ``z`` ``[layers, T, C]`` to keys (rotated) and values, each
+    ``[layers, T, heads, head_dim]``."""
+    half = z.shape[-1] // 2
+    keys = _rope(z[..., :half].unflatten(-1, (heads, -1)), cos, sin, inverse=False)
+    return keys, z[..., half:].unflatten(-1, (heads, -1))
+
+
+def _layer_chunks(plan: _Plan, tokens: int, width_c: int) -> list[int]:
+    """Ends of consecutive layer ranges whose symbols fit ``device.STAGING_BYTES`` and whose products fit
+    ``EPILOGUE_ELEMENTS`` (one layer at least)."""
+    ends, size, n = [], 0, 0
+    for layer, kept in enumerate(plan.layer_widths):
+        nbytes = tokens * kept
+        if n and (size + nbytes > devices.STAGING_BYTES or (n + 1) * tokens * width_c > EPILOGUE_ELEMENTS):
+            ends.append(layer)
+            size, n = 0, 0
+        size += nbytes
+        n += 1
+    ends.append(len(plan.layer_widths))
+    return ends
