@@ -217,6 +217,8 @@ class KiviPayload(PreparedPayload):
     the payload (``sections``); ``host_halves`` unpacks them for a CPU ``write`` (uint8 codes ``[rows, cols]``,
     float32 zero points and scales)."""
 
+    writes_to_device = True  # any other device: the portable path decodes there
+
     def __init__(self, codec: KiviCodec, shape: tuple[int, int, int, int],
                  sections: list[tuple[memoryview, memoryview, memoryview]]) -> None:
         self.codec, self.shape, self.sections = codec, shape, sections

@@ -610,6 +610,8 @@ class XQuantPayload(PreparedPayload):
     ``sinks`` / ``sink_kv``: the fp16 sink tokens ``[2, layers, kv_heads, sinks, head_dim]``.
     """
 
+    writes_to_device = True  # any other device: the portable path decodes there
+
     def __init__(self, codec: XQuantCodec, shape: tuple[int, int, int, int], start_pos: int, rows: np.ndarray,
                  escapes: np.ndarray, escape_values: np.ndarray, mean: np.ndarray, sinks: np.ndarray,
                  sink_kv: np.ndarray) -> None:
