@@ -49,7 +49,8 @@ def _host_buffer(nbytes: int, slot: int, device: torch.device) -> torch.Tensor:
         return buffer
     pin = pinned_staging() and device.type == "cuda"
     size = max(nbytes, 1 << 20) if nbytes <= STAGING_BYTES else nbytes
-    buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+    with torch.inference_mode(False):  # a normal tensor: kept buffers are written in and out of inference mode
+        buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
     if nbytes <= STAGING_BYTES:
         kept[slot] = (buffer, None)
     return buffer

@@ -229,3 +229,17 @@ def test_decode_rates_on_the_cpu() -> None:
     assert row["decode_s"] > 0 and row["encoded_bytes"] < decoded and row["params"] == {"step": 0.35}
     (row,) = decode_rates("cpu", [("xquant", {})], model=tables, **{**shape, "layers": 3})
     assert "2 layers" in row["skipped"]
+
+
+def test_staging_buffers_made_in_inference_mode_are_written_outside_it() -> None:
+    """A generator's first load can run under ``torch.inference_mode`` (``generate``), a later one outside it
+    (``load_prefix``): the thread's kept staging buffer must take both (an inference tensor refuses in-place
+    writes outside inference mode)."""
+    from kvshelf.compress import device as staging
+
+    big = np.arange(staging._THREADED_COPY + 64, dtype=np.int64).view(np.uint8)  # the threaded-copy branch too
+    with torch.inference_mode():
+        (inside,) = staging.upload([big], "cpu", slot=1)
+        assert torch.equal(inside, torch.from_numpy(big))
+    (outside,) = staging.upload([big[::-1].copy()], "cpu", slot=1)
+    assert torch.equal(outside, torch.from_numpy(big[::-1].copy()))
