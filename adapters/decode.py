@@ -1,19 +1,27 @@
 """Decoding for the reuse front doors (``RAGGenerator``, ``PromptModuleGenerator``) through HF ``model.generate``.
 
-The reuse engine (``adapters.reuse_engine``) assembles a *layout*: the KV of every prompt row but the last, some
-rows reused from the store, some computed. ``generate_from_layout`` then hands the whole prompt to
-``model.generate`` with the layout as ``past_key_values``: HF computes the last prompt token against the assembled
-cache (exact: the last token attends to every earlier row, which is what the last layout row would see) and
-decodes from there. Explicit ``position_ids`` carry gaps (Prompt Cache parameter slots): ``generate`` slices them
-to the uncached token and extends them by one per new token. Sampling (``do_sample``, ``temperature``,
-``top_k``...), logits processors, stopping criteria and streamers all come from ``generate`` itself; TTFT is
-measured by ``streaming.FirstTokenTimer`` wrapped around the caller's streamer. The cost: the last prompt token
-is one HF decode step over the assembled cache (``DynamicCache`` appends by concatenation) instead of one more row
-of the engine's prefill, so TTFT pays about one decode step more than a first token taken from the engine
-(measured on SmolLM2, 8 chunks x 128 tokens after a chat prefix, median of 4 on a 2-core CPU shared with other
-jobs, so noisy: ``reuse`` 1.01 s vs 0.84 s, ``block-attention`` 0.90 s vs 0.61 s, ``full`` 2.46 s vs 2.39 s; the
-same greedy tokens). Later steps decode in place (``cache_for_decoding``), where the former greedy loop copied the
-whole cache per step.
+The reuse engine (``adapters.reuse_engine``) assembles a *layout*: the KV of the prompt rows, some reused from the
+store, some computed. Two ways to decode from it, both through ``model.generate`` (so sampling arguments, logits
+processors, stopping criteria and streamers are ``generate``'s own; TTFT is measured by
+``streaming.FirstTokenTimer`` wrapped around the caller's streamer):
+
+* ``generate_prefilled`` (the RAG modes): the engine computed every prompt row, the last one included, and that
+  row's next-token logits; ``generate`` takes both as its prefill (``hf.prefilled``: its decoding loop's first
+  step answered for this call) and runs no forward over the prompt. The first token costs no HF decode step, and
+  the cache is the layout's own buffers (allocated with room for the new tokens: ``cache_for_decoding``), not a
+  copy. Decoding modes that take no prefill (assisted decoding, ``custom_generate``: ``hf.NOT_PREFILLED``) fall
+  back to the next way.
+* ``generate_from_layout`` (prompt modules): the layout holds every prompt row but the last; ``generate`` gets the
+  whole prompt with the layout as ``past_key_values`` and computes the last prompt token against it (exact: it
+  attends to every earlier row), one HF decode step more before the first token. Explicit ``position_ids`` carry
+  gaps (Prompt Cache parameter slots): ``generate`` slices them to the uncached token and extends them by one per
+  new token.
+
+Computing the last prompt token through ``generate`` instead of the engine cost the RAG modes about one decode
+step of TTFT (SmolLM2, 8 chunks x ~150 tokens after a chat prefix, ``kvshelf bench rag``'s needle cases, median of
+5 on a 2-core Intel Xeon, OMP_NUM_THREADS=1: ``reuse`` 0.269 s through ``generate`` vs 0.183 s prefilled by the
+engine, ``reuse-blend`` 0.740 s vs 0.668 s, ``full`` 2.9-3.1 s; the same greedy tokens). Later steps decode in
+place (``GrowingLayer``), where a ``DynamicLayer`` concatenates the whole cache per step.
 
 Only APE's column bias (Yang et al., ICLR 2025: scaled logits on the parallel chunks' keys) cannot be expressed
 through ``generate`` (it rides on an explicit additive mask at every step): ``greedy_with_bias`` keeps a manual
@@ -34,7 +42,7 @@ from kvshelf.adapters import hf
 from kvshelf.adapters.hf import BaseStreamer
 from kvshelf.adapters.reuse_engine import Layout, layer_windows, refusal
 from kvshelf.adapters.streaming import FirstTokenTimer, emit_prompt, emit_tokens
-from kvshelf.kvstore.errors import ConfigError
+from kvshelf.kvstore.errors import ConfigError, UnsupportedModelError
 
 EOS_DEFAULT = "default"  # ``eos_token_id="default"``: the model's generation config decides
 # what the front door passes itself: a caller giving one of these would silently change what is computed
@@ -118,13 +126,17 @@ def generate_from_cache(
 
 
 def cache_for_decoding(model: PreTrainedModel, layout: Layout, max_new_tokens: int) -> DynamicCache:
-    """The layout as a cache to decode from. Full-attention models get ``GrowingLayer`` s (one copy of the layout,
-    then every decode step appends in place, where ``DynamicLayer`` concatenates the whole cache per step: a
-    fifth to a half of a CPU decode step at ~1k cached tokens); a model with sliding-window layers gets its own
-    layer types (``Layout.to_cache``), whose window HF keeps."""
+    """The layout as a cache to decode from. Full-attention models get ``GrowingLayer`` s (every decode step
+    appends in place, where ``DynamicLayer`` concatenates the whole cache per step: a fifth to a half of a CPU
+    decode step at ~1k cached tokens): over the layout's own ``buffers`` when it was allocated with headroom (no
+    copy; the cache then owns them), else over one copy of the layout. A model with sliding-window layers gets
+    its own layer types (``Layout.to_cache``), whose window HF keeps."""
     if any(w is not None for w in layer_windows(model)):
         return layout.to_cache(model)
     headroom = max_new_tokens + 1
+    if layout.buffers is not None:
+        return hf.cache_of_layers([hf.GrowingLayer.over(k, v, layout.rows, headroom)
+                                   for k, v in zip(*layout.buffers, strict=True)])
     return hf.cache_of_layers([hf.GrowingLayer.of(k, v, headroom)
                                for k, v in zip(layout.keys, layout.values, strict=True)])
 
@@ -139,6 +151,33 @@ def generate_from_layout(
         raise ValueError(f"the layout must hold all but the last of the {len(ids)} prompt rows, has {layout.rows}")
     cache = cache_for_decoding(model, layout, int(kwargs.get("max_new_tokens", 1))) if layout.rows else None
     generated, _ = generate_from_cache(model, ids, positions, cache, **kwargs)
+    return generated
+
+
+def generate_prefilled(
+    model: PreTrainedModel, layout: Layout, ids: Sequence[int], first_logits: torch.Tensor,
+    positions: Sequence[int] | None = None, **kwargs: Any,
+) -> Generated:
+    """Decode from an assembled ``layout`` holding every prompt row (``layout.rows == len(ids)``) and the last
+    row's next-token logits ``first_logits`` ``[vocab]``, both computed by the reuse engine: ``model.generate``
+    takes them as its prefill (``hf.prefilled``) and runs no forward over the prompt, so TTFT pays no decode step
+    for the last prompt token; sampling, logits processors, stopping criteria and streamers are ``generate``'s as
+    in ``generate_from_layout``. With an argument whose decoding does not start from a prefill
+    (``hf.NOT_PREFILLED``: assisted decoding, ``custom_generate``), the last row is left to ``generate`` instead.
+    Keyword arguments as ``generate_from_cache``."""
+    if layout.rows != len(ids):
+        raise ValueError(f"the layout must hold all {len(ids)} prompt rows, has {layout.rows}")
+    if any(kwargs.get(name) is not None for name in hf.NOT_PREFILLED):
+        rest = Layout([k[:, :, :-1] for k in layout.keys], [v[:, :, :-1] for v in layout.values])
+        return generate_from_layout(model, rest, ids, positions, **kwargs)
+    cache = cache_for_decoding(model, layout, int(kwargs.get("max_new_tokens", 1)))
+    with hf.prefilled(model, first_logits, cache) as prefill:
+        generated, _ = generate_from_cache(model, ids, positions, cache, **kwargs)
+    if not prefill.used:  # its output did not start from the engine's logits and cache: never returned
+        raise UnsupportedModelError(
+            f"model type {hf.model_type(model)!r}: model.generate decoded without asking for the prefill kvshelf "
+            "handed it (this transformers release's or model's decoding loop does not call _prefill); kvshelf is "
+            f"tested with transformers {hf.TESTED_VERSION}")
     return generated
 
 

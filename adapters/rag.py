@@ -20,10 +20,11 @@ the shared prefix (``prefixed_block_key``: ``block-attention``, and ``reuse-blen
 * ``block-attention``: each chunk is encoded after the shared prefix only (a block-diagonal mask) and cached
   under a key that includes the prefix; the question (the last block) attends to everything.
 
-Every mode decodes through HF ``model.generate`` (``adapters.decode``): the assembled cache holds every prompt row
-but the last, which ``generate`` computes; so sampling arguments, logits processors and streamers work on every
-mode (APE alone keeps a greedy loop). ``stream(...)`` iterates the new tokens; ``generate_batch`` answers several
-questions in one call.
+Every mode decodes through HF ``model.generate`` (``adapters.decode``): the reuse modes hand it the assembled
+cache of every prompt row and the last row's logits, both computed by the engine, as its prefill
+(``decode.generate_prefilled``), so no forward over the prompt runs in ``generate`` and sampling arguments, logits
+processors and streamers work on every mode (APE alone keeps a greedy loop). ``stream(...)`` iterates the new
+tokens; ``generate_batch`` answers several questions in one call.
 
 The prefix is tokenized the same way at precompute and query time (``prefix_ids``), and a chunk longer than the
 generator's ``chunk_size`` is split by the same function as at precompute, so a document given at query time as it
@@ -55,7 +56,7 @@ from kvshelf.adapters.decode import (
     Generated,
     eos_set,
     generate_from_cache,
-    generate_from_layout,
+    generate_prefilled,
     greedy_with_bias,
 )
 from kvshelf.adapters.fingerprint import model_fingerprint, other_dtype_fingerprints
@@ -67,9 +68,10 @@ from kvshelf.adapters.reuse_engine import (
     check_engine,
     check_positions,
     embed,
+    folded_attention,
+    last_logits,
     layer_kv,
     layer_windows,
-    move_kv,
     prefill_rows,
     run_layers,
     write_kv,
@@ -728,31 +730,29 @@ class RAGGenerator(Closable):
                 else CHUNK
             blocks, computed = self._fetch(kind, items, mode, fingerprint, prefix_block, memo)
             reused = len(blocks) - computed
-            ape = self.ape is not None and mode != "reuse-blend"
-            # the cache holds every row but the last, which model.generate computes (APE: every row)
-            layout = Layout.empty(self.model, total if ape else total - 1, zero=False)
+            # every prompt row is the engine's, the last one included: model.generate takes its logits and the
+            # cache as its prefill (decode.generate_prefilled) and runs no forward over the prompt
+            layout = Layout.empty(self.model, total, zero=False, headroom=max_new_tokens + 1)
             if prefix_block is not None:
                 layout.fill(0, prefix_block.keys, prefix_block.values)
             row = p
             for block in blocks:
-                layout.fill(row, *move_kv(self.model, block.keys, block.values, row - block.start_pos, rotaries))
+                layout.fill_moved(self.model, row, block.keys, block.values, row - block.start_pos, rotaries)
                 row += block.num_tokens
+            q_rows = list(range(p + c_total, total))
             if mode == "reuse-blend":
-                recomputed = self._blend(layout, chunk_ids, q_ids[:-1])
-                generated = generate_from_layout(self.model, layout, all_ids, None, **decode)
-            elif ape:
+                first, recomputed = self._blend(layout, chunk_ids, q_ids)
+                generated = generate_prefilled(self.model, layout, all_ids, first, None, **decode)
+            elif self.ape is not None:
                 bias = self._apply_ape(layout, p, p + c_total)
-                q_rows = list(range(p + c_total, total))
                 first = prefill_rows(self.model, layout, q_ids, q_rows, q_rows, column_bias=bias)
                 generated = greedy_with_bias(
                     self.model, layout.to_cache(self.model), all_ids, first, total, max_new_tokens,
                     eos=eos_set(self.model, eos_token_id), column_bias=bias, streamer=streamer, all_logits=all_logits,
                     **generate_kwargs)
             else:
-                if len(q_ids) > 1:
-                    q_rows = list(range(p + c_total, total - 1))
-                    prefill_rows(self.model, layout, q_ids[:-1], q_rows, q_rows)
-                generated = generate_from_layout(self.model, layout, all_ids, None, **decode)
+                first = prefill_rows(self.model, layout, q_ids, q_rows, q_rows)
+                generated = generate_prefilled(self.model, layout, all_ids, first, None, **decode)
         return self._result(mode, generated, total, reused, computed, recomputed, started, len(items))
 
     def _result(self, mode: str, generated: Generated, total: int, reused: int, computed: int, recomputed: int,
@@ -773,35 +773,40 @@ class RAGGenerator(Closable):
         bias[start:end] = math.log(scale)
         return bias
 
-    def _blend(self, layout: Layout, chunk_ids: list[list[int]], q_ids: list[int]) -> int:
+    def _blend(self, layout: Layout, chunk_ids: list[list[int]], q_ids: list[int]) -> tuple[torch.Tensor, int]:
         """CacheBlend (Yao et al., EuroSys 2025) selective recompute over the assembled ``layout`` (the prefix, the
-        chunks and ``q_ids``, the question without its last token, which ``model.generate`` computes after).
+        chunks and the question ``q_ids``).
 
         1. The whole prompt goes through layers ``0..select_layer-1`` (one layer by default) as a plain causal
            prefill; their fresh KV replaces the reused KV for every token.
         2. Layer ``select_layer``'s K/V projections of those outputs (no attention, no MLP) give every token's
            fresh KV there; the ``ratio`` of chunk tokens whose KV deviates most from the reused KV are chosen.
         3. Only the chosen tokens and the question run through the remaining layers, in causal groups over the
-           blended cache; at the last layer they need only their K/V.
+           blended cache; at the last layer all but the last prompt token need only their K/V, the last one the
+           whole layer (its logits start decoding).
 
-        Returns how many chunk tokens were chosen."""
+        Returns the last prompt token's next-token logits ``[vocab]`` and how many chunk tokens were chosen."""
         p = len(self.prefix)
         c_ids = [t for c in chunk_ids for t in c]
         n_chunk, total, sel = len(c_ids), layout.rows, self.select_layer
         last = self.model.config.num_hidden_layers - 1
         rows = torch.arange(total)
-        hidden = run_layers(self.model, layout, embed(self.model, self.prefix + c_ids + q_ids), rows, rows, None,
-                            range(sel))
-        new_k, new_v = layer_kv(self.model, sel, hidden, rows)
-        span = slice(p, p + n_chunk)
-        deviation = kv_deviation(layout.keys[sel][:, :, span], layout.values[sel][:, :, span], new_k[:, :, span],
-                                 new_v[:, :, span])
-        write_kv(layout, sel, rows, new_k, new_v)
-        chosen = select_recompute(deviation, self.ratio) + p  # layout rows
-        keep = torch.cat([chosen, torch.arange(p + n_chunk, total)])
-        if keep.numel() and sel < last:
-            hidden = run_layers(self.model, layout, hidden[:, keep], keep, keep, None, range(sel, last),
-                                group_rows=BLEND_GROUP_ROWS)
-            k, v = layer_kv(self.model, last, hidden, keep)
-            write_kv(layout, last, keep, k, v)
-        return int(chosen.numel())
+        with folded_attention(self.model):  # once for every pass below
+            hidden = run_layers(self.model, layout, embed(self.model, self.prefix + c_ids + q_ids), rows, rows, None,
+                                range(sel))
+            new_k, new_v = layer_kv(self.model, sel, hidden, rows)
+            span = slice(p, p + n_chunk)
+            deviation = kv_deviation(layout.keys[sel][:, :, span], layout.values[sel][:, :, span],
+                                     new_k[:, :, span], new_v[:, :, span])
+            write_kv(layout, sel, rows, new_k, new_v)
+            chosen = select_recompute(deviation, self.ratio) + p  # layout rows
+            keep = torch.cat([chosen, torch.arange(p + n_chunk, total)])  # the question's rows last
+            hidden = hidden[:, keep]
+            if sel < last:
+                hidden = run_layers(self.model, layout, hidden, keep, keep, None, range(sel, last),
+                                    group_rows=BLEND_GROUP_ROWS)
+                if keep.numel() > 1:
+                    k, v = layer_kv(self.model, last, hidden[:, :-1], keep[:-1])
+                    write_kv(layout, last, keep[:-1], k, v)
+            hidden = run_layers(self.model, layout, hidden[:, -1:], keep[-1:], keep[-1:], None, range(last, last + 1))
+        return last_logits(self.model, hidden), int(chosen.numel())

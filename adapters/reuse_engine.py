@@ -19,7 +19,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,23 +35,38 @@ from kvshelf.reuse.rope import rerotate_keys
 
 @dataclass
 class Layout:
-    """Per-layer KV of the assembled context: ``keys[l]``, ``values[l]`` are ``[1, kv_heads, rows, head_dim]``."""
+    """Per-layer KV of the assembled context: ``keys[l]``, ``values[l]`` are ``[1, kv_heads, rows, head_dim]``.
+
+    ``buffers``: for a layout made by ``empty`` with ``headroom`` and autograd off (``torch.inference_mode``,
+    ``no_grad``), each layer's keys and values ``[1, kv_heads, rows + headroom, head_dim]``, of which ``keys[l]``
+    / ``values[l]`` view the first ``rows`` positions: a decoding cache appends new tokens into the headroom
+    without copying the layout (``adapters.decode.cache_for_decoding``)."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+    buffers: tuple[list[torch.Tensor], list[torch.Tensor]] | None = field(default=None, repr=False)
 
     @classmethod
-    def empty(cls, model: PreTrainedModel, rows: int, *, zero: bool = True) -> Layout:
+    def empty(cls, model: PreTrainedModel, rows: int, *, zero: bool = True, headroom: int = 0) -> Layout:
         """A layout of ``rows`` rows per layer; ``zero=False`` leaves them uninitialised (cheaper: for callers that
-        write every row, from blocks or by computing it)."""
+        write every row, from blocks or by computing it); ``headroom``: that many more positions allocated past
+        the rows (``buffers``; ignored with autograd on, which refuses some in-place writes into views), for the
+        tokens decoding will append."""
         layers, kv_heads, head_dim = kv_geometry(model)
-        k_shape = v_shape = (1, kv_heads, rows, head_dim)
+        k_dim = v_dim = head_dim
         mla = mla_dims(model.config)
         if mla is not None:  # transformers caches an MLA layer compressed: the latent, and the rotated shared part
-            k_shape, v_shape = (1, 1, rows, mla["kv_lora_rank"]), (1, 1, rows, mla["qk_rope_head_dim"])
+            kv_heads, k_dim, v_dim = 1, mla["kv_lora_rank"], mla["qk_rope_head_dim"]
         kw = {"dtype": model.dtype, "device": model.device}
         make = torch.zeros if zero else torch.empty
-        return cls([make(k_shape, **kw) for _ in range(layers)], [make(v_shape, **kw) for _ in range(layers)])
+        # one tensor per layer: a single one for all layers is a fresh mapping each call (page faults on every
+        # write), where per-layer tensors come back from the allocator's free lists
+        if not headroom or torch.is_grad_enabled():
+            return cls([make((1, kv_heads, rows, k_dim), **kw) for _ in range(layers)],
+                       [make((1, kv_heads, rows, v_dim), **kw) for _ in range(layers)])
+        k_bufs = [make((1, kv_heads, rows + headroom, k_dim), **kw) for _ in range(layers)]
+        v_bufs = [make((1, kv_heads, rows + headroom, v_dim), **kw) for _ in range(layers)]
+        return cls([k[:, :, :rows] for k in k_bufs], [v[:, :, :rows] for v in v_bufs], (k_bufs, v_bufs))
 
     @property
     def rows(self) -> int:
@@ -63,6 +78,19 @@ class Layout:
         for layer in range(len(self.keys)):
             self.keys[layer][0, :, start : start + n] = keys[layer]
             self.values[layer][0, :, start : start + n] = values[layer]
+
+    def fill_moved(self, model: PreTrainedModel, start: int, keys: torch.Tensor, values: torch.Tensor, delta: int,
+                   rotaries: Sequence[hf.Rotary]) -> None:
+        """``fill(start, *move_kv(model, keys, values, delta, rotaries))``: a block ``[layers, kv_heads, n,
+        head_dim]`` moved ``delta`` positions into rows ``[start, start + n)``, each layer rotated straight into
+        the layout (no intermediate copy of the block)."""
+        n = keys.shape[2]
+        moving, fixed = (values, keys) if mla_dims(model.config) is not None else (keys, values)
+        moved_rows, fixed_rows = (self.values, self.keys) if moving is values else (self.keys, self.values)
+        for layer, rotary in enumerate(rotaries):
+            rerotate_keys(moving[layer], delta, rotary.inv_freq, interleaved=rotary.interleaved,
+                          out=moved_rows[layer][0, :, start : start + n])
+            fixed_rows[layer][0, :, start : start + n] = fixed[layer]
 
     def fill_rows(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Copy ``[layers, kv_heads, n, head_dim]`` into the (not necessarily contiguous) layout ``rows`` ``[n]``."""
@@ -505,10 +533,11 @@ def prefill_rows(
     if mask is None:
         mask = causal_mask(rows_t, layout.rows, model.dtype, column_bias)
     last = len(hf.decoder_layers(model)) - 1
-    hidden = run_layers(model, layout, embed(model, ids), positions_t, rows_t, mask, range(last))
-    if len(rows_t) > 1:
-        k, v = layer_kv(model, last, hidden[:, :-1], positions_t[:-1])
-        write_kv(layout, last, rows_t[:-1], k, v)
-    hidden = run_layers(model, layout, hidden[:, -1:], positions_t[-1:], rows_t[-1:], mask[..., -1:, :],
-                        range(last, last + 1))
+    with folded_attention(model):  # once for both passes (each run_layers would switch the attention itself)
+        hidden = run_layers(model, layout, embed(model, ids), positions_t, rows_t, mask, range(last))
+        if len(rows_t) > 1:
+            k, v = layer_kv(model, last, hidden[:, :-1], positions_t[:-1])
+            write_kv(layout, last, rows_t[:-1], k, v)
+        hidden = run_layers(model, layout, hidden[:, -1:], positions_t[-1:], rows_t[-1:], mask[..., -1:, :],
+                            range(last, last + 1))
     return last_logits(model, hidden)

@@ -89,7 +89,7 @@ def rotation(delta: torch.Tensor | int, inv_freq: torch.Tensor) -> tuple[torch.T
 
 
 def rerotate_keys(keys: torch.Tensor, delta: torch.Tensor | int, inv_freq: torch.Tensor, *,
-                  interleaved: bool = False) -> torch.Tensor:
+                  interleaved: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """Move RoPE'd keys ``delta`` positions (may be negative, a scalar or one delta per token).
 
     Args:
@@ -98,16 +98,29 @@ def rerotate_keys(keys: torch.Tensor, delta: torch.Tensor | int, inv_freq: torch
         inv_freq: ``[rotary_dim / 2]``: the first ``rotary_dim`` dimensions of each head rotate, the rest (partial
             rotary) pass through.
         interleaved: the model pairs dimensions ``(2i, 2i + 1)`` (Cohere), not halves.
+        out: where to write the result (a tensor, or a view such as rows of a larger cache, shaped like ``keys``
+            and of its dtype): the same values without an intermediate copy of the whole result.
     Returns:
-        A new tensor like ``keys``. The rotation is computed in float64 and applied in float32 (or the keys'
-        dtype if wider), so fp32 keys are re-encoded to within ~1e-6 relative error.
+        A new tensor like ``keys`` (``out`` when given). The rotation is computed in float64 and applied in
+        float32 (or the keys' dtype if wider), so fp32 keys are re-encoded to within ~1e-6 relative error.
     """
+    if out is not None and (out.shape != keys.shape or out.dtype != keys.dtype):
+        raise ValueError(f"out is {tuple(out.shape)} {out.dtype}, the keys {tuple(keys.shape)} {keys.dtype}")
     if isinstance(delta, int) and delta == 0:
-        return keys.clone()
+        return keys.clone() if out is None else out.copy_(keys)
     rotary_dim = 2 * inv_freq.shape[-1]
     if rotary_dim > keys.shape[-1]:
         raise ValueError(f"{inv_freq.shape[-1]} rotary frequencies for keys of head dim {keys.shape[-1]}")
     cos, sin = rotation(delta, inv_freq)  # [rotary_dim / 2] or [tokens, rotary_dim / 2]
     work = torch.float64 if keys.dtype == torch.float64 else torch.float32
-    return apply_rope(keys.to(work), cos.to(work), sin.to(work), rotary_dim=rotary_dim,
-                      interleaved=interleaved).to(keys.dtype)
+    if out is not None and keys.dtype == work and rotary_dim == keys.shape[-1] and not interleaved:
+        # apply_rope's arithmetic, written into the two halves of ``out`` (the same bits, no concatenation)
+        half = rotary_dim // 2
+        cos, sin = cos.to(work), sin.to(work)
+        a, b = keys[..., :half], keys[..., half:]
+        torch.sub(a * cos, b * sin, out=out[..., :half])
+        torch.add(b * cos, a * sin, out=out[..., half:])
+        return out
+    moved = apply_rope(keys.to(work), cos.to(work), sin.to(work), rotary_dim=rotary_dim,
+                       interleaved=interleaved).to(keys.dtype)
+    return moved if out is None else out.copy_(moved)

@@ -26,7 +26,9 @@ release changes one of the contracts below, this package is what to fix (import 
   rotary embedding (``inv_freq``, ``attention_scaling``, ``rope_type``), and the calling convention of a decoder
   layer;
 * ``modules``, ``queries``: the attention modules' fields and projections, an attention module's forward hook, and
-  its queries recomputed.
+  its queries recomputed;
+* ``prefill``: ``GenerationMixin._prefill``, the first step of ``generate``'s decoding loop, answered for one call
+  from a prefill computed elsewhere (``prefilled``: the reuse engine's last prompt row).
 
 Shapes: ``b`` batch, ``h`` KV heads (``h_q`` query heads), ``n`` tokens, ``d`` head dim.
 """
@@ -102,6 +104,7 @@ from kvshelf.adapters.hf.modules import (
     self_attention_modules,
     uses_attention_interface,
 )
+from kvshelf.adapters.hf.prefill import NOT_PREFILLED, Prefill, prefilled
 from kvshelf.adapters.hf.queries import attention_queries, query_path
 from kvshelf.adapters.hf.rope import Rotary, position_embeddings, rope_layer_types, rotaries, rotary
 from kvshelf.adapters.hf.version import TESTED_VERSION
@@ -122,4 +125,5 @@ __all__ = [
     "can_switch_attention", "eager_attention_function", "query_path", "self_attention_modules",
     "uses_attention_interface",
     "CHUNKED_ATTENTION", "WINDOWED_ATTENTION", "batch_positions_follow_mask",
+    "NOT_PREFILLED", "Prefill", "prefilled",
 ]

@@ -5,6 +5,7 @@ head as its own forward applies them, running one decoder layer, and how a batch
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Any
 
 import torch
@@ -96,7 +97,15 @@ def run_decoder_layer(model: PreTrainedModel, index: int, hidden: torch.Tensor, 
                  **{_cache_argument(layer): cache}, **attention_kwargs)
 
 
+_CACHE_ARGUMENTS: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+
+
 def _cache_argument(layer: nn.Module) -> str:
-    """The name a decoder layer takes its cache under: ``past_key_values``, or GPT-NeoX's ``layer_past``."""
-    params = inspect.signature(layer.forward).parameters
-    return "layer_past" if "layer_past" in params and "past_key_values" not in params else "past_key_values"
+    """The name a decoder layer takes its cache under: ``past_key_values``, or GPT-NeoX's ``layer_past`` (read
+    from the signature once per layer: ``inspect.signature`` per layer call cost a reuse call milliseconds)."""
+    name = _CACHE_ARGUMENTS.get(layer)
+    if name is None:
+        params = inspect.signature(layer.forward).parameters
+        name = "layer_past" if "layer_past" in params and "past_key_values" not in params else "past_key_values"
+        _CACHE_ARGUMENTS[layer] = name
+    return name

@@ -23,6 +23,15 @@ class _Buffer:
         self.data[:, :, :n].copy_(tensor)
         self.n = n
 
+    @classmethod
+    def adopt(cls, data: torch.Tensor, n: int) -> _Buffer:
+        """A buffer over ``data`` ``[b, h, capacity, d]`` (not copied) whose first ``n`` positions are filled."""
+        if not 0 <= n <= data.shape[2]:
+            raise ValueError(f"{n} filled positions in a buffer of {data.shape[2]}")
+        buffer = cls.__new__(cls)
+        buffer.data, buffer.n = data, n
+        return buffer
+
     def append(self, tensor: torch.Tensor, headroom: int) -> None:
         q = tensor.shape[2]
         if self.n + q > self.data.shape[2]:
@@ -60,6 +69,17 @@ class GrowingLayer(DynamicLayer):
         layer = cls(headroom)
         layer.dtype, layer.device = keys.dtype, keys.device
         layer.keys, layer.values = keys, values
+        layer.is_initialized = True
+        return layer
+
+    @classmethod
+    def over(cls, keys: torch.Tensor, values: torch.Tensor, n: int, headroom: int = DEFAULT_HEADROOM) -> GrowingLayer:
+        """A layer over preallocated buffers ``keys`` / ``values`` ``[b, h, capacity, d]`` whose first ``n``
+        positions hold the cache (taken, not copied: later appends write into their free positions). What an
+        assembled layout allocated with room for the new tokens becomes without a copy of the whole cache."""
+        layer = cls(headroom)
+        layer.dtype, layer.device = keys.dtype, keys.device
+        layer._k, layer._v = _Buffer.adopt(keys, n), _Buffer.adopt(values, n)
         layer.is_initialized = True
         return layer
 
