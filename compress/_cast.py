@@ -36,9 +36,9 @@ def cast_encode(keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype) ->
 
 def cast_decode(
     payload: memoryview, shape: tuple[int, int, int, int], dtype: torch.dtype, stored: torch.dtype, codec: str,
-    copy: bool,
+    copy: bool, *, verified: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    k_buf, v_buf = unpack_sections(payload, 2, codec)
+    k_buf, v_buf = unpack_sections(payload, 2, codec, verified=verified)
     out = []
     for buf, what, part in ((k_buf, "keys", key_shape(shape)), (v_buf, "values", value_shape(shape))):
         t = tensor_from_bytes(expect_len(buf, numel(part) * 2, what, codec), stored, part,
@@ -48,8 +48,8 @@ def cast_decode(
 
 
 def cast_prepare(payload: memoryview, shape: tuple[int, int, int, int], stored: torch.dtype,
-                 codec: str) -> DecodedPayload:
+                 codec: str, *, verified: bool = False) -> DecodedPayload:
     """The payload checked, its keys and values as read-only ``stored``-dtype views of it (``[layers, kv_heads,
     tokens, head_dim]``): ``write`` casts them straight into the destination, nothing decoded in between."""
-    keys, values = cast_decode(payload, shape, stored, stored, codec, copy=False)
+    keys, values = cast_decode(payload, shape, stored, stored, codec, copy=False, verified=verified)
     return DecodedPayload(keys, values)

@@ -46,6 +46,7 @@ class Bf16Codec(Codec):
         return cast_decode(payload, shape, dtype, torch.bfloat16, self.name, copy)
 
     def prepare_at(
-        self, payload: memoryview, shape: tuple[int, int, int, int], dtype: torch.dtype, start_pos: int
+        self, payload: memoryview, shape: tuple[int, int, int, int], dtype: torch.dtype, start_pos: int, *,
+        verified: bool = False,
     ) -> DecodedPayload:
-        return cast_prepare(payload, shape, torch.bfloat16, self.name)
+        return cast_prepare(payload, shape, torch.bfloat16, self.name, verified=verified)

@@ -41,10 +41,14 @@ def pack_sections(sections: Sequence[bytes | memoryview]) -> list[bytes | memory
     return [head, *sections, _CRC.pack(crc)]
 
 
-def unpack_sections(payload: memoryview | bytes, count: int, codec: str) -> list[memoryview]:
+def unpack_sections(payload: memoryview | bytes, count: int, codec: str, *, verified: bool = False
+                    ) -> list[memoryview]:
     """Check the framing and CRC of ``payload``; return its ``count`` sections as views (no copy).
 
     Raises ``CorruptBlockError`` naming ``codec`` on a bad magic, version, section count, length or CRC.
+    ``verified``: the payload's bytes were just checked by the block's own checksum (``kvstore.encoding``'s xxh3
+    over the whole value): the CRC is not computed again (the framing and lengths still are). The CRC pass cost
+    more than the host-to-device copy int8 saves (docs/benchmarks.md, "GPU").
     """
     view = memoryview(payload).cast("B") if not isinstance(payload, memoryview) else payload
     table = _HEAD.size + 8 * count
@@ -57,7 +61,7 @@ def unpack_sections(payload: memoryview | bytes, count: int, codec: str) -> list
     if table + sum(lengths) + _CRC.size != len(view):
         raise CorruptBlockError(f"{codec} payload is {len(view)} bytes, its sections say {table + sum(lengths) + 4}")
     body_end = len(view) - _CRC.size
-    if zlib.crc32(view[:body_end]) != _CRC.unpack_from(view, body_end)[0]:
+    if not verified and zlib.crc32(view[:body_end]) != _CRC.unpack_from(view, body_end)[0]:
         raise CorruptBlockError(f"{codec} payload checksum mismatch")
     out, pos = [], table
     for length in lengths:

@@ -47,6 +47,7 @@ class Fp16Codec(Codec):
         return cast_decode(payload, shape, dtype, torch.float16, self.name, copy)
 
     def prepare_at(
-        self, payload: memoryview, shape: tuple[int, int, int, int], dtype: torch.dtype, start_pos: int
+        self, payload: memoryview, shape: tuple[int, int, int, int], dtype: torch.dtype, start_pos: int, *,
+        verified: bool = False,
     ) -> DecodedPayload:
-        return cast_prepare(payload, shape, torch.float16, self.name)
+        return cast_prepare(payload, shape, torch.float16, self.name, verified=verified)

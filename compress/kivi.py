@@ -177,14 +177,15 @@ class KiviCodec(Codec):
         return keys, values
 
     def prepare_at(
-        self, payload: memoryview, shape: tuple[int, int, int, int], dtype: torch.dtype, start_pos: int
+        self, payload: memoryview, shape: tuple[int, int, int, int], dtype: torch.dtype, start_pos: int, *,
+        verified: bool = False,
     ) -> KiviPayload:
         """Check the payload's sections; ``write`` dequantizes them into the destination.
 
         The codes are unpacked here, on the caller's (often a store's decode) thread, where no GPU is present;
         where CUDA is, they are unpacked when a CPU destination needs them (``eager_host_unpack``): a GPU
         destination takes the packed codes to the device (``write_portable``)."""
-        parts = unpack_sections(payload, 6, self.name)
+        parts = unpack_sections(payload, 6, self.name, verified=verified)
         if block_numel(shape) == 0:
             if any(len(p) for p in parts):
                 raise CorruptBlockError(f"{self.name} payload has data for an empty block")

@@ -556,13 +556,14 @@ class XQuantCodec(Codec):
         return keys, values
 
     def prepare_at(
-        self, payload: memoryview, shape: tuple[int, int, int, int], dtype: torch.dtype, start_pos: int
+        self, payload: memoryview, shape: tuple[int, int, int, int], dtype: torch.dtype, start_pos: int, *,
+        verified: bool = False,
     ) -> XQuantPayload:
         """Check the payload and entropy-decode its symbols; the matrix products wait for ``write``."""
         tables = self._tables(shape)
         layers, heads, tokens, dim = shape
         plan = self._plan()
-        sections = unpack_sections(payload, _SECTIONS, NAME)
+        sections = unpack_sections(payload, _SECTIONS, NAME, verified=verified)
         empty = np.empty(len(plan.rows) * tokens, dtype=np.int8)  # every symbol is written by the unpack
         no_sinks = (np.empty(0, dtype=np.int64), np.empty((2, layers, heads, 0, dim), dtype=np.float16))
         if tokens == 0:

@@ -165,12 +165,15 @@ class Codec(ABC):
         return self.decode(payload, shape, dtype, copy)
 
     def prepare_at(
-        self, payload: memoryview, shape: tuple[int, int, int, int], dtype: torch.dtype, start_pos: int
+        self, payload: memoryview, shape: tuple[int, int, int, int], dtype: torch.dtype, start_pos: int, *,
+        verified: bool = False,
     ) -> PreparedPayload:
         """Check and parse ``payload`` for a later ``write`` into a cache; ``CorruptBlockError`` when damaged.
 
         The default decodes now (tensors may be views of ``payload``, which must outlive the result); codecs
-        whose decode is cheaper straight into the destination override it.
+        whose decode is cheaper straight into the destination override it. ``verified``: the payload's bytes were
+        checked by the block's checksum (``kvstore.encoding.prepare_block``): a codec may skip its own checksum
+        (``compress.container.unpack_sections``), never its structural checks.
         """
         return DecodedPayload(*self.decode_at(payload, shape, dtype, False, start_pos))
 

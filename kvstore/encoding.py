@@ -308,6 +308,6 @@ def prepare_block(
     """
     header, codec, payload = _verified_payload(data, expected_key, expected_fingerprint, expected_namespace,
                                                max_decode_bytes)
-    prepared = codec.prepare_at(payload, header.shape, header.dtype, header.start_pos)
+    prepared = codec.prepare_at(payload, header.shape, header.dtype, header.start_pos, verified=True)
     return PreparedBlock(payload=prepared, shape=header.shape, dtype=header.dtype, token_ids=header.token_ids,
                          start_pos=header.start_pos, fingerprint=header.fingerprint, namespace=header.namespace)

@@ -379,3 +379,30 @@ def test_tiered_store_memory_raw_disk_compressed(tmp_path, disk_codec: str) -> N
     finally:
         store.close()
     assert math.isfinite(float(blocks[0].keys.sum()))
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "fp16", "bf16"])
+def test_a_verified_payload_skips_only_the_inner_crc(codec: str) -> None:
+    """``prepare_at(verified=True)`` (the block's xxh3 already covered the bytes) does not compute the container's
+    CRC again, but still checks the framing and lengths; unverified, a changed byte is caught by the CRC; through
+    ``prepare_block`` the block checksum catches it first."""
+    from helpers import key_of, make_block
+
+    from kvshelf.kvstore.codec import get_codec
+    from kvshelf.kvstore.encoding import encode_block, prepare_block
+    from kvshelf.kvstore.errors import CorruptBlockError
+
+    block = make_block(16, seed=5)
+    c = get_codec(codec)
+    payload = bytearray(b"".join(bytes(p) for p in c.encode(block.keys, block.values)))
+    payload[len(payload) // 2] ^= 0xFF  # inside a section, away from the frame
+    shape = tuple(block.keys.shape)
+    with pytest.raises(CorruptBlockError, match="checksum"):
+        c.prepare_at(memoryview(bytes(payload)), shape, block.dtype, 0)
+    c.prepare_at(memoryview(bytes(payload)), shape, block.dtype, 0, verified=True)  # no CRC pass
+    with pytest.raises(CorruptBlockError):  # the framing is still checked
+        c.prepare_at(memoryview(bytes(payload[:-9])), shape, block.dtype, 0, verified=True)
+    encoded = bytearray(encode_block(block, key_of(block), codec))
+    encoded[len(encoded) // 2] ^= 0xFF
+    with pytest.raises(CorruptBlockError):
+        prepare_block(bytes(encoded))
