@@ -99,7 +99,8 @@ def rerotate_keys(keys: torch.Tensor, delta: torch.Tensor | int, inv_freq: torch
             rotary) pass through.
         interleaved: the model pairs dimensions ``(2i, 2i + 1)`` (Cohere), not halves.
         out: where to write the result (a tensor, or a view such as rows of a larger cache, shaped like ``keys``
-            and of its dtype): the same values without an intermediate copy of the whole result.
+            and of its dtype, on any device): the same values, without an intermediate copy of the whole result
+            when it is on the keys' device.
     Returns:
         A new tensor like ``keys`` (``out`` when given). The rotation is computed in float64 and applied in
         float32 (or the keys' dtype if wider), so fp32 keys are re-encoded to within ~1e-6 relative error.
@@ -113,7 +114,8 @@ def rerotate_keys(keys: torch.Tensor, delta: torch.Tensor | int, inv_freq: torch
         raise ValueError(f"{inv_freq.shape[-1]} rotary frequencies for keys of head dim {keys.shape[-1]}")
     cos, sin = rotation(delta, inv_freq)  # [rotary_dim / 2] or [tokens, rotary_dim / 2]
     work = torch.float64 if keys.dtype == torch.float64 else torch.float32
-    if out is not None and keys.dtype == work and rotary_dim == keys.shape[-1] and not interleaved:
+    if (out is not None and out.device == keys.device and keys.dtype == work and rotary_dim == keys.shape[-1]
+            and not interleaved):
         # apply_rope's arithmetic, written into the two halves of ``out`` (the same bits, no concatenation)
         half = rotary_dim // 2
         cos, sin = cos.to(work), sin.to(work)

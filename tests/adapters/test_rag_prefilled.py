@@ -214,3 +214,22 @@ def test_another_threads_generate_meanwhile_runs_its_own_prefill(model):
     rag.generate(CHUNKS, QUESTION, mode="reuse", max_new_tokens=3, eos_token_id=None, streamer=_Meanwhile())
     assert seen["during"] is True and seen["got"] == want
     assert "_prefill" not in vars(model)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rotary_dim", [16, 8])
+def test_rerotating_into_a_layouts_rows_gives_the_same_bits(interleaved, rotary_dim):
+    """``rerotate_keys(out=)`` (what ``Layout.fill_moved`` writes each chunk with) equals the plain result bit for
+    bit, into a strided view of a larger buffer; partial and interleaved rotary take the copying path."""
+    from kvshelf.reuse import rerotate_keys
+
+    keys = torch.randn(2, 3, 7, 16, generator=torch.Generator().manual_seed(4))
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    for delta in (0, 5, 1234, -3):
+        want = rerotate_keys(keys, delta, inv_freq, interleaved=interleaved)
+        buffer = torch.full((2, 3, 20, 16), float("nan"))
+        got = rerotate_keys(keys, delta, inv_freq, interleaved=interleaved, out=buffer[:, :, 4:11])
+        assert torch.equal(got, want) and torch.equal(buffer[:, :, 4:11], want)
+        assert buffer[:, :, :4].isnan().all() and buffer[:, :, 11:].isnan().all()
+    with pytest.raises(ValueError, match="out is"):
+        rerotate_keys(keys, 1, inv_freq, out=torch.empty(2, 3, 6, 16))
