@@ -5,10 +5,10 @@ Method: ``puts`` distinct blocks (``tokens`` token ids each) are put one by one 
 (so a put is cheap and the events' share shows), once without a publisher (the anchor) and once with one and a
 subscriber in another process (as a router is) reading and decoding every batch; each mode ``rounds`` times,
 alternating, the fastest round of each kept. Reported: the put loop's seconds with and without events, their
-difference per event (the put path's share: the listener, the queue, and the publisher thread's turns on the
-interpreter lock), the publisher thread's CPU time per event (encoding and sending), their sum (server time per
-event), the process's CPU time per event (from the first put until every event is sent, with events less
-without), and the delay from the last put's return to the last event's arrival.
+difference per event (the put path's share: the listener, the batch of records, sending it to the publisher
+process), the publisher process's CPU time per event (reading the records, encoding and sending the batches), their
+sum (server time per event), the store process's CPU time per event (from the first put until every event is sent,
+with events less without), and the delay from the last put's return to the last event's arrival.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def results_table(payload: dict[str, Any]) -> Table:
     table = Table(title=f"vLLM-format KV events: {payload['puts']} puts of {payload['tokens_per_block']}-token "
                         f"blocks, memory tier, best of {payload['rounds']}")
     for column in ("put loop, no events (s)", "put loop, events (s)", "events received", "dropped",
-                   "put path µs/event", "publisher µs/event", "server µs/event", "server CPU µs/event",
+                   "put path µs/event", "publisher µs/event", "server µs/event", "store process CPU µs/event",
                    "last event after last put (s)"):
         table.add_column(column, justify="right")
     table.add_row(f"{payload['anchor_put_loop_s']:.3f}", f"{payload['events_put_loop_s']:.3f}",

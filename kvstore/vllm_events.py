@@ -18,29 +18,39 @@ or, with ``block_hashes="bytes"``, the 16 bytes; ``parent_block_hash`` is the ch
 first block); ``token_ids`` are the block's tokens and ``block_size`` their count; ``medium`` names the tier
 (``MEDIA``). ``group_idx`` is 0: a kvshelf block holds every layer.
 
-Puts are never slowed: the store's listener only appends the event to a bounded queue (``max_queue_size``: past it
-the event is dropped and counted); a thread lets a burst gather (``BATCH_WINDOW_S``), then reads, filters, encodes
-and sends it. The PUB socket is an XPUB with ``XPUB_NODROP``: a batch that a subscriber's high-water mark refuses is
-counted (``hwm_drops``) and sent to the others as PUB would. A subscriber sees a gap in the sequence numbers and
-asks the replay endpoint.
+Puts are never slowed: the sockets live in a process of their own (``kvstore.vllm_events_worker``); the store's
+listener only sends it one small record per event, without blocking (``max_queue_size`` records may wait: past
+it the event is dropped and counted). Records go in messages of up to ``FEED_BATCH``, a partial one after
+``FEED_WINDOW_S``: a Python thread that wakes often costs the puts' thread far more than its own work (measured:
+waking every 2 ms added ~40 µs per put on this project's 2-core test machine). That process reads, filters, encodes
+and sends them, on its own interpreter lock. The PUB socket is an XPUB with ``XPUB_NODROP``: a batch that a
+subscriber's high-water mark refuses is counted (``hwm_drops``) and sent to the others as PUB would. A subscriber
+sees a gap in the sequence numbers and asks the replay endpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import json
 import logging
 import re
+import shutil
+import subprocess
+import sys
+import tempfile
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
 import zmq
 
 from kvshelf.kvstore.errors import ConfigError
-from kvshelf.kvstore.keys import block_key_of, is_scoped, key_low64, parent_of, scope_of
-from kvshelf.kvstore.stats import UNKNOWN, StoreEvent
+from kvshelf.kvstore.keys import key_low64
+from kvshelf.kvstore.stats import StoreEvent
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +62,10 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 MEDIA = {"MemoryTier": "CPU", "GPUTier": "GPU", "LMDBTier": "DISK", "RedisTier": "REMOTE"}
 #: events encoded into one batch at most
 MAX_BATCH_EVENTS = 1024
-#: how long the thread lets events gather after the first one before it encodes them (one batch per burst: fewer
-#: wake-ups of the thread, so less time taken from the puts' threads)
-BATCH_WINDOW_S = 0.002
+#: records sent to the publisher process in one message at most (a partial batch waits ``FEED_WINDOW_S``)
+FEED_BATCH = 256
+#: how long a partial batch of records waits before the feed thread sends it
+FEED_WINDOW_S = 0.05
 _ENDPOINT = re.compile(r"(tcp)://(\*|\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-]+):(\d{1,5})|(ipc|inproc)://.+")
 
 
@@ -160,259 +171,194 @@ def medium_of(tier: Any) -> str:
     return str(getattr(tier, "name", "?")).upper()
 
 
-@dataclass(frozen=True)
-class _Stored:
-    key: bytes
-    parent: bytes
-    tokens: tuple[int, ...]
-    medium: str
-
-
-@dataclass(frozen=True)
-class _Removed:
-    key: bytes
-    medium: str
-
-
-class _Cleared:
-    pass
-
-
-_CLEARED = _Cleared()
-
-
 class VLLMEventPublisher:
     """Publishes a store's block events in vLLM's ZeroMQ format (module doc); ``close`` stops it.
+
+    The sockets live in a process of their own (``kvstore.vllm_events_worker``), started here: this process only
+    sends it one small record per event (``_feed``), so encoding and sending never compete with the puts for
+    this interpreter's lock. An endpoint that cannot be opened is a ``ConfigError`` before this returns.
 
     Feed it with ``attach(store)`` (every tier's stored/removed/evicted events) or by hand: ``stored``,
     ``removed``, ``cleared``. Counters: ``published_events``, ``published_batches``, ``queue_drops``,
     ``hwm_drops``, ``replays``, ``bad_replay_requests``."""
 
     def __init__(self, settings: KVEventsSettings, *, context: zmq.Context | None = None) -> None:
+        from kvshelf.kvstore import vllm_events_worker as worker
+
         settings.check()
         self.settings = settings
-        self._ctx = context or zmq.Context.instance()
-        self._pending: deque[tuple[Any, Any]] = deque()
-        self._wake = threading.Event()
-        self._busy = False
-        self._buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=settings.buffer_steps)
-        self._media: dict[str, str] = {}
-        self._names: dict[bytes, str] = {}
-        self.published_events = self.published_batches = self.queue_drops = self.hwm_drops = 0
-        self.replays = self.bad_replay_requests = 0
-        self._seq = 0
-        self.thread_cpu_s = 0.0  # CPU time of the publisher thread encoding and sending
+        self._worker = worker
+        self._folder = Path(tempfile.mkdtemp(prefix="kvshelf-events-"))
+        (self._folder / "counters").write_bytes(bytes(8 * worker.COUNTERS))
+        self._counters = worker.counters_at(self._folder)
         self._lock = threading.Lock()
+        self._sent = 0  # records handed to the feed
+        self._batch: list[tuple[Any, ...]] = []  # records not yet sent (one message per FEED_BATCH, or window)
+        self._due = threading.Event()
+        self.queue_drops = 0
         self._unsubscribe: list[Any] = []
-        self._pub = self._ctx.socket(zmq.XPUB)
-        self._replay: zmq.Socket | None = None
+        self._encoder = msgspec.msgpack.Encoder()
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "kvshelf.kvstore.vllm_events_worker"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True)
         try:
-            self._pub.setsockopt(zmq.SNDHWM, settings.hwm)
-            self._pub.setsockopt(zmq.XPUB_NODROP, 1)
-            self._pub.setsockopt(zmq.LINGER, 0)
-            _open(self._pub, settings.endpoint, "kv_events_endpoint")
-            if settings.replay_endpoint:
-                self._replay = self._ctx.socket(zmq.ROUTER)
-                self._replay.setsockopt(zmq.LINGER, 0)
-                self._replay.setsockopt(zmq.ROUTER_MANDATORY, 0)
-                _open(self._replay, settings.replay_endpoint, "kv_events_replay_endpoint", bind=True)
+            self._start(worker)
+            self._push = (context or zmq.Context.instance()).socket(zmq.PUSH)
+            self._push.setsockopt(zmq.SNDHWM, max(1, settings.max_queue_size // FEED_BATCH))  # messages of records
+            self._push.setsockopt(zmq.LINGER, 2000)
+            self._push.connect(worker.feed_endpoint(self._folder))
         except BaseException:
-            self._pub.close(linger=0)
-            if self._replay is not None:
-                self._replay.close(linger=0)
+            self._stop_process()
             raise
         self._running = True
-        self._thread = threading.Thread(target=self._run, name="kvshelf-vllm-events", daemon=True)
-        self._thread.start()
+        self._flusher = threading.Thread(target=self._flush_loop, name="kvshelf-vllm-events-feed", daemon=True)
+        self._flusher.start()
+
+    def _start(self, worker: Any) -> None:
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        settings = dataclasses.asdict(self.settings)
+        settings["namespaces"] = sorted(settings["namespaces"]) if settings["namespaces"] is not None else None
+        self._proc.stdin.write(json.dumps({"settings": settings, "folder": str(self._folder)}) + "\n")
+        self._proc.stdin.close()
+        answer = self._proc.stdout.readline().strip()
+        if answer == "ready":
+            return
+        if answer.startswith("error "):
+            raise ConfigError(answer.removeprefix("error "))
+        raise ConfigError(f"the KV events publisher process did not start (exit code {self._proc.wait(10)}): "
+                          f"{answer or 'no answer'}")
 
     # -- feeding ----------------------------------------------------------------------------------------------
 
     def attach(self, store: Any) -> VLLMEventPublisher:
         """Publish ``store``'s events (a ``TieredStore``): its tiers' media are read now."""
-        self._media.update({spec.tier.name: medium_of(spec.tier) for spec in store.specs})
+        media = {spec.tier.name: medium_of(spec.tier) for spec in store.specs}
+        self._feed((self._worker.RECORD_MEDIA, time.time(), media))
         default = getattr(store, "namespace", "default")
-        self._unsubscribe.append(store.subscribe(lambda event: self._enqueue((event, default))))
+        self._unsubscribe.append(store.subscribe(lambda event: self._store_event(event, default)))
         return self
+
+    def _store_event(self, event: StoreEvent, default: str) -> None:
+        """The put path's whole share: one record into the feed (the other process reads and encodes it)."""
+        header = event.header
+        self._feed((self._worker.RECORD_STORE, time.time(), event.kind, event.tier, event.key, event.namespace,
+                    default, header.token_ids if header is not None else None,
+                    header.extra if header is not None and header.extra else None))
 
     def stored(self, namespace: str, key: bytes, parent: bytes, tokens: tuple[int, ...], medium: str) -> None:
         """A block of ``namespace`` was stored in ``medium`` (``parent``: b"" for a chain's first block)."""
-        self._enqueue((namespace, _Stored(key, parent, tokens, medium)))
+        self._feed((self._worker.RECORD_STORED, time.time(), namespace, bytes(key), bytes(parent), tokens, medium))
 
     def removed(self, namespace: str, key: bytes, medium: str) -> None:
-        self._enqueue((namespace, _Removed(key, medium)))
+        self._feed((self._worker.RECORD_REMOVED, time.time(), namespace, bytes(key), medium))
 
     def cleared(self, namespace: str) -> None:
         """Every block of ``namespace`` is gone (``AllBlocksCleared``)."""
-        self._enqueue((namespace, _CLEARED))
+        self._feed((self._worker.RECORD_CLEARED, time.time(), namespace))
 
-    def _enqueue(self, item: tuple[Any, Any]) -> None:
-        """The put path's whole share: a bounded append (the thread reads, filters and encodes it)."""
-        pending = self._pending
-        if len(pending) >= self.settings.max_queue_size:
-            with self._lock:
-                self.queue_drops += 1
-            return
-        was_empty = not pending
-        pending.append(item)
-        if was_empty:
-            self._wake.set()
-
-    def _resolve(self, item: tuple[Any, Any]) -> tuple[str, object] | None:
-        """``(namespace, event)`` of a queued item (a store's event is read here), None when filtered out."""
-        first, second = item
-        if isinstance(first, StoreEvent):
-            namespace, event = self._from_store(first, second)
-        else:
-            namespace, event = first, second
-        allowed = self.settings.namespaces
-        return None if allowed is not None and namespace not in allowed else (namespace, event)
-
-    def _from_store(self, event: StoreEvent, default_namespace: str) -> tuple[str, object]:
-        namespace = event.namespace
-        if is_scoped(event.key):
-            tag = scope_of(event.key)
-            if namespace != UNKNOWN:
-                self._names[tag] = namespace
-            else:
-                namespace = self._names.get(tag, tag.hex())
-        elif namespace == UNKNOWN:
-            namespace = default_namespace
-        medium = self._media.get(event.tier, event.tier.upper())
-        key = block_key_of(event.key)
-        if event.kind != "stored":
-            return namespace, _Removed(key, medium)
-        header = event.header
-        tokens = tuple(header.token_ids) if header is not None else ()
-        parent = parent_of(header.extra) if header is not None else b""
-        return namespace, _Stored(key, parent, tokens, medium)
-
-    # -- the thread ---------------------------------------------------------------------------------------------
-
-    def _run(self) -> None:
-        encoder = msgspec.msgpack.Encoder()
-        pending = self._pending
-        while True:
-            self._serve_replays()
-            self._drain_subscriptions()
-            if not pending:
-                if not self._running:
-                    break
-                self._wake.wait(0.05)
-                self._wake.clear()
-                continue
-            self._busy = True
-            time.sleep(BATCH_WINDOW_S)  # let a burst gather: one batch, one wake-up of this thread
-            started = time.thread_time()
-            items = []
-            while pending and len(items) < MAX_BATCH_EVENTS:
-                resolved = self._resolve(pending.popleft())
-                if resolved is not None:
-                    items.append(resolved)
-            try:
-                if items:
-                    self._send(encoder, items)
-            except Exception:  # never let one bad batch stop the stream
-                log.exception("publishing vLLM KV events failed")
-            self.thread_cpu_s += time.thread_time() - started
-            self._busy = False
-        self._serve_replays()
-
-    def _send(self, encoder: msgspec.msgpack.Encoder, items: list[tuple[str, object]]) -> None:
-        groups: dict[str, list[Any]] = {}
-        for namespace, event in items:
-            groups.setdefault(namespace, []).append(self._wire(event))
-        for namespace, events in groups.items():
-            batch = KVEventBatch(ts=time.time(), events=events, data_parallel_rank=self.settings.data_parallel_rank)
-            payload = encoder.encode(batch)
-            topic = (self.settings.topic + namespace).encode()
-            seq = self._seq
-            self._seq += 1
-            frames = (topic, seq.to_bytes(8, "big"), payload)
-            try:
-                self._pub.send_multipart(frames, flags=zmq.NOBLOCK)
-            except zmq.Again:  # a subscriber is at its high-water mark: it loses this batch, the others get it
-                self.hwm_drops += 1
-                self._pub.setsockopt(zmq.XPUB_NODROP, 0)
-                try:
-                    self._pub.send_multipart(frames, flags=zmq.NOBLOCK)
-                finally:
-                    self._pub.setsockopt(zmq.XPUB_NODROP, 1)
-            self._buffer.append((seq, topic, payload))
-            self.published_batches += 1
-            self.published_events += len(events)
-
-    def _wire(self, event: object) -> KVCacheEvent:
-        form = self.settings.block_hashes
-        if isinstance(event, _Stored):
-            parent = block_hash(event.parent, form) if event.parent else None
-            return BlockStored(block_hashes=[block_hash(event.key, form)], parent_block_hash=parent,
-                               token_ids=list(event.tokens), block_size=len(event.tokens), lora_id=None,
-                               medium=event.medium, lora_name=None, group_idx=0)
-        if isinstance(event, _Removed):
-            return BlockRemoved(block_hashes=[block_hash(event.key, form)], medium=event.medium, group_idx=0)
-        return AllBlocksCleared()
-
-    def _drain_subscriptions(self) -> None:
-        """Read the XPUB's subscription messages (they would queue up otherwise)."""
-        while True:
-            try:
-                self._pub.recv(flags=zmq.NOBLOCK)
-            except zmq.Again:
+    def _feed(self, record: tuple[Any, ...]) -> None:
+        """Add one record to the batch; a full batch is sent at once, a partial one by the feed thread within
+        ``FEED_WINDOW_S``."""
+        with self._lock:
+            if not self._running:
                 return
+            self._batch.append(record)
+            if len(self._batch) >= FEED_BATCH:
+                self._send_batch()
+            elif len(self._batch) == 1:
+                self._due.set()
 
-    def _serve_replays(self) -> None:
-        if self._replay is None:
+    def _send_batch(self) -> None:
+        """Send the batch as one message, one msgpack array of records, without blocking (the lock held: ZeroMQ
+        sockets are not thread-safe); a full feed (``max_queue_size`` records waiting) drops them and counts them.
+        (Copied, not zero-copy: pyzmq's zero-copy sends cost more than copying messages this small.)"""
+        batch, self._batch = self._batch, []
+        if not batch:
             return
-        while self._replay.poll(0):
-            frames = self._replay.recv_multipart()
-            identity, rest = frames[0], frames[1:]
-            if rest and rest[0] == b"":
-                rest = rest[1:]  # a REQ client's delimiter
-            if not 1 <= len(rest) <= 2 or len(rest[0]) != 8:  # malformed: the end marker alone, so no client hangs
-                self.bad_replay_requests += 1
-                self._replay.send_multipart((identity, b"", END_SEQ, b""))
-                continue
-            start = int.from_bytes(rest[0], "big")
-            prefix = rest[1] if len(rest) == 2 else b""
-            self.replays += 1
-            for seq, topic, payload in list(self._buffer):
-                if seq >= start and topic.startswith(prefix):
-                    self._replay.send_multipart((identity, b"", seq.to_bytes(8, "big"), payload))
-            self._replay.send_multipart((identity, b"", END_SEQ, b""))
+        try:
+            self._push.send(self._encoder.encode(batch), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self.queue_drops += len(batch)
+            return
+        self._sent += len(batch)
+
+    def _flush_loop(self) -> None:
+        """Send a partial batch ``FEED_WINDOW_S`` after its first record (the feed's only other work)."""
+        while True:
+            self._due.wait()
+            self._due.clear()
+            time.sleep(FEED_WINDOW_S)
+            with self._lock:
+                self._send_batch()
+                if not self._running:
+                    return
 
     # -- state ----------------------------------------------------------------------------------------------------
 
+    def _counter(self, index: int) -> int:
+        return int(self._counters[index])
+
     @property
     def next_seq(self) -> int:
-        return self._seq
+        return self._counter(self._worker.COUNTER_NEXT_SEQ)
+
+    @property
+    def published_events(self) -> int:
+        return self._counter(self._worker.COUNTER_EVENTS)
+
+    @property
+    def thread_cpu_s(self) -> float:
+        """CPU time of the publisher process (reading, encoding, sending), in seconds."""
+        return self._counter(self._worker.COUNTER_CPU_NS) / 1e9
 
     def stats(self) -> dict[str, int]:
-        return {"published_events": self.published_events, "published_batches": self.published_batches,
-                "queue_drops": self.queue_drops, "hwm_drops": self.hwm_drops, "replays": self.replays,
-                "bad_replay_requests": self.bad_replay_requests, "queued": len(self._pending)}
+        w = self._worker
+        return {"published_events": self._counter(w.COUNTER_EVENTS),
+                "published_batches": self._counter(w.COUNTER_BATCHES), "queue_drops": self.queue_drops,
+                "hwm_drops": self._counter(w.COUNTER_HWM_DROPS), "replays": self._counter(w.COUNTER_REPLAYS),
+                "bad_replay_requests": self._counter(w.COUNTER_BAD_REPLAYS),
+                "queued": max(0, self._sent - self._counter(w.COUNTER_RECORDS))}
 
     def flush(self, timeout_s: float = 5.0) -> bool:
-        """Wait until every queued event is sent (True) or ``timeout_s`` passes (False)."""
+        """Wait until every record fed so far is published (True) or ``timeout_s`` passes (False)."""
+        with self._lock:
+            self._send_batch()
         deadline = time.monotonic() + timeout_s
-        while self._pending or self._busy:
-            if time.monotonic() >= deadline or not self._thread.is_alive():
+        while self._counter(self._worker.COUNTER_RECORDS) < self._sent:
+            if time.monotonic() >= deadline or self._proc.poll() is not None:
                 return False
             time.sleep(0.002)
         return True
 
     def close(self) -> None:
-        """Stop listening, send what is queued (up to 1 s), close the sockets."""
+        """Stop listening, let the publisher process send what is queued (up to 2 s), stop it."""
         for unsubscribe in self._unsubscribe:
             unsubscribe()
         self._unsubscribe.clear()
-        if not self._running and not self._thread.is_alive():
-            return
-        self._running = False
-        self._wake.set()
-        self._thread.join(timeout=2.0)
-        self._pub.close(linger=0)
-        if self._replay is not None:
-            self._replay.close(linger=0)
+        with self._lock:
+            if not self._running:
+                return
+            self._send_batch()
+            with contextlib.suppress(zmq.Again):
+                self._push.send(self._encoder.encode([(self._worker.RECORD_STOP,)]), flags=zmq.NOBLOCK)
+            self._running = False
+        self._due.set()
+        self._flusher.join(timeout=2.0)
+        self._stop_process()
+
+    def _stop_process(self) -> None:
+        try:
+            self._proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait(timeout=10)
+        if self._proc.stdout is not None:
+            self._proc.stdout.close()
+        push = getattr(self, "_push", None)
+        if push is not None:
+            push.close(linger=0)
+        del self._counters
+        shutil.rmtree(self._folder, ignore_errors=True)
 
     def __enter__(self) -> VLLMEventPublisher:
         return self
@@ -421,7 +367,9 @@ class VLLMEventPublisher:
         self.close()
 
 
-def _open(socket: zmq.Socket, endpoint: str, setting: str, *, bind: bool | None = None) -> None:
+def open_socket(socket: zmq.Socket, endpoint: str, setting: str, *, bind: bool | None = None) -> None:
+    """Bind or connect ``socket`` to ``endpoint`` by vLLM's convention (``bind``: always bind); ``ConfigError``
+    naming ``setting`` when it cannot."""
     _, binds = parse_endpoint(endpoint, setting)
     try:
         if binds or bind:

@@ -328,3 +328,24 @@ def test_bench_kv_events_delivers_every_event_to_a_subscriber_process(tmp_path: 
     assert payload["events_published"] == payload["events_received"] == 300 and payload["dropped"] == 0
     assert json.loads((tmp_path / "kv_events.json").read_text())["puts"] == 300
     assert payload["publisher_cpu_us_per_event"] > 0
+
+
+def test_the_publisher_process_stops_with_the_publisher_and_a_dead_one_never_blocks_puts(
+        ctx: zmq.Context, ports: tuple[int, int], tmp_path: Path) -> None:
+    pub = VLLMEventPublisher(settings(ports, max_queue_size=256), context=ctx)
+    proc, folder = pub._proc, pub._folder
+    assert proc.poll() is None and folder.is_dir()
+    pub.close()
+    assert proc.poll() is not None and not folder.exists()  # the process is gone, its folder removed
+    store = open_embedded_store(tmp_path, durable=False, kv_events=settings((free_port(), free_port()),
+                                                                              max_queue_size=256))
+    try:
+        publisher_process = store._closers[0].__self__._proc  # the publisher the store closes (its close method)
+        publisher_process.kill()
+        publisher_process.wait(10)
+        entries = chain(list(range(4 * 600)))
+        for entry in entries:  # the feed fills, then drops: puts go on
+            store.put_many([entry])
+        assert store.lookup_prefix([k for k, _ in entries], model=FP) == len(entries)
+    finally:
+        store.close()
