@@ -60,6 +60,7 @@ TABLES: tuple[BenchTable, ...] = (
     BenchTable("ttft-hybrid-cuda", "ttft_hybrid_cuda.json", _TTFT),
     BenchTable("mla", "mla.json", "kvshelf.bench.mla:results_table"),
     BenchTable("gpu", "gpu.json", "kvshelf.bench.gpu:results_tables"),
+    BenchTable("kv-events", "kv_events.json", "kvshelf.bench.kv_events:results_table"),
     BenchTable("gpu-int8", "gpu_int8.json", "kvshelf.bench.gpu:results_tables"),
     BenchTable("lmdb", "lmdb.json", "kvshelf.bench.lmdb_read:results_table"),
     BenchTable("store", "store.json", "kvshelf.bench.store:results_table"),
