@@ -80,15 +80,18 @@ def _timed(chain: Any, inputs: dict[str, Any]) -> tuple[float, str]:
 
 
 def run(*, json_path: str | None, corpus: str | None, cases: int = 20, model_name: str = "smollm2-135m",
-        modes: Sequence[str] | None = None, console: Console | None = None) -> dict[str, Any]:
+        modes: Sequence[str] | None = None, console: Console | None = None,
+        recompute_ratio: float | None = None) -> dict[str, Any]:
     """Run the chain with ``hf`` and with ``kvshelf`` in each of ``modes`` (default: the chat model's default
-    mode), case by case in turn; one result row per system and mode."""
+    mode), case by case in turn; one result row per system and mode. ``recompute_ratio``: ``reuse-blend``'s share
+    of chunk tokens recomputed (default: ``RAGGenerator``'s)."""
     from kvshelf.adapters.integrations.core import DEFAULT_MODE, RAGChat
     from kvshelf.adapters.integrations.hf_baseline import hf_chat_model
     from kvshelf.adapters.integrations.langchain import KVShelfChatModel, format_documents
     from kvshelf.adapters.model import load_model
     from kvshelf.adapters.rag import precompute
     from kvshelf.kvstore import open_embedded_store
+    from kvshelf.reuse.blend import DEFAULT_RATIO
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the baseline's classes must never reach for the network
     console = console or Console()
@@ -101,7 +104,8 @@ def run(*, json_path: str | None, corpus: str | None, cases: int = 20, model_nam
     runs: list[tuple[str, str | None]] = [("hf", None), *(("kvshelf", m) for m in modes)]
     with tempfile.TemporaryDirectory(prefix="kvshelf-rag-chain-") as tmp:
         store = open_embedded_store(tmp)
-        rags = {m: RAGChat(model, tokenizer, store, max_new_tokens=NEW_TOKENS, mode=m) for m in modes}
+        options = {"recompute_ratio": recompute_ratio} if recompute_ratio is not None else {}
+        rags = {m: RAGChat(model, tokenizer, store, max_new_tokens=NEW_TOKENS, mode=m, **options) for m in modes}
         # offline (not timed): every case's chunks stored as the modes read them, after the chat prefix
         stored = 0
         rag = rags[modes[0]]
@@ -136,6 +140,10 @@ def run(*, json_path: str | None, corpus: str | None, cases: int = 20, model_nam
                 "same_answer_as_hf": sum(a == b for a, b in zip(hf_answers, rows[system, mode]["answers"],
                                                                 strict=True))}
                for system, mode in runs]
+    ratio = recompute_ratio if recompute_ratio is not None else DEFAULT_RATIO
+    for r in results:
+        if r["mode"] == "reuse-blend":
+            r["recompute_ratio"] = ratio
     payload = {"results": results, "machine": machine_description(), "model": model_name, "cases": cases,
                "chunks_per_case": 8, "modes": modes, "new_tokens": NEW_TOKENS, "chunks_stored_offline": stored,
                "examples": [{"code": case["code"], **{system if mode is None else f"{system}/{mode}":
@@ -155,6 +163,9 @@ def results_table(payload: dict[str, Any]) -> Table:
     for r in payload["results"]:
         speedup = f"{base['ttft_p50_s'] / r['ttft_p50_s']:.1f}x" if base and r["ttft_p50_s"] > 0 else "-"
         relative = f"{r['accuracy'] / base['accuracy']:.0%}" if base and base["accuracy"] > 0 else "-"
-        table.add_row(r["system"], r.get("mode") or "-", r["framework"], f"{r['ttft_p50_s']:.3f}", speedup,
+        mode = r.get("mode") or "-"
+        if "recompute_ratio" in r:
+            mode += f" (r={r['recompute_ratio']:g})"
+        table.add_row(r["system"], mode, r["framework"], f"{r['ttft_p50_s']:.3f}", speedup,
                       f"{r['accuracy']:.1%}", relative)
     return table

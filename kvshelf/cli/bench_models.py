@@ -97,6 +97,8 @@ def bench_rag_chain(
         help="kvshelf's RAG mode, a row each (repeatable): full, reuse, reuse-blend, block-attention (default: the "
              "chat model's)")] = None,
     model: ModelOpt = "smollm2-135m",
+    recompute_ratio: Annotated[float | None, typer.Option(
+        help="reuse-blend's share of chunk tokens recomputed (CacheBlend's r; default 0.15)")] = None,
 ) -> None:
     """One LangChain RAG chain: LangChain's HuggingFace chat model vs kvshelf's; TTFT p50 and accuracy."""
     from kvshelf.bench.rag_chain import run
@@ -107,8 +109,12 @@ def bench_rag_chain(
     if unknown:
         raise KVShelfError(f"--mode: unknown {unknown}; use one of {', '.join(known)}")
     chosen = corpus_path(corpus)
+    if recompute_ratio is not None:
+        from kvshelf.reuse.blend import check_ratio
+
+        check_ratio(recompute_ratio)
     run(json_path=str(json_path) if json_path else None, corpus=str(chosen) if chosen else None, cases=cases,
-        modes=mode, model_name=model, console=console)
+        modes=mode, model_name=model, console=console, recompute_ratio=recompute_ratio)
 
 
 def bench_serve(

@@ -26,7 +26,7 @@ def test_short_run_writes_the_json(tmp_path) -> None:
     out = tmp_path / "rag-chain.json"
     corpus = default_corpus()
     run(json_path=str(out), corpus=str(corpus) if corpus else None, cases=2, modes=["reuse-blend", "block-attention"],
-        console=Console(width=160))
+        console=Console(width=160), recompute_ratio=0.1)
     payload = json.loads(out.read_text())
     assert [(r["system"], r["framework"], r["mode"]) for r in payload["results"]] == [
         ("hf", "langchain", None), ("kvshelf", "langchain", "reuse-blend"), ("kvshelf", "langchain", "block-attention")]
@@ -36,4 +36,12 @@ def test_short_run_writes_the_json(tmp_path) -> None:
     assert payload["machine"]
     assert payload["chunks_stored_offline"] >= 8
     hf, blend, block = payload["results"]
-    assert block["ttft_p50_s"] < blend["ttft_p50_s"] < hf["ttft_p50_s"]
+    assert blend["recompute_ratio"] == 0.1 and "recompute_ratio" not in block and "recompute_ratio" not in hf
+
+
+def test_a_recompute_ratio_outside_0_1_is_one_line_and_exit_2() -> None:
+    from service_helpers import kvshelf_cli
+
+    result = kvshelf_cli("bench", "rag-chain", "--recompute-ratio", "1.5")
+    assert result.returncode == 2 and "recompute ratio must be in [0, 1]" in result.stderr
+    assert "Traceback" not in result.stderr
