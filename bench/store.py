@@ -1,5 +1,6 @@
 """``kvshelf bench store``: put/get throughput and latency of 1, 8 and 32 MiB blocks, 1 and 8 clients:
-the kvshelf gRPC service vs raw redis-py SET/GET vs raw LMDB, in the same run.
+the kvshelf gRPC service vs raw redis-py SET/GET vs raw LMDB, in the same run, beside this machine's own limit
+for a remote path (``socket-floor``: a bare Python socket server, ``bench/socket_floor.py``).
 
 Every client is a process of its own (as inference workers are; ``bench/store_worker.py``) and moves its own
 keys; every value is a real encoded block (the service verifies what it stores), and every get is checked byte
@@ -88,6 +89,20 @@ def grpc_bare_backend() -> Iterator[dict[str, Any]]:
 
 
 @contextmanager
+def socket_floor_backend() -> Iterator[dict[str, Any]]:
+    """The limit of this machine for a remote path: a bare Python socket server (``bench/socket_floor.py``)."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvshelf.bench.socket_floor"], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        if not line.strip().isdigit():
+            raise RuntimeError(f"the socket-floor server did not start (exit {proc.poll()}): {line.strip()!r}")
+        yield {"kind": "socket-floor", "address": f"127.0.0.1:{line.strip()}"}
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@contextmanager
 def grpc_wire_backend() -> Iterator[dict[str, Any]]:
     """The gRPC service with the same-host shared-memory path off: every byte over the wire."""
     with grpc_backend(shared_memory=False) as target:
@@ -113,6 +128,11 @@ def connect(target: dict[str, Any]) -> tuple[ClientPair, Callable[[], None]]:
 
         client = redis.Redis.from_url(target["url"])
         return ((lambda k, v: client.set(k, v)), client.get), client.close
+    if target["kind"] == "socket-floor":
+        from kvshelf.bench.socket_floor import SocketClient
+
+        floor = SocketClient(target["address"])
+        return (floor.put, floor.get), floor.close
     if target["kind"] == "grpc-bare":
         from kvshelf.bench.grpc_bare import BareClient
 
@@ -259,7 +279,7 @@ def run_case(target: dict[str, Any], block_mib: int, clients: int, ops: int, set
 
 
 BACKENDS: dict[str, Backend] = {"grpc": grpc_backend, "grpc-wire": grpc_wire_backend, "grpc-bare": grpc_bare_backend,
-                                "redis": redis_backend, "lmdb": lmdb_backend}
+                                "socket-floor": socket_floor_backend, "redis": redis_backend, "lmdb": lmdb_backend}
 
 
 def add_redis_ratios(results: list[dict[str, Any]]) -> None:

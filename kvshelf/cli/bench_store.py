@@ -54,7 +54,8 @@ def bench_store(
     json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
     backends: Annotated[str, typer.Option(
         help="comma-separated: grpc (same-host default), grpc-wire, grpc-bare (a bare gRPC Python server: the "
-             "wire's floor), redis, lmdb")] = "grpc,grpc-wire,grpc-bare,redis,lmdb",
+             "wire's floor), socket-floor (a bare Python socket server: this machine's limit), redis, lmdb")] =
+        "grpc,grpc-wire,grpc-bare,socket-floor,redis,lmdb",
     sizes: Annotated[str, typer.Option(help="block sizes in MiB")] = "1,8,32",
     clients: Annotated[str, typer.Option(help="concurrent clients")] = "1,8",
 ) -> None:

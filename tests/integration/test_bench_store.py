@@ -22,3 +22,21 @@ def test_bench_store_small_run_writes_its_schema(tmp_path):
         assert r["mb_s"] > 0 and 0 < r["p50_ms"] <= r["p99_ms"]
         assert r["block_mib"] == 1
         assert (r["vs_redis"] == 1.0) if r["backend"] == "redis" else r["vs_redis"] > 0
+
+
+def test_socket_floor_round_trips_values_and_misses() -> None:
+    from kvshelf.bench.socket_floor import SocketClient, serve
+
+    listener, port = serve()
+    client = SocketClient(f"127.0.0.1:{port}")
+    try:
+        value = bytes(range(256)) * (3 << 12)  # 3 MiB, over many recv_into calls
+        client.put(b"k" * 16, value)
+        client.put(b"e" * 16, b"")
+        assert client.get(b"k" * 16) == value and client.get(b"e" * 16) == b""
+        assert client.get(b"x" * 16) is None
+        client.put(b"k" * 16, b"smaller")  # a later, smaller get reuses the buffer and returns only its bytes
+        assert bytes(client.get(b"k" * 16)) == b"smaller"
+    finally:
+        client.close()
+        listener.close()
