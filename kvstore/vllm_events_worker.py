@@ -25,7 +25,7 @@ import numpy as np
 import zmq
 
 from kvshelf.kvstore.errors import ConfigError
-from kvshelf.kvstore.keys import KEY_BYTES, SCOPED_KEY_BYTES, key_low64, parent_of, scope_of
+from kvshelf.kvstore.keys import KEY_BYTES, SCOPED_KEY_BYTES, block_key_of, key_low64, parent_of, scope_of
 from kvshelf.kvstore.stats import UNKNOWN
 from kvshelf.kvstore.vllm_events import (
     END_SEQ,
@@ -151,7 +151,7 @@ class _Worker:
                     self.names[tag] = namespace
                 else:
                     namespace = self.names.get(tag) or tag.hex()
-                key = key[-KEY_BYTES:]
+                key = block_key_of(key)
             elif namespace == UNKNOWN:
                 namespace = default
             medium = self.media.get(tier) or tier.upper()
