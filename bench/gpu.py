@@ -41,6 +41,7 @@ from rich.table import Table
 from tqdm import tqdm
 
 from kvshelf.bench.common import machine_description, median, save_results
+from kvshelf.bench.ttft import _device_name
 
 DEFAULT_MODELS = ("llama3-8b-shaped", "qwen3.5-0.8b-shaped", "smollm2-135m-shaped")
 DEFAULT_LENGTHS = (4096, 16384, 32768)
@@ -251,7 +252,7 @@ def run(*, json_path: str | None, models: Sequence[str] = DEFAULT_MODELS,
     rows: list[dict[str, Any]] = []
     skipped: list[str] = []
     payload: dict[str, Any] = {
-        "device": f"{target} ({torch.cuda.get_device_name(target)})" if target.type == "cuda" else "cpu",
+        "device": _device_name(target),
         "machine": machine_description(), "dtype": dtype, "runs": runs, "block_size": block_size,
         "new_tokens": new_tokens, "remote_max_tokens": remote_max_tokens, "codec_max_tokens": codec_max_tokens,
         "copy_gb_s": None, "results": rows, "decode": [], "skipped": skipped,

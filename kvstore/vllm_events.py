@@ -41,6 +41,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -158,9 +159,9 @@ class KVEventsSettings:
 # -- the publisher -------------------------------------------------------------------------------------------------
 
 
-def block_hash(key: bytes, form: Literal["int", "bytes"]) -> int | bytes:
-    """A block key as vLLM's ``ExternalBlockHash``: the low 64 bits big-endian (``int``) or its bytes."""
-    return key_low64(key) if form == "int" else bytes(key)
+def block_hasher(form: Literal["int", "bytes"]) -> Callable[[bytes], int | bytes]:
+    """How a block key becomes vLLM's ``ExternalBlockHash``: its low 64 bits big-endian (``int``) or its bytes."""
+    return key_low64 if form == "int" else bytes
 
 
 def medium_of(tier: Any) -> str:

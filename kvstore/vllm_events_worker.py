@@ -25,7 +25,7 @@ import numpy as np
 import zmq
 
 from kvshelf.kvstore.errors import ConfigError
-from kvshelf.kvstore.keys import KEY_BYTES, SCOPED_KEY_BYTES, block_key_of, key_low64, parent_of, scope_of
+from kvshelf.kvstore.keys import KEY_BYTES, SCOPED_KEY_BYTES, block_key_of, parent_of, scope_of
 from kvshelf.kvstore.stats import UNKNOWN
 from kvshelf.kvstore.vllm_events import (
     END_SEQ,
@@ -35,6 +35,7 @@ from kvshelf.kvstore.vllm_events import (
     BlockStored,
     KVEventBatch,
     KVEventsSettings,
+    block_hasher,
     open_socket,
 )
 
@@ -83,8 +84,7 @@ class _Worker:
         self.names: dict[bytes, str] = {}
         self.seq = 0
         self.parent = os.getppid()
-        #: a block key as vLLM's block hash (``vllm_events.block_hash``), looked up once
-        self._hash = key_low64 if settings.block_hashes == "int" else bytes
+        self._hash = block_hasher(settings.block_hashes)
         self._warm_up()
         self.cpu_at_start = time.process_time_ns()  # CPU spent publishing: counted from here (start-up not)
 

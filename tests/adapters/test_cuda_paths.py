@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import key_of, make_block
+from helpers import key_of, make_block, token_ids
 
 from kvshelf.adapters.cache_bridge import tensors_from_prepared
 from kvshelf.adapters.generate import CachedGenerator
@@ -18,11 +18,6 @@ from kvshelf.kvstore.encoding import encode_block, prepare_block
 from kvshelf.kvstore.pinned_memory import PinnedMemoryTier
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-def _prompt(n: int, seed: int = 1) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 500, (n,), generator=g).tolist()
 
 
 @pytest.mark.parametrize("codec", ["raw", "zstd", "int8", "int4"])
@@ -39,7 +34,7 @@ def test_blocks_written_on_the_device_equal_those_written_on_the_cpu(codec: str)
 @pytest.mark.parametrize("disk_codec", ["raw", "int8"])
 def test_reuse_on_cuda_through_every_tier_gives_the_uncached_output(tmp_path, disk_codec: str) -> None:
     model = tiny_llama(seed=0).to("cuda")
-    prompt = _prompt(300)
+    prompt = token_ids(300)
     store = open_embedded_store(tmp_path, gpu_bytes="64MiB", device="cuda", disk_codec=disk_codec, durable=False)
     assert isinstance(store.specs[0].tier, PinnedMemoryTier) and store.specs[0].tier.page_lock
     gen = CachedGenerator(model, store=store, block_size=64)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import FINGERPRINT, key_of, make_block
+from helpers import FINGERPRINT, key_of, make_block, token_ids
 
 from kvshelf.adapters.cache_bridge import cache_from_blocks, tensors_from_prepared
 from kvshelf.adapters.generate import CachedGenerator
@@ -24,18 +24,13 @@ def model():
     return tiny_llama(seed=0)
 
 
-def _prompt(n: int, seed: int = 1) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 500, (n,), generator=g).tolist()
-
-
 def _tier(store, name: str) -> dict:  # noqa: ANN001
     return next(t for t in store.stats()["tiers"] if t["name"] == name)
 
 
 @pytest.mark.parametrize("disk_codec", ["raw", "int8"])
 def test_reuse_through_the_gpu_tier_gives_the_uncached_output(model, tmp_path, disk_codec: str) -> None:
-    prompt = _prompt(70)
+    prompt = token_ids(70)
     store = open_embedded_store(tmp_path, gpu_bytes="16MiB", device="cpu", disk_codec=disk_codec, durable=False)
     gen = CachedGenerator(model, store=store, block_size=16)
     cold = gen.generate(prompt, max_new_tokens=10, reuse=False, store=True, wait=True, eos_token_id=None)
