@@ -69,6 +69,7 @@ _EXPORTS: dict[str, str] = {
     "SnapKV": "kvshelf.adapters.pruning",
     "KeyNorm": "kvshelf.adapters.pruning",
     "TokenSelect": "kvshelf.adapters.pruning",
+    "FastKV": "kvshelf.adapters.pruning",
     "Compose": "kvshelf.adapters.pruning",
     "PRUNING_METHODS": "kvshelf.adapters.pruning",
     # errors: one tree under KVShelfError
@@ -120,7 +121,8 @@ __all__ = [  # the literal list static tools read; a test checks it against _EXP
     "BlockStore", "open_embedded_store", "TieredStore", "TierSpec", "KVBlock", "prefix_block_keys",
     "RemoteStore", "WriteBehind",
     "available_codecs", "get_codec", "StreamingLLM", "H2O", "Keyformer", "SnapKV", "KeyNorm", "TokenSelect", "Compose",
-    "PRUNING_METHODS", "KVShelfError", "ConfigError", "UnknownCodecError", "CodecParamError", "CorruptBlockError",
+    "FastKV", "PRUNING_METHODS", "KVShelfError", "ConfigError", "UnknownCodecError", "CodecParamError",
+    "CorruptBlockError",
     "ForeignBlockError", "StoreFullError", "TierUnavailableError", "WriteBehindError", "UnsupportedModelError",
     "ModelLoadError", "ReuseError", "SchemaError", "UnknownModuleError", "UnknownParameterError",
     "MissingParameterError", "ParameterTooLongError", "PromptLayoutError", "ContextTooLongError", "ChunkMissingError",
@@ -151,7 +153,7 @@ if TYPE_CHECKING:  # what static type checkers and IDEs see
     from kvshelf.adapters.generate import CachedGenerator, GenerationResult
     from kvshelf.adapters.model import load_model, tiny_llama
     from kvshelf.adapters.prompt_modules import ModuleResult, PromptModuleGenerator
-    from kvshelf.adapters.pruning import H2O, Compose, Keyformer, KeyNorm, SnapKV, StreamingLLM, TokenSelect
+    from kvshelf.adapters.pruning import H2O, Compose, FastKV, Keyformer, KeyNorm, SnapKV, StreamingLLM, TokenSelect
     from kvshelf.adapters.pruning import METHODS as PRUNING_METHODS
     from kvshelf.adapters.pruning.errors import (
         AttentionImplementationError,

@@ -1,4 +1,5 @@
-"""Token pruning (static: StreamingLLM, H2O, Keyformer, SnapKV, key norm) and selection (dynamic: TokenSelect).
+"""Token pruning (static: StreamingLLM, H2O, Keyformer, SnapKV, key norm; at prefill time: FastKV) and selection
+(dynamic: TokenSelect).
 
 Use any method as a context manager around ``model.generate`` (transformers 5.x)::
 
@@ -20,6 +21,7 @@ from kvshelf.adapters.pruning.errors import (
     PruningError,
     UnsupportedArchitectureError,
 )
+from kvshelf.adapters.pruning.fastkv import FastKV, FastKVSession
 from kvshelf.adapters.pruning.h2o import H2O
 from kvshelf.adapters.pruning.keyformer import Keyformer
 from kvshelf.adapters.pruning.keynorm import KeyNorm
@@ -37,7 +39,8 @@ METHODS: dict[str, type] = {
 }
 
 __all__ = [
-    "METHODS", "H2O", "AttentionImplementationError", "BudgetError", "Compose", "KeyNorm", "Keyformer",
+    "METHODS", "H2O", "AttentionImplementationError", "BudgetError", "Compose", "FastKV", "FastKVSession", "KeyNorm",
+    "Keyformer",
     "LayerInputs", "PruningError", "PruningMethod", "PruningSession", "SnapKV", "StreamingLLM", "TokenSelect",
     "UnsupportedArchitectureError", "prune_cache", "resolve_budget", "scoring", "select",
 ]
