@@ -12,7 +12,9 @@ against plain HF ``generate``, its outcome compared with ``expected_pruning.EXPE
   attention weights (OLMo2's q norm before the head split, StableLM's per-head norms and partial rotary, Cohere's
   interleaved RoPE, GPT-NeoX / Phi3 / Falcon / GPT-2 fused projections, Granite's and Gemma's scalings, Gemma 2's
   soft cap);
-* positions stay absolute after a pruned prefill: ``generate`` equals a decode loop given absolute positions.
+* positions stay absolute after a pruned prefill: ``generate`` equals a decode loop given absolute positions;
+* FastKV (prefill-time, ``expected_pruning.PREFILL_METHODS``): ratio 1.0 is exact or refused before any work; ratio
+  0.5 prefills the layers after the TSP layer on half the prompt and leaves half of it in every cache layer.
 """
 
 from __future__ import annotations
@@ -21,14 +23,16 @@ import pytest
 import torch
 import transformers as tf
 from arch_rule import EXACT, REFUSED, Output, plain_generate, run_cell
-from expected_pruning import EXPECTED
+from expected_pruning import EXPECTED, PREFILL_METHODS
 from expected_pruning import METHODS as METHOD_NAMES
 from families import CONFIGS, attn_implementations, family_model
 
 from kvshelf.adapters import hf
+from kvshelf.adapters.hf.propagation import decoder_stack
 from kvshelf.adapters.pruning import (
     METHODS,
     AttentionImplementationError,
+    FastKV,
     LayerInputs,
     PruningMethod,
     SnapKV,
@@ -81,7 +85,7 @@ CELLS = [(family, name, attn) for family in CONFIGS for name in METHODS for attn
 
 def test_expected_table_covers_every_family_and_method():
     assert set(METHOD_NAMES) == set(METHODS)
-    assert set(EXPECTED) == {(family, name) for family in CONFIGS for name in METHODS}
+    assert set(EXPECTED) == {(family, name) for family in CONFIGS for name in (*METHODS, *PREFILL_METHODS)}
 
 
 @pytest.mark.parametrize(("family", "name", "attn"), CELLS)
@@ -114,6 +118,39 @@ def test_cell(family: str, name: str, attn: str) -> None:
             assert session.kept[i].shape[-1] == keep and layer.get_seq_length() == keep + NEW - 1
         else:  # a sliding-window layer is not pruned: it keeps its window
             assert hf.is_sliding_layer(layer), f"{family}: layer {i} is neither pruned nor sliding"
+
+
+FASTKV_CELLS = [(family, attn) for family in CONFIGS for attn in attn_implementations(family)]
+
+
+@pytest.mark.parametrize(("family", "attn"), FASTKV_CELLS)
+def test_fastkv_cell(family: str, attn: str) -> None:
+    """FastKV ratio 1.0 (TSP after layer 0: every later layer sees every token) exact or refused before any work;
+    ratio 0.5 runs, the later layers prefilling half the prompt and every cache layer holding half of it."""
+    model = _model(family, attn)
+    entered: list[bool] = []
+
+    def full() -> Output:
+        _, out = _generate(model, FastKV(layer=0, ratio=1.0), entered)
+        return Output(out.sequences[0, PROMPT:].tolist(), [lg[0].float() for lg in out.logits])
+
+    outcome = run_cell(model, "FastKV", full, lambda: _reference(family, attn), nothing_stored=lambda: not entered)
+    assert outcome == EXPECTED[(family, "fastkv")], f"{family}/fastkv ({attn}): {outcome}"
+    if outcome == REFUSED:
+        return
+    lengths: list[int] = []
+    layers = decoder_stack(model)[1]
+    handles = [layer.register_forward_pre_hook(lambda m, args, kw: lengths.append(int(args[0].shape[1])),
+                                               with_kwargs=True) for layer in layers]
+    try:
+        session, out = _generate(model, FastKV(layer=0, ratio=0.5, window=8), entered)
+    finally:
+        for handle in handles:
+            handle.remove()
+    keep = resolve_budget(0.5, PROMPT)
+    assert lengths[:len(layers)] == [PROMPT] + [keep] * (len(layers) - 1)
+    assert session.propagated.shape == (keep,) and out.sequences.shape == (1, PROMPT + NEW)
+    assert all(layer.get_seq_length() == keep + NEW - 1 for layer in hf.cache_layers(out.past_key_values))
 
 
 BF16_CELLS = [(family, name) for family in CONFIGS for name in METHODS if EXPECTED[(family, name)] == EXACT]

@@ -14,6 +14,12 @@ entered, before any work:
 * TokenSelect on Falcon: its attention does not call transformers' attention interface, where TokenSelect runs;
 * SnapKV on MLA decoders (DeepSeek-V2/V3, MiniCPM3): it recomputes the window's queries, which an MLA layer makes
   through its low-rank projections and a rotated slice of the head; on Llama 4, whose queries rotate as complex pairs.
+
+FastKV (``PREFILL_METHODS``: prefill-time pruning, not in ``METHODS``: its setting is a propagation ratio and a TSP
+layer, not a budget of kept tokens): "exact" means ratio 1.0 (every token propagated past the TSP layer) gives plain
+``generate``'s tokens and logits, and ratio 0.5 shortens the later layers and the cache. Refused as SnapKV is (it
+votes with SnapKV's recomputed queries), and wherever a layer is not full attention (sliding or chunked windows
+count cache slots, which dropped tokens would shift) or the decoder cannot shorten its hidden states (GPT-2).
 """
 
 from __future__ import annotations
@@ -33,6 +39,18 @@ REFUSED: dict[tuple[str, str], str] = {
                           "recompute",
 }
 
+#: prefill-time pruning methods, as the suite names them
+PREFILL_METHODS = ("fastkv",)
+
+REFUSED.update({
+    **{(family, "fastkv"): "a sliding-window layer" for family in ("mistral", "qwen2-window", "gemma2", "gemma3")},
+    **{(family, "fastkv"): "multi-head latent attention (MLA)"
+       for family in ("deepseek-v2", "deepseek-v3", "minicpm3")},
+    ("llama4", "fastkv"): "queries rotating as complex pairs, chunked attention layers",
+    ("gpt2", "fastkv"): "its decoder reshapes the last hidden states to the input's length",
+})
+
 EXPECTED: dict[tuple[str, str], str] = {
-    (family, method): "refused" if (family, method) in REFUSED else "exact" for family in CONFIGS for method in METHODS
+    (family, method): "refused" if (family, method) in REFUSED else "exact"
+    for family in CONFIGS for method in (*METHODS, *PREFILL_METHODS)
 }
