@@ -180,10 +180,14 @@ class FastKV:
         FastKV cannot do on ``model``."""
         modules = attention_modules(model, NAME, queries=True)
         types = hf.attention_layer_types(model.config)
-        others = sorted(set(types) - {hf.FULL_ATTENTION})
-        if others:
-            raise refusal(NAME, model, f"layers of types {others}: a sliding window or chunk counts cache slots, "
-                                       "which the dropped tokens would shift, and a recurrent state would skip them")
+        windows = sorted(set(types) & hf.WINDOWED_ATTENTION)
+        states = sorted(set(types) - hf.WINDOWED_ATTENTION - {hf.FULL_ATTENTION})
+        if states:
+            raise refusal(NAME, model, f"layers of types {states} keep a recurrent state, which would skip the "
+                                       "dropped tokens")
+        if windows:
+            raise refusal(NAME, model, f"layers of types {windows}: a sliding window or chunk counts cache slots, "
+                                       "which the dropped tokens would shift")
         problem = propagation.propagation_problem(model)
         if problem is not None:
             raise refusal(NAME, model, problem)

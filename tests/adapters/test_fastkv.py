@@ -11,6 +11,7 @@ import pytest
 import torch
 import transformers as tf
 from helpers import key_of
+from hybrid_families import hybrid_model
 
 from kvshelf.adapters import hf
 from kvshelf.adapters.model import tiny_llama
@@ -195,7 +196,9 @@ def test_refusals_before_any_work(model) -> None:
     qwen = tf.Qwen2ForCausalLM(tf.Qwen2Config(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, use_sliding_window=True, sliding_window=8, max_window_layers=1)).eval()
-    for other, feature in ((mistral, "sliding"), (gpt2, "reshapes"), (qwen, "sliding_attention")):
+    hybrid = hybrid_model("qwen3_5")
+    for other, feature in ((mistral, "sliding"), (gpt2, "reshapes"), (qwen, "sliding_attention"),
+                           (hybrid, "recurrent state")):
         with pytest.raises(UnsupportedArchitectureError, match=f"FastKV.*{hf.model_type(other)}.*{feature}"), \
                 FastKV(layer=0)(other):
             pytest.fail("entered")
