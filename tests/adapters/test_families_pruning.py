@@ -153,6 +153,20 @@ def test_fastkv_cell(family: str, attn: str) -> None:
     assert all(layer.get_seq_length() == keep + NEW - 1 for layer in hf.cache_layers(out.past_key_values))
 
 
+@pytest.mark.parametrize("family", [f for f in CONFIGS if EXPECTED[(f, "fastkv")] == EXACT])
+def test_fastkv_bf16_full_ratio(family: str) -> None:
+    """bf16: FastKV ratio 1.0 gives plain ``generate``'s tokens (logits within the bf16 tolerance)."""
+    attn = attn_implementations(family)[-1]
+    model = _model(family, attn, torch.bfloat16)
+
+    def full() -> Output:
+        _, out = _generate(model, FastKV(layer=0, ratio=1.0), [])
+        return Output(out.sequences[0, PROMPT:].tolist(), [lg[0].float() for lg in out.logits])
+
+    assert run_cell(model, "FastKV", full, lambda: _reference(family, attn, torch.bfloat16),
+                    dtype=torch.bfloat16) == EXACT
+
+
 BF16_CELLS = [(family, name) for family in CONFIGS for name in METHODS if EXPECTED[(family, name)] == EXACT]
 
 
