@@ -13,6 +13,10 @@ activations (SVD-LLM, Wang et al. 2024; Palu, Chang et al. 2024), i.e. the eigen
 ``[K_pre | V]`` on the calibration tokens; it needs fewer bits for the same error. The calibration text should
 look like the traffic (pass ``calibration`` token ids); without it, seeded random tokens are used (it works,
 at a worse rate).
+
+``cross_layer=True`` (XQuant-CL, ``compress.xquant_cl``): ``xquant_cl_tables`` fits, on the same calibration
+text, each layer's linear prediction from the ``depth`` layers below (ridge regression, closed loop: the layers
+below as the decoder rebuilds them at the calibration step) and the KLT basis of what is left.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from transformers import PreTrainedModel
 from kvshelf.adapters import hf
 from kvshelf.adapters.fingerprint import kv_geometry, mla_dims
 from kvshelf.compress.xquant import XQuantTables, bind_tables, keep_plan
+from kvshelf.compress.xquant_cl import XQuantCLTables, bind_cl_tables
 from kvshelf.kvstore.errors import ConfigError, UnsupportedModelError
 from kvshelf.reuse.rope import rope_cos_sin, unrope
 
@@ -122,6 +127,65 @@ def xquant_tables(
     return XQuantTables(vectors.float(), sigma.float(), inv_freq, kv_heads, head_dim, scaling)
 
 
+def _klt(resid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eigenvectors (by decreasing energy, signs fixed) ``[C, C]`` and spreads ``[C]`` of ``resid``'s
+    covariance (``resid``: ``[N, C]`` float64)."""
+    centred = resid - resid.mean(dim=0, keepdim=True)
+    cov = centred.T @ centred / resid.shape[0]
+    vectors = _fix_signs(torch.linalg.eigh(cov)[1].flip(-1))
+    return vectors, torch.einsum("ci,cd,di->i", vectors, cov, vectors).clamp_min(0).sqrt()
+
+
+def xquant_cl_tables(
+    model: PreTrainedModel, calibration: Sequence[int] | None = None, *, depth: int = 2, ridge: float = 1e-3,
+    fit_step: float = 0.35, calibration_tokens: int = 4096,
+) -> XQuantCLTables:
+    """The ``XQuantCLTables`` of ``model`` from ``calibration`` token ids (seeded random ids when None).
+
+    Per layer ``l`` (XQuant-CL, Tomar et al. 2025, on ``Z = [K_pre | V]``): a ridge regression (``ridge`` times
+    the mean diagonal of the Gram matrix) of ``Z_l`` on the ``depth`` layers below and a bias, fitted on those
+    layers as the decoder rebuilds them (their residuals quantized at ``fit_step`` in their own basis: the closed
+    loop the codec runs), then the KLT basis and spreads of the residual. ``Z``: ``[layers, N, C]``.
+    """
+    if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= 8:
+        raise ConfigError(f"xquant cross-layer depth must be an integer in 1..8, got {depth!r}")
+    if not ridge >= 0 or not fit_step > 0:
+        raise ConfigError(f"xquant cross-layer ridge must be >= 0 and fit_step > 0, got {ridge!r}, {fit_step!r}")
+    if mla_dims(model.config) is not None:
+        raise UnsupportedModelError("xquant does not support multi-head latent attention (MLA) models")
+    layers, kv_heads, head_dim = kv_geometry(model)
+    inv_freq, scaling = _rotary(model)
+    if calibration is None:
+        vocab = model.config.get_text_config(decoder=True).vocab_size
+        gen = torch.Generator().manual_seed(_SEED)
+        calibration = torch.randint(0, vocab, (calibration_tokens,), generator=gen).tolist()
+    z = _latents(model, list(calibration)[:calibration_tokens], inv_freq, scaling)  # [L, N, C]
+    n, width = z.shape[1], z.shape[2]
+    predict = torch.zeros(layers, depth * width + 1, width, dtype=torch.float64)
+    bases, sigmas, rebuilt = [], [], []
+    for layer in range(layers):
+        below = min(depth, layer)
+        if below:
+            x = torch.cat([rebuilt[layer - 1 - d] for d in range(below)] + [torch.ones(n, 1, dtype=z.dtype)], 1)
+            gram = x.T @ x
+            penalty = ridge * gram.diagonal()[:-1].mean()
+            gram[range(below * width), range(below * width)] += penalty
+            weights = torch.linalg.solve(gram, x.T @ z[layer])  # [below * C + 1, C]
+            predict[layer, : below * width], predict[layer, -1] = weights[:-1], weights[-1]
+            pred = x @ weights
+        else:
+            pred = torch.zeros_like(z[layer])
+        vectors, sigma = _klt(z[layer] - pred)
+        bases.append(vectors)
+        sigmas.append(sigma)
+        latent = (z[layer] - pred) @ vectors
+        mean = latent.mean(dim=0)
+        rebuilt.append((torch.round((latent - mean) / fit_step) * fit_step + mean) @ vectors.T + pred)
+    tables = XQuantTables(torch.stack(bases).float(), torch.stack(sigmas).float(), inv_freq, kv_heads, head_dim,
+                          scaling)
+    return XQuantCLTables(tables, predict.float(), depth)
+
+
 def bind_xquant(model: PreTrainedModel, calibration: Sequence[int] | None = None, *, basis: str = "klt") -> str:
     """Compute and bind the tables of ``model`` (cached on the model per basis and calibration); return their
     digest."""
@@ -134,11 +198,32 @@ def bind_xquant(model: PreTrainedModel, calibration: Sequence[int] | None = None
     return bind_tables(tables)
 
 
+def bind_xquant_cl(model: PreTrainedModel, calibration: Sequence[int] | None = None, *, depth: int = 2) -> str:
+    """Compute and bind the cross-layer tables of ``model`` (cached on the model per depth and calibration);
+    return their digest."""
+    ids = np.asarray(list(calibration) if calibration is not None else [], dtype=np.int64)
+    key = (depth, calibration is None, hashlib.blake2b(ids.tobytes(), digest_size=16).hexdigest())
+    cache: dict[tuple[int, bool, str], XQuantCLTables] = model.__dict__.setdefault("_kvshelf_xquant_cl", {})
+    tables = cache.get(key)
+    if tables is None:
+        tables = cache[key] = xquant_cl_tables(model, calibration, depth=depth)
+    return bind_cl_tables(tables)
+
+
 def xquant_params(
-    model: PreTrainedModel, calibration: Sequence[int] | None = None, *, basis: str = "klt", **codec_params: Any
+    model: PreTrainedModel, calibration: Sequence[int] | None = None, *, basis: str = "klt", depth: int = 2,
+    **codec_params: Any,
 ) -> dict[str, Any]:
     """Codec parameters for ``xquant`` on ``model`` (its tables computed and bound, and the decode plan of these
-    parameters built and kept: ``compress.xquant.keep_plan``); ``codec_params`` are added."""
+    parameters built and kept: ``compress.xquant.keep_plan``); ``codec_params`` are added. With
+    ``cross_layer=True`` among them: the cross-layer tables of ``depth`` (``xquant_cl_tables``; ``basis`` must be
+    ``"klt"``)."""
+    if codec_params.get("cross_layer") is True:
+        if basis != "klt":
+            raise ConfigError(f"xquant cross_layer uses the residuals' KLT basis, not basis={basis!r}")
+        params = {"model": bind_xquant_cl(model, calibration, depth=depth), **codec_params}
+        keep_plan(params)
+        return params
     params = {"model": bind_xquant(model, calibration, basis=basis), **codec_params}
     keep_plan(params)
     return params

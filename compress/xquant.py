@@ -258,7 +258,7 @@ def keep_plan(params: Mapping[str, Any]) -> None:
     process's life (until ``unbind_tables``): this process's own configuration, never evicted by blocks that
     name other parameters, and never counted in a block's decode cost."""
     codec = XQuantCodec(**params)
-    key = (codec.model, float(codec.step), float(codec.key_step_scale), float(codec.drop_below))
+    key = codec._plan_key()
     plan = codec._plan()
     with _PLANS_LOCK:
         _KEPT_PLANS[key] = plan
@@ -410,7 +410,10 @@ class XQuantCodec(Codec):
     Parameters: ``model``, the digest of bound ``XQuantTables`` (from ``adapters.xquant.xquant_params``);
     ``step`` (> 0) the latent quantization step; ``key_step_scale`` (> 0) the step factor of key components;
     ``drop_below`` (>= 0) the calibration spread, in steps, below which a component is not stored;
-    ``max_sinks`` (0..64) and ``sink_ratio`` (> 1) of the fp16 sink tokens.
+    ``max_sinks`` (0..64) and ``sink_ratio`` (> 1) of the fp16 sink tokens; ``cross_layer`` (XQuant-CL,
+    ``compress.xquant_cl``): each layer's latent predicted from the rebuilt layers below it, only the residual
+    stored (``model`` is then the digest of bound ``XQuantCLTables``; ``matmul`` is not used: the rebuild is
+    float32, layer by layer). Left out of ``params()`` when False, so those blocks' headers are unchanged.
     """
 
     name: ClassVar[str] = NAME
@@ -423,6 +426,13 @@ class XQuantCodec(Codec):
     max_sinks: int = 2
     sink_ratio: float = 4.0
     matmul: str = "int8"
+    cross_layer: bool = False
+
+    def params(self) -> dict[str, Any]:
+        params = super().params()
+        if not self.cross_layer:
+            del params["cross_layer"]
+        return params
 
     def __post_init__(self) -> None:
         bad = []
@@ -445,10 +455,21 @@ class XQuantCodec(Codec):
             bad.append(f"matmul={self.matmul!r} ('bf16', 'fp32' or 'int8')")
         if isinstance(self.max_sinks, bool) or not isinstance(self.max_sinks, int) or not 0 <= self.max_sinks <= 64:
             bad.append(f"max_sinks={self.max_sinks!r} (an integer in 0..64)")
+        if not isinstance(self.cross_layer, bool):
+            bad.append(f"cross_layer={self.cross_layer!r} (True or False)")
         if bad:
             raise CodecParamError(f"codec {NAME!r}: invalid parameter(s): {', '.join(bad)}")
 
     # ----------------------------------------------------------------------------------------------- helpers
+    def _layer_digest(self) -> str:
+        """The digest of the per-layer ``XQuantTables`` (``cross_layer``: those inside the bound cross-layer
+        tables)."""
+        if self.cross_layer:
+            from kvshelf.compress import xquant_cl
+
+            return xquant_cl.bound_cl_tables(self.model).layer.digest
+        return self.model
+
     def _tables(self, shape: tuple[int, int, int, int]) -> XQuantTables:
         tables = bound_tables(self.model)
         layers, heads, _, dim = shape
@@ -460,8 +481,11 @@ class XQuantCodec(Codec):
                                   f"kv heads x {tables.head_dim}, the block is {layers} x {heads} x {dim}")
         return tables
 
+    def _plan_key(self) -> _PlanKey:
+        return (self._layer_digest(), float(self.step), float(self.key_step_scale), float(self.drop_below))
+
     def _plan(self) -> _Plan:
-        return _plan(self.model, float(self.step), float(self.key_step_scale), float(self.drop_below))
+        return _plan(*self._plan_key())
 
     @classmethod
     def decode_workspace_bytes(
@@ -474,7 +498,14 @@ class XQuantCodec(Codec):
         bytes); plus the plan when the block's parameters have none built yet (``plan_build_bytes``: the bound
         model's size, not the block's), RoPE tables and the fp16 sinks. Tables not bound, or of another layout:
         the decode is refused before any allocation."""
-        tables = _BOUND.get(str(params.get("model", "")))
+        digest = str(params.get("model", ""))
+        cross = params.get("cross_layer", False) is True
+        if cross:
+            from kvshelf.compress import xquant_cl
+
+            cl_tables = xquant_cl._BOUND.get(digest)
+            digest = cl_tables.layer.digest if cl_tables is not None else ""
+        tables = _BOUND.get(digest)
         layers, heads, tokens, dim = shape
         if tables is None or (layers, heads, dim) != (tables.layers, tables.kv_heads, tables.head_dim):
             return 0
@@ -482,6 +513,9 @@ class XQuantCodec(Codec):
         key = (tables.digest, float(params["step"]), float(params["key_step_scale"]), float(params["drop_below"]))
         plan = 0 if _plan_ready(key) else plan_build_bytes(tables)
         write = 13 * e + e + 60 * e + 36 * per_layer
+        if cross:  # the rebuilt latents of every layer (float32), the symbols and the prediction of one layer
+            cl_depth = cl_tables.depth if cl_tables is not None else 1
+            write += 4 * layers * per_layer + (16 + 4 * cl_depth) * per_layer
         sinks = 2 * layers * heads * int(params["max_sinks"]) * dim * (2 + 4)
         return max(18 * e, write) + plan + sinks + 8 * tokens * dim + 8 * layers * tables.width
 
@@ -499,6 +533,10 @@ class XQuantCodec(Codec):
             raise CodecParamError(f"xquant: keys {tuple(keys.shape)} and values {tuple(values.shape)} must both be "
                                   "[layers, kv_heads, tokens, head_dim] of one head dim (xquant cannot hold an MLA "
                                   "block, whose keys and values differ in head dim)")
+        if self.cross_layer:
+            from kvshelf.compress import xquant_cl
+
+            return xquant_cl.encode(self, keys, values, start_pos)
         shape = tuple(int(s) for s in keys.shape)
         tables = self._tables(shape)  # type: ignore[arg-type]
         layers, heads, tokens, dim = shape
@@ -560,6 +598,10 @@ class XQuantCodec(Codec):
         verified: bool = False,
     ) -> XQuantPayload:
         """Check the payload and entropy-decode its symbols; the matrix products wait for ``write``."""
+        if self.cross_layer:
+            from kvshelf.compress import xquant_cl
+
+            return xquant_cl.prepare(self, payload, shape, start_pos, verified=verified)  # type: ignore[return-value]
         tables = self._tables(shape)
         layers, heads, tokens, dim = shape
         plan = self._plan()
