@@ -110,6 +110,17 @@ def state_key(boundary_key: bytes) -> BlockKey:
     return BlockKey(_digest(b"state", boundary_key))
 
 
+def layer_block_key(block: bytes, layer: int) -> BlockKey:
+    """Key of one layer's part of a chained block (tier-backed sparse attention stores each layer's KV of a block
+    apart, so that a layer fetches only what it attends to): ``H("layer", key, layer)`` of the block's chained key.
+    It names the same prefix, model and namespace as the block's key, and never collides with a block key."""
+    if not isinstance(block, bytes) or len(block) != KEY_BYTES:
+        raise ConfigError(f"a layer block key derives from a {KEY_BYTES}-byte block key")
+    if layer < 0:
+        raise ConfigError(f"layer must be >= 0, got {layer}")
+    return BlockKey(_digest(b"layer", block, int(layer).to_bytes(4, "little")))
+
+
 #: the ``KVBlock.extra`` entry naming a prefix block's parent key (hex) in its chain: set by the generate adapter,
 #: passed on by the service in the block's BlockStored events (``service/events.py``)
 PARENT_EXTRA = "parent"

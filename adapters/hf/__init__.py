@@ -104,6 +104,7 @@ from kvshelf.adapters.hf.modules import (
     self_attention_modules,
     uses_attention_interface,
 )
+from kvshelf.adapters.hf.owned import LayerOwner, OwnedLayer
 from kvshelf.adapters.hf.prefill import NOT_PREFILLED, Prefill, prefilled
 from kvshelf.adapters.hf.queries import attention_queries, query_path
 from kvshelf.adapters.hf.rope import Rotary, position_embeddings, rope_layer_types, rotaries, rotary
@@ -111,7 +112,8 @@ from kvshelf.adapters.hf.version import TESTED_VERSION
 
 __all__ = [
     "ATTENTION_MODULE_FIELDS", "DEFAULT_HEADROOM", "DISPATCH", "TESTED_VERSION", "BaseStreamer", "DynamicLayer",
-    "DynamicSlidingWindowLayer", "GrowingLayer", "Rotary", "attention_hook_inputs", "attention_implementation",
+    "DynamicSlidingWindowLayer", "GrowingLayer", "LayerOwner", "OwnedLayer", "Rotary", "attention_hook_inputs",
+    "attention_implementation",
     "attention_scope", "attention_modules", "attn_implementation", "cache_bytes", "cache_from_tensors", "cache_layers",
     "cache_of_layers", "cache_tensors", "decoder", "decoder_layers", "dequantize_cache", "fill_layer", "final_norm",
     "full_attention_layers", "input_embeddings", "kv_projection_weights", "layer_tensors", "lm_logits",
