@@ -47,6 +47,7 @@ class TierSparse:
     segment: int = 64
     resident_bytes: int | str = "24MiB"
     max_tokens: int | None = None  # default: the model's max_position_embeddings
+    hot_bytes: int | str | None = None  # at most this much of resident_bytes for hot blocks (None: all that is left)
     store_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
@@ -60,6 +61,8 @@ class TierSparse:
             raise ResidentBudgetError(f"TierSparse store_dtype must be float32, float16 or bfloat16, got "
                                       f"{self.store_dtype}")
         self.resident_limit  # noqa: B018 (parses it now: a bad size is an error at construction)
+        if self.hot_bytes is not None:
+            parse_size(self.hot_bytes, "hot_bytes")
 
     @property
     def resident_limit(self) -> int:

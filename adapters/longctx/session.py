@@ -32,6 +32,7 @@ from kvshelf.adapters.longctx.errors import BlockLostError, ContextTooLongError,
 from kvshelf.adapters.longctx.hot import HotBlocks
 from kvshelf.adapters.longctx.summary import BlockSummaries
 from kvshelf.kvstore.block import KVBlock
+from kvshelf.kvstore.embedded import parse_size
 from kvshelf.kvstore.keys import block_key, layer_block_key
 from kvshelf.kvstore.protocol import BlockStore, namespace_of
 
@@ -101,7 +102,10 @@ class SparseSession:
                 f"({method.window}), segment ({method.segment}) and block summaries of {len(layers)} layers up to "
                 f"{self.max_tokens:,} tokens plus one layer's fetch: they need {fixed:,} bytes; raise resident_bytes "
                 "or lower window / segment / top_blocks / max_tokens")
-        self.hot = HotBlocks(method.resident_limit - fixed)
+        left = method.resident_limit - fixed
+        if method.hot_bytes is not None:
+            left = min(left, parse_size(method.hot_bytes, "hot_bytes"))
+        self.hot = HotBlocks(left)
         self._fixed = fixed
         self._tokens: list[int] = []  # every token the layers have seen
         self._chain: list[bytes] = []  # chained key of each block (block i: tokens after the sinks)
