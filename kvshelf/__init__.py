@@ -72,6 +72,11 @@ _EXPORTS: dict[str, str] = {
     "FastKV": "kvshelf.adapters.pruning",
     "Compose": "kvshelf.adapters.pruning",
     "PRUNING_METHODS": "kvshelf.adapters.pruning",
+    # long contexts beyond memory
+    "TierSparse": "kvshelf.adapters.longctx.method",
+    "LongContextError": "kvshelf.adapters.longctx.errors",
+    "ResidentBudgetError": "kvshelf.adapters.longctx.errors",
+    "BlockLostError": "kvshelf.adapters.longctx.errors",
     # errors: one tree under KVShelfError
     "KVShelfError": "kvshelf.kvstore.errors",
     "ConfigError": "kvshelf.kvstore.errors",
@@ -121,7 +126,8 @@ __all__ = [  # the literal list static tools read; a test checks it against _EXP
     "BlockStore", "open_embedded_store", "TieredStore", "TierSpec", "KVBlock", "prefix_block_keys",
     "RemoteStore", "WriteBehind",
     "available_codecs", "get_codec", "StreamingLLM", "H2O", "Keyformer", "SnapKV", "KeyNorm", "TokenSelect", "Compose",
-    "FastKV", "PRUNING_METHODS", "KVShelfError", "ConfigError", "UnknownCodecError", "CodecParamError",
+    "FastKV", "PRUNING_METHODS", "TierSparse", "LongContextError", "ResidentBudgetError", "BlockLostError",
+    "KVShelfError", "ConfigError", "UnknownCodecError", "CodecParamError",
     "CorruptBlockError",
     "ForeignBlockError", "StoreFullError", "TierUnavailableError", "WriteBehindError", "UnsupportedModelError",
     "ModelLoadError", "ReuseError", "SchemaError", "UnknownModuleError", "UnknownParameterError",
@@ -151,6 +157,8 @@ if TYPE_CHECKING:  # what static type checkers and IDEs see
     from kvshelf.adapters.export import CachedPrefix, cached_prefix
     from kvshelf.adapters.fingerprint import model_fingerprint
     from kvshelf.adapters.generate import CachedGenerator, GenerationResult
+    from kvshelf.adapters.longctx import TierSparse
+    from kvshelf.adapters.longctx.errors import BlockLostError, LongContextError, ResidentBudgetError
     from kvshelf.adapters.model import load_model, tiny_llama
     from kvshelf.adapters.prompt_modules import ModuleResult, PromptModuleGenerator
     from kvshelf.adapters.pruning import H2O, Compose, FastKV, Keyformer, KeyNorm, SnapKV, StreamingLLM, TokenSelect

@@ -2,12 +2,11 @@
 
 from kvshelf.adapters.longctx.errors import (
     BlockLostError,
-    ContextTooLongError,
     LongContextError,
     ResidentBudgetError,
 )
 from kvshelf.adapters.longctx.method import TierSparse
 from kvshelf.adapters.longctx.session import SparseSession, SparseStats
 
-__all__ = ["BlockLostError", "ContextTooLongError", "LongContextError", "ResidentBudgetError", "SparseSession",
+__all__ = ["BlockLostError", "LongContextError", "ResidentBudgetError", "SparseSession",
            "SparseStats", "TierSparse"]

@@ -13,10 +13,6 @@ class ResidentBudgetError(LongContextError, ConfigError):
     """The resident memory setting cannot hold the sinks, the window and the per-layer working set."""
 
 
-class ContextTooLongError(LongContextError, ConfigError):
-    """A context longer than the model's positions (or than the session was sized for)."""
-
-
 class BlockLostError(LongContextError):
     """A block the attention selected is gone from the store (evicted, damaged, or another model's): the call
     fails rather than attend to anything else."""

@@ -47,6 +47,7 @@ class TierSparse:
     segment: int = 64
     resident_bytes: int | str = "24MiB"
     max_tokens: int | None = None  # default: the model's max_position_embeddings
+    per_head: bool = False  # each KV head selects its own blocks (their union is fetched) or the layer selects once
     hot_bytes: int | str | None = None  # at most this much of resident_bytes for hot blocks (None: all that is left)
     store_dtype: torch.dtype | None = None
 
@@ -71,7 +72,7 @@ class TierSparse:
     def tag(self) -> str:
         """What the stored KV depends on besides the tokens (a prefill attends sparsely): part of its keys."""
         return (f"tiersparse/v1/b{self.block_tokens}/k{self.top_blocks}/s{self.sinks}/w{self.window}/"
-                f"g{self.segment}/{self.store_dtype}")
+                f"g{self.segment}/h{int(self.per_head)}/{self.store_dtype}")
 
     @contextmanager
     def session(self, model: Any, store: BlockStore, *, namespace: str | None = None) -> Iterator[SparseSession]:

@@ -28,13 +28,14 @@ import torch.nn.functional as F
 
 from kvshelf.adapters.fingerprint import model_fingerprint
 from kvshelf.adapters.hf import OwnedLayer, cache_of_layers
-from kvshelf.adapters.longctx.errors import BlockLostError, ContextTooLongError, LongContextError, ResidentBudgetError
+from kvshelf.adapters.longctx.errors import BlockLostError, LongContextError, ResidentBudgetError
 from kvshelf.adapters.longctx.hot import HotBlocks
 from kvshelf.adapters.longctx.summary import BlockSummaries
 from kvshelf.kvstore.block import KVBlock
 from kvshelf.kvstore.embedded import parse_size
 from kvshelf.kvstore.keys import block_key, layer_block_key
 from kvshelf.kvstore.protocol import BlockStore, namespace_of
+from kvshelf.reuse.errors import ContextTooLongError
 
 if TYPE_CHECKING:
     from kvshelf.adapters.longctx.method import TierSparse
@@ -123,7 +124,7 @@ class SparseSession:
     def _working_set_bytes(self) -> int:
         """One layer's fetch at most: the union of every head's top blocks (store dtype) and their gathered copy."""
         top = min(self.method.top_blocks, self.max_blocks)
-        union = min(self.kv_heads * top, self.max_blocks)
+        union = min(self.kv_heads * top, self.max_blocks) if self.method.per_head else top
         return union * self._block_bytes(self.store_dtype) + top * self._block_bytes(self.dtype)
 
     def _note_resident(self, transient: int) -> None:
@@ -215,13 +216,19 @@ class SparseSession:
         if blocks:
             k = min(m.top_blocks, blocks)
             votes = self.summaries.votes(slot, blocks, query[0], scaling)  # [h, blocks]
-            chosen = torch.topk(votes, k, dim=-1).indices.sort(dim=-1).values  # [h, k]
-            union = torch.unique(chosen)  # sorted
-            fetched_k, fetched_v = self._fetch(layer, slot, union.tolist())  # [u, h, B, d]
-            where = torch.searchsorted(union, chosen)  # [h, k]
-            heads = torch.arange(self.kv_heads).unsqueeze(1)
-            sel_k = fetched_k[where, heads].to(self.dtype)  # [h, k, B, d]
-            sel_v = fetched_v[where, heads].to(self.dtype)
+            if m.per_head:  # each head its own top k; the union is fetched
+                chosen = torch.topk(votes, k, dim=-1).indices.sort(dim=-1).values  # [h, k]
+                union = torch.unique(chosen)  # sorted
+                fetched_k, fetched_v = self._fetch(layer, slot, union.tolist())  # [u, h, B, d]
+                where = torch.searchsorted(union, chosen)  # [h, k]
+                heads = torch.arange(self.kv_heads).unsqueeze(1)
+                sel_k = fetched_k[where, heads].to(self.dtype)  # [h, k, B, d]
+                sel_v = fetched_v[where, heads].to(self.dtype)
+            else:  # one top k for the layer (the heads' votes summed): k blocks fetched
+                chosen = torch.topk(votes.sum(0), k).indices.sort().values  # [k]
+                fetched_k, fetched_v = self._fetch(layer, slot, chosen.tolist())  # [k, h, B, d]
+                sel_k = fetched_k.transpose(0, 1).to(self.dtype)  # [h, k, B, d]
+                sel_v = fetched_v.transpose(0, 1).to(self.dtype)
             parts_k.append(sel_k.reshape(1, self.kv_heads, k * m.block_tokens, -1))
             parts_v.append(sel_v.reshape(1, self.kv_heads, k * m.block_tokens, -1))
             self._note_resident(fetched_k.nbytes + fetched_v.nbytes + sel_k.nbytes + sel_v.nbytes)

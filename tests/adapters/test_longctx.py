@@ -17,7 +17,6 @@ from redis_servers import redis_server  # noqa: F401 - a fixture
 
 from kvshelf.adapters.longctx import (
     BlockLostError,
-    ContextTooLongError,
     LongContextError,
     ResidentBudgetError,
     TierSparse,
@@ -27,6 +26,7 @@ from kvshelf.kvstore.block import KVBlock
 from kvshelf.kvstore.errors import ConfigError
 from kvshelf.kvstore.redis_tier import RedisTier
 from kvshelf.kvstore.store import TierSpec
+from kvshelf.reuse.errors import ContextTooLongError
 from kvshelf.service.client import RemoteStore
 from kvshelf.service.server import ServerLimits, start_server
 
