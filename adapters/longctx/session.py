@@ -321,6 +321,9 @@ class SparseSession:
             return []
         if not question and self._last_logits is None:
             raise LongContextError("generate after generate or nll needs question tokens")
+        if len(self._tokens) + len(question) + max_new_tokens - 1 > self.max_tokens:
+            raise ContextTooLongError(f"{len(self._tokens):,} tokens of context, {len(question):,} of question and "
+                                      f"{max_new_tokens} new exceed the model's {self.max_tokens:,} positions")
         began = time.perf_counter()
         logits = self._run(list(question))[-1] if question else self._last_logits
         token = int(torch.argmax(logits))

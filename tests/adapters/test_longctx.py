@@ -141,6 +141,9 @@ def test_context_longer_than_the_model_positions(model, tmp_path) -> None:  # no
         with pytest.raises(ContextTooLongError, match="4,097 tokens .* 4,096 positions"):
             session.prefill([5] * 4097)
         assert session.stats.stored_blocks == 0
+        session.prefill(IDS[:CONTEXT])
+        with pytest.raises(ContextTooLongError, match="150 tokens of context, 5 of question and 4000 new"):
+            session.generate(IDS[CONTEXT:], 4000)
 
 
 @pytest.mark.parametrize("how", ["deleted", "damaged", "foreign"])
