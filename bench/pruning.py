@@ -262,12 +262,15 @@ with torch.inference_mode():
             break
         if op == "case":
             ids = cmd["ids"]
+            t0 = time.perf_counter()
             last, caches = prefill(ids)
+            ttft = time.perf_counter() - t0  # one prefill for every press (each press's compress included)
             answer = {}
             for k, layers in caches.items():
                 cache = fresh(layers)
-                out, _ = decode(cache, int(last.argmax()), len(ids), cmd["new_tokens"] - 1)
-                answer[k] = {"out": out, "kv": sum(int(l.keys.nbytes + l.values.nbytes) for l in cache.layers)}
+                out, secs = decode(cache, int(last.argmax()), len(ids), cmd["new_tokens"] - 1)
+                answer[k] = {"out": out, "kv": sum(int(l.keys.nbytes + l.values.nbytes) for l in cache.layers),
+                             "ttft": ttft, "secs": secs, "kept": sum(kk.shape[-2] for kk, _ in layers) / len(layers)}
             reply(answer)
         elif op == "window":
             ids, p = cmd["ids"], cmd["prefill"]
@@ -276,6 +279,21 @@ with torch.inference_mode():
             for k, layers in caches.items():
                 logits = torch.cat([last.unsqueeze(0), step(torch.tensor([ids[p:-1]]), fresh(layers), p)[0]]).float()
                 answer[k] = float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[p:])))
+            reply(answer)
+        elif op == "window_top1":  # bench longctx: NLL and top-1 accuracy of ids[p:], with timings
+            ids, p = cmd["ids"], cmd["prefill"]
+            t0 = time.perf_counter()
+            last, caches = prefill(ids[:p])
+            ttft = time.perf_counter() - t0
+            answer = {}
+            for k, layers in caches.items():
+                t1 = time.perf_counter()
+                logits = torch.cat([last.unsqueeze(0), step(torch.tensor([ids[p:-1]]), fresh(layers), p)[0]]).float()
+                secs = time.perf_counter() - t1
+                target = torch.tensor(ids[p:])
+                answer[k] = {"nll": float(torch.nn.functional.cross_entropy(logits, target)),
+                             "top1": float((logits.argmax(-1) == target).float().mean()), "ttft": ttft, "secs": secs,
+                             "kept": sum(kk.shape[-2] for kk, _ in layers) / len(layers)}
             reply(answer)
         elif op == "prepare":
             last, caches = prefill(cmd["ids"])

@@ -41,6 +41,7 @@ for _name, _command in (
     ("rag-chain", bench_models.bench_rag_chain),
     ("serve", bench_models.bench_serve),
     ("pruning", bench_models.bench_pruning),
+    ("longctx", bench_models.bench_longctx),
     ("codecs", bench_models.bench_codecs),
     ("mla", bench_models.bench_mla),
     ("gpu", bench_models.bench_gpu),

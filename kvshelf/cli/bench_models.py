@@ -1,4 +1,5 @@
-"""The benchmarks that run a model: ``kvshelf bench ttft | rag | rag-chain | serve | pruning | codecs | mla | gpu``."""
+"""The benchmarks that run a model: ``kvshelf bench ttft | rag | rag-chain | serve | pruning | longctx | codecs | mla |
+gpu``."""
 
 from __future__ import annotations
 
@@ -166,6 +167,49 @@ def bench_pruning(
     run(json_path=str(json_path) if json_path else None, corpus=str(chosen) if chosen else None, cases=cases,
         windows=windows, model_name=model, kvpress=kvpress, kvpress_venv=str(kvpress_venv) if kvpress_venv else None,
         methods=only, console=console)
+
+
+def bench_longctx(
+    json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+    corpus: Annotated[Path | None, typer.Option(help="JSONL of {title, abstract}: the haystack")] = None,
+    tasks: Annotated[str | None, typer.Option(
+        help="comma-separated: niah_single, niah_multikey, niah_multivalue, niah_multiquery, vt, cwe, fwe, qa, ppl "
+             "(default with no --lengths: every task at 4K, the needle tasks and ppl at 8K)")] = None,
+    lengths: Annotated[str | None, typer.Option(help="comma-separated lengths in tokens, up to 8192")] = None,
+    methods: Annotated[str | None, typer.Option(
+        help="comma-separated kvshelf methods (default: all); full and the kvpress presses always run")] = None,
+    budgets: Annotated[str, typer.Option(help="comma-separated fractions of the context's KV kept")] = "0.25,0.125",
+    samples: Annotated[int, typer.Option(min=1, help="samples per task and length")] = 2,
+    new_tokens: Annotated[int | None, typer.Option(
+        min=1, help="greedy tokens per answer (default: each task's own)")] = None,
+    kvpress: Annotated[bool, typer.Option(help="run NVIDIA kvpress's presses in their own virtualenv")] = True,
+    kvpress_venv: Annotated[Path | None, typer.Option(
+        help="kvpress's virtualenv, created on first use (default: $KVSHELF_KVPRESS_VENV, else venv-kvpress under "
+             "$KVSHELF_CACHE)")] = None,
+    model: ModelOpt = "smollm2-135m",
+) -> None:
+    """RULER-style long-context accuracy (needles, variable tracking, word extraction, QA, perplexity) of every
+    pruning and selection method, kvpress, fastkv and tier-sparse against the fraction of KV kept."""
+    import sys
+
+    from kvshelf.bench.longctx import check_plan, plan_of, run
+    from kvshelf.kvstore.errors import KVShelfError
+
+    def names(text: str | None) -> tuple[str, ...] | None:
+        return None if text is None else tuple(x.strip() for x in text.split(",") if x.strip())
+
+    try:
+        chosen_budgets = tuple(float(b) for b in budgets.split(","))
+    except ValueError:
+        raise KVShelfError(f"--budgets must be comma-separated fractions, got {budgets!r}") from None
+    chosen_tasks, chosen_methods = names(tasks), names(methods)
+    chosen_lengths = ints(lengths, "--lengths") if lengths is not None else None
+    check_plan(plan_of(chosen_tasks, chosen_lengths), chosen_budgets, samples, chosen_methods)
+    chosen = corpus_path(corpus)
+    run(json_path=str(json_path) if json_path else None, corpus=str(chosen) if chosen else None, tasks=chosen_tasks,
+        lengths=chosen_lengths, methods=chosen_methods, budgets=chosen_budgets, samples=samples,
+        new_tokens=new_tokens, kvpress=kvpress, kvpress_venv=str(kvpress_venv) if kvpress_venv else None,
+        model_name=model, command="kvshelf bench longctx " + " ".join(sys.argv[3:]), console=console)
 
 
 def bench_codecs(
