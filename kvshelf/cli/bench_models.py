@@ -179,7 +179,7 @@ def bench_longctx(
     methods: Annotated[str | None, typer.Option(
         help="comma-separated kvshelf methods (default: all); full and the kvpress presses always run")] = None,
     budgets: Annotated[str, typer.Option(help="comma-separated fractions of the context's KV kept")] = "0.25,0.125",
-    samples: Annotated[int, typer.Option(min=1, help="samples per task and length")] = 2,
+    samples: Annotated[int, typer.Option(min=1, help="samples per task and length")] = 1,
     new_tokens: Annotated[int | None, typer.Option(
         min=1, help="greedy tokens per answer (default: each task's own)")] = None,
     kvpress: Annotated[bool, typer.Option(help="run NVIDIA kvpress's presses in their own virtualenv")] = True,
