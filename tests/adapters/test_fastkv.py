@@ -220,14 +220,14 @@ def test_hooks_are_gone_after_the_block(model) -> None:
 
 @pytest.mark.slow
 def test_smollm2_finds_the_needle_after_propagating_a_fifth(smollm2, texts) -> None:
-    """The real model: a needle in ~1,300 tokens survives propagating 20% of them past layer 10 of 30 (its
-    answer is the full prefill's)."""
+    """The real model: a needle in ~1,300 tokens survives propagating 20% of them past layer 20 of 30 (SmolLM2's
+    votes find needles from about layer 17 on, not before: docs/pruning.md)."""
     from kvshelf.bench.pruning import needle_cases
 
     model, tokenizer = smollm2
     case = needle_cases(tokenizer, texts, 1)[0]
     ids = torch.tensor([case["ids"]])
-    with torch.inference_mode(), FastKV(layer=10, ratio=0.2)(model) as session:
+    with torch.inference_mode(), FastKV(layer=20, ratio=0.2)(model) as session:
         out = model.generate(ids, max_new_tokens=6, **GEN)
     assert len(session.propagated) == -(-ids.shape[1] // 5)
     assert case["code"] in tokenizer.decode(out[0, ids.shape[1]:])
