@@ -136,7 +136,10 @@ class FastKV:
 
     Args:
         layer: the TSP layer (0-based): layers ``0..layer`` prefill the whole prompt, the later ones only the
-            propagated tokens. ``None``: a third of the depth (``layers // 3``; SmolLM2-135M: 10 of 30).
+            propagated tokens. ``None``: two thirds of the depth (``2 * layers // 3``, at most ``layers - 2``;
+            SmolLM2-135M: 20 of 30). Measured on SmolLM2 at 4K tokens: the window's vote puts a needle among the
+            best 20% in 10 of 10 cases at layer 20, 6 of 10 at layers 15-18, at most 1 of 10 up to layer 13;
+            the paper's half depth (Llama-3.1-8B: 15 of 32) suits larger models.
         ratio: the propagated tokens: a ratio of the prompt in ``(0, 1]`` or a token count (the paper's TSP rate).
         budget: the KV cache's tokens per layer and head: ``None`` keeps the propagated tokens in every layer;
             a ratio of the prompt or a count keeps ``min(budget, propagated)`` by each layer's own SnapKV vote.
@@ -169,7 +172,7 @@ class FastKV:
 
     def tsp_layer(self, layers: int) -> int:
         """The TSP layer of a model of ``layers`` decoder layers; ``ConfigError`` when no layer would follow it."""
-        layer = layers // 3 if self.layer is None else self.layer
+        layer = min(2 * layers // 3, layers - 2) if self.layer is None else self.layer
         if not 0 <= layer <= layers - 2:
             raise ConfigError(f"FastKV's TSP layer must be in [0, {layers - 2}] for a model of {layers} decoder "
                               f"layers (the layers after it prefill the propagated tokens), got {layer}")

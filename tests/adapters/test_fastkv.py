@@ -181,6 +181,12 @@ def test_bad_settings_raise_when_made(kwargs: dict, error: type, match: str) -> 
         FastKV(**kwargs)
 
 
+def test_default_tsp_layer_is_two_thirds_of_the_depth(model) -> None:
+    assert [FastKV().tsp_layer(n) for n in (2, 3, 4, 30, 32)] == [0, 1, 2, 20, 21]
+    with FastKV()(model) as session:
+        assert session.layer == 2
+
+
 def test_refusals_before_any_work(model) -> None:
     with pytest.raises(ConfigError, match=r"TSP layer must be in \[0, 2\].*got 3"), FastKV(layer=3)(model):
         pytest.fail("entered")
