@@ -132,7 +132,7 @@ def _klt(resid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     covariance (``resid``: ``[N, C]`` float64)."""
     centred = resid - resid.mean(dim=0, keepdim=True)
     cov = centred.T @ centred / resid.shape[0]
-    vectors = _fix_signs(torch.linalg.eigh(cov)[1].flip(-1))
+    vectors = _fix_signs(torch.linalg.eigh(cov)[1].flip(-1)[None])[0]  # [1, C, C]: signs per column
     return vectors, torch.einsum("ci,cd,di->i", vectors, cov, vectors).clamp_min(0).sqrt()
 
 

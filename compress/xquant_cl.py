@@ -194,18 +194,16 @@ def _shape_of(tables: XQuantCLTables, shape: tuple[int, ...]) -> None:
                               f"{base.kv_heads} kv heads x {base.head_dim}, the block is {layers} x {heads} x {dim}")
 
 
-def _sinks(z: torch.Tensor, max_sinks: int, ratio: float) -> torch.Tensor:
-    """Token indices (int64, sorted) of ``z`` ``[layers, T, C]`` whose energy about the block's median, in units of
-    each component's median absolute deviation, is ``ratio`` x the median token's or more (at most ``max_sinks``)."""
-    tokens = z.shape[1]
-    if max_sinks == 0 or tokens < 4:
+def _sinks(codec: XQuantCodec, tables: XQuantCLTables, z: torch.Tensor) -> torch.Tensor:
+    """Token indices (int64, sorted) to keep in fp16: ``xquant``'s rule (``XQuantCodec._sinks``: latent energy in
+    calibration spreads, ``sink_ratio`` x the median token's or more) on each layer's open-loop residual (predicted
+    from the exact layers below), ``z``: ``[layers, T, C]``."""
+    if codec.max_sinks == 0 or z.shape[1] < 4:
         return torch.empty(0, dtype=torch.int64)
-    centred = z - z.median(dim=1, keepdim=True).values
-    spread = centred.abs().median(dim=1, keepdim=True).values.clamp_min(1e-6)
-    energy = (centred / spread).square().mean(dim=(0, 2))  # [T]
-    score = energy / energy.median().clamp_min(1e-12)
-    top = torch.argsort(score, descending=True)[:max_sinks]
-    return torch.sort(top[score[top] >= ratio]).values
+    exact = list(z)
+    residual = torch.stack([z[layer] if layer == 0 else z[layer] - _predict(tables, exact, layer)  # type: ignore[operator]
+                            for layer in range(z.shape[0])])
+    return codec._sinks(torch.bmm(residual, tables.layer.basis), tables.layer)
 
 
 # ------------------------------------------------------------------------------------------------ encode
@@ -224,7 +222,7 @@ def encode(codec: XQuantCodec, keys: torch.Tensor, values: torch.Tensor, start_p
     cos, sin = xq._cos_sin(base.digest, start_pos, tokens)
     k_pre = xq._rope(k.transpose(1, 2), cos, sin, inverse=True)  # [L, T, H, D]
     z = torch.cat([k_pre.reshape(layers, tokens, -1), v.transpose(1, 2).reshape(layers, tokens, -1)], dim=-1)
-    sinks = _sinks(z, codec.max_sinks, codec.sink_ratio)
+    sinks = _sinks(codec, tables, z)
     regular = torch.ones(tokens, dtype=torch.bool)
     regular[sinks] = False
     slots = _slot_components(plan, base.width)

@@ -74,6 +74,8 @@ def test_tables_predict_and_digest(tiny) -> None:  # noqa: ANN001
     basis = tables.layer.basis
     eye = torch.eye(64).expand_as(basis)
     assert torch.allclose(basis.transpose(1, 2) @ basis, eye, atol=1e-5)  # each residual basis orthonormal
+    sigma = tables.layer.sigma
+    assert torch.all(sigma[:, :-1] >= sigma[:, 1:] - 1e-5)  # the residual's KLT: by decreasing energy
     assert bound_tables(tables.layer.digest) is tables.layer  # the per-layer tables are bound with them
     other = XQuantCLTables(tables.layer, tables.predict * 1.5, 2)
     assert other.digest != tables.digest  # the predictors are part of the digest
