@@ -131,8 +131,8 @@ def _static_methods(only: Sequence[str] | None) -> tuple[str, ...]:
 def _kept_fraction(pre: Any, name: str, budget: float) -> float:
     from kvshelf.bench.pruning import key
 
-    kept = pre.kept[key(name, budget)]
-    return statistics.fmean(int(k.shape[-1]) for k in kept) / pre.length
+    kept = pre.kept[key(name, budget)]  # layer -> [b, h_kv, kept] token indices
+    return statistics.fmean(int(k.shape[-1]) for k in kept.values()) / pre.length
 
 
 @torch.inference_mode()

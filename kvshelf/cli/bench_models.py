@@ -174,8 +174,10 @@ def bench_longctx(
     corpus: Annotated[Path | None, typer.Option(help="JSONL of {title, abstract}: the haystack")] = None,
     tasks: Annotated[str | None, typer.Option(
         help="comma-separated: niah_single, niah_multikey, niah_multivalue, niah_multiquery, vt, cwe, fwe, qa, ppl "
-             "(default with no --lengths: every task at 4K, the needle tasks and ppl at 8K)")] = None,
-    lengths: Annotated[str | None, typer.Option(help="comma-separated lengths in tokens, up to 8192")] = None,
+             "(default: the eight RULER tasks; with neither --tasks nor --lengths: every task at 4K, the needle "
+             "tasks and ppl at 8K)")] = None,
+    lengths: Annotated[str | None, typer.Option(
+        help="comma-separated lengths in tokens, 256 to 8192 (default 4096)")] = None,
     methods: Annotated[str | None, typer.Option(
         help="comma-separated kvshelf methods (default: all); full and the kvpress presses always run")] = None,
     budgets: Annotated[str, typer.Option(help="comma-separated fractions of the context's KV kept")] = "0.25,0.125",
