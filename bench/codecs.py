@@ -66,6 +66,12 @@ SETTINGS: list[tuple[str, dict[str, Any]]] = [
     ("xquant", {"step": 0.5, "basis": "klt"}),
     ("xquant", {"step": 0.6, "basis": "klt"}),
     ("xquant", {"step": 0.45, "basis": "svd"}),
+    # XQuant-CL: each layer's latent predicted from the two rebuilt layers below (predictors fitted on the same
+    # calibration text), only the residual coded
+    ("xquant", {"step": 0.35, "cross_layer": True}),
+    ("xquant", {"step": 0.4, "cross_layer": True}),
+    ("xquant", {"step": 0.45, "cross_layer": True}),
+    ("xquant", {"step": 0.4, "drop_below": 0.4, "cross_layer": True}),
 ]
 XQUANT_CALIBRATION_TOKENS = 4096
 SPARSE_SINKS, SPARSE_RECENT = 64, 1088  # the sparse setting keeps StreamingLLM-style sinks + recent tokens
@@ -159,6 +165,23 @@ def xquant_calibration(tokenizer: Any, corpus: str | None) -> list[int]:
         if len(ids) >= XQUANT_CALIBRATION_TOKENS:
             break
     return ids[:XQUANT_CALIBRATION_TOKENS]
+
+
+def calibration_texts(tokenizer: Any, corpus: str | None, windows: int) -> dict[str, int | bool]:
+    """Which corpus texts the windows (from the start) and the xquant calibration (from the end) read, counted as
+    ``_windows`` and ``xquant_calibration`` do: ``disjoint`` when no text feeds both."""
+    texts = list(corpus_texts(corpus))
+    lengths = [len(tokenizer(t + "\n\n", add_special_tokens=False)["input_ids"]) for t in texts]
+    read, first = 0, 0
+    while read < windows * WINDOW:
+        read += lengths[first % len(texts)]
+        first += 1
+    read, last = 0, 0
+    while read < XQUANT_CALIBRATION_TOKENS and last < len(texts):
+        read += lengths[len(texts) - 1 - last]
+        last += 1
+    return {"corpus_texts": len(texts), "window_texts": first, "calibration_texts": last,
+            "disjoint": first + last <= len(texts)}
 
 
 def _settings(model: Any, tokenizer: Any, corpus: str | None, only: list[str] | None,
@@ -307,7 +330,10 @@ def run(
         "prefix_tokens": PREFIX, "block_tokens": BLOCK, "baseline_ppl": round(mean_base, 4),
         "sparse_policy": f"keep the first {SPARSE_SINKS} and last {SPARSE_RECENT} of {PREFIX} prefix tokens",
         "xquant_calibration": f"{XQUANT_CALIBRATION_TOKENS} tokens of corpus texts taken from its end (chunks of "
-                              "1,024; the windows take texts from its start)",
+                              "1,024; the windows take texts from its start); cross-layer predictors fitted on the "
+                              "same calibration tokens",
+        "xquant_calibration_texts": calibration_texts(tokenizer, corpus, windows)
+        if any(name == "xquant" for name, _, _ in settings) else None,
         "corpus": str(corpus) if corpus else "synthetic (no corpus found)", "results": results,
         "int4_vs_cachegen": int4_vs_cachegen(results),
     }
