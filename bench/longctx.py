@@ -526,8 +526,9 @@ def results_tables(payload: dict[str, Any]) -> list[Table]:
     results = payload["results"]
     cells = sorted({(r["task"], r["tokens"]) for r in results}, key=lambda c: (c[1], TASKS.index(c[0])))
     ok = set(passed(payload))
-    main = Table(title=f"Long context (RULER-style), {payload['model']}, {payload['samples']} samples per task "
-                       f"({payload['machine']})", caption=payload["kvpress"])
+    main = Table(title=f"Long context (RULER-style), {payload['model']}, samples per task and length: "
+                       f"{payload['samples']} ({payload['machine']})",
+                 caption=f"{payload['kvpress']}; status: {payload.get('status', '-')}")
     for column in ("method", "impl", "kv frac", "resident"):
         main.add_column(column, justify="right")
     for task, tokens in cells:

@@ -84,6 +84,7 @@ TABLES: tuple[BenchTable, ...] = (
     BenchTable("rag", "rag.json", "kvshelf.bench.rag:results_tables"),
     BenchTable("pruning", "pruning.json", "kvshelf.bench.pruning:results_table"),
     BenchTable("pruning-snapkv", "pruning_snapkv.json", "kvshelf.bench.pruning:results_table"),
+    BenchTable("longctx", "longctx.json", "kvshelf.bench.longctx:results_tables"),
     BenchTable("serve", "serve.json", "kvshelf.bench.serve:results_tables"),
 )
 
