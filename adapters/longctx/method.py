@@ -47,12 +47,15 @@ class TierSparse:
     segment: int = 64
     resident_bytes: int | str = "24MiB"
     max_tokens: int | None = None  # default: the model's max_position_embeddings
+    prefill_top_blocks: int | None = None  # blocks a prefill segment attends (None: every block, exact)
+    fetch_blocks: int = 32  # blocks fetched at once while attending to many (one layer's working set)
+    summary: str = "quest"  # block summary: "quest" (min/max keys, a logit bound) or "mean" (the mean key)
     per_head: bool = False  # each KV head selects its own blocks (their union is fetched) or the layer selects once
     hot_bytes: int | str | None = None  # at most this much of resident_bytes for hot blocks (None: all that is left)
     store_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
-        for name in ("block_tokens", "top_blocks", "segment"):
+        for name in ("block_tokens", "top_blocks", "segment", "fetch_blocks"):
             if int(getattr(self, name)) <= 0:
                 raise ResidentBudgetError(f"TierSparse {name} must be > 0, got {getattr(self, name)}")
         for name in ("sinks", "window"):
@@ -72,7 +75,7 @@ class TierSparse:
     def tag(self) -> str:
         """What the stored KV depends on besides the tokens (a prefill attends sparsely): part of its keys."""
         return (f"tiersparse/v1/b{self.block_tokens}/k{self.top_blocks}/s{self.sinks}/w{self.window}/"
-                f"g{self.segment}/h{int(self.per_head)}/{self.store_dtype}")
+                f"g{self.segment}/p{self.prefill_top_blocks}/h{int(self.per_head)}/{self.summary}/{self.store_dtype}")
 
     @contextmanager
     def session(self, model: Any, store: BlockStore, *, namespace: str | None = None) -> Iterator[SparseSession]:

@@ -55,6 +55,20 @@ class SparseStats:
     fetched_blocks: int = 0  # (layer, block) records read from the store
     hot_hits: int = 0  # (layer, block) records served from the hot blocks
     stored_blocks: int = 0  # (layer, block) records written
+    top1_hits: int = 0  # tokens of the last ``nll`` call that were the model's top-1 prediction
+
+
+def _partial(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+             mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Softmax statistics of ``query [h, r, d]`` (float32) over ``keys``/``values`` ``[h, n, d]`` (``mask
+    [r, n]``, ``True`` = attend): the row max ``[h, r, 1]``, the sum of ``exp(logit - max)`` ``[h, r, 1]`` and
+    the unnormalized output ``[h, r, d_v]``."""
+    logits = (query @ keys.float().transpose(1, 2)) * scaling
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf"))
+    best = logits.amax(dim=-1, keepdim=True)
+    weights = torch.exp(logits - best)
+    return best, weights.sum(dim=-1, keepdim=True), weights @ values.float()
 
 
 class _Tail:
@@ -94,7 +108,8 @@ class SparseSession:
         self.capacity = method.sinks + method.window + b + method.segment
         self.max_blocks = max(1, -(-(self.max_tokens - method.sinks) // b))
         self._tails = [_Tail(self.kv_heads, self.head_dim, self.head_dim, self.capacity, self.dtype) for _ in layers]
-        self.summaries = BlockSummaries(len(layers), self.kv_heads, self.head_dim, self.max_blocks)
+        self.summaries = BlockSummaries(len(layers), self.kv_heads, self.head_dim, self.max_blocks,
+                                        kind=method.summary)
         fixed = sum(t.nbytes for t in self._tails) + self.summaries.nbytes + self._working_set_bytes()
         self.stats = SparseStats(resident_limit_bytes=method.resident_limit)
         if fixed > method.resident_limit:
@@ -113,6 +128,7 @@ class SparseSession:
         self._root: bytes | None = None
         self._last_logits: torch.Tensor | None = None
         self._context_tokens = 0
+        self._prefilling = False
         self.cache = cache_of_layers(self._cache_layers(model))
         self._tag = hashlib.blake2b(method.tag().encode(), digest_size=16).digest()
 
@@ -123,9 +139,13 @@ class SparseSession:
 
     def _working_set_bytes(self) -> int:
         """One layer's fetch at most: the union of every head's top blocks (store dtype) and their gathered copy."""
-        top = min(self.method.top_blocks, self.max_blocks)
-        union = min(self.kv_heads * top, self.max_blocks) if self.method.per_head else top
-        return union * self._block_bytes(self.store_dtype) + top * self._block_bytes(self.dtype)
+        m = self.method
+        if m.per_head:  # the union of every head's top blocks, and their gathered copy
+            top = min(max(m.top_blocks, m.prefill_top_blocks or 0), self.max_blocks)
+            union = min(self.kv_heads * top, self.max_blocks)
+            return union * self._block_bytes(self.store_dtype) + top * self._block_bytes(self.dtype)
+        chunk = min(m.fetch_blocks, self.max_blocks)  # one chunk fetched, and its float32 copy
+        return chunk * (self._block_bytes(self.store_dtype) + self._block_bytes(torch.float32))
 
     def _note_resident(self, transient: int) -> None:
         held = sum(t.nbytes for t in self._tails) + self.summaries.nbytes + self.hot.bytes + transient
@@ -210,37 +230,63 @@ class SparseSession:
         ``[1, h, m, d]``, as ``update`` returned them): ``[1, q, h*g, d]``."""
         slot = self._slot[layer]
         tail = self._tails[slot]
-        m, q = self.method, query.shape[2]
+        m = self.method
         blocks = tail.stored
-        parts_k, parts_v = [keys[:, :, : min(m.sinks, keys.shape[2])]], [values[:, :, : min(m.sinks, keys.shape[2])]]
-        if blocks:
-            k = min(m.top_blocks, blocks)
-            votes = self.summaries.votes(slot, blocks, query[0], scaling)  # [h, blocks]
-            if m.per_head:  # each head its own top k; the union is fetched
-                chosen = torch.topk(votes, k, dim=-1).indices.sort(dim=-1).values  # [h, k]
-                union = torch.unique(chosen)  # sorted
-                fetched_k, fetched_v = self._fetch(layer, slot, union.tolist())  # [u, h, B, d]
-                where = torch.searchsorted(union, chosen)  # [h, k]
-                heads = torch.arange(self.kv_heads).unsqueeze(1)
-                sel_k = fetched_k[where, heads].to(self.dtype)  # [h, k, B, d]
-                sel_v = fetched_v[where, heads].to(self.dtype)
-            else:  # one top k for the layer (the heads' votes summed): k blocks fetched
-                chosen = torch.topk(votes.sum(0), k).indices.sort().values  # [k]
-                fetched_k, fetched_v = self._fetch(layer, slot, chosen.tolist())  # [k, h, B, d]
-                sel_k = fetched_k.transpose(0, 1).to(self.dtype)  # [h, k, B, d]
-                sel_v = fetched_v.transpose(0, 1).to(self.dtype)
-            parts_k.append(sel_k.reshape(1, self.kv_heads, k * m.block_tokens, -1))
-            parts_v.append(sel_v.reshape(1, self.kv_heads, k * m.block_tokens, -1))
-            self._note_resident(fetched_k.nbytes + fetched_v.nbytes + sel_k.nbytes + sel_v.nbytes)
-        parts_k.append(keys[:, :, m.sinks:])
-        parts_v.append(values[:, :, m.sinks:])
-        all_k, all_v = torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2)
-        n = all_k.shape[2]
-        mask = None
-        if q > 1:
-            mask = torch.ones(q, n, dtype=torch.bool).tril(n - q)
-        out = F.scaled_dot_product_attention(query, all_k, all_v, attn_mask=mask, scale=scaling, enable_gqa=True)
+        if not blocks:
+            return self._dense(query, keys, values, scaling)
+        if self._prefilling and m.prefill_top_blocks is None:  # an exact prefill: every block, a chunk at a time
+            return self._streamed(layer, slot, list(range(blocks)), query, keys, values, scaling)
+        top = m.prefill_top_blocks if self._prefilling and m.prefill_top_blocks is not None else m.top_blocks
+        k = min(top, blocks)
+        votes = self.summaries.votes(slot, blocks, query[0], scaling)  # [h, blocks]
+        if not m.per_head:  # one top k for the layer (the heads' votes summed)
+            chosen = torch.topk(votes.sum(0), k).indices.sort().values.tolist()
+            return self._streamed(layer, slot, chosen, query, keys, values, scaling)
+        chosen_h = torch.topk(votes, k, dim=-1).indices.sort(dim=-1).values  # [h, k]: each head its own
+        union = torch.unique(chosen_h)  # sorted; the union is fetched
+        fetched_k, fetched_v = self._fetch(layer, slot, union.tolist())  # [u, h, B, d]
+        where = torch.searchsorted(union, chosen_h)  # [h, k]
+        heads = torch.arange(self.kv_heads).unsqueeze(1)
+        sel_k = fetched_k[where, heads].to(self.dtype).reshape(1, self.kv_heads, k * m.block_tokens, -1)
+        sel_v = fetched_v[where, heads].to(self.dtype).reshape(1, self.kv_heads, k * m.block_tokens, -1)
+        self._note_resident(fetched_k.nbytes + fetched_v.nbytes + sel_k.nbytes + sel_v.nbytes)
+        s = min(m.sinks, keys.shape[2])
+        all_k = torch.cat([keys[:, :, :s], sel_k, keys[:, :, s:]], dim=2)
+        all_v = torch.cat([values[:, :, :s], sel_v, values[:, :, s:]], dim=2)
+        return self._dense(query, all_k, all_v, scaling)
+
+    @staticmethod
+    def _dense(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+        """sdpa of ``query [1, h*g, q, d]`` over ``keys``/``values`` ``[1, h, n, d]`` whose last ``q`` are the
+        queries' own (causal there): ``[1, q, h*g, d]``."""
+        q, n = query.shape[2], keys.shape[2]
+        mask = torch.ones(q, n, dtype=torch.bool).tril(n - q) if q > 1 else None
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
         return out.transpose(1, 2)
+
+    def _streamed(self, layer: int, slot: int, chosen: list[int], query: torch.Tensor, keys: torch.Tensor,
+                  values: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Attention over the stored blocks ``chosen`` (fetched ``fetch_blocks`` at a time) and the in-memory sinks
+        + tail, merged by their softmax statistics (the online softmax of FlashAttention), so one layer never
+        holds more than ``fetch_blocks`` fetched blocks: ``[1, q, h*g, d]``."""
+        h, (_, hq, q, _) = self.kv_heads, query.shape
+        grouped = query[0].float().reshape(h, (hq // h) * q, -1)  # [h, g*q, d] (rows: group head, then query)
+        n = keys.shape[2]
+        causal = torch.ones(q, n, dtype=torch.bool).tril(n - q).repeat(hq // h, 1)  # [g*q, n]
+        best, total, acc = _partial(grouped, keys[0], values[0], scaling, causal)
+        step = self.method.fetch_blocks
+        for at in range(0, len(chosen), step):
+            fetched_k, fetched_v = self._fetch(layer, slot, chosen[at:at + step])  # [c, h, B, d]
+            c = fetched_k.shape[0]
+            ks = fetched_k.transpose(0, 1).reshape(h, c * self.method.block_tokens, -1)
+            vs = fetched_v.transpose(0, 1).reshape(h, c * self.method.block_tokens, -1)
+            self._note_resident(fetched_k.nbytes + fetched_v.nbytes + 2 * ks.nbytes * 4 // ks.element_size())
+            best2, total2, acc2 = _partial(grouped, ks, vs, scaling, None)
+            merged = torch.maximum(best, best2)
+            a, b = torch.exp(best - merged), torch.exp(best2 - merged)
+            best, total, acc = merged, total * a + total2 * b, acc * a + acc2 * b
+        out = (acc / total).reshape(h, hq // h, q, -1).reshape(hq, q, -1)  # [h*g, q, d_v]
+        return out.transpose(0, 1).unsqueeze(0).to(query.dtype)
 
     def _fetch(self, layer: int, slot: int, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Blocks ``indices`` of ``layer``: hot first, the rest from the store in one ``get_many``;
@@ -303,7 +349,11 @@ class SparseSession:
             raise ContextTooLongError(f"a context of {len(context):,} tokens is longer than the model's "
                                       f"{self.max_tokens:,} positions")
         began = time.perf_counter()
-        self._last_logits = self._run(list(context))[-1]
+        self._prefilling = True
+        try:
+            self._last_logits = self._run(list(context))[-1]
+        finally:
+            self._prefilling = False
         self._context_tokens = len(context)
         self.stats.prefill_s = time.perf_counter() - began
         self.stats.full_kv_bytes = len(context) * len(self.layers) * self._block_bytes(self.dtype) // \
@@ -353,6 +403,7 @@ class SparseSession:
             if len(continuation) > 1 else self._last_logits[None]
         logp = torch.log_softmax(logits.float(), dim=-1)
         target = torch.tensor(continuation)
+        self.stats.top1_hits = int((logp.argmax(dim=-1) == target).sum())
         self._last_logits = None
         return (-logp[torch.arange(len(continuation)), target]).tolist()
 

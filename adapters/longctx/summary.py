@@ -14,12 +14,17 @@ from __future__ import annotations
 
 import torch
 
+KINDS = ("quest", "mean")
+
 
 class BlockSummaries:
     """Min/max keys of up to ``max_blocks`` blocks for each of ``layers`` layers: ``[L, h, max_blocks, d]`` each."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, max_blocks: int,
-                 dtype: torch.dtype = torch.float16) -> None:
+                 dtype: torch.dtype = torch.float16, kind: str = "quest") -> None:
+        if kind not in KINDS:
+            raise ValueError(f"block summary {kind!r}: one of {KINDS}")
+        self.kind = kind
         # [L, h, max_blocks, 2d]: the max keys then the min keys of each block (one product scores both)
         self.bounds = torch.zeros(layers, kv_heads, max_blocks, 2 * head_dim, dtype=dtype)
         self.head_dim = head_dim
@@ -32,6 +37,9 @@ class BlockSummaries:
     def add(self, layer: int, block: int, keys: torch.Tensor) -> None:
         """Summarize block ``block`` of ``layer``: ``keys [h, B, d]``."""
         d = self.head_dim
+        if self.kind == "mean":  # the block's mean key (a landmark: InfLLM's representative, ShadowKV's landmark)
+            self.bounds[layer, :, block, :d] = keys.float().mean(dim=1).to(self.bounds.dtype)
+            return
         self.bounds[layer, :, block, :d] = keys.amax(dim=1).to(self.bounds.dtype)
         self.bounds[layer, :, block, d:] = keys.amin(dim=1).to(self.bounds.dtype)
 
@@ -43,6 +51,9 @@ class BlockSummaries:
         h = self.bounds.shape[1]
         hq, q, d = query.shape
         grouped = query.float().reshape(h, (hq // h) * q, d)  # [h, g*q, d]
-        signed = torch.cat([grouped.clamp(min=0), grouped.clamp(max=0)], dim=-1)  # [h, g*q, 2d]
-        bound = signed @ self.bounds[layer, :, :blocks].float().transpose(1, 2)  # [h, g*q, n]
+        if self.kind == "mean":
+            bound = grouped @ self.bounds[layer, :, :blocks, :d].float().transpose(1, 2)  # [h, g*q, n]
+        else:
+            signed = torch.cat([grouped.clamp(min=0), grouped.clamp(max=0)], dim=-1)  # [h, g*q, 2d]
+            bound = signed @ self.bounds[layer, :, :blocks].float().transpose(1, 2)  # [h, g*q, n]
         return torch.softmax(bound * scaling, dim=-1).sum(dim=1)  # [h, n]
