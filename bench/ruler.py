@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvshelf.kvstore.errors import KVShelfError
+from kvshelf.kvstore.errors import ConfigError
 
 TASKS: tuple[str, ...] = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe",
                           "qa")
@@ -70,8 +70,8 @@ class Sample:
     new_tokens: int
 
 
-class TaskError(KVShelfError, ValueError):
-    """A task, length or corpus the generator cannot make a prompt from."""
+#: a task, length or corpus the generator cannot make a prompt from (a ``ConfigError``: a ``ValueError``)
+TaskError = ConfigError
 
 
 def corpus_documents(path: str | None) -> list[Document]:
