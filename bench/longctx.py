@@ -302,16 +302,17 @@ def tier_sparse_class() -> type | None:
     return TierSparse
 
 
-BLOCK_TOKENS = 32
+BLOCK_TOKENS = 64
 SINK_TOKENS = 16
 WINDOW_TOKENS = 64
 
 
 def tier_sparse_method(cls: type, budget: float, context: int) -> Any:
     """TierSparse attending to ``budget`` of a ``context``-token context: sinks, a recent window and the top blocks
-    filling the rest (resident and hot bytes: its defaults)."""
+    filling the rest, blocks stored in float16 (resident and hot bytes: its defaults)."""
     top = max(1, round((budget * context - SINK_TOKENS - WINDOW_TOKENS) / BLOCK_TOKENS))
-    return cls(block_tokens=BLOCK_TOKENS, top_blocks=top, sinks=SINK_TOKENS, window=WINDOW_TOKENS)
+    return cls(block_tokens=BLOCK_TOKENS, top_blocks=top, sinks=SINK_TOKENS, window=WINDOW_TOKENS,
+               store_dtype=torch.float16)
 
 
 @contextmanager

@@ -40,15 +40,15 @@ class TierSparse:
     every block, exact). ``store_dtype``: the dtype blocks are stored and kept hot in (``None``: the model's,
     exact; ``torch.float16`` halves the bytes, approximate)."""
 
-    block_tokens: int = 32
-    top_blocks: int = 8
+    block_tokens: int = 64
+    top_blocks: int = 16
     sinks: int = 16
     window: int = 64
     segment: int = 64
     resident_bytes: int | str = "24MiB"
     max_tokens: int | None = None  # default: the model's max_position_embeddings
     prefill_top_blocks: int | None = None  # blocks a prefill segment attends (None: every block, exact)
-    fetch_blocks: int = 32  # blocks fetched at once while attending to many (one layer's working set)
+    fetch_blocks: int = 16  # blocks fetched at once while attending to many (one layer's working set)
     summary: str = "quest"  # block summary: "quest" (min/max keys, a logit bound) or "mean" (the mean key)
     per_head: bool = False  # each KV head selects its own blocks (their union is fetched) or the layer selects once
     hot_bytes: int | str | None = None  # at most this much of resident_bytes for hot blocks (None: all that is left)
