@@ -39,7 +39,7 @@ def test_a_quarter_of_the_context_finds_the_needle(smollm2, texts, tmp_path) -> 
     with torch.inference_mode():
         full = model.generate(torch.tensor([case["ids"]]), max_new_tokens=6, do_sample=False)[0, len(case["ids"]):]
     assert case["code"] in tokenizer.decode(full)
-    method = TierSparse(top_blocks=12, resident_bytes="24MiB", store_dtype=torch.float16)
+    method = TierSparse(top_blocks=6, resident_bytes="24MiB", store_dtype=torch.float16)
     with open_embedded_store(tmp_path / "d", memory_bytes=None, durable=False) as store, \
             method.session(model, store) as session:
         session.prefill(context)
