@@ -186,11 +186,16 @@ def xquant_cl_tables(
     return XQuantCLTables(tables, predict.float(), depth)
 
 
+def _calibration_key(calibration: Sequence[int] | None) -> tuple[bool, str]:
+    """What names a calibration in the per-model tables cache: default or not, and a digest of its tokens."""
+    ids = np.asarray(list(calibration) if calibration is not None else [], dtype=np.int64)
+    return calibration is None, hashlib.blake2b(ids.tobytes(), digest_size=16).hexdigest()
+
+
 def bind_xquant(model: PreTrainedModel, calibration: Sequence[int] | None = None, *, basis: str = "klt") -> str:
     """Compute and bind the tables of ``model`` (cached on the model per basis and calibration); return their
     digest."""
-    ids = np.asarray(list(calibration) if calibration is not None else [], dtype=np.int64)
-    key = (basis, calibration is None, hashlib.blake2b(ids.tobytes(), digest_size=16).hexdigest())
+    key = (basis, *_calibration_key(calibration))
     cache: dict[tuple[str, bool, str], XQuantTables] = model.__dict__.setdefault("_kvshelf_xquant", {})
     tables = cache.get(key)
     if tables is None:
@@ -201,8 +206,7 @@ def bind_xquant(model: PreTrainedModel, calibration: Sequence[int] | None = None
 def bind_xquant_cl(model: PreTrainedModel, calibration: Sequence[int] | None = None, *, depth: int = 2) -> str:
     """Compute and bind the cross-layer tables of ``model`` (cached on the model per depth and calibration);
     return their digest."""
-    ids = np.asarray(list(calibration) if calibration is not None else [], dtype=np.int64)
-    key = (depth, calibration is None, hashlib.blake2b(ids.tobytes(), digest_size=16).hexdigest())
+    key = (depth, *_calibration_key(calibration))
     cache: dict[tuple[int, bool, str], XQuantCLTables] = model.__dict__.setdefault("_kvshelf_xquant_cl", {})
     tables = cache.get(key)
     if tables is None:

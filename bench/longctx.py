@@ -159,16 +159,26 @@ def run_kvshelf(model: Any, tokenizer: Any, sample: ruler.Sample, budgets: tuple
     t0 = time.perf_counter()
     pre = Prefilled(model, sample.ids, _methods(budgets, statics) if statics else {})
     ttft = time.perf_counter() - t0
-    configs = [("full", 1.0)] + [(n, b) for n in statics for b in budgets]
-    if only is None or "tokenselect" in only:
-        configs += [("tokenselect", b) for b in budgets]
+    configs = _configs(statics, budgets, only)
     for name, budget in configs:
         with attending(model, name, budget):
             out, secs = _decode(model, pre.cache_for(name, budget), pre.first, pre.length, sample.new_tokens - 1)
-        fraction = 1.0 if name == "full" else budget if name == "tokenselect" else _kept_fraction(pre, name, budget)
+        fraction = _fraction(pre, name, budget)
         tally.add(("kvshelf", name, budget, sample.task, sample.tokens),
                   score=ruler.score(tokenizer.decode(out), sample.answers), kv_fraction=fraction, resident=1.0,
                   ttft=ttft, tpot=secs / max(1, sample.new_tokens - 1))
+
+
+def _configs(statics: Sequence[str], budgets: tuple[float, ...], only: Sequence[str] | None) -> list[tuple[str, float]]:
+    """``(method, budget)`` pairs one shared prefill serves: full, each static method and TokenSelect."""
+    configs = [("full", 1.0)] + [(n, b) for n in statics for b in budgets]
+    if only is None or "tokenselect" in only:
+        configs += [("tokenselect", b) for b in budgets]
+    return configs
+
+
+def _fraction(pre: Any, name: str, budget: float) -> float:
+    return 1.0 if name == "full" else budget if name == "tokenselect" else _kept_fraction(pre, name, budget)
 
 
 def ppl_kvshelf(model: Any, ids: list[int], tokens: int, budgets: tuple[float, ...], tally: Tally,
@@ -180,13 +190,11 @@ def ppl_kvshelf(model: Any, ids: list[int], tokens: int, budgets: tuple[float, .
     t0 = time.perf_counter()
     pre = Prefilled(model, ids[:start], _methods(budgets, statics) if statics else {})
     ttft = time.perf_counter() - t0
-    configs = [("full", 1.0)] + [(n, b) for n in statics for b in budgets]
-    if only is None or "tokenselect" in only:
-        configs += [("tokenselect", b) for b in budgets]
+    configs = _configs(statics, budgets, only)
     for name, budget in configs:
         with attending(model, name, budget):
             nll, top1, per_token = _scored_chunk(model, pre.cache_for(name, budget), ids, start, pre.logits)
-        fraction = 1.0 if name == "full" else budget if name == "tokenselect" else _kept_fraction(pre, name, budget)
+        fraction = _fraction(pre, name, budget)
         tally.add(("kvshelf", name, budget, "ppl", tokens), score=top1, kv_fraction=fraction, resident=1.0,
                   ttft=ttft, tpot=per_token, nll=nll)
 

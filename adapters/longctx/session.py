@@ -110,7 +110,8 @@ class SparseSession:
         self._tails = [_Tail(self.kv_heads, self.head_dim, self.head_dim, self.capacity, self.dtype) for _ in layers]
         self.summaries = BlockSummaries(len(layers), self.kv_heads, self.head_dim, self.max_blocks,
                                         kind=method.summary)
-        fixed = sum(t.nbytes for t in self._tails) + self.summaries.nbytes + self._working_set_bytes()
+        self._held_bytes = sum(t.nbytes for t in self._tails) + self.summaries.nbytes  # preallocated: fixed
+        fixed = self._held_bytes + self._working_set_bytes()
         self.stats = SparseStats(resident_limit_bytes=method.resident_limit)
         if fixed > method.resident_limit:
             raise ResidentBudgetError(
@@ -127,7 +128,6 @@ class SparseSession:
         self._chain: list[bytes] = []  # chained key of each block (block i: tokens after the sinks)
         self._root: bytes | None = None
         self._last_logits: torch.Tensor | None = None
-        self._context_tokens = 0
         self._prefilling = False
         self.cache = cache_of_layers(self._cache_layers(model))
         self._tag = hashlib.blake2b(method.tag().encode(), digest_size=16).digest()
@@ -148,7 +148,7 @@ class SparseSession:
         return chunk * (self._block_bytes(self.store_dtype) + self._block_bytes(torch.float32))
 
     def _note_resident(self, transient: int) -> None:
-        held = sum(t.nbytes for t in self._tails) + self.summaries.nbytes + self.hot.bytes + transient
+        held = self._held_bytes + self.hot.bytes + transient
         self.stats.resident_peak_bytes = max(self.stats.resident_peak_bytes, held)
 
     def _cache_layers(self, model: Any) -> list[Any]:
@@ -354,7 +354,6 @@ class SparseSession:
             self._last_logits = self._run(list(context))[-1]
         finally:
             self._prefilling = False
-        self._context_tokens = len(context)
         self.stats.prefill_s = time.perf_counter() - began
         self.stats.full_kv_bytes = len(context) * len(self.layers) * self._block_bytes(self.dtype) // \
             self.method.block_tokens
