@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import numpy as np
 import pytest
 import torch
 from transformers import DynamicCache, MistralConfig, MistralForCausalLM
@@ -115,6 +116,24 @@ def test_keyformer_is_seeded_and_finds_the_key_token(model):
     a = Keyformer(budget=3, recent_ratio=0.34).keep_indices(layer)
     assert torch.equal(a, Keyformer(budget=3, recent_ratio=0.34).keep_indices(layer))
     assert all(4 in head and 9 in head for head in a[0].tolist())
+
+
+@pytest.mark.parametrize("tau", [1.0, 0.5])
+def test_keyformer_score_is_the_gumbel_softmax_of_the_logits(model, tau):
+    """The closed form ``(w / E) ** (1 / tau)`` row-normalised equals ``softmax((log w + G) / tau)`` summed over
+    queries, ``G = -log(E)``, ``E = -log(U)``, with the same uniforms; masked (zero) weights stay at zero."""
+    n = 12
+    weights = torch.softmax(torch.randn(1, 4, n, n, generator=torch.Generator().manual_seed(1)), dim=-1)
+    weights = weights.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), 0.0)
+    weights = weights / weights.sum(-1, keepdim=True)
+    layer = _layer(model, n, attentions=weights)
+    method = Keyformer(budget=4, tau=tau, seed=7)
+    uniform = torch.from_numpy(np.random.default_rng((7, int(layer.module.layer_idx))).random(weights.numel(),
+                                                                                             dtype=np.float32))
+    gumbel = -(-uniform.double().log()).log().view(weights.shape)
+    logits = weights.double().log()  # -inf where masked
+    expected = layer.to_kv_heads(torch.softmax((logits + gumbel) / tau, dim=-1).sum(dim=2), reduce="sum")
+    torch.testing.assert_close(method.base_score(layer).double(), expected, rtol=1e-4, atol=1e-5)
 
 
 def test_keynorm_keeps_the_lowest_norm_keys(model):
