@@ -15,7 +15,6 @@ import torch
 
 from kvshelf.adapters.pruning.base import LayerInputs, PruningMethod, recent_bonus
 
-
 _TINY = float(np.finfo(np.float32).tiny)  # U = 0 would give E = inf and drop a visible entry
 
 
