@@ -113,6 +113,10 @@ _EXPORTS: dict[str, str] = {
     "BearerError": "kvshelf.service.errors",
     "ArenaUnavailable": "kvshelf.service.errors",
     "StreamRefusedError": "kvshelf.service.errors",
+    "DataPathError": "kvshelf.service.errors",
+    "TicketError": "kvshelf.service.errors",
+    "FramingError": "kvshelf.service.errors",
+    "DataPathUnavailable": "kvshelf.service.errors",
     "TraceError": "kvshelf.kvstore.errors",
 }
 #: names whose attribute in their module differs from the public one
@@ -134,7 +138,8 @@ __all__ = [  # the literal list static tools read; a test checks it against _EXP
     "MissingParameterError", "ParameterTooLongError", "PromptLayoutError", "ContextTooLongError", "ChunkMissingError",
     "ForeignChunkError", "XQuantUnboundError", "PruningError", "BudgetError", "AttentionImplementationError",
     "UnsupportedArchitectureError", "ServiceError", "RemoteStoreError", "WireError", "WireLimitError",
-    "BearerError", "ArenaUnavailable",
+    "BearerError", "ArenaUnavailable", "DataPathError", "TicketError", "FramingError",
+    "DataPathUnavailable",
     "TierDamagedError", "BlockTooLargeError", "StreamRefusedError", "EvictionPolicy", "make_policy", "TraceError",
 ]
 
@@ -213,9 +218,13 @@ if TYPE_CHECKING:  # what static type checkers and IDEs see
     from kvshelf.service.errors import (
         ArenaUnavailable,
         BearerError,
+        DataPathError,
+        DataPathUnavailable,
+        FramingError,
         RemoteStoreError,
         ServiceError,
         StreamRefusedError,
+        TicketError,
         WireError,
         WireLimitError,
     )

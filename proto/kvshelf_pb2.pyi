@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -227,3 +228,59 @@ class SubscribeEventsResponse(_message.Message):
     started: SubscriptionStarted
     lost: EventsLost
     def __init__(self, events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., next_seq: _Optional[int] = ..., started: _Optional[_Union[SubscriptionStarted, _Mapping]] = ..., lost: _Optional[_Union[EventsLost, _Mapping]] = ...) -> None: ...
+
+class DataPathRequest(_message.Message):
+    __slots__ = ("namespace", "op", "keys", "sizes", "pin", "fingerprint", "tokens")
+    class Op(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        OP_UNSPECIFIED: _ClassVar[DataPathRequest.Op]
+        GET: _ClassVar[DataPathRequest.Op]
+        PUT: _ClassVar[DataPathRequest.Op]
+    OP_UNSPECIFIED: DataPathRequest.Op
+    GET: DataPathRequest.Op
+    PUT: DataPathRequest.Op
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    op: DataPathRequest.Op
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    pin: bool
+    fingerprint: str
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace: _Optional[str] = ..., op: _Optional[_Union[DataPathRequest.Op, str]] = ..., keys: _Optional[_Iterable[bytes]] = ..., sizes: _Optional[_Iterable[int]] = ..., pin: _Optional[bool] = ..., fingerprint: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DataPathTicket(_message.Message):
+    __slots__ = ("ticket", "port", "tls", "expires_s")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    TLS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_S_FIELD_NUMBER: _ClassVar[int]
+    ticket: bytes
+    port: int
+    tls: bool
+    expires_s: float
+    def __init__(self, ticket: _Optional[bytes] = ..., port: _Optional[int] = ..., tls: _Optional[bool] = ..., expires_s: _Optional[float] = ...) -> None: ...
+
+class DataPathResult(_message.Message):
+    __slots__ = ("received", "stored", "found")
+    RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    received: int
+    stored: int
+    found: int
+    def __init__(self, received: _Optional[int] = ..., stored: _Optional[int] = ..., found: _Optional[int] = ...) -> None: ...
+
+class DataPathResponse(_message.Message):
+    __slots__ = ("ticket", "result")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    ticket: DataPathTicket
+    result: DataPathResult
+    def __init__(self, ticket: _Optional[_Union[DataPathTicket, _Mapping]] = ..., result: _Optional[_Union[DataPathResult, _Mapping]] = ...) -> None: ...

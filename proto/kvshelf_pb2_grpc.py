@@ -84,6 +84,11 @@ class KVShelfStub:
                 request_serializer=kvshelf__pb2.SubscribeEventsRequest.SerializeToString,
                 response_deserializer=kvshelf__pb2.SubscribeEventsResponse.FromString,
                 _registered_method=True)
+        self.OpenDataPath = channel.unary_stream(
+                '/kvshelf.v1.KVShelf/OpenDataPath',
+                request_serializer=kvshelf__pb2.DataPathRequest.SerializeToString,
+                response_deserializer=kvshelf__pb2.DataPathResponse.FromString,
+                _registered_method=True)
 
 
 class KVShelfServicer:
@@ -163,6 +168,21 @@ class KVShelfServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenDataPath(self, request, context):
+        """The bulk data path (service/bulk/): the values of one get or put move over a separate TCP connection (TLS when
+        the server has TLS) instead of this channel. The first response carries a one-time ticket (bound to the
+        namespace, the op and the keys; it expires) and the data port; the client connects to the server's host on that
+        port, presents the ticket and moves the values (framing: service/bulk/framing.py). The call stays open during the
+        transfer and ends with its outcome: a `result`, or the status of what went wrong (UNAUTHENTICATED,
+        PERMISSION_DENIED, DATA_LOSS, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED). Every rule of GetBlocks and PutBlocks holds:
+        a put's sizes are checked against the limits and the quota before the ticket is issued, nothing is stored until
+        every value arrived whole and verified. FAILED_PRECONDITION: the server's data path is off (use GetBlocks and
+        PutBlocks).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVShelfServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -215,6 +235,11 @@ def add_KVShelfServicer_to_server(servicer, server):
                     servicer.SubscribeEvents,
                     request_deserializer=kvshelf__pb2.SubscribeEventsRequest.FromString,
                     response_serializer=kvshelf__pb2.SubscribeEventsResponse.SerializeToString,
+            ),
+            'OpenDataPath': grpc.unary_stream_rpc_method_handler(
+                    servicer.OpenDataPath,
+                    request_deserializer=kvshelf__pb2.DataPathRequest.FromString,
+                    response_serializer=kvshelf__pb2.DataPathResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -487,6 +512,33 @@ class KVShelf:
             '/kvshelf.v1.KVShelf/SubscribeEvents',
             kvshelf__pb2.SubscribeEventsRequest.SerializeToString,
             kvshelf__pb2.SubscribeEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenDataPath(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvshelf.v1.KVShelf/OpenDataPath',
+            kvshelf__pb2.DataPathRequest.SerializeToString,
+            kvshelf__pb2.DataPathResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -37,7 +37,9 @@ from kvshelf.kvstore.protocol import DEFAULT_NAMESPACE, UNKNOWN_MODEL
 from kvshelf.proto import kvshelf_pb2 as pb
 from kvshelf.proto import kvshelf_pb2_grpc as pb_grpc
 from kvshelf.service.arena import DEFAULT_ARENA_BYTES, ArenaPool, ClientArena, shared_memory_supported
-from kvshelf.service.errors import ArenaUnavailable, RemoteStoreError, WireError
+from kvshelf.service.bulk.client import DataPathClient, data_host
+from kvshelf.service.bulk.transport import client_tls
+from kvshelf.service.errors import ArenaUnavailable, DataPathUnavailable, RemoteStoreError, WireError
 from kvshelf.service.fairness import RETRY_AFTER_METADATA
 from kvshelf.service.limits import MAX_CHUNK_BYTES, MAX_MESSAGE_BYTES
 from kvshelf.service.wire import decode_response, encode_put_request
@@ -51,6 +53,10 @@ _UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 _MAX_RETRY_PAUSE_S = 0.5
 #: Fetched values at least this large are decoded on a few threads while the rest still arrive (``get_prepared_many``).
 STREAM_DECODE_MIN_BYTES = 256 << 10
+#: After the data path failed to connect (or was cut before any reply), calls use gRPC for this long, then try again.
+DATA_PATH_RETRY_S = 30.0
+#: The largest value a get over the data path accepts (a bound against a server gone wrong, not a setting).
+DATA_PATH_MAX_VALUE_BYTES = 1 << 32
 
 
 #: per value, optional: ``(parent key, token ids)`` for its BlockStored events (``None`` parts: not sent)
@@ -133,6 +139,11 @@ class RemoteStore:
             plus its codec's working memory, from its header) is a miss, refused before anything is allocated
             for it (default: the server's default max block size; match a server's ``--max-block``; None:
             only the block format's limits, ``kvstore.limits``).
+        data_path: move the values of gets and puts over the server's bulk data path (``service/bulk/``: a raw
+            TCP connection per call, TLS when ``tls_ca`` is given, values received straight into their buffers;
+            gets then return ``bytearray`` values). Falls back to gRPC by itself when the server has no data path
+            or its port cannot be reached. Same-host gets with ``shared_memory`` still use the arena. False: every
+            byte over gRPC.
     """
 
     def __init__(
@@ -149,6 +160,7 @@ class RemoteStore:
         shared_memory: bool | None = None,
         arena_bytes: int = DEFAULT_ARENA_BYTES,
         max_decode_bytes: int | None = DEFAULT_MAX_DECODE_BYTES,
+        data_path: bool = True,
     ) -> None:
         if not namespace:
             raise ConfigError("namespace must be a non-empty string")
@@ -169,6 +181,7 @@ class RemoteStore:
                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    # server-streaming calls run in the caller's thread (no helper thread per call: ~1.5x faster)
                    (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)]
+        ca = None
         if tls_ca is not None:
             ca = tls_ca if isinstance(tls_ca, bytes) else Path(tls_ca).read_bytes()
             self._channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ca), options)
@@ -185,6 +198,15 @@ class RemoteStore:
         self._put_blocks_raw = self._channel.stream_unary(
             f"/{service}/PutBlocks", request_serializer=None, response_deserializer=pb.PutBlocksResponse.FromString,
         )
+        self._open_data_path_raw = self._channel.unary_stream(
+            f"/{service}/OpenDataPath", request_serializer=pb.DataPathRequest.SerializeToString,
+            response_deserializer=pb.DataPathResponse.FromString,
+        )
+        host = data_host(address) if data_path else None
+        self._data_path = None if host is None else DataPathClient(
+            host, self._open_data_path, timeout_s=timeout_s, tls=client_tls(ca) if ca is not None else None,
+            max_value_bytes=DATA_PATH_MAX_VALUE_BYTES)
+        self._data_path_retry_at = 0.0  # monotonic time before which calls use gRPC (the data path failed)
         if connect_timeout_s > 0:
             try:
                 grpc.channel_ready_future(self._channel).result(timeout=connect_timeout_s)
@@ -229,6 +251,32 @@ class RemoteStore:
                     raise
                 time.sleep(wait)
 
+    def _open_data_path(self, request: pb.DataPathRequest) -> tuple[Any, pb.DataPathResponse | None]:
+        """An ``OpenDataPath`` call and its first response (retried while the server refuses it for want of a
+        stream slot, as the other streams are)."""
+
+        def attempt() -> tuple[Any, pb.DataPathResponse | None]:
+            stream = self._open_data_path_raw(request, timeout=self.timeout_s, metadata=self._metadata)
+            return stream, next(stream, None)
+
+        return self._retrying(attempt)
+
+    def _bulk(self) -> DataPathClient | None:
+        """The data path when calls should use it now."""
+        if self._data_path is None or time.monotonic() < self._data_path_retry_at:
+            return None
+        return self._data_path
+
+    def _bulk_refused(self, exc: DataPathUnavailable) -> None:
+        """The data path was refused: off for good when the server has none, else for ``DATA_PATH_RETRY_S``."""
+        if "no data path" in str(exc):
+            log.info("kvshelf server at %s: %s; using gRPC", self.address, exc)
+            self._data_path = None
+        else:
+            log.warning("kvshelf server at %s: data path unusable (%s); using gRPC for %g s", self.address, exc,
+                        DATA_PATH_RETRY_S)
+            self._data_path_retry_at = time.monotonic() + DATA_PATH_RETRY_S
+
     # -- writes ---------------------------------------------------------------------------------------
 
     def put_encoded_many(self, items: Sequence[tuple[bytes, bytes]], *, pin: bool = False) -> int:
@@ -241,6 +289,14 @@ class RemoteStore:
         check_keys(k for k, _ in items)
         if not items:
             return 0
+        bulk = self._bulk()
+        if bulk is not None:
+            try:
+                return bulk.put(self.namespace, items, pin=pin)
+            except DataPathUnavailable as exc:
+                self._bulk_refused(exc)
+            except grpc.RpcError as exc:
+                raise self._error(exc) from None
 
         def attempt() -> pb.PutBlocksResponse:
             return self._put_blocks_raw(put_requests(items, self.namespace, pin=pin),
@@ -286,6 +342,15 @@ class RemoteStore:
         request = pb.GetBlocksRequest(namespace=namespace or self.namespace, keys=keys, fingerprint=fingerprint or "",
                                       tokens=list(tokens or []), max_chunk_bytes=MAX_CHUNK_BYTES)
         arena = self._take_arena()
+        bulk = self._bulk() if arena is None else None
+        if bulk is not None:
+            try:
+                return bulk.get(request.namespace, keys, fingerprint=request.fingerprint, tokens=request.tokens,
+                                arrived=arrived)  # type: ignore[return-value]  # bytearray values: no copy
+            except DataPathUnavailable as exc:
+                self._bulk_refused(exc)
+            except grpc.RpcError as exc:
+                raise self._error(exc) from None
         if arena is not None:
             request.arena.name, request.arena.token = arena.name, arena.token
         try:

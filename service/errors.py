@@ -55,3 +55,35 @@ class StreamRefusedError(ServiceError):
     def __init__(self, message: str, *, retry: bool = True) -> None:
         super().__init__(message)
         self.retry = retry
+
+
+class DataPathError(ServiceError):
+    """The bulk data path (``service/bulk/``) refused a transfer: ``code`` is the ``grpc.StatusCode`` the data
+    connection and the control call report (a status frame on the one, the call's status on the other)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+class TicketError(DataPathError):
+    """A data-path ticket that is not one this server issued and still honours: malformed or forged (bad signature),
+    expired, already used (replayed), or for another op (UNAUTHENTICATED)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(grpc.StatusCode.UNAUTHENTICATED, message)
+
+
+class FramingError(DataPathError):
+    """Bytes of a data connection that break its framing (``service/bulk/framing.py``): bad magic or version, a
+    field over its hard limit, a value whose checksum does not match, more or fewer bytes than announced. DATA_LOSS
+    unless ``code`` says otherwise."""
+
+    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.DATA_LOSS) -> None:
+        super().__init__(code, message)
+
+
+class DataPathUnavailable(ServiceError):  # noqa: N818 - a condition the caller falls back from
+    """The bulk data path cannot be used for a call (the server has none or has it off; its port cannot be reached;
+    the connection was cut before any reply): ``RemoteStore`` falls back to gRPC."""

@@ -322,7 +322,9 @@ class StreamGate:
         if since is not None and now - since > self.idle_timeout_s:
             self.ended_idle += 1
             what = ("no request message received" if ticket.awaiting is not None else
-                    "no message received" if ticket.method == "PutBlocks" else "the client took no message")
+                    "no message received" if ticket.method == "PutBlocks" else
+                    "the data connection made no progress" if ticket.method == "OpenDataPath" else
+                    "the client took no message")
             return f"{what} for {now - since:.1f} s (idle timeout {self.idle_timeout_s:g} s, --idle-timeout)"
         age = now - ticket.started
         if ticket.check_rate and ticket.receiving and age > self.idle_timeout_s:

@@ -51,6 +51,9 @@ from kvshelf.service.auth import (
     TokenTable,
     bearer_token,
 )
+from kvshelf.service.bulk.handler import DataPathHandler
+from kvshelf.service.bulk.listener import DataListener
+from kvshelf.service.bulk.transport import server_tls
 from kvshelf.service.errors import ArenaUnavailable, WireError, WireLimitError
 from kvshelf.service.events import EventHub, open_event_log
 from kvshelf.service.fairness import (
@@ -137,12 +140,18 @@ class ServerLimits:
     tenant_subscriptions: int = 2  # SubscribeEvents streams one tenant may have open at once
     subscriber_queue: int = 10_000  # events waiting for one subscriber before it is cut off as too slow
     events_log_bytes: int = 64 << 20  # the persistent event log's bound (replay reaches back this far)
+    data_path: bool = True  # the bulk data path beside gRPC (service/bulk/): values over a raw TCP (or TLS) port
+    data_port: int = 0  # its port on the listen host (0: any free one; clients learn it from each ticket)
+    data_handshakes: int = 64  # data connections in their handshake at once (half that from one peer host)
 
     def __post_init__(self) -> None:
         if self.max_block_bytes <= 0 or self.max_call_bytes <= 0:
             raise ConfigError("max block and call sizes must be > 0")
         if self.quota_bytes is not None and self.quota_bytes <= 0:
             raise ConfigError(f"the namespace quota must be > 0 bytes, got {self.quota_bytes}")
+        if not 0 <= self.data_port < 65536 or self.data_handshakes < 1:
+            raise ConfigError(f"data_port must be in [0, 65535] and data_handshakes >= 1, got {self.data_port}, "
+                              f"{self.data_handshakes}")
         if self.strike_burst < 0 or self.strike_leak_per_s <= 0:
             raise ConfigError(f"strike_burst must be >= 0 and strike_leak_per_s > 0, got {self.strike_burst}, "
                               f"{self.strike_leak_per_s}")
@@ -274,6 +283,26 @@ class _PutCall:
         self._call_bytes += grow
         self._value_held = size
 
+    def reserve_declared(self, sizes: Sequence[tuple[bytes, int]]) -> None:
+        """Hold budget and quota for values announced with their sizes (the bulk data path, ``service/bulk/``)
+        before any of their bytes arrives: each within the max block size, all within the per-call limit, the
+        in-flight budget and the namespace's quota (RESOURCE_EXHAUSTED naming which)."""
+        limits = self.limits
+        for key, size in sizes:
+            if size > limits.max_block_bytes:
+                fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      f"a block of {size} bytes (key {key.hex()}) exceeds the max block size {limits.max_block_bytes}")
+        total = sum(size for _, size in sizes)
+        self._check_call(total)
+        if limits.quota_bytes is not None:
+            reserved = self.servicer.usage.reserve(self.tag, self.namespace,
+                                                   [(scope(self.tag, BlockKey(key)), size) for key, size in sizes],
+                                                   limits.quota_bytes)
+            add_tier_bytes(self._quota, reserved, {})
+        self.servicer.inflight.take(self.tag, self.namespace, total)
+        self._budget += total
+        self._call_bytes += total
+
     def values(self) -> list[tuple[bytes, bytes]]:
         if self._key is not None:
             fail(grpc.StatusCode.INVALID_ARGUMENT,
@@ -337,6 +366,8 @@ class KVShelfServicer:
         self._prober: threading.Thread | None = None
         self._down: list[str] = []
         self.damaged_tiers: list[str] = []
+        #: the bulk data path (``service/bulk/``), set by ``start_server`` when on
+        self.data_path: DataPathHandler | None = None
 
     # -- plumbing -------------------------------------------------------------------------------------
 
@@ -398,6 +429,25 @@ class KVShelfServicer:
             except Exception as exc:
                 abort_call(context, exc)
 
+        # the bulk data path (service/bulk/): a stream whose values move over a data connection, under the same gate
+        def data_path_stream(raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+            try:
+                req = _parse(raw, pb.DataPathRequest)
+                if self.data_path is None:
+                    fail(grpc.StatusCode.FAILED_PRECONDITION,
+                         "this server's data path is off (--no-data-path): use GetBlocks and PutBlocks")
+                method = "OpenDataPath"
+                with self.streams.open(context, method, check_rate=req.op == pb.DataPathRequest.PUT) as ticket:
+                    ticket.admit(self.namespace(context, req.namespace))
+                    try:
+                        yield from self.data_path.serve(req, ticket.namespace or "", context, ticket)
+                    except Exception as exc:
+                        if client_fault(exc):
+                            self.streams.strike(ticket.namespace)
+                        raise
+            except Exception as exc:
+                abort_call(context, exc)
+
         # long-lived: outside the stream gate (no idle timeout); capped by the event hub (service/events.py)
         def events_stream(raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
             try:
@@ -417,6 +467,7 @@ class KVShelfServicer:
             "Stats": unary(self.Stats, pb.StatsRequest),
             "Clear": unary(self.Clear, pb.ClearRequest),
             "SubscribeEvents": grpc.unary_stream_rpc_method_handler(events_stream, response_serializer=bytes),
+            "OpenDataPath": grpc.unary_stream_rpc_method_handler(data_path_stream, response_serializer=bytes),
         })
 
     def tenant_of(self, metadata: Sequence[tuple[str, Any]] | None) -> str | None:
@@ -529,28 +580,38 @@ class KVShelfServicer:
             if call is None:  # an empty stream: still authenticate
                 self.namespace(context, "")
                 return pb.PutBlocksResponse(received=0, stored=0)
-            values = call.values()
-            targets = self.store.write_targets()
-            items = [(scope(call.tag, BlockKey(key)), value) for key, value in values]
-            sizes: list[tuple[bytes, int | TierBytes]] = []
-            reencoded: TierBytes = {}  # per tier: the re-encoded copies it is handed at once
-            for (key, value), header in zip(items, headers, strict=True):
-                self._check_reencode(key, header, len(value), targets)
-                sizes.append((key, {spec.tier.name: spec.stored_nbytes(header, len(value)) for spec in targets}))
-                for spec in targets:
-                    if not spec.stores_as_is(header):
-                        reencoded[spec.tier.name] = reencoded.get(spec.tier.name, 0) + sizes[-1][1][spec.tier.name]
-            call.reserve_exact(sizes)
-            call.hold_more(max(reencoded.values(), default=0))  # in-flight budget for the re-encoded copies
-            if not context.is_active():
-                fail(grpc.StatusCode.CANCELLED, "the call was cancelled; nothing stored")
-            if call.lineage:  # the BlockStored events carry what the client sent, else what the headers say
-                self.events.annotate(_annotations(items, values, call.lineage))
-            stored = self.store.put_encoded_many(items, pin=pin)  # re-encodes bounded by store.max_decoded_bytes
-            return pb.PutBlocksResponse(received=len(items), stored=stored)
+            received, stored = self.store_values(call, call.values(), headers, pin, context)
+            return pb.PutBlocksResponse(received=received, stored=stored)
         finally:
             if call is not None:
                 call.close()
+
+    def put_call(self, namespace: str) -> _PutCall:
+        """The budget and quota holder of one put of ``namespace`` (``close`` it when the call ends)."""
+        return _PutCall(self, namespace)
+
+    def store_values(self, call: _PutCall, values: Sequence[tuple[bytes, bytes | bytearray]],
+                     headers: Sequence[BlockHeader], pin: bool, context: grpc.ServicerContext) -> tuple[int, int]:
+        """Store a put's verified values (``headers``: their verified headers): bound the re-encodes, reserve the
+        exact sizes, store; ``(received, stored)``. Nothing is stored when the call was cancelled."""
+        targets = self.store.write_targets()
+        items = [(scope(call.tag, BlockKey(key)), value) for key, value in values]
+        sizes: list[tuple[bytes, int | TierBytes]] = []
+        reencoded: TierBytes = {}  # per tier: the re-encoded copies it is handed at once
+        for (key, value), header in zip(items, headers, strict=True):
+            self._check_reencode(key, header, len(value), targets)
+            sizes.append((key, {spec.tier.name: spec.stored_nbytes(header, len(value)) for spec in targets}))
+            for spec in targets:
+                if not spec.stores_as_is(header):
+                    reencoded[spec.tier.name] = reencoded.get(spec.tier.name, 0) + sizes[-1][1][spec.tier.name]
+        call.reserve_exact(sizes)
+        call.hold_more(max(reencoded.values(), default=0))  # in-flight budget for the re-encoded copies
+        if not context.is_active():
+            fail(grpc.StatusCode.CANCELLED, "the call was cancelled; nothing stored")
+        if call.lineage:  # the BlockStored events carry what the client sent, else what the headers say
+            self.events.annotate(_annotations(items, values, call.lineage))
+        stored = self.store.put_encoded_many(items, pin=pin)  # re-encodes bounded by store.max_decoded_bytes
+        return len(items), stored
 
     def _check_reencode(self, tier_key: ScopedKey, header: BlockHeader, nbytes: int,
                         targets: Sequence[TierSpec]) -> None:
@@ -569,7 +630,12 @@ class KVShelfServicer:
               f"block {unscope(tier_key).hex()} of declared shape {describe_shape(header.shape)} "
               f"{DTYPE_NAMES[header.dtype]} decodes to {decoded} bytes {why}: over the max block size of {limit} bytes")
 
-    def _verify(self, namespace: str, key: bytes, value: bytes) -> BlockHeader:
+    def verify_value(self, namespace: str, key: bytes, value: bytes | bytearray) -> BlockHeader:
+        """The header of a received value once verified as a block of ``key`` in ``namespace`` with a known codec
+        (DATA_LOSS, INVALID_ARGUMENT or PERMISSION_DENIED naming what is wrong)."""
+        return self._verify(namespace, key, value)
+
+    def _verify(self, namespace: str, key: bytes, value: bytes | bytearray) -> BlockHeader:
         try:
             header = verify_block(value, expected_key=key)
         except CorruptBlockError as exc:
@@ -614,34 +680,42 @@ class KVShelfServicer:
                     arena: ArenaWriter | None) -> Iterator[bytes]:
         chunk_bytes = (min(max(req.max_chunk_bytes, MIN_CHUNK_BYTES), MAX_CHUNK_BYTES) if req.max_chunk_bytes
                        else CHUNK_BYTES)
+        for index, tier_key, value in self.served(keys, namespace, fingerprint, req.tokens):
+            if value is None:
+                yield encode_miss_response(index)
+                continue
+            offset = arena.write(value) if arena is not None else None
+            if offset is not None:
+                yield encode_arena_response(index, unscope(tier_key), offset, len(value))
+                continue
+            first = True
+            for data, last in iter_chunks(value, chunk_bytes):
+                if first:
+                    yield encode_chunk_response(index, data, key=unscope(tier_key), last=last, total_size=len(value))
+                    first = False
+                else:
+                    yield encode_chunk_response(index, data, last=last)
+
+    def served(self, keys: list[bytes], namespace: str, fingerprint: str | None,
+               tokens: Sequence[int]) -> Iterator[tuple[int, bytes, bytes | None]]:
+        """``(index, tier key, value or None)`` of the scoped ``keys``, in order, read a few at a time (bounded
+        memory), checked by the store; the leading run of hits is counted as a reused prefix (``tokens``: tokens per
+        key, when the client sent them)."""
         run = 0  # the leading run of served keys: the reused prefix (counted in hot_prefixes when it ends)
-        for start in range(0, len(keys), 16):  # bounded memory: a few blocks at a time
+        for start in range(0, len(keys), 16):
             batch = keys[start : start + 16]
-            tokens = list(req.tokens[start : start + 16]) if len(req.tokens) == len(keys) else None
-            values = self.store.get_encoded_many(batch, namespace=namespace, fingerprint=fingerprint, tokens=tokens)
+            batch_tokens = list(tokens[start : start + 16]) if len(tokens) == len(keys) else None
+            values = self.store.get_encoded_many(batch, namespace=namespace, fingerprint=fingerprint,
+                                                 tokens=batch_tokens)
             for offset, (tier_key, value) in enumerate(zip(batch, values, strict=True)):
                 index = start + offset
                 if run == index and value is not None:
                     run += 1
                 elif run == index and run:  # the first miss ends the reused prefix
-                    self._count_prefix(namespace, keys, run, req.tokens)
-                if value is None:
-                    yield encode_miss_response(index)
-                    continue
-                offset = arena.write(value) if arena is not None else None
-                if offset is not None:
-                    yield encode_arena_response(index, unscope(tier_key), offset, len(value))
-                    continue
-                first = True
-                for data, last in iter_chunks(value, chunk_bytes):
-                    if first:
-                        yield encode_chunk_response(index, data, key=unscope(tier_key), last=last,
-                                                    total_size=len(value))
-                        first = False
-                    else:
-                        yield encode_chunk_response(index, data, last=last)
+                    self._count_prefix(namespace, keys, run, tokens)
+                yield index, tier_key, value
         if run == len(keys) and run:  # every key served: the whole request was a reused prefix
-            self._count_prefix(namespace, keys, run, req.tokens)
+            self._count_prefix(namespace, keys, run, tokens)
 
     def Contains(self, req: pb.KeysRequest, context: grpc.ServicerContext) -> Message:
         _, keys = self.scoped(context, req.namespace, list(req.keys))
@@ -785,11 +859,14 @@ class RunningServer:
     server: grpc.Server
     servicer: KVShelfServicer
     port: int
+    data_port: int | None = None  # the bulk data path's port (None: off)
 
     def stop(self, grace_s: float | None = 5.0) -> None:
         """Stop accepting calls, let in-flight ones finish for up to ``grace_s`` seconds, then cancel them."""
         self.servicer.close()
         self.server.stop(grace_s).wait()
+        if self.servicer.data_path is not None:
+            self.servicer.data_path.listener.close()
         self.servicer.events.close()  # after the drained calls' events are logged
 
 
@@ -836,6 +913,31 @@ def start_server(
     if port == 0:
         servicer.events.close()  # the event log's lock and the store listener go with the server that never ran
         raise ConfigError(f"cannot listen on {listen!r} (address in use or invalid)")
+    try:
+        data_port = _start_data_path(servicer, listen, tls_cert, tls_key)
+    except BaseException:
+        server.stop(0)
+        servicer.events.close()
+        raise
     servicer.start_health_probe(health_interval_s)
     server.start()
-    return RunningServer(server, servicer, port)
+    return RunningServer(server, servicer, port, data_port)
+
+
+def _start_data_path(servicer: KVShelfServicer, listen: str, tls_cert: bytes | None,
+                     tls_key: bytes | None) -> int | None:
+    """The bulk data path's listener on the gRPC listen host (``service/bulk/``), when on and ``listen`` is TCP;
+    its port."""
+    limits = servicer.limits
+    if not limits.data_path or listen.startswith(("unix:", "unix-abstract:")):
+        return None
+    host = listen.removeprefix("dns:///").removeprefix("ipv4:").removeprefix("ipv6:").rsplit(":", 1)[0].strip("[]")
+    tls = server_tls(tls_cert, tls_key) if tls_cert is not None and tls_key is not None else None
+    timeout_s = limits.idle_timeout_s / 2  # a ticket (and a data connection's hello) waits at most this long
+    try:
+        listener = DataListener(host, limits.data_port, tls=tls, handshake_timeout_s=timeout_s, ticket_ttl_s=timeout_s,
+                                max_handshakes=limits.data_handshakes)
+    except OSError as exc:
+        raise ConfigError(f"cannot listen for the data path on {host}:{limits.data_port}: {exc.strerror}") from None
+    servicer.data_path = DataPathHandler(servicer, listener)
+    return listener.port

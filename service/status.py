@@ -20,7 +20,7 @@ from kvshelf.kvstore.errors import (
     StoreFullError,
     TierUnavailableError,
 )
-from kvshelf.service.errors import StreamRefusedError
+from kvshelf.service.errors import DataPathError, StreamRefusedError
 from kvshelf.service.fairness import RETRY_AFTER_METADATA, RETRY_AFTER_MS
 
 log = logging.getLogger("kvshelf.service.server")
@@ -56,6 +56,9 @@ def client_fault(exc: Exception) -> bool:
     """Whether a call failed through its client's fault (a strike against its tenant: ``service/strikes.py``)."""
     if isinstance(exc, _Abort):
         return exc.code in CLIENT_FAULT_CODES
+    if isinstance(exc, DataPathError):  # a data connection that was refused, stalled or broke its framing
+        return exc.code in CLIENT_FAULT_CODES or exc.code in (grpc.StatusCode.UNAUTHENTICATED,
+                                                              grpc.StatusCode.DEADLINE_EXCEEDED)
     return isinstance(exc, CorruptBlockError | BlockTooLargeError | ForeignBlockError)
 
 
@@ -67,6 +70,8 @@ def status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.CANCELLED, "the call was cancelled"
     if isinstance(exc, StreamRefusedError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, DataPathError):
+        return exc.code, exc.message
     if isinstance(exc, TierUnavailableError):
         return grpc.StatusCode.UNAVAILABLE, f"store unavailable: {exc}"
     if isinstance(exc, StoreFullError):

@@ -1,0 +1,209 @@
+"""The client side of the bulk data path (``RemoteStore``'s default for gets and puts; see ``service/bulk/``).
+
+One transfer per call: ``OpenDataPath`` over the authenticated channel returns a ticket and the data port; the client
+connects to the host it reaches the server at (TLS when the ticket says so, trusting the channel's CA), sends the
+hello (and for a put the values, scatter-gather, then the end mark), and reads the replies: each value with
+``recv_into`` straight into a buffer of its size, checked against its checksum before it is handed on; the status
+frame; then the call's result.
+
+``DataPathUnavailable`` means the path itself is refused (a server without it, or with it off; a data port that
+cannot be reached or a connection cut before any reply, as a middlebox does): the caller falls back to gRPC. Every
+other failure is the transfer's: ``RemoteStoreError`` with the status both sides report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ssl
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+
+from kvshelf.proto import kvshelf_pb2 as pb
+from kvshelf.service.bulk.framing import (
+    END_MARK,
+    MISS,
+    REPLY_HEAD,
+    STATUS,
+    Entry,
+    ReplyHead,
+    check_value,
+    encode_hello,
+    parse_reply_head,
+    status_code,
+    trailer_checksum,
+)
+from kvshelf.service.bulk.ticket import OP_GET, OP_PUT
+from kvshelf.service.bulk.transport import connect, recv_bytes, recv_exact, send_parts, shutdown
+from kvshelf.service.errors import DataPathError, DataPathUnavailable, RemoteStoreError
+
+#: statuses of ``OpenDataPath`` that mean "no data path here": an older server, or one with it off
+_PATH_REFUSED = frozenset({grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.FAILED_PRECONDITION})
+
+#: ``open_call(request)``: the ``OpenDataPath`` call (retried while the server asks for it) and its first response
+OpenCall = Callable[[pb.DataPathRequest], tuple[Any, pb.DataPathResponse]]
+
+
+class DataPathClient:
+    """Gets and puts of one ``RemoteStore`` over the data path of the server at ``host``."""
+
+    def __init__(self, host: str, open_call: OpenCall, *, timeout_s: float, tls: ssl.SSLContext | None,
+                 max_value_bytes: int) -> None:
+        self.host = host
+        self._open_call = open_call
+        self.timeout_s = timeout_s
+        self.tls = tls
+        self.max_value_bytes = max_value_bytes
+
+    def get(self, namespace: str, keys: Sequence[bytes], *, fingerprint: str = "", tokens: Sequence[int] = (),
+            arrived: Callable[[int, bytearray], None] | None = None) -> list[bytearray | None]:
+        """The values of ``keys`` (None: a miss), each in a buffer of its own, checked against its checksum."""
+        request = pb.DataPathRequest(namespace=namespace, op=pb.DataPathRequest.GET, keys=keys,
+                                     fingerprint=fingerprint, tokens=tokens)
+        call, sock = self._open(request)
+        out: list[bytearray | None] = [None] * len(keys)
+        replied = False
+        try:
+            send_parts(sock, [encode_hello(OP_GET, bytes(call.ticket), namespace, [Entry(k) for k in keys])])
+            head = bytearray(REPLY_HEAD.size)
+            for index, key in enumerate(keys):
+                reply = self._head(sock, head)
+                replied = True
+                if reply.kind == STATUS:
+                    self._failed(sock, reply)
+                if reply.kind == MISS:
+                    continue
+                value = bytearray(reply.size)
+                recv_exact(sock, memoryview(value), f"the value of key {key.hex()}")
+                check_value(key, value, reply.checksum)
+                out[index] = value
+                if arrived is not None:
+                    arrived(index, value)
+            self._ended(sock, self._head(sock, head))
+        except (OSError, DataPathError) as exc:
+            _close(sock)  # first: a server still sending or reading is woken
+            call.fail(exc, replied)
+        finally:
+            _close(sock)
+        call.result()
+        return out
+
+    def put(self, namespace: str, items: Sequence[tuple[bytes, bytes | bytearray | memoryview]], *,
+            pin: bool = False) -> int:
+        """Send ``items`` (``(key, encoded value)``); how many the server's first tier accepted."""
+        keys = [key for key, _ in items]
+        request = pb.DataPathRequest(namespace=namespace, op=pb.DataPathRequest.PUT, keys=keys,
+                                     sizes=[len(value) for _, value in items], pin=pin)
+        call, sock = self._open(request)
+        replied = False
+        try:
+            entries = [Entry(key, len(value), trailer_checksum(value)) for key, value in items]
+            hello = encode_hello(OP_PUT, bytes(call.ticket), namespace, entries)
+            with contextlib.suppress(OSError):  # the server may have refused the put midway: its status frame says why
+                send_parts(sock, [hello, *(value for _, value in items), END_MARK])
+            reply = self._head(sock, bytearray(REPLY_HEAD.size))
+            replied = True
+            self._ended(sock, reply)
+        except (OSError, DataPathError) as exc:
+            _close(sock)  # first: a server still sending or reading is woken
+            call.fail(exc, replied)
+        finally:
+            _close(sock)
+        return int(call.result().stored)
+
+    # -- plumbing -------------------------------------------------------------------------------------------------
+
+    def _open(self, request: pb.DataPathRequest) -> tuple[_Transfer, Any]:
+        """The control call and its data connection (``DataPathUnavailable`` when the path is refused)."""
+        try:
+            stream, first = self._open_call(request)
+        except grpc.RpcError as exc:
+            if hasattr(exc, "code") and exc.code() in _PATH_REFUSED:
+                raise DataPathUnavailable(f"the server has no data path: {exc.code().name}: {exc.details()}") from None
+            raise
+        if first is None or not first.HasField("ticket"):
+            stream.cancel()
+            raise DataPathUnavailable("the server answered OpenDataPath without a ticket")
+        call = _Transfer(stream, first.ticket)
+        try:
+            sock = connect(self.host, first.ticket.port, self.timeout_s, self.tls if first.ticket.tls else None)
+        except OSError as exc:
+            stream.cancel()
+            raise DataPathUnavailable(f"cannot reach the data port {self.host}:{first.ticket.port}: {exc}") from None
+        if first.ticket.tls and self.tls is None:
+            stream.cancel()
+            sock.close()
+            raise DataPathUnavailable("the data port is TLS and this client has no CA to check it with")
+        return call, sock
+
+    def _head(self, sock: Any, buf: bytearray) -> ReplyHead:
+        recv_exact(sock, memoryview(buf), "a reply head")
+        return parse_reply_head(buf, self.max_value_bytes)
+
+    def _failed(self, sock: Any, reply: ReplyHead) -> None:
+        """Raise the status of a status frame that is not OK."""
+        message = recv_bytes(sock, reply.message_bytes, "a status message").decode("utf-8", "replace")
+        code = status_code(reply.code)
+        if code != grpc.StatusCode.OK:
+            raise DataPathError(code, message)
+        raise DataPathError(grpc.StatusCode.DATA_LOSS, "the server ended the transfer before every value was sent")
+
+    def _ended(self, sock: Any, reply: ReplyHead) -> None:
+        """The transfer's last frame: an OK status, or raise."""
+        if reply.kind != STATUS:
+            raise DataPathError(grpc.StatusCode.DATA_LOSS, "the server sent more values than keys asked for")
+        message = recv_bytes(sock, reply.message_bytes, "a status message").decode("utf-8", "replace")
+        code = status_code(reply.code)
+        if code != grpc.StatusCode.OK:
+            raise DataPathError(code, message)
+
+
+class _Transfer:
+    """The control call of one transfer: its ticket, its result, and how a failed transfer is reported."""
+
+    def __init__(self, stream: Any, ticket: pb.DataPathTicket) -> None:
+        self.stream = stream
+        self.ticket = ticket.ticket
+
+    def result(self) -> pb.DataPathResult:
+        """The call's result message (its errors raise ``grpc.RpcError``, as any call's)."""
+        message = next(self.stream, None)
+        if message is None or not message.HasField("result"):
+            raise RemoteStoreError(grpc.StatusCode.DATA_LOSS, "OpenDataPath ended without a result")
+        for _ in self.stream:  # the end of the stream (its status)
+            pass
+        return message.result
+
+    def fail(self, exc: OSError | DataPathError, replied: bool) -> None:
+        """Raise what a failed transfer means: the status frame's, else the control call's status; a connection cut
+        before any reply (a middlebox refusing it) is ``DataPathUnavailable``."""
+        if isinstance(exc, DataPathError) and exc.code != grpc.StatusCode.DATA_LOSS:
+            self.stream.cancel()
+            raise RemoteStoreError(exc.code, exc.message) from None
+        if not replied and not isinstance(exc, DataPathError):
+            self.stream.cancel()
+            raise DataPathUnavailable(f"the data connection was cut before any reply: {exc}") from None
+        try:  # the server's view (it ends the call with the transfer's status); else ours
+            self.result()
+        except grpc.RpcError:
+            raise
+        except RemoteStoreError:
+            pass
+        code = exc.code if isinstance(exc, DataPathError) else grpc.StatusCode.DATA_LOSS
+        raise RemoteStoreError(code, exc.message if isinstance(exc, DataPathError) else str(exc)) from None
+
+
+def _close(sock: Any) -> None:
+    shutdown(sock)
+    sock.close()
+
+
+def data_host(address: str) -> str | None:
+    """The host of a gRPC target (``host:port``, ``dns:///host:port``, ``ipv4:...``, ``[::1]:port``) where its data
+    port is reached; None for a Unix socket (no data path)."""
+    if address.startswith(("unix:", "unix-abstract:")):
+        return None
+    target = address.removeprefix("dns:///").removeprefix("dns:").removeprefix("ipv4:").removeprefix("ipv6:")
+    host = target.rsplit(":", 1)[0] if ":" in target else target
+    return host.strip("[]") or None

@@ -1,0 +1,194 @@
+"""The server side of ``OpenDataPath``: issue the ticket, wait for the data connection, move the values over it.
+
+Runs on the control call's worker thread, which holds a stream slot of its tenant (``service/fairness.py``) for the
+whole transfer: the per-tenant cap bounds a tenant's data connections, and the watchdog ends a transfer that stalls or
+crawls (each piece read or written counts as progress; ending the call shuts the data connection, which wakes the
+thread). The rules of ``PutBlocks`` and ``GetBlocks`` hold, through the same servicer code:
+
+* put: the announced sizes are checked against the max block size, the per-call limit, the in-flight budget and the
+  quota *before the ticket is issued* (``_PutCall.reserve_declared``); each value is read with ``recv_into`` into a
+  buffer of its announced size, checked against its checksum and verified as a block (key, namespace, codec) as soon
+  as it is whole; the end mark must follow the last one; nothing is stored until all of them are, then they are
+  stored as ``PutBlocks`` stores them (``KVShelfServicer.store_values``); the status frame acknowledges them;
+* get: the store reads and checks the values as for ``GetBlocks`` (``KVShelfServicer.served``); each goes out with
+  one scatter-gather send of its head and its bytes as stored (no copy), its checksum the block's own.
+
+A failure is sent as a status frame on the data connection (best effort) and ends the call with the same status.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import grpc
+
+from kvshelf.proto import kvshelf_pb2 as pb
+from kvshelf.service.bulk.framing import (
+    END_MARK,
+    MISS_HEAD,
+    Entry,
+    check_end,
+    check_trailer,
+    encode_status,
+    encode_value_head,
+    trailer_checksum,
+)
+from kvshelf.service.bulk.listener import DataListener, Pending
+from kvshelf.service.bulk.ticket import OP_GET, OP_PUT
+from kvshelf.service.bulk.transport import recv_bytes, recv_exact, send_parts, shutdown
+from kvshelf.service.errors import DataPathError, FramingError
+from kvshelf.service.status import fail, status_of
+
+if TYPE_CHECKING:
+    from kvshelf.service.fairness import StreamTicket
+    from kvshelf.service.server import KVShelfServicer
+
+
+class DataPathHandler:
+    """``OpenDataPath`` of one servicer over one ``DataListener``."""
+
+    def __init__(self, servicer: KVShelfServicer, listener: DataListener) -> None:
+        self.servicer = servicer
+        self.listener = listener
+        self.idle_timeout_s = servicer.limits.idle_timeout_s
+
+    def serve(self, req: pb.DataPathRequest, namespace: str, context: grpc.ServicerContext,
+              ticket: StreamTicket) -> Iterator[bytes]:
+        """The serialised ``DataPathResponse`` messages of one call (its ticket, then its result)."""
+        keys = list(req.keys)
+        self.servicer.check_keys(keys)
+        if req.op == OP_PUT:
+            yield from self._put(req, namespace, keys, context, ticket)
+        elif req.op == OP_GET:
+            yield from self._get(req, namespace, keys, context, ticket)
+        else:
+            fail(grpc.StatusCode.INVALID_ARGUMENT, f"DataPathRequest.op must be GET (1) or PUT (2), got {req.op}")
+
+    def _ticket(self, op: int, namespace: str, keys: list[bytes]) -> tuple[bytes, Pending]:
+        ticket, pending = self.listener.expect(op, namespace, keys)
+        message = pb.DataPathResponse(ticket=pb.DataPathTicket(
+            ticket=ticket, port=self.listener.port, tls=self.listener.tls is not None,
+            expires_s=self.listener.ticket_ttl_s))
+        return message.SerializeToString(), pending
+
+    def _connection(self, pending: Pending, context: grpc.ServicerContext,
+                    ticket: StreamTicket) -> tuple[socket.socket, tuple[Entry, ...]]:
+        """The call's data connection once the listener delivers it; ending the call (its client, the watchdog)
+        wakes the wait and later shuts the connection."""
+        context.add_callback(pending.close)
+        ticket.waiting()
+        conn, entries = pending.wait(self.listener.ticket_ttl_s)
+        ticket.progress(0)
+        if not context.add_callback(lambda: shutdown(conn)):  # the call ended meanwhile
+            shutdown(conn)
+        conn.settimeout(self.idle_timeout_s)  # a stall ends the transfer even if the watchdog did not
+        return conn, entries
+
+    def _put(self, req: pb.DataPathRequest, namespace: str, keys: list[bytes], context: grpc.ServicerContext,
+             ticket: StreamTicket) -> Iterator[bytes]:
+        sizes = list(req.sizes)
+        if len(sizes) != len(keys):
+            fail(grpc.StatusCode.INVALID_ARGUMENT, f"a put names {len(keys)} keys and {len(sizes)} sizes")
+        call = self.servicer.put_call(namespace)
+        conn: socket.socket | None = None
+        pending: Pending | None = None
+        try:
+            call.reserve_declared(list(zip(keys, sizes, strict=True)))  # before any byte is sent
+            first, pending = self._ticket(OP_PUT, namespace, keys)
+            yield first
+            conn, entries = self._connection(pending, context, ticket)
+            try:
+                values, headers = [], []
+                for index, (entry, size) in enumerate(zip(entries, sizes, strict=True)):
+                    if entry.size != size:
+                        raise FramingError(f"value {index} (key {entry.key.hex()}) is announced as {entry.size} "
+                                           f"bytes on the data connection and {size} in the request")
+                    value = bytearray(size)
+                    ticket.waiting()
+                    recv_exact(conn, memoryview(value), f"value {index}", progress=ticket.progress)
+                    check_trailer(entry.key, value, entry.checksum)
+                    headers.append(self.servicer.verify_value(namespace, entry.key, value))
+                    values.append((entry.key, value))
+                ticket.waiting()
+                check_end(recv_bytes(conn, len(END_MARK), "the end mark"))
+                ticket.receiving = False
+                ticket.progress(len(END_MARK))
+                received, stored = self.servicer.store_values(call, values, headers, req.pin, context)
+                send_parts(conn, [encode_status(grpc.StatusCode.OK)])
+            except OSError as exc:  # the data connection broke (reset, closed): the client's side
+                raise _broken(conn, exc) from None
+            except Exception as exc:
+                _send_failure(conn, exc)
+                raise
+            yield pb.DataPathResponse(result=pb.DataPathResult(received=received, stored=stored)).SerializeToString()
+        finally:
+            call.close()
+            self._done(pending, conn)
+
+    def _get(self, req: pb.DataPathRequest, namespace: str, keys: list[bytes], context: grpc.ServicerContext,
+             ticket: StreamTicket) -> Iterator[bytes]:
+        _, scoped = self.servicer.scoped(context, namespace, keys)
+        conn: socket.socket | None = None
+        first, pending = self._ticket(OP_GET, namespace, keys)
+        try:
+            yield first
+            conn, _ = self._connection(pending, context, ticket)
+            found = 0
+            try:
+                for _, _, value in self.servicer.served(scoped, namespace, req.fingerprint or None,
+                                                                list(req.tokens)):
+                    ticket.waiting()  # a client that does not read blocks the send: idle
+                    if value is None:
+                        send_parts(conn, [MISS_HEAD], ticket.progress)
+                        continue
+                    send_parts(conn, [encode_value_head(len(value), trailer_checksum(value)), value], ticket.progress)
+                    found += 1
+                send_parts(conn, [encode_status(grpc.StatusCode.OK)])
+            except OSError as exc:  # the data connection broke (reset, closed): the client's side
+                raise _broken(conn, exc) from None
+            except Exception as exc:
+                _send_failure(conn, exc)
+                raise
+            yield pb.DataPathResponse(result=pb.DataPathResult(found=found)).SerializeToString()
+        finally:
+            self._done(pending, conn)
+
+    def _done(self, pending: Pending | None, conn: socket.socket | None) -> None:
+        if pending is not None:
+            self.listener.forget(pending)
+        if conn is not None:
+            shutdown(conn)
+            conn.close()
+
+
+#: after a failure, what the server still reads (and drops) of a put the client keeps sending, so that the status
+#: frame reaches it instead of a reset (closing a socket with unread data resets it)
+DRAIN_S = 0.25
+DRAIN_BYTES = 64 << 20
+
+
+def _broken(conn: socket.socket, exc: OSError) -> DataPathError:
+    error = DataPathError(grpc.StatusCode.DATA_LOSS, f"the data connection broke: {exc.strerror or exc}")
+    _send_failure(conn, error)
+    return error
+
+
+def _send_failure(conn: socket.socket, exc: Exception) -> None:
+    """Tell the data connection's client why its transfer failed (best effort: the control call says it too), then
+    read what it still sends for a moment, so that the frame is not lost to a reset."""
+    code, message = (exc.code, exc.message) if isinstance(exc, DataPathError) else status_of(exc)
+    try:
+        conn.settimeout(DRAIN_S)
+        send_parts(conn, [encode_status(code, message)])
+        conn.shutdown(socket.SHUT_WR)
+        deadline, drained, sink = time.monotonic() + DRAIN_S, 0, bytearray(1 << 20)
+        while drained < DRAIN_BYTES and time.monotonic() < deadline:
+            n = conn.recv_into(sink)
+            if n == 0:
+                break
+            drained += n
+    except (OSError, DataPathError):
+        pass

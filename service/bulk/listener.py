@@ -1,0 +1,242 @@
+"""The data listener: the TCP port beside the gRPC server where data connections present their tickets.
+
+An accept thread takes each connection and hands it to a short-lived handshake thread, which (TLS handshake first
+when the server has TLS) reads the hello (``framing.py``) under a deadline, verifies its ticket (``ticket.py``:
+signature, expiry, single use), checks that the hello names the ticket's namespace, op and keys, and delivers the
+connection to the control call waiting for it (``Pending``). A connection is refused with a status frame naming why
+(and the control call of a valid ticket ends with the same status):
+
+* more than ``max_handshakes`` connections not yet through their handshake (half that from one peer host):
+  RESOURCE_EXHAUSTED;
+* no hello within the handshake timeout: DEADLINE_EXCEEDED;
+* not a hello, a forged, expired, replayed or unknown ticket: UNAUTHENTICATED;
+* the ticket of another namespace, op or set of keys: PERMISSION_DENIED.
+
+Tenants' data connections are bounded by their control calls, which hold stream slots (``service/fairness.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvshelf.service.bulk.framing import (
+    HELLO_HEAD,
+    Entry,
+    encode_status,
+    parse_entries,
+    parse_hello_body,
+    parse_hello_head,
+)
+from kvshelf.service.bulk.ticket import OP_NAMES, ReplayGuard, TicketClaims, TicketSigner, keys_digest
+from kvshelf.service.bulk.transport import recv_bytes, shutdown
+from kvshelf.service.errors import DataPathError, TicketError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Pending:
+    """A control call waiting for its data connection: ``wait`` returns it (with the hello's entries) once the
+    listener delivers it, or raises the refusal; after ``close`` a late delivery is refused."""
+
+    claims: TicketClaims
+    namespace: str
+    keys: Sequence[bytes]
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _ready: threading.Event = field(default_factory=threading.Event)
+    _conn: socket.socket | None = None
+    _entries: tuple[Entry, ...] = ()
+    _error: DataPathError | None = None
+    _closed: bool = False
+
+    def deliver(self, conn: socket.socket, entries: tuple[Entry, ...]) -> bool:
+        with self._lock:
+            if self._closed or self._ready.is_set():
+                return False
+            self._conn, self._entries = conn, entries
+            self._ready.set()
+            return True
+
+    def refuse(self, error: DataPathError) -> None:
+        with self._lock:
+            if not self._ready.is_set():
+                self._error = error
+                self._ready.set()
+
+    def close(self) -> None:
+        """The call is over (ended, cancelled or timed out): wake its wait; a later delivery is refused."""
+        with self._lock:
+            self._closed = True
+            self._ready.set()
+
+    def wait(self, timeout_s: float) -> tuple[socket.socket, tuple[Entry, ...]]:
+        self._ready.wait(timeout_s)
+        with self._lock:
+            if self._conn is not None:
+                return self._conn, self._entries
+            if self._error is not None:
+                raise self._error
+            self._closed = True
+            if self._ready.is_set():
+                raise DataPathError(grpc.StatusCode.CANCELLED, "the call ended before its data connection came")
+            raise DataPathError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"no data connection presented the ticket within {timeout_s:g} s")
+
+
+class DataListener:
+    """The data port of one server (see the module doc). ``expect`` registers a control call and returns its
+    ticket; ``close`` stops accepting."""
+
+    def __init__(self, host: str, port: int = 0, *, tls: ssl.SSLContext | None = None,
+                 handshake_timeout_s: float = 5.0, ticket_ttl_s: float = 5.0, max_handshakes: int = 64) -> None:
+        self.tls = tls
+        self.handshake_timeout_s = handshake_timeout_s
+        self.ticket_ttl_s = ticket_ttl_s
+        self.max_handshakes = max(1, max_handshakes)
+        self.max_per_peer = max(1, self.max_handshakes // 2)
+        self.signer = TicketSigner()
+        self.replays = ReplayGuard()
+        self.refused = 0  # connections refused (any reason)
+        self._pending: dict[bytes, Pending] = {}
+        self._handshakes: dict[str, int] = {}  # peer host -> connections in their handshake
+        self._lock = threading.Lock()
+        self._closed = False
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.create_server((host, port), family=family, backlog=256)
+        self.port: int = self._sock.getsockname()[1]
+        self._thread = threading.Thread(target=self._accept_loop, name="kvshelf-data-accept", daemon=True)
+        self._thread.start()
+
+    # -- control calls --------------------------------------------------------------------------------------------
+
+    def expect(self, op: int, namespace: str, keys: Sequence[bytes]) -> tuple[bytes, Pending]:
+        """A ticket for ``op`` on ``keys`` of ``namespace``, and the ``Pending`` its data connection will reach."""
+        ticket, claims = self.signer.issue(op, namespace, keys, self.ticket_ttl_s)
+        pending = Pending(claims, namespace, keys)
+        with self._lock:
+            self._pending[claims.nonce] = pending
+        return ticket, pending
+
+    def forget(self, pending: Pending) -> None:
+        """The control call of ``pending`` is over."""
+        pending.close()
+        with self._lock:
+            self._pending.pop(pending.claims.nonce, None)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            pending, self._pending = list(self._pending.values()), {}
+        shutdown(self._sock)
+        self._sock.close()
+        for p in pending:
+            p.close()
+        self._thread.join(timeout=5)
+
+    # -- connections ----------------------------------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, addr = self._sock.accept()
+            except OSError:
+                if self._closed:
+                    return
+                time.sleep(0.01)  # EMFILE and the like: do not spin
+                continue
+            peer = str(addr[0])
+            with self._lock:
+                total = sum(self._handshakes.values())
+                mine = self._handshakes.get(peer, 0)
+                admitted = total < self.max_handshakes and mine < self.max_per_peer
+                if admitted:
+                    self._handshakes[peer] = mine + 1
+            if not admitted:
+                self.refused += 1
+                why = (f"{mine} data connections of {peer} are in their handshake (at most {self.max_per_peer})"
+                       if mine >= self.max_per_peer else
+                       f"{total} data connections are in their handshake (at most {self.max_handshakes})")
+                self._refuse(conn, DataPathError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{why}; retry later"),
+                             plain=True)
+                continue
+            threading.Thread(target=self._handshake, args=(conn, peer), name="kvshelf-data-handshake",
+                             daemon=True).start()
+
+    def _handshake(self, conn: socket.socket, peer: str) -> None:
+        pending: Pending | None = None
+        try:
+            deadline = time.monotonic() + self.handshake_timeout_s
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.tls is not None:
+                conn.settimeout(self.handshake_timeout_s)
+                conn = self.tls.wrap_socket(conn, server_side=True)
+            head = parse_hello_head(recv_bytes(conn, HELLO_HEAD.size, "the hello", deadline=deadline))
+            ticket, namespace = parse_hello_body(head, recv_bytes(conn, head.body_bytes, "the hello",
+                                                                  deadline=deadline))
+            claims = self.signer.verify(ticket)
+            self.replays.use(claims)
+            with self._lock:
+                pending = self._pending.pop(claims.nonce, None)
+            if pending is None:
+                raise TicketError("ticket of a call that is over (it timed out, was cancelled or was answered)")
+            _check_binding(head.op, namespace, head.count, claims, pending)
+            entries = parse_entries(head, recv_bytes(conn, head.entries_bytes, "the hello", deadline=deadline))
+            if keys_digest([e.key for e in entries]) != claims.digest:
+                raise DataPathError(grpc.StatusCode.PERMISSION_DENIED,
+                                    "the hello names other keys than the ticket was issued for")
+            conn.settimeout(None)
+            if not pending.deliver(conn, entries):
+                raise DataPathError(grpc.StatusCode.DEADLINE_EXCEEDED, "the call of this ticket is over")
+        except DataPathError as exc:
+            self.refused += 1
+            log.debug("data connection of %s refused: %s", peer, exc)
+            if pending is not None:
+                pending.refuse(exc)
+            self._refuse(conn, exc)
+        except (OSError, ssl.SSLError) as exc:
+            self.refused += 1
+            log.debug("data connection of %s failed in its handshake: %s", peer, exc)
+            if pending is not None:
+                pending.refuse(DataPathError(grpc.StatusCode.DATA_LOSS, f"the data connection failed: {exc}"))
+            conn.close()
+        finally:
+            with self._lock:
+                left = self._handshakes.get(peer, 1) - 1
+                if left > 0:
+                    self._handshakes[peer] = left
+                else:
+                    self._handshakes.pop(peer, None)
+
+    def _refuse(self, conn: socket.socket, error: DataPathError, *, plain: bool = False) -> None:
+        """Send ``error``'s status frame (best effort: never blocks for long) and close ``conn``. ``plain``: before
+        any TLS handshake (the frame is only sent on a plaintext listener)."""
+        try:
+            if not (plain and self.tls is not None):
+                conn.settimeout(0.5)
+                conn.sendall(encode_status(error.code, error.message))
+            shutdown(conn)
+        except (OSError, ValueError):
+            pass
+        finally:
+            conn.close()
+
+
+def _check_binding(op: int, namespace: str, count: int, claims: TicketClaims, pending: Pending) -> None:
+    """The hello's op, namespace and count are the ticket's (PERMISSION_DENIED naming what differs)."""
+    if op != claims.op:
+        raise DataPathError(grpc.StatusCode.PERMISSION_DENIED,
+                            f"the hello asks for a {OP_NAMES[op]}; the ticket is for a {OP_NAMES[claims.op]}")
+    if namespace != pending.namespace or not claims.for_namespace(namespace):
+        raise DataPathError(grpc.StatusCode.PERMISSION_DENIED,
+                            f"the hello names namespace {namespace[:256]!r}; the ticket is for another namespace")
+    if count != len(pending.keys):
+        raise DataPathError(grpc.StatusCode.PERMISSION_DENIED,
+                            f"the hello names {count} keys; the ticket is for {len(pending.keys)}")

@@ -1,0 +1,129 @@
+"""Socket I/O of the data path: exact reads with ``recv_into`` into the caller's buffer, scatter-gather sends, TLS.
+
+Both sides use these. A read that gets nothing for the socket's timeout (or past a deadline) is DEADLINE_EXCEEDED, a
+peer that closes early is DATA_LOSS naming how far it got (``DataPathError``); other socket errors are ``OSError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import ssl
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+
+import grpc
+
+from kvshelf.service.errors import DataPathError, FramingError
+
+#: buffers one ``sendmsg`` takes at most (Linux's IOV_MAX is 1024)
+_IOV_MAX = 1024
+
+
+def recv_exact(sock: socket.socket, view: memoryview, what: str, *, deadline: float | None = None,
+               progress: Callable[[int], None] | None = None) -> None:
+    """Fill ``view`` from ``sock`` (straight into it: no intermediate buffer). ``deadline`` (``time.monotonic``):
+    the whole read must end by then; ``progress(n)`` after each piece."""
+    got, size = 0, len(view)
+    while got < size:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _late(got, size, what)
+            sock.settimeout(left)
+        try:
+            n = sock.recv_into(view[got:])
+        except TimeoutError:
+            if deadline is not None:
+                raise _late(got, size, what) from None
+            raise DataPathError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"the data connection stalled after {got} of the {size} bytes of {what} "
+                                f"(nothing for {sock.gettimeout():g} s)") from None
+        if n == 0:
+            raise FramingError(f"the data connection closed after {got} of the {size} bytes of {what}")
+        got += n
+        if progress is not None:
+            progress(n)
+
+
+def _late(got: int, size: int, what: str) -> DataPathError:
+    return DataPathError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                         f"the data connection sent only {got} of the {size} bytes of {what} in time")
+
+
+def recv_bytes(sock: socket.socket, size: int, what: str, *, deadline: float | None = None) -> bytearray:
+    """``size`` bytes from ``sock`` (``recv_exact`` into a new buffer)."""
+    buf = bytearray(size)
+    recv_exact(sock, memoryview(buf), what, deadline=deadline)
+    return buf
+
+
+def send_parts(sock: socket.socket, parts: Sequence[bytes | bytearray | memoryview],
+               progress: Callable[[int], None] | None = None) -> None:
+    """Send ``parts`` in order without joining them: ``sendmsg`` (scatter-gather) on a plain socket, ``sendall``
+    per part on TLS (which has no ``sendmsg``). A peer that stops reading for the socket's timeout is
+    DEADLINE_EXCEEDED."""
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    try:
+        if isinstance(sock, ssl.SSLSocket):
+            for view in views:
+                sock.sendall(view)
+                if progress is not None:
+                    progress(len(view))
+            return
+        first = 0
+        while first < len(views):
+            sent = sock.sendmsg(views[first : first + _IOV_MAX])
+            if progress is not None:
+                progress(sent)
+            while first < len(views) and sent >= len(views[first]):
+                sent -= len(views[first])
+                first += 1
+            if sent:
+                views[first] = views[first][sent:]
+    except TimeoutError:
+        raise DataPathError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"the peer of the data connection took nothing for {sock.gettimeout():g} s") from None
+
+
+def connect(host: str, port: int, timeout_s: float, tls: ssl.SSLContext | None) -> socket.socket:
+    """A data connection to ``host:port`` (TLS with ``tls``, checking the server's name against ``host``)."""
+    sock = socket.create_connection((host, port), timeout=timeout_s)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if tls is not None:
+            sock = tls.wrap_socket(sock, server_hostname=host)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def client_tls(ca: bytes) -> ssl.SSLContext:
+    """The client's TLS context: trusts the PEM ``ca`` (the one its gRPC channel trusts) only."""
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cadata=ca.decode("ascii"))
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    return context
+
+
+def server_tls(cert: bytes, key: bytes) -> ssl.SSLContext:
+    """The data listener's TLS context from the gRPC server's PEM certificate chain and key (``ssl`` loads them from
+    files only: written to a private temporary file, read, and removed at once)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    fd, path = tempfile.mkstemp(prefix="kvshelf-tls-", suffix=".pem")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(key.rstrip(b"\n") + b"\n" + cert)
+        context.load_cert_chain(path)
+    finally:
+        os.unlink(path)
+    return context
+
+
+def shutdown(sock: socket.socket) -> None:
+    """Wake any thread blocked on ``sock`` (both directions closed); never raises."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
