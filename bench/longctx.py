@@ -348,35 +348,45 @@ def _tmp_store() -> Iterator[Any]:
 
 def run_tier_sparse(model: Any, tokenizer: Any, sample: ruler.Sample, budgets: tuple[float, ...], tally: Tally,
                     cls: type) -> None:
+    """One prefill of the context (the largest budget's session), then the question at each budget: the session is
+    marked after the prefill and rewound before each budget's question (``SparseSession.mark`` / ``rewind``), its
+    ``top_blocks`` set to the budget's. TTFT counts the shared prefill in each row: what a fresh answer costs."""
     context, question = sample.ids[:sample.context_tokens], sample.ids[sample.context_tokens:]
-    for budget in budgets:
-        with _tmp_store() as store, tier_sparse_method(cls, budget, len(context)).session(model, store) as s:
-            s.prefill(context)
+    ordered = sorted(budgets, reverse=True)
+    widest = tier_sparse_method(cls, ordered[0], len(context))
+    with _tmp_store() as store, widest.session(model, store) as s:
+        s.prefill(context)
+        s.mark()
+        for budget in ordered:
+            s.rewind()
+            s.top_blocks = tier_sparse_method(cls, budget, len(context)).top_blocks
             tokens = s.generate(question, max_new_tokens=sample.new_tokens)
             stats = s.stats
-        tally.add(("kvshelf", "tier-sparse", budget, sample.task, sample.tokens),
-                  score=ruler.score(tokenizer.decode(tokens), sample.answers), kv_fraction=float(stats.kv_fraction),
-                  resident=stats.resident_peak_bytes / stats.full_kv_bytes,
-                  ttft=float(stats.prefill_s + stats.ttft_s), tpot=float(stats.tpot_s))
+            tally.add(("kvshelf", "tier-sparse", budget, sample.task, sample.tokens),
+                      score=ruler.score(tokenizer.decode(tokens), sample.answers),
+                      kv_fraction=float(stats.kv_fraction), resident=stats.resident_peak_bytes / stats.full_kv_bytes,
+                      ttft=float(stats.prefill_s + stats.ttft_s), tpot=float(stats.tpot_s))
 
 
 def ppl_tier_sparse(model: Any, ids: list[int], tokens: int, budgets: tuple[float, ...], tally: Tally,
                     cls: type) -> None:
-    """Per-token NLLs of the last ``PPL_TAIL`` tokens; the top-1 accuracy when the session reports its hits
-    (``stats.top1_hits``), else none (the row's ``accuracy`` is null)."""
+    """Per-token NLLs of the last ``PPL_TAIL`` tokens at each budget after one prefill (as ``run_tier_sparse``);
+    the top-1 accuracy from the session's ``stats.top1_hits``."""
     start = len(ids) - PPL_TAIL
-    for budget in budgets:
-        with _tmp_store() as store, tier_sparse_method(cls, budget, start).session(model, store) as s:
-            s.prefill(ids[:start])
+    ordered = sorted(budgets, reverse=True)
+    with _tmp_store() as store, tier_sparse_method(cls, ordered[0], start).session(model, store) as s:
+        s.prefill(ids[:start])
+        s.mark()
+        for budget in ordered:
+            s.rewind()
+            s.top_blocks = tier_sparse_method(cls, budget, start).top_blocks
             t0 = time.perf_counter()
             nlls = s.nll(ids[start:])
             per_token = (time.perf_counter() - t0) / PPL_TAIL
             stats = s.stats
-        hits = getattr(stats, "top1_hits", None)
-        tally.add(("kvshelf", "tier-sparse", budget, "ppl", tokens),
-                  score=None if hits is None else hits / PPL_TAIL, kv_fraction=float(stats.kv_fraction),
-                  resident=stats.resident_peak_bytes / stats.full_kv_bytes, ttft=float(stats.prefill_s),
-                  tpot=per_token, nll=statistics.fmean(nlls))
+            tally.add(("kvshelf", "tier-sparse", budget, "ppl", tokens), score=stats.top1_hits / PPL_TAIL,
+                      kv_fraction=float(stats.kv_fraction), resident=stats.resident_peak_bytes / stats.full_kv_bytes,
+                      ttft=float(stats.prefill_s), tpot=per_token, nll=statistics.fmean(nlls))
 
 
 # -- the run ---------------------------------------------------------------------------------------------------

@@ -42,6 +42,16 @@ class HotBlocks:
         self._blocks[key] = (keys, values)
         self.bytes += size
 
+    def held(self) -> list[LayerBlock]:
+        return list(self._blocks)
+
+    def resize(self, capacity: int) -> None:
+        """Hold at most ``capacity`` bytes from now on (least recently used out first)."""
+        self.capacity = max(0, int(capacity))
+        while self._blocks and self.bytes > self.capacity:
+            _, (k, v) = self._blocks.popitem(last=False)
+            self.bytes -= k.nbytes + v.nbytes
+
     def drop(self, key: LayerBlock) -> None:
         old = self._blocks.pop(key, None)
         if old is not None:

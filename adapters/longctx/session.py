@@ -18,6 +18,7 @@ Shapes: ``h`` KV heads, ``g`` query heads per KV head, ``q`` queries, ``B`` bloc
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import time
 from dataclasses import dataclass
@@ -56,6 +57,21 @@ class SparseStats:
     hot_hits: int = 0  # (layer, block) records served from the hot blocks
     stored_blocks: int = 0  # (layer, block) records written
     top1_hits: int = 0  # tokens of the last ``nll`` call that were the model's top-1 prediction
+
+
+@dataclass
+class _Mark:
+    """What ``SparseSession.rewind`` restores: the tokens seen, the blocks stored per layer, each managed layer's
+    in-memory sinks + tail (copies of their filled part), the unmanaged layers' own caches (bounded: sliding
+    windows) and the logits of the last token."""
+
+    tokens: int
+    stored: int
+    tails: list[tuple[int, torch.Tensor, torch.Tensor]]
+    others: dict[int, Any]
+    last_logits: torch.Tensor | None
+    nbytes: int
+    taken: int  # of the nbytes, those the hot blocks gave up
 
 
 def _partial(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
@@ -129,6 +145,9 @@ class SparseSession:
         self._root: bytes | None = None
         self._last_logits: torch.Tensor | None = None
         self._prefilling = False
+        self._mark: _Mark | None = None
+        self._top_blocks = method.top_blocks
+        self._context_tokens = 0
         self.cache = cache_of_layers(self._cache_layers(model))
         self._tag = hashlib.blake2b(method.tag().encode(), digest_size=16).digest()
 
@@ -236,7 +255,7 @@ class SparseSession:
             return self._dense(query, keys, values, scaling)
         if self._prefilling and m.prefill_top_blocks is None:  # an exact prefill: every block, a chunk at a time
             return self._streamed(layer, slot, list(range(blocks)), query, keys, values, scaling)
-        top = m.prefill_top_blocks if self._prefilling and m.prefill_top_blocks is not None else m.top_blocks
+        top = m.prefill_top_blocks if self._prefilling and m.prefill_top_blocks is not None else self._top_blocks
         k = min(top, blocks)
         votes = self.summaries.votes(slot, blocks, query[0], scaling)  # [h, blocks]
         if not m.per_head:  # one top k for the layer (the heads' votes summed)
@@ -357,8 +376,84 @@ class SparseSession:
         self.stats.prefill_s = time.perf_counter() - began
         self.stats.full_kv_bytes = len(context) * len(self.layers) * self._block_bytes(self.dtype) // \
             self.method.block_tokens
+        self._context_tokens = len(context)
+        self._note_fraction()
+
+    def _note_fraction(self) -> None:
         m = self.method
-        self.stats.kv_fraction = min(1.0, (m.sinks + m.window + m.top_blocks * m.block_tokens) / len(context))
+        attended = m.sinks + m.window + self._top_blocks * m.block_tokens
+        self.stats.kv_fraction = min(1.0, attended / self._context_tokens)
+
+    # -- several questions of one context -----------------------------------------------------------------
+
+    @property
+    def top_blocks(self) -> int:
+        """Stored blocks each layer attends per step (``TierSparse.top_blocks`` until set)."""
+        return self._top_blocks
+
+    @top_blocks.setter
+    def top_blocks(self, value: int) -> None:
+        """Attend ``value`` blocks per step from now on (the prefill's blocks and summaries serve any number). With
+        ``per_head`` the fetch was sized for ``TierSparse.top_blocks``: more is a ``ResidentBudgetError``."""
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise LongContextError(f"top_blocks={value!r}: a positive integer")
+        if self.method.per_head and value > self.method.top_blocks:
+            raise ResidentBudgetError(f"top_blocks={value} per head: the session's fetch memory was sized for "
+                                      f"TierSparse.top_blocks={self.method.top_blocks}; open it with the larger one")
+        self._top_blocks = value
+        if self._context_tokens:
+            self._note_fraction()
+
+    def mark(self) -> None:
+        """Remember this point (typically right after ``prefill``) so that ``rewind`` can return to it: ask one
+        long context several questions with one prefill. The mark holds a copy of every managed layer's sinks and
+        tail, counted in ``resident_bytes`` (from what the fixed part and the hot blocks leave, else the hot blocks
+        give up the room; ``ResidentBudgetError`` when even that is too little); a later ``mark`` replaces it."""
+        if not self._tokens:
+            raise LongContextError("prefill a context before marking it")
+        self._release_mark()
+        stored = {t.stored for t in self._tails}
+        assert len(stored) == 1, "every managed layer has stored the same blocks after a whole forward"
+        tails = [(t.filled, t.keys[:, :, :t.filled].clone(), t.values[:, :, :t.filled].clone()) for t in self._tails]
+        nbytes = sum(k.nbytes + v.nbytes for _, k, v in tails)
+        free = self.method.resident_limit - self._fixed - self.hot.capacity  # what hot_bytes left unused
+        if nbytes > free + self.hot.capacity:
+            raise ResidentBudgetError(f"a mark holds {nbytes:,} bytes of sinks and tails: more than the "
+                                      f"{free + self.hot.capacity:,} bytes resident_bytes leaves beside the fixed part")
+        taken = max(0, nbytes - free)
+        self.hot.resize(self.hot.capacity - taken)
+        others = {i: copy.deepcopy(layer) for i, layer in enumerate(self.cache.layers) if not isinstance(layer,
+                                                                                                         OwnedLayer)}
+        self._mark = _Mark(tokens=len(self._tokens), stored=stored.pop(), tails=tails, others=others,
+                           last_logits=self._last_logits, nbytes=nbytes, taken=taken)
+        self._held_bytes += nbytes
+        self._note_resident(0)
+
+    def rewind(self) -> None:
+        """Return to the ``mark``: the tokens after it are forgotten (blocks they stored stay in the store,
+        unreachable from this session, until evicted), so the next ``generate`` / ``nll`` continues the marked
+        context as if nothing had followed it. The mark stays for further rewinds."""
+        mark = self._mark
+        if mark is None:
+            raise LongContextError("rewind needs a mark: call mark() after the prefill")
+        for slot, index in self.hot.held():
+            if index >= mark.stored:  # a block of the forgotten tokens: its index will name another block
+                self.hot.drop((slot, index))
+        for tail, (filled, keys, values) in zip(self._tails, mark.tails, strict=True):
+            tail.keys[:, :, :filled].copy_(keys)
+            tail.values[:, :, :filled].copy_(values)
+            tail.filled, tail.seen, tail.stored = filled, mark.tokens, mark.stored
+        for index, layer in mark.others.items():
+            self.cache.layers[index] = copy.deepcopy(layer)
+        del self._tokens[mark.tokens:]
+        del self._chain[mark.stored:]
+        self._last_logits = mark.last_logits
+
+    def _release_mark(self) -> None:
+        if self._mark is not None:
+            self._held_bytes -= self._mark.nbytes
+            self.hot.resize(self.hot.capacity + self._mark.taken)
+            self._mark = None
 
     def generate(self, question: list[int], max_new_tokens: int, *,
                  scores: list[torch.Tensor] | None = None) -> list[int]:
@@ -407,4 +502,5 @@ class SparseSession:
         return (-logp[torch.arange(len(continuation)), target]).tolist()
 
     def close(self) -> None:
+        self._mark = None
         self.hot.clear()

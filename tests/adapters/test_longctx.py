@@ -9,6 +9,8 @@ counted miss, never attention over something else.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from arch_rule import LOGIT_ATOL
@@ -195,3 +197,88 @@ def test_a_second_session_on_the_same_context_finds_its_blocks(model, tmp_path) 
                 session.prefill(IDS[:CONTEXT])
                 keys.append(session._layer_key(1, 5))
         assert keys[0] == keys[1] != keys[2]
+
+
+# -- several questions of one prefilled context: mark / rewind, top_blocks per question ----------------------------
+
+# two questions long enough to move blocks past the mark to the store (the second reuses the first's block indices)
+Q1 = torch.randint(3, 500, (40,), generator=torch.Generator().manual_seed(9)).tolist()
+Q2 = torch.randint(3, 500, (40,), generator=torch.Generator().manual_seed(10)).tolist()
+
+
+def _fresh(model: torch.nn.Module, store, method: TierSparse, question: list[int]):  # noqa: ANN001, ANN202
+    with method.session(model, store, namespace="fresh") as session:
+        session.prefill(IDS[:CONTEXT])
+        scores: list[torch.Tensor] = []
+        return session.generate(question, NEW, scores=scores), scores
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])  # gemma3: sliding layers keep their own (copied) cache
+@pytest.mark.parametrize("hot", [0, None], ids=["store-only", "hot-blocks"])
+def test_rewind_answers_another_question_as_a_fresh_prefill_would(family, hot, tmp_path) -> None:  # noqa: ANN001
+    model = family_model(family)
+    method = TierSparse(block_tokens=8, top_blocks=3, sinks=4, window=16, segment=16, resident_bytes="8MiB",
+                        hot_bytes=hot)
+    with open_embedded_store(tmp_path / "d", memory_bytes=None, durable=False) as store:
+        with method.session(model, store) as session:
+            session.prefill(IDS[:CONTEXT])
+            session.mark()
+            stored = session.stats.stored_blocks
+            session.generate(Q1, NEW)
+            assert session.stats.stored_blocks > stored  # the first question moved blocks past the mark to the store
+            session.rewind()
+            scores: list[torch.Tensor] = []
+            tokens = session.generate(Q2, NEW, scores=scores)
+            assert session.stats.resident_peak_bytes <= session.stats.resident_limit_bytes
+            session.rewind()  # the mark stays: a third question
+            again = session.generate(Q2, NEW)
+        want_tokens, want_scores = _fresh(model, store, method, Q2)
+    assert tokens == want_tokens == again
+    assert max(float((a - b).abs().max()) for a, b in zip(scores, want_scores, strict=True)) <= LOGIT_ATOL
+
+
+def test_top_blocks_per_question_equals_a_session_opened_with_it(model, tmp_path) -> None:  # noqa: ANN001
+    with open_embedded_store(tmp_path / "d", memory_bytes=None, durable=False) as store:
+        with EVERY.session(model, store) as session:
+            session.prefill(IDS[:CONTEXT])
+            session.mark()
+            exact = session.generate(IDS[CONTEXT:], NEW)
+            wide = session.stats.kv_fraction
+            session.rewind()
+            session.top_blocks = FEW.top_blocks
+            scores: list[torch.Tensor] = []
+            sparse = session.generate(IDS[CONTEXT:], NEW, scores=scores)
+            assert session.stats.kv_fraction < wide
+        want_tokens, want_scores = _fresh(model, store, FEW, IDS[CONTEXT:])
+    assert exact == _reference(model)[0]
+    assert sparse == want_tokens
+    assert max(float((a - b).abs().max()) for a, b in zip(scores, want_scores, strict=True)) <= LOGIT_ATOL
+
+
+def test_mark_and_rewind_bad_calls(model, tmp_path) -> None:  # noqa: ANN001
+    per_head = TierSparse(block_tokens=8, top_blocks=2, sinks=4, window=16, segment=16, resident_bytes="8MiB",
+                          per_head=True)
+    settings = {"block_tokens": 8, "top_blocks": 2, "sinks": 4, "window": 16, "segment": 16}
+    with pytest.raises(ResidentBudgetError) as refused, TierSparse(**settings, resident_bytes=1).session(model, None):
+        pass
+    fixed = int(re.search(r"they need ([\d,]+) bytes", str(refused.value)).group(1).replace(",", ""))
+    tight = TierSparse(**settings, resident_bytes=fixed + 1024)  # the fixed part and 1 KiB: no room for a mark
+    with open_embedded_store(tmp_path / "d", memory_bytes=None, durable=False) as store:
+        with FEW.session(model, store) as session:
+            with pytest.raises(LongContextError, match="prefill a context before marking"):
+                session.mark()
+            session.prefill(IDS[:CONTEXT])
+            with pytest.raises(LongContextError, match="rewind needs a mark"):
+                session.rewind()
+            for bad in (0, -1, True, 2.5, "3"):
+                with pytest.raises(LongContextError, match="top_blocks"):
+                    session.top_blocks = bad
+        with per_head.session(model, store, namespace="ph") as session:
+            session.prefill(IDS[:CONTEXT])
+            with pytest.raises(ResidentBudgetError, match="sized for TierSparse.top_blocks=2"):
+                session.top_blocks = 3
+            session.top_blocks = 1
+        with tight.session(model, store, namespace="tight") as session:
+            session.prefill(IDS[:CONTEXT])
+            with pytest.raises(ResidentBudgetError, match="a mark holds"):
+                session.mark()

@@ -60,3 +60,18 @@ def test_short_run_writes_the_json(tmp_path) -> None:
             assert row["dppl_rel"] == 0.0 if row["method"] == "full" else row["dppl_rel"] > -0.5
         else:
             assert row["dppl_rel"] is None
+
+
+def test_tier_sparse_rows_at_each_budget_from_one_prefill(tmp_path) -> None:
+    out = tmp_path / "longctx.json"
+    corpus = default_corpus()
+    run(json_path=str(out), corpus=str(corpus) if corpus else None, tasks=("niah_single", "ppl"), lengths=(1024,),
+        methods=("tier-sparse",), budgets=(0.25, 0.5), samples=1, kvpress=False, console=Console(width=200))
+    rows = [r for r in json.loads(out.read_text())["results"] if r["method"] == "tier-sparse"]
+    assert {(r["budget"], r["task"]) for r in rows} == {(b, t) for b in (0.25, 0.5) for t in ("niah_single", "ppl")}
+    for task in ("niah_single", "ppl"):
+        wide, narrow = (next(r for r in rows if r["task"] == task and r["budget"] == b) for b in (0.5, 0.25))
+        assert abs(wide["kv_fraction"] - 0.5) < 0.07 and abs(narrow["kv_fraction"] - 0.25) < 0.07
+        assert 0.0 < narrow["resident_fraction"] < 1.0 and narrow["ttft_s"] > 0 and narrow["tpot_s"] > 0
+    ppl = {r["budget"]: r["dppl_rel"] for r in rows if r["task"] == "ppl"}
+    assert all(isinstance(v, float) for v in ppl.values())
