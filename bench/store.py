@@ -2,6 +2,12 @@
 the kvshelf gRPC service vs raw redis-py SET/GET vs raw LMDB, in the same run, beside this machine's own limit
 for a remote path (``socket-floor``: a bare Python socket server, ``bench/socket_floor.py``).
 
+The kvshelf backends: ``grpc`` (a same-host client's default: gets through a /dev/shm arena, puts over the data
+path), ``grpc-wire`` (what a worker on another host uses: every value over the bulk data path, ``service/bulk/``),
+``grpc-wire-fsync`` (the same with a per-put fsync: what durability costs), ``grpc-http2`` (every byte over
+gRPC's HTTP/2 wire, the path before the data path). ``--durability`` (default ``interval``, as Redis runs without
+a per-write fsync) is the server's for all of them but ``grpc-wire-fsync``.
+
 Every client is a process of its own (as inference workers are; ``bench/store_worker.py``) and moves its own
 keys; every value is a real encoded block (the service verifies what it stores), and every get is checked byte
 for byte against what was put (a mismatch counts as an error). MB/s is the total bytes moved over the wall time
@@ -10,6 +16,7 @@ of the case (first op started to last op ended); p50/p99 are per-operation laten
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -18,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
@@ -61,17 +68,25 @@ def redis_backend() -> Iterator[dict[str, Any]]:
         yield {"kind": "redis", "url": server.url}
 
 
+#: ``--durability`` of the kvshelf backends (the server's: ``kvshelf serve --durability``)
+DEFAULT_DURABILITY = "interval"
+
+
 @contextmanager
-def grpc_backend(shared_memory: bool | None = None) -> Iterator[dict[str, Any]]:
-    """A `kvshelf serve` process on loopback (memory + LMDB, its defaults) and RemoteStore clients.
+def grpc_backend(shared_memory: bool | None = None, data_path: bool = True,
+                 durability: str = DEFAULT_DURABILITY) -> Iterator[dict[str, Any]]:
+    """A `kvshelf serve` process on loopback (memory + LMDB, its defaults but ``durability``) and RemoteStore
+    clients.
 
     ``shared_memory=None`` is what a same-host client gets by default: gets through a /dev/shm arena
-    (service/arena.py); ``False`` forces every byte over gRPC's HTTP/2 wire.
+    (service/arena.py); ``False``: values over the bulk data path (``data_path``, service/bulk/), else over gRPC's
+    HTTP/2 wire.
     """
     from kvshelf.bench.servers import kvshelf_server
 
-    with tempfile.TemporaryDirectory(prefix="kvshelf-bench-grpc-") as tmp, kvshelf_server(tmp) as address:
-        yield {"kind": "grpc", "address": address, "shared_memory": shared_memory}
+    with (tempfile.TemporaryDirectory(prefix="kvshelf-bench-grpc-") as tmp,
+          kvshelf_server(tmp, "--durability", durability) as address):
+        yield {"kind": "grpc", "address": address, "shared_memory": shared_memory, "data_path": data_path}
 
 
 @contextmanager
@@ -103,9 +118,23 @@ def socket_floor_backend() -> Iterator[dict[str, Any]]:
 
 
 @contextmanager
-def grpc_wire_backend() -> Iterator[dict[str, Any]]:
-    """The gRPC service with the same-host shared-memory path off: every byte over the wire."""
-    with grpc_backend(shared_memory=False) as target:
+def grpc_wire_backend(durability: str = DEFAULT_DURABILITY) -> Iterator[dict[str, Any]]:
+    """The remote path: the shared-memory arena off, every value over the bulk data path (service/bulk/)."""
+    with grpc_backend(shared_memory=False, durability=durability) as target:
+        yield target
+
+
+@contextmanager
+def grpc_wire_fsync_backend() -> Iterator[dict[str, Any]]:
+    """``grpc-wire`` on a server that fsyncs every put before acknowledging it (``--durability fsync``)."""
+    with grpc_backend(shared_memory=False, durability="fsync") as target:
+        yield target
+
+
+@contextmanager
+def grpc_http2_backend(durability: str = DEFAULT_DURABILITY) -> Iterator[dict[str, Any]]:
+    """Every byte over gRPC's HTTP/2 wire: neither the arena nor the data path (the remote path before it)."""
+    with grpc_backend(shared_memory=False, data_path=False, durability=durability) as target:
         yield target
 
 
@@ -141,7 +170,8 @@ def connect(target: dict[str, Any]) -> tuple[ClientPair, Callable[[], None]]:
     if target["kind"] == "grpc":
         from kvshelf.service.client import RemoteStore
 
-        remote = RemoteStore(target["address"], namespace="bench", shared_memory=target["shared_memory"])
+        remote = RemoteStore(target["address"], namespace="bench", shared_memory=target["shared_memory"],
+                             data_path=target.get("data_path", True))
 
         def remote_get(key: bytes) -> bytes | None:
             return remote.get_encoded_many([key])[0]
@@ -278,8 +308,18 @@ def run_case(target: dict[str, Any], block_mib: int, clients: int, ops: int, set
     return [put, _run_op(target, "get", block_mib, clients, ops)]
 
 
-BACKENDS: dict[str, Backend] = {"grpc": grpc_backend, "grpc-wire": grpc_wire_backend, "grpc-bare": grpc_bare_backend,
-                                "socket-floor": socket_floor_backend, "redis": redis_backend, "lmdb": lmdb_backend}
+BACKENDS: dict[str, Backend] = {"grpc": grpc_backend, "grpc-wire": grpc_wire_backend,
+                                "grpc-wire-fsync": grpc_wire_fsync_backend, "grpc-http2": grpc_http2_backend,
+                                "grpc-bare": grpc_bare_backend, "socket-floor": socket_floor_backend,
+                                "redis": redis_backend, "lmdb": lmdb_backend}
+#: the backends whose server takes ``--durability``
+DURABLE_BACKENDS = frozenset({"grpc", "grpc-wire", "grpc-http2"})
+
+
+def chosen_backends(names: Iterable[str], durability: str = DEFAULT_DURABILITY) -> dict[str, Backend]:
+    """``BACKENDS`` of ``names``, the kvshelf ones with the server's ``durability``."""
+    return {name: functools.partial(BACKENDS[name], durability=durability) if name in DURABLE_BACKENDS
+            else BACKENDS[name] for name in names}
 
 
 def add_redis_ratios(results: list[dict[str, Any]]) -> None:
@@ -293,6 +333,7 @@ def add_redis_ratios(results: list[dict[str, Any]]) -> None:
 def run(
     *, json_path: str | None, backends: dict[str, Backend] = BACKENDS, sizes: tuple[int, ...] = DEFAULT_SIZES,
     clients: tuple[int, ...] = DEFAULT_CLIENTS, console: Console | None = None, settle_s: float = SETTLE_S,
+    durability: str = DEFAULT_DURABILITY,
 ) -> dict[str, Any]:
     console = console or Console()
     if "redis" in backends:
@@ -309,8 +350,12 @@ def run(
     add_redis_ratios(results)
     payload = {"machine": machine_description(), "results": results,
                "client_env": {"GLIBC_TUNABLES": LARGE_BUFFER_TUNABLES},
-               "note": "grpc: a same-host client's default (gets through a /dev/shm arena); grpc-wire: every byte "
-                       "over gRPC/HTTP/2 on loopback; vs_redis: MB/s over raw redis-py's in this run"}
+               "durability": durability,
+               "note": "grpc: a same-host client's default (gets through a /dev/shm arena, puts over the data path); "
+                       "grpc-wire: a remote client's default, every value over the bulk data path (service/bulk/); "
+                       "grpc-wire-fsync: the same with an fsync per put; grpc-http2: every byte over gRPC/HTTP/2 on "
+                       "loopback; the kvshelf servers run with --durability as given (grpc-wire-fsync: fsync); "
+                       "vs_redis: MB/s over raw redis-py's in this run"}
     console.print(results_table(payload))
     save_results(json_path, payload, console)
     return payload

@@ -271,6 +271,8 @@ class RemoteStore:
         """The data path was refused: off for good when the server has none, else for ``DATA_PATH_RETRY_S``."""
         if "no data path" in str(exc):
             log.info("kvshelf server at %s: %s; using gRPC", self.address, exc)
+            if self._data_path is not None:
+                self._data_path.close()
             self._data_path = None
         else:
             log.warning("kvshelf server at %s: data path unusable (%s); using gRPC for %g s", self.address, exc,
@@ -553,6 +555,8 @@ class RemoteStore:
         return json.loads(self._call("Stats", pb.StatsRequest(namespace=self.namespace)).json)
 
     def close(self) -> None:
+        if self._data_path is not None:
+            self._data_path.close()
         self._channel.close()
         if self._finalizer is not None:
             self._finalizer()  # removes this client's arenas from /dev/shm

@@ -98,6 +98,10 @@ class ServerSection:
     grace: float = setting(10.0, "seconds to drain in-flight calls on SIGTERM", kind="float", minimum=0)
     shared_memory: bool = setting(True, "same-host gets through client arenas in /dev/shm (loopback/Unix "
                                   "peers only)", kind="bool")
+    data_path: bool = setting(True, "the bulk data path: values of gets and puts over a raw TCP (TLS with "
+                              "tls_cert) connection per call beside gRPC, by one-time tickets", kind="bool")
+    data_port: int = setting(0, "port of the data path on the listen host (0: any free one; clients learn it from "
+                             "each ticket)", kind="int", minimum=0)
     arena_sweep_interval: float = setting(30.0, "seconds between sweeps of dead clients' /dev/shm arenas "
                                           "(shared_memory)", kind="float", above=0)
     history_interval: float = setting(10.0, "seconds between the stats-history samples `kvshelf stats --plot` "
@@ -166,6 +170,8 @@ class FairnessSection:
                                     kind="float", key="idle_timeout", above=0)
     min_rate_bytes: int = size(1 << 20, "slowest accepted PutBlocks upload, bytes per second (checked after "
                                "idle_timeout)", key="min_rate", minimum=0)
+    data_handshakes: int = setting(64, "data-path connections in their handshake at once (half that from one host); "
+                                   "more are refused", kind="int", minimum=1)
     strike_burst: int = setting(20, "failed calls (the client's fault) at which a tenant's streams are refused; "
                                 "0: never", kind="int", minimum=0)
     strike_leak_per_s: float = setting(5.0, "failed calls per second a tenant is forgiven (service/strikes.py)",
@@ -298,6 +304,8 @@ class ServeConfig:
             spec.check_value(spec.get(self), spec.flag)
         if bool(self.auth.tls_cert) != bool(self.auth.tls_key):
             raise _error("TLS needs both --tls-cert and --tls-key")
+        if not 0 <= self.server.data_port < 65536:
+            raise _error(f"--data-port: data_port must be in [0, 65535], got {self.server.data_port}")
         if not 0 <= self.metrics.port < 65536:
             raise _error(f"--metrics-port: metrics_port must be in [0, 65535], got {self.metrics.port}")
         if not 0 <= self.admin.port < 65536:
@@ -307,10 +315,11 @@ class ServeConfig:
 
     def server_limits(self) -> Any:
         """``service.server.ServerLimits`` from the limits, fairness and events sections (same field names) and
-        ``server.shared_memory``."""
+        ``server.shared_memory``, ``server.data_path`` and ``server.data_port``."""
         from kvshelf.service.server import ServerLimits
 
-        values: dict[str, Any] = {"shared_memory": self.server.shared_memory}
+        values: dict[str, Any] = {"shared_memory": self.server.shared_memory, "data_path": self.server.data_path,
+                                  "data_port": self.server.data_port}
         for section in (self.limits, self.fairness, self.events):
             values.update({f.name: getattr(section, f.name) for f in dataclasses.fields(section)})
         return ServerLimits(**values)

@@ -180,6 +180,8 @@ def serve(config: ServeConfig, *, ready: threading.Event | None = None, stop: th
         metrics_line += f"; vLLM KV events on {publisher.settings.endpoint}"
     if dashboard is not None:
         metrics_line += f"; dashboard on {dashboard.describe()}"
+    if running.data_port is not None:
+        metrics_line += f"; data path on port {running.data_port}"
     print(f"kvshelf serving on {host}:{running.port} ({'TLS' if cert else 'plaintext'}; {mode}; "
           f"data {config.resolved_data_dir()}{metrics_line})", flush=True)
     if ready is not None:

@@ -53,22 +53,30 @@ def bench_lmdb_capacity(
 def bench_store(
     json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
     backends: Annotated[str, typer.Option(
-        help="comma-separated: grpc (same-host default), grpc-wire, grpc-bare (a bare gRPC Python server: the "
-             "wire's floor), socket-floor (a bare Python socket server: this machine's limit), redis, lmdb")] =
-        "grpc,grpc-wire,grpc-bare,socket-floor,redis,lmdb",
+        help="comma-separated: grpc (same-host default), grpc-wire (a remote client's default: the bulk data "
+             "path), grpc-wire-fsync (the same, fsync per put), grpc-http2 (every byte over gRPC), grpc-bare (a bare "
+             "gRPC Python server: the gRPC wire's floor), socket-floor (a bare Python socket server: this "
+             "machine's limit), redis, lmdb")] =
+        "grpc,grpc-wire,grpc-wire-fsync,grpc-http2,grpc-bare,socket-floor,redis,lmdb",
     sizes: Annotated[str, typer.Option(help="block sizes in MiB")] = "1,8,32",
     clients: Annotated[str, typer.Option(help="concurrent clients")] = "1,8",
+    durability: Annotated[str, typer.Option(
+        help="the kvshelf servers' --durability (interval: as Redis runs, no fsync per write; fsync); "
+             "grpc-wire-fsync always fsyncs")] = "interval",
 ) -> None:
     """Put/get throughput and p50/p99 latency: the gRPC service vs raw redis-py vs raw LMDB."""
-    from kvshelf.bench.store import BACKENDS, run
+    from kvshelf.bench.store import BACKENDS, chosen_backends, run
     from kvshelf.kvstore.errors import KVShelfError
+    from kvshelf.service.config import DURABILITY
 
     chosen = [b.strip() for b in backends.split(",") if b.strip()]
     unknown = sorted(set(chosen) - set(BACKENDS))
     if unknown:
         raise KVShelfError(f"unknown backend(s) {unknown}; choose from {', '.join(BACKENDS)}")
-    run(json_path=str(json_path) if json_path else None, backends={b: BACKENDS[b] for b in chosen},
-        sizes=ints(sizes, "--sizes"), clients=ints(clients, "--clients"), console=console)
+    if durability not in DURABILITY:
+        raise KVShelfError(f"--durability must be one of {', '.join(DURABILITY)}, got {durability!r}")
+    run(json_path=str(json_path) if json_path else None, backends=chosen_backends(chosen, durability),
+        sizes=ints(sizes, "--sizes"), clients=ints(clients, "--clients"), console=console, durability=durability)
 
 
 def bench_clear(

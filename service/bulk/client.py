@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import ssl
+import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 
@@ -41,35 +42,44 @@ from kvshelf.service.errors import DataPathError, DataPathUnavailable, RemoteSto
 #: statuses of ``OpenDataPath`` that mean "no data path here": an older server, or one with it off
 _PATH_REFUSED = frozenset({grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.FAILED_PRECONDITION})
 
+T = TypeVar("T")
+
 #: ``open_call(request)``: the ``OpenDataPath`` call (retried while the server asks for it) and its first response
 OpenCall = Callable[[pb.DataPathRequest], tuple[Any, pb.DataPathResponse]]
 
 
 class DataPathClient:
-    """Gets and puts of one ``RemoteStore`` over the data path of the server at ``host``."""
+    """Gets and puts of one ``RemoteStore`` over the data path of the server at ``host``.
+
+    Data connections are kept for the next transfer once one ends cleanly (at most ``max_idle``; each transfer
+    still presents a ticket of its own): a transfer saves the connect, and a busy client does not leave a socket in
+    TIME_WAIT per call. A kept connection the server has closed meanwhile is replaced by a fresh one at once.
+    """
 
     def __init__(self, host: str, open_call: OpenCall, *, timeout_s: float, tls: ssl.SSLContext | None,
-                 max_value_bytes: int) -> None:
+                 max_value_bytes: int, max_idle: int = 4) -> None:
         self.host = host
         self._open_call = open_call
         self.timeout_s = timeout_s
         self.tls = tls
         self.max_value_bytes = max_value_bytes
+        self.max_idle = max_idle
+        self._idle: list[tuple[int, bool, Any]] = []  # (port, tls, socket) of kept connections
+        self._lock = threading.Lock()
 
     def get(self, namespace: str, keys: Sequence[bytes], *, fingerprint: str = "", tokens: Sequence[int] = (),
             arrived: Callable[[int, bytearray], None] | None = None) -> list[bytearray | None]:
         """The values of ``keys`` (None: a miss), each in a buffer of its own, checked against its checksum."""
         request = pb.DataPathRequest(namespace=namespace, op=pb.DataPathRequest.GET, keys=keys,
                                      fingerprint=fingerprint, tokens=tokens)
-        call, sock = self._open(request)
-        out: list[bytearray | None] = [None] * len(keys)
-        replied = False
-        try:
-            send_parts(sock, [encode_hello(OP_GET, bytes(call.ticket), namespace, [Entry(k) for k in keys])])
-            head = bytearray(REPLY_HEAD.size)
+        head = bytearray(REPLY_HEAD.size)
+
+        def exchange(sock: Any, ticket: bytes, replied: list[bool]) -> list[bytearray | None]:
+            out: list[bytearray | None] = [None] * len(keys)
+            send_parts(sock, [encode_hello(OP_GET, ticket, namespace, [Entry(k) for k in keys])])
             for index, key in enumerate(keys):
                 reply = self._head(sock, head)
-                replied = True
+                replied[0] = True
                 if reply.kind == STATUS:
                     self._failed(sock, reply)
                 if reply.kind == MISS:
@@ -81,41 +91,63 @@ class DataPathClient:
                 if arrived is not None:
                     arrived(index, value)
             self._ended(sock, self._head(sock, head))
-        except (OSError, DataPathError) as exc:
-            _close(sock)  # first: a server still sending or reading is woken
-            call.fail(exc, replied)
-        finally:
-            _close(sock)
-        call.result()
-        return out
+            return out
+
+        return self._transfer(request, exchange)[0]
 
     def put(self, namespace: str, items: Sequence[tuple[bytes, bytes | bytearray | memoryview]], *,
             pin: bool = False) -> int:
         """Send ``items`` (``(key, encoded value)``); how many the server's first tier accepted."""
-        keys = [key for key, _ in items]
-        request = pb.DataPathRequest(namespace=namespace, op=pb.DataPathRequest.PUT, keys=keys,
+        request = pb.DataPathRequest(namespace=namespace, op=pb.DataPathRequest.PUT, keys=[k for k, _ in items],
                                      sizes=[len(value) for _, value in items], pin=pin)
-        call, sock = self._open(request)
-        replied = False
-        try:
-            entries = [Entry(key, len(value), trailer_checksum(value)) for key, value in items]
-            hello = encode_hello(OP_PUT, bytes(call.ticket), namespace, entries)
+        entries = [Entry(key, len(value), trailer_checksum(value)) for key, value in items]
+
+        def exchange(sock: Any, ticket: bytes, replied: list[bool]) -> None:
+            hello = encode_hello(OP_PUT, ticket, namespace, entries)
             with contextlib.suppress(OSError):  # the server may have refused the put midway: its status frame says why
                 send_parts(sock, [hello, *(value for _, value in items), END_MARK])
             reply = self._head(sock, bytearray(REPLY_HEAD.size))
-            replied = True
+            replied[0] = True
             self._ended(sock, reply)
-        except (OSError, DataPathError) as exc:
-            _close(sock)  # first: a server still sending or reading is woken
-            call.fail(exc, replied)
-        finally:
+
+        return int(self._transfer(request, exchange)[1].stored)
+
+    def close(self) -> None:
+        """Close the kept connections."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for _, _, sock in idle:
             _close(sock)
-        return int(call.result().stored)
 
     # -- plumbing -------------------------------------------------------------------------------------------------
 
-    def _open(self, request: pb.DataPathRequest) -> tuple[_Transfer, Any]:
-        """The control call and its data connection (``DataPathUnavailable`` when the path is refused)."""
+    def _transfer(self, request: pb.DataPathRequest,
+                  exchange: Callable[[Any, bytes, list[bool]], T]) -> tuple[T, pb.DataPathResult]:
+        """Open the call, run ``exchange(sock, ticket, replied)`` on a data connection (a kept one when there is
+        one; a fresh one if it turns out closed), keep the connection when the transfer ended cleanly; the
+        exchange's outcome and the call's result."""
+        call = self._open(request)
+        sock = self._take(call.port, call.tls)
+        kept = sock is not None
+        if sock is None:
+            sock = self._connect(call)
+        while True:
+            replied = [False]
+            try:
+                out = exchange(sock, call.ticket, replied)
+            except (OSError, DataPathError) as exc:
+                _close(sock)  # first: a server still sending or reading is woken
+                if kept and not replied[0] and not isinstance(exc, DataPathError):  # the server closed it meanwhile
+                    sock, kept = self._connect(call), False
+                    continue
+                call.fail(exc, replied[0])
+            break
+        result = call.result()
+        self._keep(call.port, call.tls, sock)
+        return out, result
+
+    def _open(self, request: pb.DataPathRequest) -> _Transfer:
+        """The control call with its ticket (``DataPathUnavailable`` when the server has no data path)."""
         try:
             stream, first = self._open_call(request)
         except grpc.RpcError as exc:
@@ -124,18 +156,33 @@ class DataPathClient:
             raise
         if first is None or not first.HasField("ticket"):
             stream.cancel()
-            raise DataPathUnavailable("the server answered OpenDataPath without a ticket")
-        call = _Transfer(stream, first.ticket)
-        try:
-            sock = connect(self.host, first.ticket.port, self.timeout_s, self.tls if first.ticket.tls else None)
-        except OSError as exc:
-            stream.cancel()
-            raise DataPathUnavailable(f"cannot reach the data port {self.host}:{first.ticket.port}: {exc}") from None
+            raise DataPathUnavailable("the server has no data path: it answered OpenDataPath without a ticket")
         if first.ticket.tls and self.tls is None:
             stream.cancel()
-            sock.close()
             raise DataPathUnavailable("the data port is TLS and this client has no CA to check it with")
-        return call, sock
+        return _Transfer(stream, first.ticket)
+
+    def _connect(self, call: _Transfer) -> Any:
+        try:
+            return connect(self.host, call.port, self.timeout_s, self.tls if call.tls else None)
+        except OSError as exc:
+            call.stream.cancel()
+            raise DataPathUnavailable(f"cannot reach the data port {self.host}:{call.port}: {exc}") from None
+
+    def _take(self, port: int, tls: bool) -> Any:
+        with self._lock:
+            for i, (p, t, sock) in enumerate(self._idle):
+                if (p, t) == (port, tls):
+                    del self._idle[i]
+                    return sock
+        return None
+
+    def _keep(self, port: int, tls: bool, sock: Any) -> None:
+        with self._lock:
+            if len(self._idle) < self.max_idle:
+                self._idle.append((port, tls, sock))
+                return
+        _close(sock)
 
     def _head(self, sock: Any, buf: bytearray) -> ReplyHead:
         recv_exact(sock, memoryview(buf), "a reply head")
@@ -164,7 +211,9 @@ class _Transfer:
 
     def __init__(self, stream: Any, ticket: pb.DataPathTicket) -> None:
         self.stream = stream
-        self.ticket = ticket.ticket
+        self.ticket = bytes(ticket.ticket)
+        self.port = int(ticket.port)
+        self.tls = bool(ticket.tls)
 
     def result(self) -> pb.DataPathResult:
         """The call's result message (its errors raise ``grpc.RpcError``, as any call's)."""
@@ -175,7 +224,7 @@ class _Transfer:
             pass
         return message.result
 
-    def fail(self, exc: OSError | DataPathError, replied: bool) -> None:
+    def fail(self, exc: OSError | DataPathError, replied: bool) -> NoReturn:
         """Raise what a failed transfer means: the status frame's, else the control call's status; a connection cut
         before any reply (a middlebox refusing it) is ``DataPathUnavailable``."""
         if isinstance(exc, DataPathError) and exc.code != grpc.StatusCode.DATA_LOSS:

@@ -82,7 +82,12 @@ class DataPathHandler:
         ticket.waiting()
         conn, entries = pending.wait(self.listener.ticket_ttl_s)
         ticket.progress(0)
-        if not context.add_callback(lambda: shutdown(conn)):  # the call ended meanwhile
+
+        def ended() -> None:  # the call is over: a transfer still running is cut (a finished one is kept)
+            if not pending.finished:
+                shutdown(conn)
+
+        if not context.add_callback(ended):  # the call ended meanwhile
             shutdown(conn)
         conn.settimeout(self.idle_timeout_s)  # a stall ends the transfer even if the watchdog did not
         return conn, entries
@@ -118,6 +123,7 @@ class DataPathHandler:
                 ticket.progress(len(END_MARK))
                 received, stored = self.servicer.store_values(call, values, headers, req.pin, context)
                 send_parts(conn, [encode_status(grpc.StatusCode.OK)])
+                pending.finished = True
             except OSError as exc:  # the data connection broke (reset, closed): the client's side
                 raise _broken(conn, exc) from None
             except Exception as exc:
@@ -147,6 +153,7 @@ class DataPathHandler:
                     send_parts(conn, [encode_value_head(len(value), trailer_checksum(value)), value], ticket.progress)
                     found += 1
                 send_parts(conn, [encode_status(grpc.StatusCode.OK)])
+                pending.finished = True
             except OSError as exc:  # the data connection broke (reset, closed): the client's side
                 raise _broken(conn, exc) from None
             except Exception as exc:
@@ -159,7 +166,12 @@ class DataPathHandler:
     def _done(self, pending: Pending | None, conn: socket.socket | None) -> None:
         if pending is not None:
             self.listener.forget(pending)
-        if conn is not None:
+        if conn is None:
+            return
+        if pending is not None and pending.finished:
+            conn.settimeout(None)
+            self.listener.keep(conn, pending.peer)
+        else:
             shutdown(conn)
             conn.close()
 

@@ -8,16 +8,21 @@ connection to the control call waiting for it (``Pending``). A connection is ref
 
 * more than ``max_handshakes`` connections not yet through their handshake (half that from one peer host):
   RESOURCE_EXHAUSTED;
-* no hello within the handshake timeout: DEADLINE_EXCEEDED;
+* no hello within the handshake timeout: DEADLINE_EXCEEDED (a kept connection, below, waits ``keepalive_s`` for its
+  next hello's first byte, then the handshake timeout for the rest);
 * not a hello, a forged, expired, replayed or unknown ticket: UNAUTHENTICATED;
 * the ticket of another namespace, op or set of keys: PERMISSION_DENIED.
 
 Tenants' data connections are bounded by their control calls, which hold stream slots (``service/fairness.py``).
+A connection whose transfer ended cleanly is kept (``keep``: at most ``max_handshakes`` kept connections, half that
+from one host) for the client's next transfer, which presents a ticket of its own: no connect per call, and no
+socket left in TIME_WAIT per call.
 """
 
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import ssl
 import threading
@@ -56,12 +61,14 @@ class Pending:
     _entries: tuple[Entry, ...] = ()
     _error: DataPathError | None = None
     _closed: bool = False
+    peer: str = ""  # the host of the data connection, once delivered
+    finished: bool = False  # the transfer ended cleanly: its connection is kept for the client's next one
 
-    def deliver(self, conn: socket.socket, entries: tuple[Entry, ...]) -> bool:
+    def deliver(self, conn: socket.socket, entries: tuple[Entry, ...], peer: str) -> bool:
         with self._lock:
             if self._closed or self._ready.is_set():
                 return False
-            self._conn, self._entries = conn, entries
+            self._conn, self._entries, self.peer = conn, entries, peer
             self._ready.set()
             return True
 
@@ -96,17 +103,22 @@ class DataListener:
     ticket; ``close`` stops accepting."""
 
     def __init__(self, host: str, port: int = 0, *, tls: ssl.SSLContext | None = None,
-                 handshake_timeout_s: float = 5.0, ticket_ttl_s: float = 5.0, max_handshakes: int = 64) -> None:
+                 handshake_timeout_s: float = 5.0, ticket_ttl_s: float = 5.0, max_handshakes: int = 64,
+                 keepalive_s: float = 30.0) -> None:
         self.tls = tls
+        self.keepalive_s = keepalive_s
         self.handshake_timeout_s = handshake_timeout_s
         self.ticket_ttl_s = ticket_ttl_s
         self.max_handshakes = max(1, max_handshakes)
         self.max_per_peer = max(1, self.max_handshakes // 2)
         self.signer = TicketSigner()
         self.replays = ReplayGuard()
+        self.accepted = 0  # connections accepted
         self.refused = 0  # connections refused (any reason)
         self._pending: dict[bytes, Pending] = {}
         self._handshakes: dict[str, int] = {}  # peer host -> connections in their handshake
+        self._kept: dict[str, int] = {}  # peer host -> kept connections waiting for their next hello
+        self._kept_socks: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -131,14 +143,31 @@ class DataListener:
         with self._lock:
             self._pending.pop(pending.claims.nonce, None)
 
+    def keep(self, conn: socket.socket, peer: str) -> None:
+        """Keep ``conn`` (its transfer ended cleanly) for its client's next hello, or close it when too many are
+        kept."""
+        with self._lock:
+            mine = self._kept.get(peer, 0)
+            admitted = not self._closed and mine < self.max_per_peer and sum(self._kept.values()) < self.max_handshakes
+            if admitted:
+                self._kept[peer] = mine + 1
+                self._kept_socks.add(conn)
+        if not admitted:
+            _close(conn)
+            return
+        threading.Thread(target=self._next_hello, args=(conn, peer), name="kvshelf-data-kept", daemon=True).start()
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
             pending, self._pending = list(self._pending.values()), {}
+            kept, self._kept_socks = list(self._kept_socks), set()
         shutdown(self._sock)
         self._sock.close()
         for p in pending:
             p.close()
+        for conn in kept:
+            shutdown(conn)
         self._thread.join(timeout=5)
 
     # -- connections ----------------------------------------------------------------------------------------------
@@ -152,6 +181,7 @@ class DataListener:
                     return
                 time.sleep(0.01)  # EMFILE and the like: do not spin
                 continue
+            self.accepted += 1
             peer = str(addr[0])
             with self._lock:
                 total = sum(self._handshakes.values())
@@ -167,15 +197,37 @@ class DataListener:
                 self._refuse(conn, DataPathError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{why}; retry later"),
                              plain=True)
                 continue
-            threading.Thread(target=self._handshake, args=(conn, peer), name="kvshelf-data-handshake",
+            threading.Thread(target=self._handshake, args=(conn, peer, True), name="kvshelf-data-handshake",
                              daemon=True).start()
 
-    def _handshake(self, conn: socket.socket, peer: str) -> None:
+    def _next_hello(self, conn: socket.socket, peer: str) -> None:
+        """A kept connection: wait for its next hello (``keepalive_s``), then its handshake; closed quietly when
+        its client closes it or sends nothing."""
+        try:
+            ready = _readable(conn, self.keepalive_s)
+        finally:
+            with self._lock:
+                self._kept_socks.discard(conn)
+                left = self._kept.get(peer, 1) - 1
+                if left > 0:
+                    self._kept[peer] = left
+                else:
+                    self._kept.pop(peer, None)
+                if ready:
+                    self._handshakes[peer] = self._handshakes.get(peer, 0) + 1
+        if not ready:
+            _close(conn)
+            return
+        self._handshake(conn, peer, False)
+
+    def _handshake(self, conn: socket.socket, peer: str, new: bool) -> None:
+        """Read and check a hello, and deliver the connection (``new``: a fresh connection, TLS not started)."""
         pending: Pending | None = None
         try:
             deadline = time.monotonic() + self.handshake_timeout_s
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self.tls is not None:
+            if new:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if new and self.tls is not None:
                 conn.settimeout(self.handshake_timeout_s)
                 conn = self.tls.wrap_socket(conn, server_side=True)
             head = parse_hello_head(recv_bytes(conn, HELLO_HEAD.size, "the hello", deadline=deadline))
@@ -193,7 +245,7 @@ class DataListener:
                 raise DataPathError(grpc.StatusCode.PERMISSION_DENIED,
                                     "the hello names other keys than the ticket was issued for")
             conn.settimeout(None)
-            if not pending.deliver(conn, entries):
+            if not pending.deliver(conn, entries, peer):
                 raise DataPathError(grpc.StatusCode.DEADLINE_EXCEEDED, "the call of this ticket is over")
         except DataPathError as exc:
             self.refused += 1
@@ -227,6 +279,26 @@ class DataListener:
             pass
         finally:
             conn.close()
+
+
+def _readable(conn: socket.socket, timeout_s: float) -> bool:
+    """Whether ``conn`` has bytes to read within ``timeout_s`` (False: nothing came, or its peer closed it)."""
+    if isinstance(conn, ssl.SSLSocket) and conn.pending():
+        return True
+    try:
+        ready, _, _ = select.select([conn], [], [], timeout_s)
+        if not ready:
+            return False
+        if isinstance(conn, ssl.SSLSocket):
+            return True  # a record came (an end of connection shows as such in the handshake)
+        return conn.recv(1, socket.MSG_PEEK) != b""
+    except (OSError, ValueError):
+        return False
+
+
+def _close(conn: socket.socket) -> None:
+    shutdown(conn)
+    conn.close()
 
 
 def _check_binding(op: int, namespace: str, count: int, claims: TicketClaims, pending: Pending) -> None:

@@ -1,7 +1,8 @@
 """Socket I/O of the data path: exact reads with ``recv_into`` into the caller's buffer, scatter-gather sends, TLS.
 
-Both sides use these. A read that gets nothing for the socket's timeout (or past a deadline) is DEADLINE_EXCEEDED, a
-peer that closes early is DATA_LOSS naming how far it got (``DataPathError``); other socket errors are ``OSError``.
+Both sides use these. A read that gets nothing for the socket's timeout (or past a deadline) is DEADLINE_EXCEEDED
+(``DataPathError``); a peer that closes early is a ``ConnectionError`` naming how far it got, and like every other
+socket error an ``OSError``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from kvshelf.service.errors import DataPathError, FramingError
+from kvshelf.service.errors import DataPathError
 
 #: buffers one ``sendmsg`` takes at most (Linux's IOV_MAX is 1024)
 _IOV_MAX = 1024
@@ -42,7 +43,7 @@ def recv_exact(sock: socket.socket, view: memoryview, what: str, *, deadline: fl
                                 f"the data connection stalled after {got} of the {size} bytes of {what} "
                                 f"(nothing for {sock.gettimeout():g} s)") from None
         if n == 0:
-            raise FramingError(f"the data connection closed after {got} of the {size} bytes of {what}")
+            raise ConnectionError(f"the data connection closed after {got} of the {size} bytes of {what}")
         got += n
         if progress is not None:
             progress(n)

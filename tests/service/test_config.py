@@ -26,7 +26,8 @@ def test_constants_mirror_the_store() -> None:
 
 def test_server_limits_come_from_the_sections_without_renaming() -> None:
     names = [f.name for s in ("limits", "fairness", "events") for f in dataclasses.fields(cfg.SECTIONS[s])]
-    assert sorted([*names, "shared_memory"]) == sorted(f.name for f in dataclasses.fields(ServerLimits))
+    server = ["shared_memory", "data_path", "data_port"]  # the server section's
+    assert sorted([*names, *server]) == sorted(f.name for f in dataclasses.fields(ServerLimits))
     assert cfg.ServeConfig().server_limits() == ServerLimits()  # the same defaults
     config = cfg.load_config({"max_block": "1MiB", "quota": "2GiB", "strike_rate": "2.5", "events_log": "8KiB",
                               "shared_memory": False}, env={})

@@ -171,6 +171,23 @@ def test_remote_store_moves_values_over_the_data_path(server):
         assert type(grpc_only.get_encoded_many([key_of(small)])[0]) is bytes  # the option turns it off
 
 
+def test_data_connections_are_kept_between_transfers(server):
+    listener = server.servicer.data_path.listener
+    items = [encoded([i, i + 1]) for i in range(4)]
+    with remote(server) as store:
+        for item in items:
+            assert store.put_encoded_many([item]) == 1
+            assert store.get_encoded_many([item[0]]) == [item[1]]
+        assert listener.accepted == 1  # eight transfers, one connection
+        listener.keepalive_s = 0.05  # the server now drops a kept connection soon; the client does not know
+        store.put_encoded_many([items[0]])
+        time.sleep(0.5)
+        got = store.get_encoded_many([items[0][0]])  # on its kept, now closed, connection: then on a fresh one
+        assert isinstance(got[0], bytearray) and got == [items[0][1]]
+        assert listener.accepted == 2
+    assert server.servicer.streams.open_streams() == 0
+
+
 def test_tls_data_connection(tmp_path):
     cert, key = self_signed_cert(tmp_path)
     store = open_embedded_store(tmp_path / "data")
