@@ -105,6 +105,12 @@ def test_decompression_bomb_is_refused_by_the_max_block(serve):
     assert str(list(BOMB_SHAPE)) in excinfo.value.details() and str(MiB) in excinfo.value.details()
     assert _held(store) == 0
     channel.close()
+    with (RemoteStore(f"127.0.0.1:{running.port}", namespace="default", shared_memory=False) as remote,
+          pytest.raises(RemoteStoreError) as over_data_path):  # the same rule on the bulk data path
+        remote.put_encoded_many([(key, bomb)])
+    assert over_data_path.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert str(list(BOMB_SHAPE)) in str(over_data_path.value)
+    assert _held(store) == 0
 
 
 def test_decompression_bomb_is_refused_by_the_quota(serve):
@@ -185,12 +191,13 @@ def test_deeply_nested_json_header_is_data_loss_not_internal(serve):
 # -- quota ----------------------------------------------------------------------------------------------
 
 
-def test_overwrites_with_growing_values_never_exceed_the_quota(serve):
+@pytest.mark.parametrize("data_path", [True, False])  # the bulk data path, and gRPC
+def test_overwrites_with_growing_values_never_exceed_the_quota(serve, data_path):
     """Overwriting held keys used to count 0 bytes: a 1 MiB quota ended with 5.9 MB held."""
     running, store = serve(quota_bytes=MiB)
     tokens = [[i, i + 1, i + 2, i + 3] for i in range(0, 40, 4)]
     refused = 0
-    with RemoteStore(f"127.0.0.1:{running.port}", namespace="default") as remote:
+    with RemoteStore(f"127.0.0.1:{running.port}", namespace="default", data_path=data_path) as remote:
         for head_dim in (64, 128, 256, 512, 1024):
             pairs = [(key_of(b), b) for b in (make_block(t, head_dim=head_dim) for t in tokens)]
             for pair in pairs:
@@ -205,10 +212,11 @@ def test_overwrites_with_growing_values_never_exceed_the_quota(serve):
     assert max(t["bytes"] for t in store.stats()["tiers"]) <= MiB
 
 
-def test_an_overwrite_of_the_same_size_at_the_quota_is_accepted(serve):
+@pytest.mark.parametrize("data_path", [True, False])  # the bulk data path, and gRPC
+def test_an_overwrite_of_the_same_size_at_the_quota_is_accepted(serve, data_path):
     running, _ = serve(quota_bytes=200_000)
     blocks = [make_block([i, i + 1], head_dim=1024) for i in range(0, 12, 2)]  # ~33 KB each
-    with RemoteStore(f"127.0.0.1:{running.port}", namespace="default") as remote:
+    with RemoteStore(f"127.0.0.1:{running.port}", namespace="default", data_path=data_path) as remote:
         stored = 0
         for b in blocks:
             try:
@@ -374,14 +382,15 @@ def test_a_value_longer_than_its_declared_size_is_refused(serve):
     channel.close()
 
 
-def test_reencoded_copies_of_a_call_count_against_the_in_flight_budget(serve):
+@pytest.mark.parametrize("data_path", [True, False])  # the bulk data path, and gRPC
+def test_reencoded_copies_of_a_call_count_against_the_in_flight_budget(serve, data_path):
     """Small int2 blocks re-encoded to raw for the tiers: 16x what was sent. The copies a call's re-encode holds
     at once count against the tenant's share (max call), so a call cannot make the server allocate 16 x max call."""
     running, store = serve(max_call_bytes=MiB, max_block_bytes=MiB)
     blocks = [make_block(list(range(i * 16, i * 16 + 16)), head_dim=400) for i in range(8)]  # 200 KiB raw each
     items = [(key_of(b), encode_block(b, key_of(b), "int2")) for b in blocks]
     assert sum(len(v) for _, v in items) < MiB // 4
-    with RemoteStore(f"127.0.0.1:{running.port}", namespace="default") as remote:
+    with RemoteStore(f"127.0.0.1:{running.port}", namespace="default", data_path=data_path) as remote:
         with pytest.raises(RemoteStoreError) as excinfo:
             remote.put_encoded_many(items)
         assert excinfo.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED

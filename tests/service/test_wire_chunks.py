@@ -166,7 +166,7 @@ def test_remote_store_moves_a_value_in_one_message(server):
     assert len(value) < MAX_CHUNK_BYTES
     messages = [pb.PutBlocksRequest.FromString(raw) for raw in put_requests([(key, value)], "default")]
     assert [len(m.chunk.data) for m in messages] == [FIRST_MESSAGE_DATA_BYTES, len(value) - FIRST_MESSAGE_DATA_BYTES]
-    with RemoteStore(f"127.0.0.1:{server.port}", shared_memory=False) as remote:
+    with RemoteStore(f"127.0.0.1:{server.port}", shared_memory=False, data_path=False) as remote:
         assert remote.put_encoded_many([(key, value)]) == 1
         assert remote.get_encoded_many([key]) == [value]
 
@@ -184,7 +184,8 @@ def test_malformed_put_message_is_invalid_argument(server):
         assert remote.put_encoded_many([(key, value)]) == 1
 
 
-def test_prepared_blocks_are_decoded_while_the_rest_arrive(server):
+@pytest.mark.parametrize("data_path", [True, False])  # values over the bulk data path, and over gRPC
+def test_prepared_blocks_are_decoded_while_the_rest_arrive(server, data_path):
     """get_prepared_many reads each large fetched value on a decode thread as soon as it is whole (the decoding
     overlaps the transfer of the values after it), small ones in the caller's thread; the results are the same
     as fetching everything first, misses and damaged values included."""
@@ -197,7 +198,7 @@ def test_prepared_blocks_are_decoded_while_the_rest_arrive(server):
     small = make_block([1, 2, 3])
     blocks = [*big, small]
     keys = [key_of(b) for b in blocks]
-    with RemoteStore(f"127.0.0.1:{server.port}", shared_memory=False) as remote:
+    with RemoteStore(f"127.0.0.1:{server.port}", shared_memory=False, data_path=data_path) as remote:
         assert remote.put_encoded_many([(k, encode_block(b, k)) for k, b in zip(keys, blocks, strict=True)]) == 4
         values = remote.get_encoded_many(keys)
         assert all(len(v) >= STREAM_DECODE_MIN_BYTES for v in values[:3]) and len(values[3]) < STREAM_DECODE_MIN_BYTES
