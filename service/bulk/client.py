@@ -23,6 +23,7 @@ import grpc
 
 from kvshelf.proto import kvshelf_pb2 as pb
 from kvshelf.service.bulk.framing import (
+    CHECKSUM_BYTES,
     END_MARK,
     MISS,
     REPLY_HEAD,
@@ -34,6 +35,7 @@ from kvshelf.service.bulk.framing import (
     parse_reply_head,
     status_code,
     trailer_checksum,
+    value_hasher,
 )
 from kvshelf.service.bulk.ticket import OP_GET, OP_PUT
 from kvshelf.service.bulk.transport import connect, recv_bytes, recv_exact, send_parts, shutdown
@@ -84,9 +86,10 @@ class DataPathClient:
                     self._failed(sock, reply)
                 if reply.kind == MISS:
                     continue
-                value = bytearray(reply.size)
-                recv_exact(sock, memoryview(value), f"the value of key {key.hex()}")
-                check_value(key, value, reply.checksum)
+                value, hasher = bytearray(reply.size), value_hasher()
+                recv_exact(sock, memoryview(value), f"the value of key {key.hex()}", hasher=hasher,
+                           hash_end=reply.size - CHECKSUM_BYTES)
+                check_value(key, value, reply.checksum, hasher.digest())
                 out[index] = value
                 if arrived is not None:
                     arrived(index, value)

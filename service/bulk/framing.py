@@ -26,6 +26,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import xxhash
@@ -185,12 +186,20 @@ def check_trailer(key: bytes, value: bytes | bytearray | memoryview, checksum: b
         raise FramingError(f"value of key {key.hex()} does not end with its announced checksum")
 
 
-def check_value(key: bytes, value: bytes | bytearray | memoryview, checksum: bytes) -> None:
-    """The value ends with ``checksum`` and it is the xxh3-64 of the bytes before it; else DATA_LOSS."""
+def check_value(key: bytes, value: bytes | bytearray | memoryview, checksum: bytes,
+                digest: bytes | None = None) -> None:
+    """The value ends with ``checksum`` and it is the xxh3-64 of the bytes before it (``digest``: that hash, when
+    the receiver computed it as the bytes arrived); else DATA_LOSS."""
     check_trailer(key, value, checksum)
-    view = memoryview(value)
-    if xxhash.xxh3_64_digest(view[:-CHECKSUM_BYTES]) != checksum:
+    if digest is None:
+        digest = xxhash.xxh3_64_digest(memoryview(value)[:-CHECKSUM_BYTES])
+    if digest != checksum:
         raise FramingError(f"value of key {key.hex()} fails its checksum: damaged in transit")
+
+
+def value_hasher() -> Any:
+    """A hasher of the checksum ``check_value`` checks (fed the bytes before a value's last 8)."""
+    return xxhash.xxh3_64()
 
 
 # -- replies -------------------------------------------------------------------------------------------------------

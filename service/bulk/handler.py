@@ -18,6 +18,7 @@ A failure is sent as a status frame on the data connection (best effort) and end
 
 from __future__ import annotations
 
+import itertools
 import socket
 import time
 from collections.abc import Iterator
@@ -125,7 +126,7 @@ class DataPathHandler:
                 send_parts(conn, [encode_status(grpc.StatusCode.OK)])
                 pending.finished = True
             except OSError as exc:  # the data connection broke (reset, closed): the client's side
-                raise _broken(conn, exc) from None
+                raise _broken(conn, exc, context) from None
             except Exception as exc:
                 _send_failure(conn, exc)
                 raise
@@ -141,11 +142,13 @@ class DataPathHandler:
         first, pending = self._ticket(OP_GET, namespace, keys)
         try:
             yield first
+            # the first values are read (and checked by the store) while the client connects and sends its hello
+            served = self.servicer.served(scoped, namespace, req.fingerprint or None, list(req.tokens))
+            head = next(served, None)
             conn, _ = self._connection(pending, context, ticket)
             found = 0
             try:
-                for _, _, value in self.servicer.served(scoped, namespace, req.fingerprint or None,
-                                                                list(req.tokens)):
+                for _, _, value in itertools.chain([head] if head is not None else [], served):
                     ticket.waiting()  # a client that does not read blocks the send: idle
                     if value is None:
                         send_parts(conn, [MISS_HEAD], ticket.progress)
@@ -155,7 +158,7 @@ class DataPathHandler:
                 send_parts(conn, [encode_status(grpc.StatusCode.OK)])
                 pending.finished = True
             except OSError as exc:  # the data connection broke (reset, closed): the client's side
-                raise _broken(conn, exc) from None
+                raise _broken(conn, exc, context) from None
             except Exception as exc:
                 _send_failure(conn, exc)
                 raise
@@ -182,7 +185,11 @@ DRAIN_S = 0.25
 DRAIN_BYTES = 64 << 20
 
 
-def _broken(conn: socket.socket, exc: OSError) -> DataPathError:
+def _broken(conn: socket.socket, exc: OSError, context: grpc.ServicerContext) -> DataPathError:
+    """The error of a data connection that broke: DATA_LOSS, or CANCELLED when the call had ended first (its client
+    left, or the watchdog ended it: the connection was shut because of that)."""
+    if not context.is_active():
+        return DataPathError(grpc.StatusCode.CANCELLED, "the call ended during its transfer")
     error = DataPathError(grpc.StatusCode.DATA_LOSS, f"the data connection broke: {exc.strerror or exc}")
     _send_failure(conn, error)
     return error

@@ -14,6 +14,7 @@ import ssl
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import grpc
 
@@ -24,9 +25,10 @@ _IOV_MAX = 1024
 
 
 def recv_exact(sock: socket.socket, view: memoryview, what: str, *, deadline: float | None = None,
-               progress: Callable[[int], None] | None = None) -> None:
+               progress: Callable[[int], None] | None = None, hasher: Any = None, hash_end: int = 0) -> None:
     """Fill ``view`` from ``sock`` (straight into it: no intermediate buffer). ``deadline`` (``time.monotonic``):
-    the whole read must end by then; ``progress(n)`` after each piece."""
+    the whole read must end by then; ``progress(n)`` after each piece; ``hasher`` (an ``xxhash`` hasher) is
+    updated with each piece below ``hash_end`` as it lands, while it is in the cache and the peer sends the next."""
     got, size = 0, len(view)
     while got < size:
         if deadline is not None:
@@ -44,6 +46,8 @@ def recv_exact(sock: socket.socket, view: memoryview, what: str, *, deadline: fl
                                 f"(nothing for {sock.gettimeout():g} s)") from None
         if n == 0:
             raise ConnectionError(f"the data connection closed after {got} of the {size} bytes of {what}")
+        if hasher is not None and got < hash_end:
+            hasher.update(view[got : min(got + n, hash_end)])
         got += n
         if progress is not None:
             progress(n)
