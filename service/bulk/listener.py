@@ -286,8 +286,9 @@ def _readable(conn: socket.socket, timeout_s: float) -> bool:
     if isinstance(conn, ssl.SSLSocket) and conn.pending():
         return True
     try:
-        ready, _, _ = select.select([conn], [], [], timeout_s)
-        if not ready:
+        poller = select.poll()  # not select(): file descriptors past 1024 are common on a busy server
+        poller.register(conn, select.POLLIN)
+        if not poller.poll(timeout_s * 1000):
             return False
         if isinstance(conn, ssl.SSLSocket):
             return True  # a record came (an end of connection shows as such in the handshake)

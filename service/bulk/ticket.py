@@ -18,6 +18,7 @@ import secrets
 import struct
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -99,7 +100,8 @@ class ReplayGuard:
     """The nonces of used tickets, each kept until its ticket expires: ``use`` admits a nonce once."""
 
     def __init__(self) -> None:
-        self._used: dict[bytes, int] = {}
+        self._used: set[bytes] = set()
+        self._order: deque[tuple[int, bytes]] = deque()  # (expires_ms, nonce) in the order they were used
         self._lock = threading.Lock()
 
     def use(self, claims: TicketClaims, now: float | None = None) -> None:
@@ -108,9 +110,10 @@ class ReplayGuard:
         with self._lock:
             if claims.nonce in self._used:
                 raise TicketError("replayed ticket: it was already used (tickets serve one data connection)")
-            if len(self._used) > 1024:
-                self._used = {n: t for n, t in self._used.items() if t >= now_ms}
-            self._used[claims.nonce] = claims.expires_ms
+            while self._order and self._order[0][0] < now_ms:  # expired tickets are refused as such: forget them
+                self._used.discard(self._order.popleft()[1])
+            self._used.add(claims.nonce)
+            self._order.append((claims.expires_ms, claims.nonce))
 
     def __len__(self) -> int:
         with self._lock:

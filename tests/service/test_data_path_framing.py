@@ -161,10 +161,13 @@ def test_tickets_bind_op_namespace_keys_and_expire():
 
 def test_replay_guard_admits_a_ticket_once():
     signer, guard = TicketSigner(), ReplayGuard()
-    _, claims = signer.issue(OP_PUT, "ns", [b"a" * 16], ttl_s=5)
-    guard.use(claims)
+    _, claims = signer.issue(OP_PUT, "ns", [b"a" * 16], ttl_s=5, now=0)
+    guard.use(claims, now=0)
     with pytest.raises(TicketError, match="replayed ticket"):
-        guard.use(claims)
+        guard.use(claims, now=0)
+    assert len(guard) == 1
+    _, later = signer.issue(OP_PUT, "ns", [b"a" * 16], ttl_s=5, now=1e9)
+    guard.use(later, now=1e9)  # the first ticket has expired (and is refused as such): the guard forgets it
     assert len(guard) == 1
 
 
