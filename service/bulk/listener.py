@@ -122,7 +122,8 @@ class DataListener:
         self._lock = threading.Lock()
         self._closed = False
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.create_server((host, port), family=family, backlog=256)
+        dualstack = host == "::" and socket.has_dualstack_ipv6()  # every address, as gRPC listens on "[::]:PORT"
+        self._sock = socket.create_server((host, port), family=family, backlog=256, dualstack_ipv6=dualstack)
         self.port: int = self._sock.getsockname()[1]
         self._thread = threading.Thread(target=self._accept_loop, name="kvshelf-data-accept", daemon=True)
         self._thread.start()

@@ -93,10 +93,16 @@ def send_parts(sock: socket.socket, parts: Sequence[bytes | bytearray | memoryvi
                             f"the peer of the data connection took nothing for {sock.gettimeout():g} s") from None
 
 
+#: how long a client waits for a data connection to open (a firewall that drops the packets: fall back soon)
+CONNECT_TIMEOUT_S = 5.0
+
+
 def connect(host: str, port: int, timeout_s: float, tls: ssl.SSLContext | None) -> socket.socket:
-    """A data connection to ``host:port`` (TLS with ``tls``, checking the server's name against ``host``)."""
-    sock = socket.create_connection((host, port), timeout=timeout_s)
+    """A data connection to ``host:port`` (TLS with ``tls``, checking the server's name against ``host``), opened
+    within ``CONNECT_TIMEOUT_S`` (or ``timeout_s`` if shorter); its reads and writes time out after ``timeout_s``."""
+    sock = socket.create_connection((host, port), timeout=min(timeout_s, CONNECT_TIMEOUT_S))
     try:
+        sock.settimeout(timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if tls is not None:
             sock = tls.wrap_socket(sock, server_hostname=host)
