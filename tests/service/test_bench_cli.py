@@ -36,3 +36,20 @@ def test_bench_ttft_rounds_must_be_positive():
     result = kvshelf_cli("bench", "ttft", "--rounds", "0")
     assert result.returncode == 2, result.stderr
     assert "--rounds" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_bench_store_bad_durability_and_backend():
+    result = kvshelf_cli("bench", "store", "--durability", "sometimes")
+    assert result.returncode == 2, result.stderr
+    assert "--durability must be one of fsync, interval" in result.stderr and "Traceback" not in result.stderr
+    result = kvshelf_cli("bench", "store", "--backends", "grpc-wire,nope")
+    assert result.returncode == 2 and "unknown backend(s) ['nope']" in result.stderr
+
+
+def test_bench_store_backends_take_the_servers_durability():
+    from kvshelf.bench.store import BACKENDS, DURABLE_BACKENDS, chosen_backends
+
+    chosen = chosen_backends(["grpc-wire", "grpc-wire-fsync", "redis"], "fsync")
+    assert chosen["grpc-wire"].keywords == {"durability": "fsync"}  # type: ignore[attr-defined]
+    assert chosen["grpc-wire-fsync"] is BACKENDS["grpc-wire-fsync"] and chosen["redis"] is BACKENDS["redis"]
+    assert set(BACKENDS) >= DURABLE_BACKENDS
