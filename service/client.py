@@ -53,8 +53,6 @@ _UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 _MAX_RETRY_PAUSE_S = 0.5
 #: Fetched values at least this large are decoded on a few threads while the rest still arrive (``get_prepared_many``).
 STREAM_DECODE_MIN_BYTES = 256 << 10
-#: After the data path failed to connect (or was cut before any reply), calls use gRPC for this long, then try again.
-DATA_PATH_RETRY_S = 30.0
 #: The largest value a get over the data path accepts (a bound against a server gone wrong, not a setting).
 DATA_PATH_MAX_VALUE_BYTES = 1 << 32
 
@@ -268,16 +266,19 @@ class RemoteStore:
         return self._data_path
 
     def _bulk_refused(self, exc: DataPathUnavailable) -> None:
-        """The data path was refused: off for good when the server has none, else for ``DATA_PATH_RETRY_S``."""
-        if "no data path" in str(exc):
+        """The data path was refused: this call uses gRPC, and the next ones too for ``exc.retry_after_s`` (for
+        good when the server has none)."""
+        if exc.retry_after_s is None:
             log.info("kvshelf server at %s: %s; using gRPC", self.address, exc)
             if self._data_path is not None:
                 self._data_path.close()
             self._data_path = None
-        else:
+        elif exc.retry_after_s > 0:
             log.warning("kvshelf server at %s: data path unusable (%s); using gRPC for %g s", self.address, exc,
-                        DATA_PATH_RETRY_S)
-            self._data_path_retry_at = time.monotonic() + DATA_PATH_RETRY_S
+                        exc.retry_after_s)
+            self._data_path_retry_at = time.monotonic() + exc.retry_after_s
+        else:
+            log.info("kvshelf server at %s: %s; this call uses gRPC", self.address, exc)
 
     # -- writes ---------------------------------------------------------------------------------------
 

@@ -86,4 +86,9 @@ class FramingError(DataPathError):
 
 class DataPathUnavailable(ServiceError):  # noqa: N818 - a condition the caller falls back from
     """The bulk data path cannot be used for a call (the server has none or has it off; its port cannot be reached;
-    the connection was cut before any reply): ``RemoteStore`` falls back to gRPC."""
+    the connection was cut before any reply; the data port is busy): ``RemoteStore`` falls back to gRPC, and tries
+    the data path again after ``retry_after_s`` seconds (None: never, the server has none)."""
+
+    def __init__(self, message: str, retry_after_s: float | None = 30.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

@@ -26,6 +26,7 @@ from kvshelf.service.bulk.framing import (
     CHECKSUM_BYTES,
     END_MARK,
     MISS,
+    REFUSED,
     REPLY_HEAD,
     STATUS,
     Entry,
@@ -144,6 +145,10 @@ class DataPathClient:
                     sock, kept = self._connect(call), False
                     continue
                 call.fail(exc, replied[0])
+            except DataPathUnavailable:  # refused before its hello was read (the port is busy): gRPC for this call
+                _close(sock)
+                call.stream.cancel()
+                raise
             break
         result = call.result()
         self._keep(call.port, call.tls, sock)
@@ -155,14 +160,15 @@ class DataPathClient:
             stream, first = self._open_call(request)
         except grpc.RpcError as exc:
             if hasattr(exc, "code") and exc.code() in _PATH_REFUSED:
-                raise DataPathUnavailable(f"the server has no data path: {exc.code().name}: {exc.details()}") from None
+                raise DataPathUnavailable(f"the server has no data path: {exc.code().name}: {exc.details()}",
+                                          None) from None
             raise
         if first is None or not first.HasField("ticket"):
             stream.cancel()
-            raise DataPathUnavailable("the server has no data path: it answered OpenDataPath without a ticket")
+            raise DataPathUnavailable("the server has no data path: it answered OpenDataPath without a ticket", None)
         if first.ticket.tls and self.tls is None:
             stream.cancel()
-            raise DataPathUnavailable("the data port is TLS and this client has no CA to check it with")
+            raise DataPathUnavailable("the data port is TLS and this client has no CA to check it with", None)
         return _Transfer(stream, first.ticket)
 
     def _connect(self, call: _Transfer) -> Any:
@@ -189,7 +195,11 @@ class DataPathClient:
 
     def _head(self, sock: Any, buf: bytearray) -> ReplyHead:
         recv_exact(sock, memoryview(buf), "a reply head")
-        return parse_reply_head(buf, self.max_value_bytes)
+        reply = parse_reply_head(buf, self.max_value_bytes)
+        if reply.kind == REFUSED:
+            message = recv_bytes(sock, reply.message_bytes, "a status message").decode("utf-8", "replace")
+            raise DataPathUnavailable(f"the data port is busy: {message}", 0.0)
+        return reply
 
     def _failed(self, sock: Any, reply: ReplyHead) -> None:
         """Raise the status of a status frame that is not OK."""

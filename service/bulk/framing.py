@@ -13,6 +13,8 @@ Server to client, every reply head 17 bytes, ``kind (1) | a u64 | b (8)``::
     b"V" size | checksum       a value follows (get: one per entry, in order)
     b"M" 0    | 0              a miss (get)
     b"S" code | message length the transfer's status (a gRPC status code, 0: OK) and a UTF-8 message; the last frame
+    b"R" code | message length a connection refused before its hello was read (the port is busy: its ticket is
+                               unused, the client may use gRPC for that call); the only frame
 
 A value's checksum is the xxh3-64 of its bytes before its last 8, which a kvshelf encoded block carries as those last
 8 bytes (``kvstore/encoding.py``): the sender has it for free, the receiver checks both (``check_value``).
@@ -48,7 +50,7 @@ MAX_VALUES = 100_000  # = service.server.MAX_KEYS_PER_CALL (a test checks)
 MAX_VALUE_BYTES = 1 << 40  # a size past this is garbage, whatever the server's limits (which are lower)
 MAX_STATUS_MESSAGE_BYTES = 4096
 REPLY_HEAD = struct.Struct("<cQ8s")
-VALUE, MISS, STATUS = b"V", b"M", b"S"
+VALUE, MISS, STATUS, REFUSED = b"V", b"M", b"S", b"R"
 
 
 @dataclass(frozen=True)
@@ -223,10 +225,11 @@ def encode_value_head(size: int, checksum: bytes) -> bytes:
 MISS_HEAD = REPLY_HEAD.pack(MISS, 0, bytes(8))
 
 
-def encode_status(code: grpc.StatusCode, message: str = "") -> bytes:
-    """The status frame: head and message (cut to ``MAX_STATUS_MESSAGE_BYTES``)."""
+def encode_status(code: grpc.StatusCode, message: str = "", kind: bytes = STATUS) -> bytes:
+    """The status frame (``kind``: ``STATUS``, or ``REFUSED``): head and message (cut to
+    ``MAX_STATUS_MESSAGE_BYTES``)."""
     text = message.encode("utf-8")[:MAX_STATUS_MESSAGE_BYTES]
-    return REPLY_HEAD.pack(STATUS, code.value[0], struct.pack("<Q", len(text))) + text
+    return REPLY_HEAD.pack(kind, code.value[0], struct.pack("<Q", len(text))) + text
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
@@ -254,10 +257,10 @@ def parse_reply_head(data: bytes | memoryview, max_value_bytes: int) -> ReplyHea
         return ReplyHead(VALUE, size=a, checksum=b)
     if kind == MISS:
         return ReplyHead(MISS)
-    if kind == STATUS:
+    if kind in (STATUS, REFUSED):
         status_code(a)
         length = struct.unpack("<Q", b)[0]
         if length > MAX_STATUS_MESSAGE_BYTES:
             raise FramingError(f"status message of {length} bytes (at most {MAX_STATUS_MESSAGE_BYTES})")
-        return ReplyHead(STATUS, code=a, message_bytes=length)
+        return ReplyHead(kind, code=a, message_bytes=length)
     raise FramingError(f"unknown reply frame {bytes(kind)!r}")

@@ -34,6 +34,8 @@ import grpc
 
 from kvshelf.service.bulk.framing import (
     HELLO_HEAD,
+    REFUSED,
+    STATUS,
     Entry,
     encode_status,
     parse_entries,
@@ -269,12 +271,13 @@ class DataListener:
                     self._handshakes.pop(peer, None)
 
     def _refuse(self, conn: socket.socket, error: DataPathError, *, plain: bool = False) -> None:
-        """Send ``error``'s status frame (best effort: never blocks for long) and close ``conn``. ``plain``: before
-        any TLS handshake (the frame is only sent on a plaintext listener)."""
+        """Send ``error``'s status frame (best effort: never blocks for long) and close ``conn``. ``plain``: refused
+        at accept, before any TLS handshake (a ``REFUSED`` frame: the hello was not read; only on a plaintext
+        listener)."""
         try:
             if not (plain and self.tls is not None):
                 conn.settimeout(0.5)
-                conn.sendall(encode_status(error.code, error.message))
+                conn.sendall(encode_status(error.code, error.message, REFUSED if plain else STATUS))
             shutdown(conn)
         except (OSError, ValueError):
             pass

@@ -23,6 +23,7 @@ from kvshelf.service.auth import TokenTable
 from kvshelf.service.bulk.framing import (
     END_MARK,
     HELLO_HEAD,
+    REFUSED,
     REPLY_HEAD,
     STATUS,
     VALUE,
@@ -124,12 +125,12 @@ def read_status(sock: socket.socket) -> tuple[grpc.StatusCode, str]:
             buf += more
         head = parse_reply_head(buf[: REPLY_HEAD.size], 1 << 30)
         buf = buf[REPLY_HEAD.size :]
-        need = head.size if head.kind == VALUE else head.message_bytes if head.kind == STATUS else 0
+        need = head.size if head.kind == VALUE else head.message_bytes if head.kind in (STATUS, REFUSED) else 0
         while len(buf) < need:
             more = sock.recv(1 << 16)
             assert more, "the connection closed inside a frame"
             buf += more
-        if head.kind == STATUS:
+        if head.kind in (STATUS, REFUSED):
             return status_code(head.code), buf[:need].decode()
         buf = buf[need:]
 
@@ -414,12 +415,17 @@ def test_many_data_connections_are_resource_exhausted(server):
     try:
         time.sleep(0.1)  # let the listener take them (they are accepted in order)
         with connect(server.data_port) as extra:
+            assert extra.recv(1, socket.MSG_PEEK) == REFUSED  # refused before anything was read
             code, message = read_status(extra)
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "in their handshake" in message
+        key_, value = encoded([8, 8])
+        with remote(server) as store:  # a client whose data connection is refused so: gRPC for that call
+            assert store.put_encoded_many([(key_, value)]) == 1
+            assert type(store.get_encoded_many([key_])[0]) is bytes
     finally:
         for sock in idle:
             sock.close()
-    still_serving(server)
+    still_serving(server)  # then the data path again
 
 
 def test_many_control_calls_of_one_tenant_are_resource_exhausted(tenant_server):

@@ -26,6 +26,7 @@ from fuzz_wire import mutate
 
 from kvshelf.service.bulk import framing
 from kvshelf.service.bulk.framing import (
+    REFUSED,
     REPLY_HEAD,
     Entry,
     encode_hello,
@@ -47,6 +48,7 @@ SEEDS: tuple[bytes, ...] = (
     encode_hello(OP_GET, b"t", "", []),
     encode_value_head(1 << 20, b"c" * 8),
     encode_status(grpc.StatusCode.DATA_LOSS, "value 3 fails its checksum"),
+    encode_status(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", REFUSED),
     TICKET,
 )
 
