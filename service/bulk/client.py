@@ -39,7 +39,14 @@ from kvshelf.service.bulk.framing import (
     value_hasher,
 )
 from kvshelf.service.bulk.ticket import OP_GET, OP_PUT
-from kvshelf.service.bulk.transport import connect, recv_bytes, recv_exact, send_parts, shutdown
+from kvshelf.service.bulk.transport import (
+    connect,
+    receive_buffer,
+    recv_bytes,
+    recv_exact,
+    send_parts,
+    shutdown,
+)
 from kvshelf.service.errors import DataPathError, DataPathUnavailable, RemoteStoreError
 
 #: statuses of ``OpenDataPath`` that mean "no data path here": an older server, or one with it off
@@ -87,7 +94,7 @@ class DataPathClient:
                     self._failed(sock, reply)
                 if reply.kind == MISS:
                     continue
-                value, hasher = bytearray(reply.size), value_hasher()
+                value, hasher = receive_buffer(reply.size), value_hasher()
                 recv_exact(sock, memoryview(value), f"the value of key {key.hex()}", hasher=hasher,
                            hash_end=reply.size - CHECKSUM_BYTES)
                 check_value(key, value, reply.checksum, hasher.digest())

@@ -39,7 +39,7 @@ from kvshelf.service.bulk.framing import (
 )
 from kvshelf.service.bulk.listener import DataListener, Pending
 from kvshelf.service.bulk.ticket import OP_GET, OP_PUT
-from kvshelf.service.bulk.transport import recv_bytes, recv_exact, send_parts, shutdown
+from kvshelf.service.bulk.transport import receive_buffer, recv_bytes, recv_exact, send_parts, shutdown
 from kvshelf.service.errors import DataPathError, FramingError
 from kvshelf.service.status import fail, status_of
 
@@ -112,7 +112,7 @@ class DataPathHandler:
                     if entry.size != size:
                         raise FramingError(f"value {index} (key {entry.key.hex()}) is announced as {entry.size} "
                                            f"bytes on the data connection and {size} in the request")
-                    value = bytearray(size)
+                    value = receive_buffer(size)  # filled by recv_exact, or dropped
                     ticket.waiting()
                     recv_exact(conn, memoryview(value), f"value {index}", progress=ticket.progress)
                     check_trailer(entry.key, value, entry.checksum)

@@ -24,6 +24,29 @@ from kvshelf.service.errors import DataPathError
 _IOV_MAX = 1024
 
 
+def _uninitialized_bytearray() -> Callable[[int], bytearray] | None:
+    """CPython's ``PyByteArray_FromStringAndSize(NULL, n)``: a bytearray of ``n`` bytes left as the allocator gave
+    them (``bytearray(n)`` zeroes them: 0.35 ms for 8 MiB, 10% of a transfer); None where ctypes cannot reach it."""
+    try:
+        import ctypes
+
+        make = ctypes.pythonapi.PyByteArray_FromStringAndSize
+        make.restype = ctypes.py_object
+        make.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
+    except (ImportError, AttributeError, OSError):
+        return None
+    return lambda size: make(None, size)
+
+
+_UNINITIALIZED = _uninitialized_bytearray()
+
+
+def receive_buffer(size: int) -> bytearray:
+    """A buffer a value is received into. Not zeroed: the caller fills every byte (``recv_exact``) or drops it, so
+    its first contents are never seen."""
+    return _UNINITIALIZED(size) if _UNINITIALIZED is not None else bytearray(size)
+
+
 def recv_exact(sock: socket.socket, view: memoryview, what: str, *, deadline: float | None = None,
                progress: Callable[[int], None] | None = None, hasher: Any = None, hash_end: int = 0) -> None:
     """Fill ``view`` from ``sock`` (straight into it: no intermediate buffer). ``deadline`` (``time.monotonic``):

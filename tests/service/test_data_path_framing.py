@@ -173,3 +173,12 @@ def test_replay_guard_admits_a_ticket_once():
 
 def test_framing_limit_is_the_servers_key_limit():
     assert MAX_VALUES == MAX_KEYS_PER_CALL
+
+
+def test_receive_buffers_are_bytearrays_of_their_size():
+    from kvshelf.service.bulk.transport import receive_buffer
+
+    for size in (0, 1, 17, 8 << 20):
+        buf = receive_buffer(size)
+        assert type(buf) is bytearray and len(buf) == size
+        buf[-1:] = b"x" if size else b""  # writable, resizable as any bytearray
