@@ -16,7 +16,7 @@ Three phases, budgets 50% / 25% / 12.5% of the prompt, every method and the kvpr
 * **perplexity**: ``windows`` windows of 2,048 corpus tokens (the codecs protocol: 8); prefill ``[0, 1536)``;
   compress (or select); teacher-forced perplexity of ``[1536, 2048)``; ``dppl_rel`` = ppl / ppl(full) - 1.
 
-kvshelf side: one eager prefill per prompt is scored by every static method at once (``adapters.pruning.scoring``:
+kvshelf side: one prefill per prompt is scored by every static method at once (``adapters.pruning.scoring``:
 the prefill's computation does not depend on the pruning, as each layer is pruned after it ran), then each
 method's pruned cache decodes greedily (sdpa) in ``GrowingLayer`` s, the layout ``with method(model):`` leaves
 (in-place appends: no per-step ``torch.cat`` of the whole cache); the speed section also times SnapKV's pruned
@@ -154,14 +154,17 @@ def _chunk_nll(model: Any, cache: Any, ids: list[int], start: int, first_logits:
 
 
 class Prefilled:
-    """One eager prefill of ``ids`` scored by every static method: builds each configuration's cache on demand."""
+    """One prefill of ``ids`` scored by every static method: builds each configuration's cache on demand. sdpa,
+    unless a method needs eager attention weights on this model (``needs_attention_weights``: H2O and Keyformer
+    recompute their attention mass from queries where the model allows)."""
 
     def __init__(self, model: Any, ids: list[int], methods: dict[str, Any]) -> None:
         from kvshelf.adapters import hf
         from kvshelf.adapters.pruning import scoring
+        from kvshelf.adapters.pruning.base import needs_attention_weights
 
-        # H2O and Keyformer read the prefill's attention weights: eager for the prefill, decode runs with sdpa
-        with hf.attention_implementation(model, "eager"):
+        eager = any(needs_attention_weights(m, model) for m in methods.values())
+        with hf.attention_implementation(model, "eager" if eager else hf.attn_implementation(model)):
             self.cache = hf.new_cache()
             with torch.inference_mode(), scoring(model, methods) as kept:
                 self.logits = model(input_ids=torch.tensor([ids]), past_key_values=self.cache,

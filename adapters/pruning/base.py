@@ -41,7 +41,7 @@ Shapes: ``b`` batch, ``h_q`` query heads, ``h_kv`` KV heads (the cache's heads),
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
@@ -57,6 +57,13 @@ from kvshelf.adapters.pruning.layout import GrowingLayer, cache_bytes
 from kvshelf.kvstore.errors import UnsupportedModelError
 
 _ATTN_WEIGHT_IMPLEMENTATIONS = ("eager",)
+#: the largest row chunk of attention weights ``LayerInputs.attention_mass`` holds at once (float32 bytes)
+ATTENTION_CHUNK_BYTES = 16 * 2**20
+
+
+def _rows(embeddings: tuple[torch.Tensor, torch.Tensor] | None, lo: int, hi: int
+          ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    return None if embeddings is None else (embeddings[0][:, lo:hi], embeddings[1][:, lo:hi])
 
 
 @dataclass
@@ -87,10 +94,11 @@ class LayerInputs:
         """The factor the model multiplies ``q @ k^T`` by (``1 / sqrt(d)``, Granite's multiplier, Gemma's...)."""
         return hf.attention_scaling(self.module)
 
-    def logits(self, queries: torch.Tensor) -> torch.Tensor:
-        """The model's attention logits of ``queries`` ``[b, h_q, q, d]`` over the keys: ``[b, h_q, q, n]`` float32
-        (scaled, soft-capped where the model caps them; no mask)."""
-        keys = self.keys.float().repeat_interleave(queries.shape[1] // self.kv_heads, dim=1)  # [b, h_q, n, d]
+    def logits(self, queries: torch.Tensor, keys: int | None = None) -> torch.Tensor:
+        """The model's attention logits of ``queries`` ``[b, h_q, q, d]`` over the (first ``keys``) keys:
+        ``[b, h_q, q, n]`` float32 (scaled, soft-capped where the model caps them; no mask)."""
+        cached = self.keys if keys is None else self.keys[:, :, :keys]
+        keys = cached.float().repeat_interleave(queries.shape[1] // self.kv_heads, dim=1)  # [b, h_q, n, d]
         logits = queries.float() @ keys.transpose(2, 3) * self.scaling
         cap = hf.attention_softcap(self.module)
         return logits if cap is None else torch.tanh(logits / cap) * cap
@@ -99,12 +107,42 @@ class LayerInputs:
     def tokens(self) -> int:
         return int(self.keys.shape[2])
 
+    def attention_mass(self, transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """The prefill's causal attention weights summed over queries: ``[b, h_q, n]`` (H2O's accumulated attention),
+        each row first passed through ``transform`` (``[b, h_q, c, m]`` row chunk -> the same shape; Keyformer's
+        Gumbel noise) when given.
+
+        Computed over row chunks of at most ``ATTENTION_CHUNK_BYTES``, in order, from the eager ``attentions`` when
+        the layer returned them, else from the queries recomputed along the model's own path (``queries_rows``):
+        the prefill runs sdpa and no ``[b, h_q, n, n]`` tensor is ever built. Row ``i`` sees keys ``0..i`` only, so
+        a chunk of rows ``lo..hi`` is computed over its first ``hi`` keys (``m = hi``)."""
+        b, n = self.keys.shape[0], self.tokens
+        h_q = self.attentions.shape[1] if self.attentions is not None else None
+        if h_q is None:
+            h_q = hf.attention_queries(self.module, self.hidden_states[:, :1], _rows(self.position_embeddings, 0, 1)
+                                       ).shape[1]
+        rows = max(1, ATTENTION_CHUNK_BYTES // (4 * b * h_q * n))
+        mass = torch.zeros(b, h_q, n, dtype=torch.float32, device=self.keys.device)
+        for lo in range(0, n, rows):
+            hi = min(n, lo + rows)
+            if self.attentions is not None:
+                probs = self.attentions[:, :, lo:hi, :hi].float()
+            else:
+                logits = self.logits(self.queries_rows(lo, hi), keys=hi)  # [b, h_q, c, hi]
+                causal = torch.ones(hi - lo, hi, dtype=torch.bool, device=logits.device).triu(lo + 1)
+                probs = torch.softmax(logits.masked_fill_(causal, float("-inf")), dim=-1)
+            if transform is not None:
+                probs = transform(probs)
+            mass[:, :, :hi] += probs.sum(dim=2)
+        return mass
+
+    def queries_rows(self, lo: int, hi: int) -> torch.Tensor:
+        """Queries of tokens ``lo..hi`` as the model computes them: ``[b, h_q, hi - lo, d]``."""
+        return hf.attention_queries(self.module, self.hidden_states[:, lo:hi], _rows(self.position_embeddings, lo, hi))
+
     def queries(self, last: int) -> torch.Tensor:
         """The last ``last`` tokens' queries as the model computes them (its q path and RoPE): ``[b, h_q, last, d]``."""
-        embeddings = self.position_embeddings
-        if embeddings is not None:
-            embeddings = (embeddings[0][:, -last:], embeddings[1][:, -last:])
-        return hf.attention_queries(self.module, self.hidden_states[:, -last:], embeddings)
+        return self.queries_rows(self.tokens - last, self.tokens)
 
     def to_kv_heads(self, per_query_head: torch.Tensor, reduce: str = "mean") -> torch.Tensor:
         """``[b, h_q, ...]`` -> ``[b, h_kv, ...]``: mean (or sum) over each GQA group."""
@@ -227,6 +265,9 @@ class PruningMethod:
     needs_attentions: ClassVar[bool] = False
     #: whether ``score`` recomputes queries (``LayerInputs.queries``): checked against the model's query path
     recomputes_queries: ClassVar[bool] = False
+    #: whether ``score`` reads ``LayerInputs.attention_mass``: from recomputed queries where the model's query path
+    #: allows (any attention implementation), else from eager attention weights (``needs_attention_weights``)
+    attention_mass: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         check_budget(self.budget)
@@ -269,12 +310,28 @@ class PruningMethod:
     def check_model(self, model: nn.Module) -> list[nn.Module]:
         """The attention modules to hook; refuses (``UnsupportedArchitectureError``) what the method cannot do."""
         modules = attention_modules(model, self.name, queries=self.recomputes_queries)
-        if self.needs_attentions:
+        if needs_attention_weights(self, model):
             check_attn_implementation(model, self.name)
         return modules
 
     def __call__(self, model: nn.Module) -> Any:
         return hooked(model, self)
+
+
+def queries_recomputable(model: nn.Module) -> bool:
+    """Whether every full-attention layer's queries can be recomputed exactly (``LayerInputs.queries_rows``)."""
+    try:
+        attention_modules(model, queries=True)
+    except UnsupportedArchitectureError:
+        return False
+    return True
+
+
+def needs_attention_weights(method: PruningMethod, model: nn.Module) -> bool:
+    """Whether ``method`` needs the prefill's eager attention weights on ``model``: it reads them itself
+    (``needs_attentions``), or it reads ``attention_mass`` on a model whose queries cannot be recomputed (MLA,
+    complex-pair RoPE): then the prefill runs eager."""
+    return method.needs_attentions or (method.attention_mass and not queries_recomputable(model))
 
 
 @dataclass
@@ -363,6 +420,7 @@ def hooked(model: nn.Module, method: PruningMethod) -> Iterator[PruningSession]:
     eager, and blocks of different threads (each with its own method) prune only their own calls. Each block
     removes only its own hooks, whatever order blocks exit in."""
     modules = method.check_model(model)
+    weights = needs_attention_weights(method, model)
     session = PruningSession(method)
     block = object()
 
@@ -373,7 +431,7 @@ def hooked(model: nn.Module, method: PruningMethod) -> Iterator[PruningSession]:
         if found is None:
             return
         cache, inputs = found
-        if method.needs_attentions and inputs.attentions is None:
+        if weights and inputs.attentions is None:
             check_attn_implementation(model, method.name)
             raise AttentionImplementationError(f"{method.name} got no attention weights from the model")
         idx = method.keep_indices(inputs)
@@ -384,7 +442,7 @@ def hooked(model: nn.Module, method: PruningMethod) -> Iterator[PruningSession]:
 
     handles = [m.register_forward_hook(hook, with_kwargs=True) for m in modules]
     try:
-        with _active(block), eager_prefill(model, block) if method.needs_attentions else nullcontext():
+        with _active(block), eager_prefill(model, block) if weights else nullcontext():
             yield session
     finally:
         for handle in handles:
@@ -401,7 +459,7 @@ def scoring(model: nn.Module, methods: dict[str, PruningMethod]) -> Iterator[dic
     modules = attention_modules(model, "+".join(m.name for m in methods.values()),
                                 queries=any(m.recomputes_queries for m in methods.values()))
     for method in methods.values():
-        if method.needs_attentions:
+        if needs_attention_weights(method, model):
             check_attn_implementation(model, method.name)
     kept: dict[str, dict[int, torch.Tensor]] = {name: {} for name in methods}
     block = object()

@@ -39,6 +39,10 @@ class Compose(PruningMethod):
         return any(m.recomputes_queries for m in self.methods)
 
     @property
+    def attention_mass(self) -> bool:  # type: ignore[override]
+        return any(m.attention_mass for m in self.methods)
+
+    @property
     def name(self) -> str:
         return "+".join(m.name for m in self.methods)
 

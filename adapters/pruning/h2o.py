@@ -19,17 +19,17 @@ from kvshelf.adapters.pruning.base import LayerInputs, PruningMethod, recent_bon
 class H2O(PruningMethod):
     """Accumulated attention per KV head (summed over the GQA group), ``recent_ratio`` of the budget recent.
 
-    Needs attention weights ``[b, h_q, n, n]`` (``attn_implementation="eager"``).
-    ``score``: ``[b, h_kv, n]`` = sum over queries and group heads of the attention weights; recent +inf.
+    Reads ``LayerInputs.attention_mass``: the prefill's causal attention weights summed over queries, computed in row
+    chunks from recomputed queries (any attention implementation), or from eager weights on a model whose queries
+    cannot be recomputed. ``score``: ``[b, h_kv, n]`` = sum over queries and group heads; recent +inf.
     """
 
     recent_ratio: float = 0.5
-    needs_attentions: ClassVar[bool] = True
+    attention_mass: ClassVar[bool] = True
 
     def base_score(self, layer: LayerInputs) -> torch.Tensor:
         """``[b, h_kv, n]`` attention mass received by each token."""
-        assert layer.attentions is not None
-        return layer.to_kv_heads(layer.attentions.float().sum(dim=2), reduce="sum")
+        return layer.to_kv_heads(layer.attention_mass(), reduce="sum")
 
     def finish(self, base: torch.Tensor, keep: int) -> torch.Tensor:
         return recent_bonus(base, int(keep * self.recent_ratio))

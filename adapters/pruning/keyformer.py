@@ -22,31 +22,31 @@ _TINY = float(np.finfo(np.float32).tiny)  # U = 0 would give E = inf and drop a 
 class Keyformer(PruningMethod):
     """Accumulated Gumbel-softmax ``softmax((logits + G) / tau)`` per KV head; ``recent_ratio`` of budget recent.
 
-    The logits are recovered from the attention weights ``[b, h_q, n, n]`` as ``log(weights)`` (equal to the
-    logits up to a per-row constant, which the softmax ignores); masked entries stay masked. ``G`` is standard
-    Gumbel noise ``G = -log(-log(U))``, ``U`` uniform from a PCG64 generator seeded with ``seed`` and the layer
-    (reproducible). Computed in the equivalent form ``(w / E) ** (1 / tau)`` normalised per row, ``E = -log(U)``,
-    ``w`` the weights: four passes over ``[b, h_q, n, n]`` instead of ten. Needs ``attn_implementation="eager"``.
+    ``G = -log(-log(U))`` is standard Gumbel noise, ``U`` uniform from a PCG64 generator seeded with ``seed`` and
+    the layer (reproducible). As ``softmax`` ignores a per-row constant, ``exp((logits + G) / tau)`` is
+    ``(w / E) ** (1 / tau)`` with ``w`` the attention weights and ``E = -log(U)``: each row chunk of
+    ``LayerInputs.attention_mass`` (recomputed queries, or eager weights where queries cannot be recomputed) is
+    divided by its noise, raised to ``1 / tau`` and normalised per row; masked entries (``w = 0``) stay at zero.
     ``score``: ``[b, h_kv, n]``.
     """
 
     tau: float = 1.0
     recent_ratio: float = 0.3
     seed: int = 0
-    needs_attentions: ClassVar[bool] = True
+    attention_mass: ClassVar[bool] = True
 
     def base_score(self, layer: LayerInputs) -> torch.Tensor:
-        assert layer.attentions is not None
-        # softmax((log w + G) / tau) with G = -log(E), E ~ Exp(1): exp((log w + G) / tau) = (w / E) ** (1 / tau), so
-        # the Gumbel-softmax is (w / E) ** (1 / tau) normalised per query row; masked entries (w = 0) stay 0
         rng = np.random.default_rng((self.seed, int(layer.module.layer_idx)))
-        uniform = torch.from_numpy(rng.random(layer.attentions.numel(), dtype=np.float32))
-        noisy = uniform.clamp_(min=_TINY).log_().neg_().view(layer.attentions.shape).to(layer.attentions.device)
-        noisy = torch.div(layer.attentions.float(), noisy, out=noisy)
-        if self.tau != 1.0:
-            noisy.pow_(1.0 / self.tau)
-        probs = noisy.div_(noisy.sum(dim=-1, keepdim=True).clamp_min(_TINY))
-        return layer.to_kv_heads(probs.sum(dim=2), reduce="sum")
+
+        def gumbel_softmax(weights: torch.Tensor) -> torch.Tensor:  # a row chunk [b, h_q, c, m], in order
+            uniform = torch.from_numpy(rng.random(weights.numel(), dtype=np.float32))
+            noisy = uniform.clamp_(min=_TINY).log_().neg_().view(weights.shape).to(weights.device)  # E
+            noisy = torch.div(weights, noisy, out=noisy)
+            if self.tau != 1.0:
+                noisy.pow_(1.0 / self.tau)
+            return noisy.div_(noisy.sum(dim=-1, keepdim=True).clamp_min(_TINY))
+
+        return layer.to_kv_heads(layer.attention_mass(gumbel_softmax), reduce="sum")
 
     def finish(self, base: torch.Tensor, keep: int) -> torch.Tensor:
         return recent_bonus(base, int(keep * self.recent_ratio))

@@ -41,7 +41,7 @@ from kvshelf.adapters.pruning import (
     resolve_budget,
     scoring,
 )
-from kvshelf.adapters.pruning.base import attention_modules
+from kvshelf.adapters.pruning.base import attention_modules, queries_recomputable
 
 PROMPT, NEW = 40, 4  # the prompt is longer than the windowed families' window (24)
 IDS = torch.randint(3, 500, (PROMPT,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -66,8 +66,13 @@ def _reference(family: str, attn: str, dtype: torch.dtype = torch.float32) -> Ou
     return _REFERENCES[(family, attn, dtype)]
 
 
-def _needs_eager(name: str) -> bool:
-    return bool(getattr(METHODS[name], "needs_attentions", False))
+def _needs_eager(family: str, name: str) -> bool:
+    """Whether the method reads eager attention weights on this family (H2O and Keyformer do where the family's
+    queries cannot be recomputed: MLA, complex-pair RoPE); such cells run eager only."""
+    cls = METHODS[name]
+    if not issubclass(cls, PruningMethod) or not (cls.needs_attentions or cls.attention_mass):
+        return False
+    return cls.needs_attentions or not queries_recomputable(_model(family, attn_implementations(family)[0]))
 
 
 def _generate(model: torch.nn.Module, method, entered: list[bool]):  # noqa: ANN001, ANN202
@@ -80,7 +85,7 @@ def _generate(model: torch.nn.Module, method, entered: list[bool]):  # noqa: ANN
 
 
 CELLS = [(family, name, attn) for family in CONFIGS for name in METHODS for attn in attn_implementations(family)
-         if attn == "eager" or not _needs_eager(name)]
+         if attn == "eager" or not _needs_eager(family, name)]
 
 
 def test_expected_table_covers_every_family_and_method():
@@ -174,7 +179,7 @@ BF16_CELLS = [(family, name) for family in CONFIGS for name in METHODS if EXPECT
 def test_bf16_full_budget(family: str, name: str) -> None:
     """bf16: budget 1.0 gives plain ``generate``'s tokens (logits within the bf16 tolerance), also when TokenSelect
     falls back to full attention on a model loaded with eager (it runs the model's own eager function)."""
-    attn = "eager" if _needs_eager(name) else attn_implementations(family)[-1]
+    attn = "eager" if _needs_eager(family, name) else attn_implementations(family)[-1]
     model, cls = _model(family, attn, torch.bfloat16), METHODS[name]
 
     def full() -> Output:
@@ -192,7 +197,7 @@ SDPA_FAMILIES = [f for f in CONFIGS if "sdpa" in attn_implementations(f)]
 def test_attention_weight_methods_refuse_sdpa(family: str) -> None:
     model = _model(family, "sdpa")
     for name in METHODS:
-        if _needs_eager(name) and EXPECTED[(family, name)] == EXACT:
+        if _needs_eager(family, name) and EXPECTED[(family, name)] == EXACT:
             with pytest.raises(AttentionImplementationError, match="eager"), METHODS[name](0.5)(model):
                 pass
 

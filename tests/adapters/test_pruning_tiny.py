@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -280,12 +282,21 @@ def test_static_and_dynamic_compose(model):
     assert ts.steps == 4
 
 
+@dataclass
+class _WeightsReader(H2O):
+    """H2O made to read the eager attention weights (what a method with ``needs_attentions`` does)."""
+
+    needs_attentions: ClassVar[bool] = True
+
+
 def test_attention_weight_methods_need_eager(model):
-    for cls in (H2O, Keyformer):
-        with pytest.raises(AttentionImplementationError, match='attn_implementation="eager"'), cls(0.5)(model):
-            pass
-    with pytest.raises(AttentionImplementationError), Compose(0.5, methods=[SnapKV(), H2O()])(model):
+    with pytest.raises(AttentionImplementationError, match='attn_implementation="eager"'), _WeightsReader(0.5)(model):
         pass
+    with pytest.raises(AttentionImplementationError), Compose(0.5, methods=[SnapKV(), _WeightsReader()])(model):
+        pass
+    for cls in (H2O, Keyformer):  # they recompute their attention mass from the queries: any attention runs
+        with cls(0.5)(model):
+            pass
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -399,21 +410,22 @@ def test_pruned_cache_decodes_in_place_and_matches_a_dynamic_cache(model):
 
 
 def test_attention_weight_methods_prefill_eager_and_decode_sdpa(model):
-    """H2O reads the prefill's attention weights (eager); its decode steps run with sdpa, same tokens as eager."""
+    """A method reading the prefill's attention weights gets an eager prefill; its decode steps run with sdpa, same
+    tokens as eager."""
     ids = _ids(50, seed=15)
     seen: list[str] = []
     handle = model.model.layers[0].self_attn.register_forward_pre_hook(
         lambda module, args: seen.append(hf.attn_implementation(model)))  # what this thread's call runs with
     model.set_attn_implementation("eager")
     try:
-        with H2O(0.5)(model) as session:
+        with _WeightsReader(0.5)(model) as session:
             out = model.generate(ids, max_new_tokens=5, do_sample=False, eos_token_id=None,
                                  return_dict_in_generate=True, output_logits=True)
             again = model.generate(ids, max_new_tokens=2, do_sample=False, eos_token_id=None)
         assert model.config._attn_implementation == "eager"  # restored
         # eager all the way: score with H2O on an eager prefill, decode the pruned cache with eager attention
         cache = DynamicCache()
-        with torch.inference_mode(), scoring(model, {"h": H2O(0.5)}) as kept:
+        with torch.inference_mode(), scoring(model, {"h": _WeightsReader(0.5)}) as kept:
             logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1]
         pruned, token, eager_logits = prune_cache(cache, kept["h"]), logits.argmax().view(1, 1), [logits]
         with torch.inference_mode():
