@@ -290,8 +290,8 @@ def _cache_context_tokens(cache: Any, context: int, new: int) -> float:
 
 def run_fastkv(model: Any, tokenizer: Any, sample: ruler.Sample, budgets: tuple[float, ...], tally: Tally,
                cls: type) -> None:
-    """FastKV at each budget: ``with FastKV(ratio=budget)(model): model.generate(...)`` (its default TSP layer, a
-    third of the depth; every layer keeps the propagated tokens)."""
+    """FastKV at each budget: ``with FastKV(ratio=budget)(model): model.generate(...)`` (its default TSP layer,
+    two thirds of the depth; every layer keeps the propagated tokens)."""
     layers = len(model.model.layers)
     for budget in budgets:
         watch = _KvWatch(model, len(sample.ids))
