@@ -24,6 +24,7 @@ import grpc
 from kvshelf.proto import kvshelf_pb2 as pb
 from kvshelf.service.bulk.framing import (
     CHECKSUM_BYTES,
+    DONE,
     END_MARK,
     MISS,
     REFUSED,
@@ -84,13 +85,13 @@ class DataPathClient:
                                      fingerprint=fingerprint, tokens=tokens)
         head = bytearray(REPLY_HEAD.size)
 
-        def exchange(sock: Any, ticket: bytes, replied: list[bool]) -> list[bytearray | None]:
+        def exchange(sock: Any, ticket: bytes, replied: list[bool]) -> tuple[list[bytearray | None], ReplyHead]:
             out: list[bytearray | None] = [None] * len(keys)
             send_parts(sock, [encode_hello(OP_GET, ticket, namespace, [Entry(k) for k in keys])])
             for index, key in enumerate(keys):
                 reply = self._head(sock, head)
                 replied[0] = True
-                if reply.kind == STATUS:
+                if reply.kind in (STATUS, DONE):
                     self._failed(sock, reply)
                 if reply.kind == MISS:
                     continue
@@ -101,10 +102,9 @@ class DataPathClient:
                 out[index] = value
                 if arrived is not None:
                     arrived(index, value)
-            self._ended(sock, self._head(sock, head))
-            return out
+            return out, self._ended(sock, self._head(sock, head))
 
-        return self._transfer(request, exchange)[0]
+        return self._transfer(request, exchange)
 
     def put(self, namespace: str, items: Sequence[tuple[bytes, bytes | bytearray | memoryview]], *,
             pin: bool = False) -> int:
@@ -113,15 +113,16 @@ class DataPathClient:
                                      sizes=[len(value) for _, value in items], pin=pin)
         entries = [Entry(key, len(value), trailer_checksum(value)) for key, value in items]
 
-        def exchange(sock: Any, ticket: bytes, replied: list[bool]) -> None:
+        def exchange(sock: Any, ticket: bytes, replied: list[bool]) -> tuple[int, ReplyHead]:
             hello = encode_hello(OP_PUT, ticket, namespace, entries)
             with contextlib.suppress(OSError):  # the server may have refused the put midway: its status frame says why
                 send_parts(sock, [hello, *(value for _, value in items), END_MARK])
             reply = self._head(sock, bytearray(REPLY_HEAD.size))
             replied[0] = True
-            self._ended(sock, reply)
+            done = self._ended(sock, reply)
+            return done.stored, done
 
-        return int(self._transfer(request, exchange)[1].stored)
+        return self._transfer(request, exchange)
 
     def close(self) -> None:
         """Close the kept connections."""
@@ -133,10 +134,11 @@ class DataPathClient:
     # -- plumbing -------------------------------------------------------------------------------------------------
 
     def _transfer(self, request: pb.DataPathRequest,
-                  exchange: Callable[[Any, bytes, list[bool]], T]) -> tuple[T, pb.DataPathResult]:
+                  exchange: Callable[[Any, bytes, list[bool]], tuple[T, ReplyHead]]) -> T:
         """Open the call, run ``exchange(sock, ticket, replied)`` on a data connection (a kept one when there is
-        one; a fresh one if it turns out closed), keep the connection when the transfer ended cleanly; the
-        exchange's outcome and the call's result."""
+        one; a fresh one if it turns out closed), keep the connection when the transfer ended well; the exchange's
+        outcome. The end frame says how it went, so the call is then cancelled rather than read to its end (its
+        result says the same; reading it costs a round of the channel); a failure is read from the call."""
         call = self._open(request)
         sock = self._take(call.port, call.tls)
         kept = sock is not None
@@ -145,7 +147,7 @@ class DataPathClient:
         while True:
             replied = [False]
             try:
-                out = exchange(sock, call.ticket, replied)
+                out, done = exchange(sock, call.ticket, replied)
             except (OSError, DataPathError) as exc:
                 _close(sock)  # first: a server still sending or reading is woken
                 if kept and not replied[0] and not isinstance(exc, DataPathError):  # the server closed it meanwhile
@@ -157,9 +159,13 @@ class DataPathClient:
                 call.stream.cancel()
                 raise
             break
-        result = call.result()
+        call.stream.cancel()
+        if done.count != len(request.keys):
+            _close(sock)
+            raise RemoteStoreError(grpc.StatusCode.DATA_LOSS,
+                                   f"the server ended a transfer of {len(request.keys)} values after {done.count}")
         self._keep(call.port, call.tls, sock)
-        return out, result
+        return out
 
     def _open(self, request: pb.DataPathRequest) -> _Transfer:
         """The control call with its ticket (``DataPathUnavailable`` when the server has no data path)."""
@@ -208,22 +214,22 @@ class DataPathClient:
             raise DataPathUnavailable(f"the data port is busy: {message}", 0.0)
         return reply
 
-    def _failed(self, sock: Any, reply: ReplyHead) -> None:
-        """Raise the status of a status frame that is not OK."""
+    def _failed(self, sock: Any, reply: ReplyHead) -> NoReturn:
+        """Raise the failure a status frame reports (an end frame before the last value: DATA_LOSS)."""
         message = recv_bytes(sock, reply.message_bytes, "a status message").decode("utf-8", "replace")
         code = status_code(reply.code)
         if code != grpc.StatusCode.OK:
             raise DataPathError(code, message)
         raise DataPathError(grpc.StatusCode.DATA_LOSS, "the server ended the transfer before every value was sent")
 
-    def _ended(self, sock: Any, reply: ReplyHead) -> None:
-        """The transfer's last frame: an OK status, or raise."""
+    def _ended(self, sock: Any, reply: ReplyHead) -> ReplyHead:
+        """The transfer's last frame: its end (returned), or raise its failure."""
+        if reply.kind == DONE:
+            return reply
         if reply.kind != STATUS:
             raise DataPathError(grpc.StatusCode.DATA_LOSS, "the server sent more values than keys asked for")
-        message = recv_bytes(sock, reply.message_bytes, "a status message").decode("utf-8", "replace")
-        code = status_code(reply.code)
-        if code != grpc.StatusCode.OK:
-            raise DataPathError(code, message)
+        self._failed(sock, reply)
+        raise AssertionError("unreachable: _failed raises")
 
 
 class _Transfer:

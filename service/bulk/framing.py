@@ -12,7 +12,10 @@ Server to client, every reply head 17 bytes, ``kind (1) | a u64 | b (8)``::
 
     b"V" size | checksum       a value follows (get: one per entry, in order)
     b"M" 0    | 0              a miss (get)
-    b"S" code | message length the transfer's status (a gRPC status code, 0: OK) and a UTF-8 message; the last frame
+    b"D" count | stored (u64)  the transfer ended well: its values (all of the hello's entries), and of them those
+                               stored (put) or found (get); the last frame (the call's result says the same: a client
+                               need not wait for it)
+    b"S" code | message length the transfer failed: its status (a gRPC status code) and a UTF-8 message; the last frame
     b"R" code | message length a connection refused before its hello was read (the port is busy: its ticket is
                                unused, the client may use gRPC for that call); the only frame
 
@@ -50,7 +53,7 @@ MAX_VALUES = 100_000  # = service.server.MAX_KEYS_PER_CALL (a test checks)
 MAX_VALUE_BYTES = 1 << 40  # a size past this is garbage, whatever the server's limits (which are lower)
 MAX_STATUS_MESSAGE_BYTES = 4096
 REPLY_HEAD = struct.Struct("<cQ8s")
-VALUE, MISS, STATUS, REFUSED = b"V", b"M", b"S", b"R"
+VALUE, MISS, DONE, STATUS, REFUSED = b"V", b"M", b"D", b"S", b"R"
 
 
 @dataclass(frozen=True)
@@ -209,13 +212,16 @@ def value_hasher() -> Any:
 
 @dataclass(frozen=True)
 class ReplyHead:
-    """A reply head: a value (``size``, ``checksum``), a miss, or the status (``code``, ``message_bytes``)."""
+    """A reply head: a value (``size``, ``checksum``), a miss, the end of a transfer (``count``, ``stored``) or a
+    failure's status (``code``, ``message_bytes``)."""
 
     kind: bytes
     size: int = 0
     checksum: bytes = b""
     code: int = 0
     message_bytes: int = 0
+    count: int = 0
+    stored: int = 0
 
 
 def encode_value_head(size: int, checksum: bytes) -> bytes:
@@ -223,6 +229,11 @@ def encode_value_head(size: int, checksum: bytes) -> bytes:
 
 
 MISS_HEAD = REPLY_HEAD.pack(MISS, 0, bytes(8))
+
+
+def encode_done(count: int, stored: int = 0) -> bytes:
+    """The frame that ends a transfer that went well."""
+    return REPLY_HEAD.pack(DONE, count, struct.pack("<Q", stored))
 
 
 def encode_status(code: grpc.StatusCode, message: str = "", kind: bytes = STATUS) -> bytes:
@@ -257,6 +268,11 @@ def parse_reply_head(data: bytes | memoryview, max_value_bytes: int) -> ReplyHea
         return ReplyHead(VALUE, size=a, checksum=b)
     if kind == MISS:
         return ReplyHead(MISS)
+    if kind == DONE:
+        stored = struct.unpack("<Q", b)[0]
+        if a > MAX_VALUES or stored > a:
+            raise FramingError(f"end frame counting {a} values, {stored} of them stored or found")
+        return ReplyHead(DONE, count=a, stored=stored)
     if kind in (STATUS, REFUSED):
         status_code(a)
         length = struct.unpack("<Q", b)[0]

@@ -33,6 +33,7 @@ from kvshelf.service.bulk.framing import (
     Entry,
     check_end,
     check_trailer,
+    encode_done,
     encode_status,
     encode_value_head,
     trailer_checksum,
@@ -123,7 +124,7 @@ class DataPathHandler:
                 ticket.receiving = False
                 ticket.progress(len(END_MARK))
                 received, stored = self.servicer.store_values(call, values, headers, req.pin, context)
-                send_parts(conn, [encode_status(grpc.StatusCode.OK)])
+                send_parts(conn, [encode_done(received, stored)])
                 pending.finished = True
             except OSError as exc:  # the data connection broke (reset, closed): the client's side
                 raise _broken(conn, exc, context) from None
@@ -155,7 +156,7 @@ class DataPathHandler:
                         continue
                     send_parts(conn, [encode_value_head(len(value), trailer_checksum(value)), value], ticket.progress)
                     found += 1
-                send_parts(conn, [encode_status(grpc.StatusCode.OK)])
+                send_parts(conn, [encode_done(len(keys), found)])
                 pending.finished = True
             except OSError as exc:  # the data connection broke (reset, closed): the client's side
                 raise _broken(conn, exc, context) from None

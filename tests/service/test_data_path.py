@@ -21,6 +21,7 @@ from kvshelf.kvstore import encode_block, open_embedded_store
 from kvshelf.proto import kvshelf_pb2 as pb
 from kvshelf.service.auth import TokenTable
 from kvshelf.service.bulk.framing import (
+    DONE,
     END_MARK,
     HELLO_HEAD,
     REFUSED,
@@ -116,7 +117,7 @@ def put_hello(ticket: bytes, items, namespace: str = "default") -> bytes:
 
 
 def read_status(sock: socket.socket) -> tuple[grpc.StatusCode, str]:
-    """The status frame a refused data connection gets (skipping any values before it)."""
+    """The last frame of a data connection: a refusal's status, or OK for an end frame (skipping any values)."""
     buf = b""
     while True:
         while len(buf) < REPLY_HEAD.size:
@@ -125,6 +126,8 @@ def read_status(sock: socket.socket) -> tuple[grpc.StatusCode, str]:
             buf += more
         head = parse_reply_head(buf[: REPLY_HEAD.size], 1 << 30)
         buf = buf[REPLY_HEAD.size :]
+        if head.kind == DONE:
+            return grpc.StatusCode.OK, f"{head.count} values, {head.stored} stored"
         need = head.size if head.kind == VALUE else head.message_bytes if head.kind in (STATUS, REFUSED) else 0
         while len(buf) < need:
             more = sock.recv(1 << 16)

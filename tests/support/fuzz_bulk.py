@@ -29,6 +29,7 @@ from kvshelf.service.bulk.framing import (
     REFUSED,
     REPLY_HEAD,
     Entry,
+    encode_done,
     encode_hello,
     encode_status,
     encode_value_head,
@@ -49,6 +50,7 @@ SEEDS: tuple[bytes, ...] = (
     encode_value_head(1 << 20, b"c" * 8),
     encode_status(grpc.StatusCode.DATA_LOSS, "value 3 fails its checksum"),
     encode_status(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", REFUSED),
+    encode_done(3, 2),
     TICKET,
 )
 
