@@ -65,6 +65,7 @@ TABLES: tuple[BenchTable, ...] = (
     BenchTable("lmdb", "lmdb.json", "kvshelf.bench.lmdb_read:results_table"),
     BenchTable("store", "store.json", "kvshelf.bench.store:results_table"),
     BenchTable("store-floor", "store_floor.json", "kvshelf.bench.store:results_table"),
+    BenchTable("store-datapath", "store_datapath.json", "kvshelf.bench.store:results_table"),
     BenchTable("clear", "clear.json", "kvshelf.bench.clear:results_table"),
     BenchTable("clear-cluster", "clear_cluster.json", "kvshelf.bench.clear:results_table"),
     BenchTable("replay-conversation", "replay_conversation.json", "kvshelf.service.replay_report:results_table"),
