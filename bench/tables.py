@@ -82,6 +82,7 @@ TABLES: tuple[BenchTable, ...] = (
     BenchTable("abuse-memory", "abuse_memory.json", "kvshelf.bench.abuse:results_tables"),
     BenchTable("codecs", "codecs.json", "kvshelf.bench.codecs:results_table"),
     BenchTable("codecs-synthetic", "codecs_synthetic.json", "kvshelf.bench.codecs:results_table"),
+    BenchTable("codecs-xquant-cl", "codecs_xquant_cl.json", "kvshelf.bench.codecs:results_table"),
     BenchTable("rag", "rag.json", "kvshelf.bench.rag:results_tables"),
     BenchTable("pruning", "pruning.json", "kvshelf.bench.pruning:results_table"),
     BenchTable("pruning-snapkv", "pruning_snapkv.json", "kvshelf.bench.pruning:results_table"),
