@@ -124,8 +124,7 @@ class DataPathHandler:
                 ticket.receiving = False
                 ticket.progress(len(END_MARK))
                 received, stored = self.servicer.store_values(call, values, headers, req.pin, context)
-                send_parts(conn, [encode_done(received, stored)])
-                pending.finished = True
+                _finish(conn, pending, ticket, encode_done(received, stored))
             except OSError as exc:  # the data connection broke (reset, closed): the client's side
                 raise _broken(conn, exc, context) from None
             except Exception as exc:
@@ -156,8 +155,7 @@ class DataPathHandler:
                         continue
                     send_parts(conn, [encode_value_head(len(value), trailer_checksum(value)), value], ticket.progress)
                     found += 1
-                send_parts(conn, [encode_done(len(keys), found)])
-                pending.finished = True
+                _finish(conn, pending, ticket, encode_done(len(keys), found))
             except OSError as exc:  # the data connection broke (reset, closed): the client's side
                 raise _broken(conn, exc, context) from None
             except Exception as exc:
@@ -178,6 +176,20 @@ class DataPathHandler:
         else:
             shutdown(conn)
             conn.close()
+
+
+def _finish(conn: socket.socket, pending: Pending, ticket: StreamTicket, done: bytes) -> None:
+    """Send the end frame of a transfer that went well. Its client may start its next call (or cancel this one) as
+    soon as it has the frame, so first: the stream slot is given back (the transfer is over; what is left of the call
+    is its result message), and the transfer marked finished (the call's end must then not cut the connection, which
+    is kept)."""
+    ticket.close()
+    pending.finished = True
+    try:
+        send_parts(conn, [done])
+    except BaseException:
+        pending.finished = False
+        raise
 
 
 #: after a failure, what the server still reads (and drops) of a put the client keeps sending, so that the status
