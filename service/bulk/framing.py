@@ -46,6 +46,7 @@ END_MARK = b"KVBE"
 VERSION = 1
 HELLO_HEAD = struct.Struct("<4sBBHHI")
 PUT_ENTRY = struct.Struct(f"<{KEY_BYTES}sQ8s")
+GET_ENTRY = struct.Struct(f"<{KEY_BYTES}s")
 CHECKSUM_BYTES = 8
 MAX_TICKET_BYTES = 1024
 MAX_NAMESPACE_BYTES = 4 * MAX_NAMESPACE_CHARS  # UTF-8
@@ -134,7 +135,7 @@ def parse_entries(head: HelloHead, data: bytes | memoryview) -> tuple[Entry, ...
         raise FramingError(f"hello entries of {len(data)} bytes; {head.count} entries take {head.entries_bytes}")
     view = memoryview(data)
     if head.op == OP_GET:
-        return tuple(Entry(bytes(view[i : i + KEY_BYTES])) for i in range(0, len(view), KEY_BYTES))
+        return tuple(Entry(key) for (key,) in GET_ENTRY.iter_unpack(view))
     entries = []
     for key, size, checksum in PUT_ENTRY.iter_unpack(view):
         if size > MAX_VALUE_BYTES:
