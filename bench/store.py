@@ -61,6 +61,35 @@ def lmdb_backend() -> Iterator[dict[str, Any]]:
 
 
 @contextmanager
+def disk_floor_backend() -> Iterator[dict[str, Any]]:
+    """The limit of any store that writes its values to a file on this machine: each value written with one
+    ``pwrite`` into a new file of its own, read back with ``readinto`` into a preallocated buffer; no fsync, no
+    checks, nothing of kvshelf (the same temporary-files filesystem as the kvshelf servers' LMDB)."""
+    with tempfile.TemporaryDirectory(prefix="kvshelf-bench-disk-floor-") as tmp:
+        yield {"kind": "disk-floor", "path": tmp}
+
+
+def _disk_floor_client(path: str) -> ClientPair:
+    def put(key: bytes, value: bytes) -> None:
+        fd = os.open(os.path.join(path, key.hex()), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.pwrite(fd, value, 0)
+        finally:
+            os.close(fd)
+
+    def get(key: bytes) -> bytes | None:
+        try:
+            with open(os.path.join(path, key.hex()), "rb", buffering=0) as f:
+                value = bytearray(os.fstat(f.fileno()).st_size)
+                f.readinto(value)
+                return value
+        except FileNotFoundError:
+            return None
+
+    return put, get
+
+
+@contextmanager
 def redis_backend() -> Iterator[dict[str, Any]]:
     from kvshelf.bench.servers import redis_server
 
@@ -152,6 +181,8 @@ def connect(target: dict[str, Any]) -> tuple[ClientPair, Callable[[], None]]:
                 return txn.get(key)
 
         return (put, get), env.close
+    if target["kind"] == "disk-floor":
+        return _disk_floor_client(target["path"]), lambda: None
     if target["kind"] == "redis":
         import redis
 
@@ -313,7 +344,7 @@ def run_case(target: dict[str, Any], block_mib: int, clients: int, ops: int, set
 BACKENDS: dict[str, Backend] = {"grpc": grpc_backend, "grpc-wire": grpc_wire_backend,
                                 "grpc-wire-fsync": grpc_wire_fsync_backend, "grpc-http2": grpc_http2_backend,
                                 "grpc-bare": grpc_bare_backend, "socket-floor": socket_floor_backend,
-                                "redis": redis_backend, "lmdb": lmdb_backend}
+                                "disk-floor": disk_floor_backend, "redis": redis_backend, "lmdb": lmdb_backend}
 #: the backends whose server takes ``--durability``
 DURABLE_BACKENDS = frozenset({"grpc", "grpc-wire", "grpc-http2"})
 
@@ -356,7 +387,10 @@ def run(
                "note": "grpc: a same-host client's default (gets through a /dev/shm arena, puts over the data path); "
                        "grpc-wire: a remote client's default, every value over the bulk data path (service/bulk/); "
                        "grpc-wire-fsync: the same with an fsync per put; grpc-http2: every byte over gRPC/HTTP/2 on "
-                       "loopback; the kvshelf servers run with --durability as given (grpc-wire-fsync: fsync); "
+                       "loopback; socket-floor: a bare Python socket server (the remote path's limit); disk-floor: "
+                       "each value pwritten to a new file, no fsync (the limit of a store that writes values to "
+                       "files: on this VM, pages new to the page cache cost 20-25 ms per 8 MiB at times); "
+                       "the kvshelf servers run with --durability as given (grpc-wire-fsync: fsync); "
                        "vs_redis: MB/s over raw redis-py's in this run"}
     console.print(results_table(payload))
     save_results(json_path, payload, console)

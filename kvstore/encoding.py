@@ -225,16 +225,20 @@ def verify_block(
     expected_key: bytes | None = None,
     expected_fingerprint: str | None = None,
     expected_namespace: str | None = None,
+    digest: bytes | None = None,
 ) -> BlockHeader:
     """Check an encoded block without decoding its tensors: checksum, header, and whose block it is.
 
-    Raises ``CorruptBlockError`` when the bytes are damaged and ``ForeignBlockError`` when they are a valid
-    block of another key, model or namespace.
+    ``digest``: the xxh3-64 of the block's bytes before its checksum, when the caller computed it as they arrived
+    (the bytes are then not hashed again). Raises ``CorruptBlockError`` when the bytes are damaged and
+    ``ForeignBlockError`` when they are a valid block of another key, model or namespace.
     """
     view = memoryview(data)
     header, payload_start = _parse_header(view)
     body_end = len(view) - _CHECKSUM_BYTES
-    if xxhash.xxh3_64_digest(view[:body_end]) != bytes(view[body_end:]):
+    if digest is None:
+        digest = xxhash.xxh3_64_digest(view[:body_end])
+    if digest != bytes(view[body_end:]):
         raise CorruptBlockError("block checksum mismatch")
     if body_end - payload_start != header.payload_len:
         raise CorruptBlockError(f"payload is {body_end - payload_start} bytes, header says {header.payload_len}")

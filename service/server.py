@@ -610,7 +610,8 @@ class KVShelfServicer:
             fail(grpc.StatusCode.CANCELLED, "the call was cancelled; nothing stored")
         if call.lineage:  # the BlockStored events carry what the client sent, else what the headers say
             self.events.annotate(_annotations(items, values, call.lineage))
-        stored = self.store.put_encoded_many(items, pin=pin)  # re-encodes bounded by store.max_decoded_bytes
+        # verified as they arrived (``headers``): not hashed again; re-encodes bounded by store.max_decoded_bytes
+        stored = self.store.put_verified_many(items, headers, pin=pin)
         return len(items), stored
 
     def _check_reencode(self, tier_key: ScopedKey, header: BlockHeader, nbytes: int,
@@ -630,14 +631,17 @@ class KVShelfServicer:
               f"block {unscope(tier_key).hex()} of declared shape {describe_shape(header.shape)} "
               f"{DTYPE_NAMES[header.dtype]} decodes to {decoded} bytes {why}: over the max block size of {limit} bytes")
 
-    def verify_value(self, namespace: str, key: bytes, value: bytes | bytearray) -> BlockHeader:
+    def verify_value(self, namespace: str, key: bytes, value: bytes | bytearray,
+                     digest: bytes | None = None) -> BlockHeader:
         """The header of a received value once verified as a block of ``key`` in ``namespace`` with a known codec
-        (DATA_LOSS, INVALID_ARGUMENT or PERMISSION_DENIED naming what is wrong)."""
-        return self._verify(namespace, key, value)
+        (DATA_LOSS, INVALID_ARGUMENT or PERMISSION_DENIED naming what is wrong); ``digest``: the xxh3-64 of its bytes
+        before the checksum, when computed as they arrived (see ``verify_block``)."""
+        return self._verify(namespace, key, value, digest)
 
-    def _verify(self, namespace: str, key: bytes, value: bytes | bytearray) -> BlockHeader:
+    def _verify(self, namespace: str, key: bytes, value: bytes | bytearray,
+                digest: bytes | None = None) -> BlockHeader:
         try:
-            header = verify_block(value, expected_key=key)
+            header = verify_block(value, expected_key=key, digest=digest)
         except CorruptBlockError as exc:
             fail(grpc.StatusCode.DATA_LOSS, f"value of key {key.hex()} is damaged: {exc}")
         except ForeignBlockError as exc:

@@ -56,8 +56,9 @@ def bench_store(
         help="comma-separated: grpc (same-host default), grpc-wire (a remote client's default: the bulk data "
              "path), grpc-wire-fsync (the same, fsync per put), grpc-http2 (every byte over gRPC), grpc-bare (a bare "
              "gRPC Python server: the gRPC wire's floor), socket-floor (a bare Python socket server: this "
-             "machine's limit), redis, lmdb")] =
-        "grpc,grpc-wire,grpc-wire-fsync,grpc-http2,grpc-bare,socket-floor,redis,lmdb",
+             "machine's limit), disk-floor (each value pwritten to a file of its own: the limit of writing values "
+             "to this disk), redis, lmdb")] =
+        "grpc,grpc-wire,grpc-wire-fsync,grpc-http2,grpc-bare,socket-floor,disk-floor,redis,lmdb",
     sizes: Annotated[str, typer.Option(help="block sizes in MiB")] = "1,8,32",
     clients: Annotated[str, typer.Option(help="concurrent clients")] = "1,8",
     durability: Annotated[str, typer.Option(

@@ -28,6 +28,7 @@ import grpc
 
 from kvshelf.proto import kvshelf_pb2 as pb
 from kvshelf.service.bulk.framing import (
+    CHECKSUM_BYTES,
     END_MARK,
     MISS_HEAD,
     Entry,
@@ -37,6 +38,7 @@ from kvshelf.service.bulk.framing import (
     encode_status,
     encode_value_head,
     trailer_checksum,
+    value_hasher,
 )
 from kvshelf.service.bulk.listener import DataListener, Pending
 from kvshelf.service.bulk.ticket import OP_GET, OP_PUT
@@ -113,11 +115,13 @@ class DataPathHandler:
                     if entry.size != size:
                         raise FramingError(f"value {index} (key {entry.key.hex()}) is announced as {entry.size} "
                                            f"bytes on the data connection and {size} in the request")
-                    value = receive_buffer(size)  # filled by recv_exact, or dropped
+                    value, hasher = receive_buffer(size), value_hasher()  # filled by recv_exact, or dropped
                     ticket.waiting()
-                    recv_exact(conn, memoryview(value), f"value {index}", progress=ticket.progress)
+                    # hashed as it lands (in the cache, while the client sends the next piece): verified once
+                    recv_exact(conn, memoryview(value), f"value {index}", progress=ticket.progress, hasher=hasher,
+                               hash_end=size - CHECKSUM_BYTES)
                     check_trailer(entry.key, value, entry.checksum)
-                    headers.append(self.servicer.verify_value(namespace, entry.key, value))
+                    headers.append(self.servicer.verify_value(namespace, entry.key, value, hasher.digest()))
                     values.append((entry.key, value))
                 ticket.waiting()
                 check_end(recv_bytes(conn, len(END_MARK), "the end mark"))

@@ -40,3 +40,19 @@ def test_socket_floor_round_trips_values_and_misses() -> None:
     finally:
         client.close()
         listener.close()
+
+
+def test_disk_floor_round_trips_values_and_misses(tmp_path) -> None:
+    from kvshelf.bench.store import connect
+
+    (put, get), close = connect({"kind": "disk-floor", "path": str(tmp_path)})
+    try:
+        value = bytes(range(256)) * (3 << 12)
+        put(b"k" * 16, value)
+        put(b"e" * 16, b"")
+        assert get(b"k" * 16) == value and get(b"e" * 16) == b""
+        assert get(b"x" * 16) is None
+        put(b"k" * 16, b"smaller")  # a rewrite replaces the value whole
+        assert get(b"k" * 16) == b"smaller"
+    finally:
+        close()

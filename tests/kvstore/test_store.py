@@ -676,6 +676,27 @@ def test_put_encoded_refuses_damaged_or_misfiled_values_and_stores_nothing(store
     assert mem(store).keys() == [] and disk(store).keys() == []
 
 
+def test_a_digest_computed_as_the_bytes_arrived_stands_for_the_checksum(store):
+    """``verify_block(digest=...)`` compares the caller's hash (the service's, taken as a value arrived) with the
+    block's checksum instead of hashing again; ``put_verified_many`` stores what was so verified."""
+    import xxhash
+
+    from kvshelf.kvstore import CorruptBlockError
+    from kvshelf.kvstore.encoding import verify_block
+
+    (k0, b0), (k1, b1) = blocks(2)
+    good, other = encode_block(b0, k0), encode_block(b1, k1)
+    digest = xxhash.xxh3_64_digest(good[:-8])
+    header = verify_block(good, expected_key=k0, digest=digest)
+    with pytest.raises(CorruptBlockError, match="checksum"):  # a digest of other bytes: damage in transit
+        verify_block(good, expected_key=k0, digest=xxhash.xxh3_64_digest(other[:-8]))
+    with pytest.raises(ValueError, match="2 values and 1 headers"):
+        store.put_verified_many([(k0, good), (k1, other)], [header])
+    assert mem(store).keys() == [] and disk(store).keys() == []
+    assert store.put_verified_many([(k0, good)], [header]) == 1
+    assert store.get_encoded_many([k0]) == [good]
+
+
 class _DownTier(MemoryTier):
     """A tier whose backing service is unreachable (stands in for a stopped Redis in this unit test;
     the Redis tests stop a real redis-server)."""
