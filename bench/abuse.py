@@ -173,6 +173,21 @@ class ServerProcess:
             self.proc.wait(timeout=30)
 
 
+#: RSS must stay flat under sustained abuse once the server has warmed up: growth is measured past the peak of the
+#: abuse phase's first this many seconds
+SETTLED_AFTER_S = 60.0
+
+
+def growth_after(series: list[tuple[float, int]], settled_after_s: float = SETTLED_AFTER_S) -> int | None:
+    """How far ``series`` (``(seconds, RSS)``) rises after ``settled_after_s`` past its peak before then (0: it never
+    goes higher); None when it does not go on past that point (a run too short to say)."""
+    first = [rss for t, rss in series if t <= settled_after_s]
+    later = [rss for t, rss in series if t > settled_after_s]
+    if not first or len(later) < 2:
+        return None
+    return max(0, max(later) - max(first))
+
+
 class RssSampler:
     """Samples the server's memory every ``interval_s``; per phase, the start values and the peaks since. Kills
     the server when its RSS grows past ``limit`` bytes above the run's first sample.
@@ -187,6 +202,8 @@ class RssSampler:
         self.limit = limit
         self.first = (server.memory() or (0, 0))[0]
         self.start = self.peak = server.memory() or (0, 0)
+        self.began = time.monotonic()
+        self.series: list[tuple[float, int]] = []  # (seconds into the phase, RSS): one sample a second
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="abuse-rss", daemon=True)
@@ -197,6 +214,9 @@ class RssSampler:
         if now is not None:
             with self._lock:
                 self.peak = (max(self.peak[0], now[0]), max(self.peak[1], now[1]))
+                at = time.monotonic() - self.began
+                if not self.series or at >= self.series[-1][0] + 1.0:
+                    self.series.append((round(at, 1), now[0]))
         return now
 
     def _loop(self) -> None:
@@ -213,12 +233,19 @@ class RssSampler:
         now = self.server.memory() or (0, 0)
         with self._lock:
             self.start = self.peak = now
+            self.began, self.series = time.monotonic(), [(0.0, now[0])]
 
     def phase(self) -> tuple[tuple[int, int], tuple[int, int]]:
         """``((rss, anon) at the start, (rss, anon) peaks)`` of the current phase."""
         self._sample()
         with self._lock:
             return self.start, self.peak
+
+    def phase_series(self) -> list[tuple[float, int]]:
+        """``(seconds into the current phase, RSS bytes)``, a sample a second."""
+        with self._lock:
+            return list(self.series)
+
 
     def stop(self) -> None:
         self._stop.set()
@@ -387,7 +414,8 @@ def _abuse_summary(report: dict[str, Any] | None) -> dict[str, Any]:
 
 def _phase_result(name: str, log: HonestLog, seconds: float, memory: tuple[tuple[int, int], tuple[int, int]],
                   logs: tuple[int, int], server_cpu_s: float,
-                  server: ServerProcess, settings: AbuseSettings, abuse: dict[str, Any] | None) -> dict[str, Any]:
+                  server: ServerProcess, settings: AbuseSettings, abuse: dict[str, Any] | None,
+                  series: list[tuple[float, int]] | None = None) -> dict[str, Any]:
     latencies = log.put_ms + log.get_ms
     abuser_codes: Counter[str] = Counter()
     for codes in (abuse or {}).get("kinds", {}).values():
@@ -400,6 +428,8 @@ def _phase_result(name: str, log: HonestLog, seconds: float, memory: tuple[tuple
         "internal_errors": internal,
         "wrong_blocks": log.wrong,
         "server_rss_growth_bytes": max(0, memory[1][0] - memory[0][0]),
+        "server_rss_growth_after_first_minute_bytes": growth_after(series or []),
+        "server_rss_series_mib": [[t, round(rss / 2**20, 1)] for t, rss in series or []],
         "per_call_limit_bytes": parse_size(settings.max_call, "--max-call"),
         "seconds": round(seconds, 3),
         "honest_calls": len(latencies),
@@ -447,7 +477,7 @@ def _run_phase(name: str, seconds: float, store: Any, values: list[tuple[bytes, 
     memory = sampler.phase()
     lines1, tracebacks1 = server.counts()
     return _phase_result(name, log, elapsed, memory, (lines1 - lines0, tracebacks1 - tracebacks0),
-                         max(0.0, server.cpu_s() - cpu0), server, settings, abuse), offset
+                         max(0.0, server.cpu_s() - cpu0), server, settings, abuse, sampler.phase_series()), offset
 
 
 def checks(results: list[dict[str, Any]]) -> list[tuple[str, bool, str]]:
@@ -460,7 +490,12 @@ def checks(results: list[dict[str, Any]]) -> list[tuple[str, bool, str]]:
     wrong = sum(r["wrong_blocks"] for r in results)
     held, quota = abuse.get("max_held_bytes", 0), under["quota_bytes"]
     decode_growth = abuse.get("client_decode_growth", 0)
+    settled = under.get("server_rss_growth_after_first_minute_bytes")
+    after_first_minute = [] if settled is None else [
+        (f"server RSS growth after the first {SETTLED_AFTER_S:.0f} s of abuse <= 2 x per-call limit",
+         settled <= 2 * limit, f"{settled / 2**20:.1f} MiB vs 2 x {limit / 2**20:.0f} MiB")]
     return [
+        *after_first_minute,
         ("honest p99 under abuse <= 2 x alone", under["p99_ms"] <= 2 * alone["p99_ms"] and under["honest_calls"] > 0,
          f"{under['p99_ms']:.1f} ms vs 2 x {alone['p99_ms']:.1f} ms"),
         ("server RSS growth under abuse <= 2 x per-call limit", growth <= 2 * limit,
@@ -514,6 +549,9 @@ def results_tables(payload: dict[str, Any]) -> list[Table]:
         ("INTERNAL / UNKNOWN", lambda r: r["internal_errors"]),
         ("server RSS start MiB", lambda r: f"{r['server_rss_start_bytes'] / 2**20:.0f}"),
         ("server RSS growth MiB", lambda r: f"{r['server_rss_growth_bytes'] / 2**20:.1f}"),
+        (f"  after the first {SETTLED_AFTER_S:.0f} s MiB",
+         lambda r: "-" if r.get("server_rss_growth_after_first_minute_bytes") is None
+         else f"{r['server_rss_growth_after_first_minute_bytes'] / 2**20:.1f}"),
         ("  of it anonymous (RssAnon) MiB", lambda r: f"{r['server_anon_growth_bytes'] / 2**20:.1f}"),
         ("server log lines / tracebacks", lambda r: f"{r['server_log_lines']} / {r['server_tracebacks']}"),
         ("server alive", lambda r: "yes" if r["server_alive"] else f"NO {r['server_killed_for'] or ''}"),

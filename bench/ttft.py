@@ -24,7 +24,9 @@ from kvshelf.bench.common import corpus_texts, machine_description, median, save
 #: codecs whose round trip is exact (a lossy codec's "same output" may be "no")
 LOSSLESS = ("raw", "zstd")
 CODECS_RESULTS = Path(__file__).resolve().parent / "results" / "codecs.json"
-REMOTE_MODES = {"remote": "warm-remote", "redis": "warm-redis"}
+#: the modes of a remote run, each a fresh worker process per round: ``disk`` (a local LMDB, no memory tier: the
+#: anchor the remote modes are compared with) runs whenever ``remote`` or ``redis`` does
+REMOTE_MODES = {"disk": "warm-disk", "remote": "warm-remote", "redis": "warm-redis"}
 
 QUESTION = (
     "\n\nQuestion: Which problem does the first abstract above address, and which method do its authors "
@@ -110,6 +112,7 @@ def disk_worker(spec_path: str) -> None:
     from kvshelf.adapters.generate import CachedGenerator
     from kvshelf.adapters.model import load_model
     from kvshelf.kvstore.embedded import open_embedded_store
+    from kvshelf.kvstore.protocol import DEFAULT_NAMESPACE
 
     spec = json.loads(Path(spec_path).read_text())
     model, tokenizer = load_model(spec["model"], dtype=spec.get("dtype", "float32"), device=spec.get("device", "cpu"))
@@ -128,7 +131,8 @@ def disk_worker(spec_path: str) -> None:
         if backend == "redis":
             return _redis_store(spec["redis_url"], spec["namespace"], spec["disk_codec"], spec.get("disk_codec_params"))
         return open_embedded_store(spec["data_dir"], memory_bytes=None, disk_codec=spec.get("disk_codec", "raw"),
-                                   disk_codec_params=spec.get("disk_codec_params"))
+                                   disk_codec_params=spec.get("disk_codec_params"),
+                                   namespace=spec.get("namespace", DEFAULT_NAMESPACE))
 
     store = open_store()
     generator = CachedGenerator(model, tokenizer, store, block_size=spec["block_size"])
@@ -138,7 +142,7 @@ def disk_worker(spec_path: str) -> None:
         # one untimed load of this context first: a process's first load of a size faults in its buffers (the
         # cache, the decode scratch, the forward's concatenation), ~0.3 s at 4,096 tokens, paid once per process
         generator.generate(case, max_new_tokens=1, reuse=True, store=False)
-        if spec.get("backend", "lmdb") != "lmdb":
+        if spec.get("backend", "lmdb") != "lmdb" or spec.get("breakdown"):
             timed = _timed_runs(generator, case, spec["runs"], spec["new_tokens"], reuse=True, store=False)
             results.append({**timed, **_load_breakdown(generator, case)})
             continue
@@ -252,7 +256,8 @@ def run(
             remote_rows = _remote_modes(
                 model, tokenizer, store, generator.fingerprint, prompts, lengths, measured, tmp=tmp,
                 model_name=model_name, corpus=corpus, block_size=block_size, runs=runs, new_tokens=new_tokens,
-                rounds=rounds, modes=[m for m, on in (("remote", remote), ("redis", redis)) if on], codecs=codecs,
+                rounds=rounds, modes=["disk", *(m for m, on in (("remote", remote), ("redis", redis)) if on)],
+                codecs=codecs,
                 console=console)
             store.close()
             return _finish_remote(remote_rows, measured, lengths, question, json_path, console, model_name=model_name,
@@ -377,6 +382,7 @@ def _remote_modes(model: Any, tokenizer: Any, store: Any, fingerprint: str, prom
     from contextlib import ExitStack
 
     from kvshelf.bench.servers import kvshelf_server, redis_server
+    from kvshelf.kvstore.embedded import open_embedded_store
     from kvshelf.service.client import RemoteStore
 
     variants = []
@@ -387,6 +393,8 @@ def _remote_modes(model: Any, tokenizer: Any, store: Any, fingerprint: str, prom
     described = []
     with ExitStack() as stack:
         backends: dict[str, dict[str, Any]] = {}
+        if "disk" in modes:
+            backends["disk"] = {"data_dir": str(Path(tmp) / "disk"), "breakdown": True}
         if "remote" in modes:
             address = stack.enter_context(kvshelf_server(str(Path(tmp) / "served")))
             backends["remote"] = {"address": address}
@@ -396,10 +404,14 @@ def _remote_modes(model: Any, tokenizer: Any, store: Any, fingerprint: str, prom
         for v in tqdm(variants, desc="blocks per codec", unit="codec"):
             entries = _rekeyed(store, fingerprint, prompts, block_size, v["namespace"])
             for mode, where in backends.items():
-                target = (RemoteStore(where["address"], namespace=v["namespace"], codec=v["codec"],
-                                      codec_params=v["bound"], shared_memory=False, timeout_s=600)
-                          if mode == "remote" else
-                          _redis_store(where["redis_url"], v["namespace"], v["codec"], v["bound"]))
+                if mode == "disk":
+                    target = open_embedded_store(where["data_dir"], memory_bytes=None, disk_codec=v["codec"],
+                                                 disk_codec_params=v["bound"], namespace=v["namespace"])
+                elif mode == "remote":
+                    target = RemoteStore(where["address"], namespace=v["namespace"], codec=v["codec"],
+                                         codec_params=v["bound"], shared_memory=False, timeout_s=600)
+                else:
+                    target = _redis_store(where["redis_url"], v["namespace"], v["codec"], v["bound"])
                 try:
                     for i in range(0, len(entries), 4):  # a few blocks per call: bounded memory
                         if target.put_many(entries[i : i + 4]) != len(entries[i : i + 4]):
@@ -454,11 +466,14 @@ def _finish_remote(described: list[dict[str, Any]], measured: dict, lengths: tup
         for d in described:
             m = measured[(n, d["mode"], d["label"])]
             raw = measured[(n, d["mode"], "raw")]
+            disk = measured.get((n, "warm-disk", d["label"]))
             results.append({
                 "tokens": n, "prompt_tokens": n + len(question), "mode": d["mode"], "codec": d["codec"],
                 "codec_params": d["params"], "ttft_s": round(m["ttft_s"], 4),
                 "speedup": round(reference["ttft_s"] / m["ttft_s"], 2),
                 "vs_raw": round(raw["ttft_s"] / m["ttft_s"], 3),
+                # this mode's TTFT over warm-disk's, same codec, same rounds (1.0 for warm-disk itself)
+                "vs_warm_disk": round(m["ttft_s"] / disk["ttft_s"], 3) if disk else None,
                 "same_output": all(ids == reference["new_ids"][0] for ids in m["new_ids"]),
                 "lossy": d["codec"] not in LOSSLESS,
                 "dppl_rel": codec_dppl_rel(d["codec"], d["params"]),
@@ -472,6 +487,7 @@ def _finish_remote(described: list[dict[str, Any]], measured: dict, lengths: tup
         "rounds": rounds,
         "block_size": block_size,
         "question_tokens": len(question),
+        "disk_store": "warm-disk: a local LMDB (no memory tier) read by a fresh worker process, in the same rounds",
         "remote_server": "kvshelf serve in another process (bench.servers.kvshelf_server: 4 GiB memory tier over "
                          "LMDB, tiers keep blocks as sent), RemoteStore(shared_memory=False): the gRPC wire path",
         "redis_server": "redis-server (bench.servers.redis_server, maxmemory 8gb), the only tier of a TieredStore",
@@ -537,8 +553,11 @@ def results_table(payload: dict[str, Any]) -> Table:
         title = (f"TTFT, {payload['model']}, remote reuse, median of {payload['runs']} (remote modes: "
                  f"{payload['runs'] * rounds} in {rounds} fresh processes) ({payload['machine']})")
     table = Table(title=title)
-    for column in ("context tokens", "mode", "codec", "TTFT (s)", "speedup vs full", "vs raw", "MB loaded",
-                   "fetch (s)", "load (s)", "Δppl", "reused tokens", "same output"):
+    by_disk = any(r.get("vs_warm_disk") is not None for r in payload["results"])
+    columns = ("context tokens", "mode", "codec", "TTFT (s)", "speedup vs full", "vs raw",
+               *(("TTFT / warm-disk's",) if by_disk else ()), "MB loaded", "fetch (s)", "load (s)", "Δppl",
+               "reused tokens", "same output")
+    for column in columns:
         table.add_column(column, justify="right")
     for r in payload["results"]:
         codec = r.get("codec", r.get("disk_codec", "-"))
@@ -546,8 +565,10 @@ def results_table(payload: dict[str, Any]) -> Table:
             codec += " " + ", ".join(f"{k}={v}" for k, v in r["codec_params"].items())
         same = "yes" if r["same_output"] else "no (lossy)" if r.get("lossy") else "NO"
         dppl = r.get("dppl_rel")
+        by_disk_cell = (((f"{r['vs_warm_disk']:.2f}x" if r.get("vs_warm_disk") is not None else "-"),)
+                        if by_disk else ())
         table.add_row(str(r["tokens"]), r["mode"], codec, f"{r['ttft_s']:.3f}",
-                      f"{r['speedup']:.1f}x", f"{r['vs_raw']:.2f}x" if "vs_raw" in r else "-",
+                      f"{r['speedup']:.1f}x", f"{r['vs_raw']:.2f}x" if "vs_raw" in r else "-", *by_disk_cell,
                       f"{r['bytes'] / 1e6:.1f}" if "bytes" in r else "-",
                       f"{r['fetch_s']:.3f}" if "fetch_s" in r else "-", f"{r['load_s']:.3f}" if "load_s" in r else "-",
                       f"{100 * dppl:+.2f}%" if dppl is not None else "-", str(r["reused_tokens"]), same)

@@ -105,7 +105,7 @@ def serve(config: ServeConfig, *, ready: threading.Event | None = None, stop: th
 
     Prints ``kvshelf serving on HOST:PORT`` once it accepts calls (the real port when ``listen`` ends in :0).
     """
-    from kvshelf.service.allocator import keep_large_buffers
+    from kvshelf.service.allocator import SERVER_ARENAS, keep_large_buffers
     from kvshelf.service.arena import ArenaSweeper, shared_memory_supported
     from kvshelf.service.auth import TokenTable
     from kvshelf.service.history import StatsHistory
@@ -113,7 +113,8 @@ def serve(config: ServeConfig, *, ready: threading.Event | None = None, stop: th
     from kvshelf.service.server import start_server
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    keep_large_buffers()  # reuse freed message buffers instead of faulting in fresh pages (service/allocator.py)
+    # reuse freed message buffers instead of faulting in fresh pages, in a bounded heap (service/allocator.py)
+    keep_large_buffers(arenas=SERVER_ARENAS)
     config.check()  # a config built in Python is checked as the sources' is, before anything is opened
     auth, metrics_settings = config.auth, config.metrics
     tokens = TokenTable.from_file(auth.tokens_file) if auth.tokens_file else None

@@ -25,6 +25,7 @@ import threading
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent import futures
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,7 @@ from kvshelf.service.events import EventHub, open_event_log
 from kvshelf.service.fairness import (
     RequestWatch,
     StreamGate,
+    StreamTicket,
     reserved_workers,
 )
 from kvshelf.service.history import StatsHistory
@@ -371,6 +373,17 @@ class KVShelfServicer:
 
     # -- plumbing -------------------------------------------------------------------------------------
 
+    @contextmanager
+    def _strikes_client_faults(self, ticket: StreamTicket) -> Iterator[None]:
+        """A stream's failure that its client caused (``status.client_fault``) strikes its tenant
+        (``service/strikes.py``); the failure goes on as it was."""
+        try:
+            yield
+        except Exception as exc:
+            if client_fault(exc):
+                self.streams.strike(ticket.namespace)
+            raise
+
     def generic_handler(self) -> grpc.GenericRpcHandler:
         def unary(fn: Callable[[Any, grpc.ServicerContext], Message], req: type[Message]) -> grpc.RpcMethodHandler:
             def handler(raw: bytes, context: grpc.ServicerContext) -> Message:
@@ -388,12 +401,8 @@ class KVShelfServicer:
                 req = _parse(raw, pb.GetBlocksRequest)
                 with self.streams.open(context, "GetBlocks") as ticket:
                     ticket.admit(self.namespace(context, req.namespace))
-                    try:
+                    with self._strikes_client_faults(ticket):
                         yield from ticket.sent(self.GetBlocks(req, context))
-                    except Exception as exc:
-                        if client_fault(exc):
-                            self.streams.strike(ticket.namespace)
-                        raise
             except Exception as exc:
                 abort_call(context, exc)
 
@@ -420,12 +429,8 @@ class KVShelfServicer:
                             ticket.progress(len(parsed[1]))
                             yield parsed
 
-                    try:
+                    with self._strikes_client_faults(ticket):
                         return self.PutBlocks(requests(), context)
-                    except Exception as exc:
-                        if client_fault(exc):
-                            self.streams.strike(ticket.namespace)
-                        raise
             except Exception as exc:
                 abort_call(context, exc)
 
@@ -439,12 +444,8 @@ class KVShelfServicer:
                 method = "OpenDataPath"
                 with self.streams.open(context, method, check_rate=req.op == pb.DataPathRequest.PUT) as ticket:
                     ticket.admit(self.namespace(context, req.namespace))
-                    try:
+                    with self._strikes_client_faults(ticket):
                         yield from self.data_path.serve(req, ticket.namespace or "", context, ticket)
-                    except Exception as exc:
-                        if client_fault(exc):
-                            self.streams.strike(ticket.namespace)
-                        raise
             except Exception as exc:
                 abort_call(context, exc)
 

@@ -113,3 +113,14 @@ def test_bad_options_are_one_error_line(args, message):
     result = kvshelf_cli("bench", "abuse", *args)
     assert result.returncode == 2, result.stdout + result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_rss_growth_after_the_first_minute_is_measured_past_that_minutes_peak():
+    from kvshelf.bench.abuse import growth_after
+
+    mib = 1 << 20
+    flat = [(float(t), (400 + (t % 7) * 5) * mib) for t in range(0, 300)]  # a band that never rises
+    assert growth_after(flat) == 0
+    creeping = [(float(t), (400 + t // 3) * mib) for t in range(0, 300)]  # +1 MiB every 3 s, all run long
+    assert growth_after(creeping) == (400 + 299 // 3 - (400 + 60 // 3)) * mib
+    assert growth_after([(float(t), 400 * mib) for t in range(0, 61)]) is None  # nothing after the minute

@@ -12,7 +12,7 @@ import grpc
 import pytest
 import xxhash
 from fuzz_bulk import SEEDS, SIGNER, TICKET, check_hello, check_ticket, fuzz_one
-from fuzz_wire import mutate
+from fuzz_driver import mutate
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

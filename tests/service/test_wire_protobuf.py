@@ -15,7 +15,8 @@ import random
 from dataclasses import dataclass
 
 import pytest
-from fuzz_wire import check_put_request, check_response, mutate
+from fuzz_driver import mutate
+from fuzz_wire import check_put_request, check_response
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

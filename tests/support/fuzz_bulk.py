@@ -17,12 +17,8 @@ Without atheris the script runs a seeded random mutation loop instead (``python 
 
 from __future__ import annotations
 
-import inspect
-import random
-import sys
-
 import grpc
-from fuzz_wire import mutate
+from fuzz_driver import fuzz_main
 
 from kvshelf.service.bulk import framing
 from kvshelf.service.bulk.framing import (
@@ -92,28 +88,10 @@ def fuzz_one(raw: bytes) -> None:
     check_ticket(raw)
 
 
-def _fallback(rounds: int) -> None:
-    """A seeded random mutation loop over ``SEEDS`` (used when atheris is not installed)."""
-    rng = random.Random(0)
-    for _ in range(rounds):
-        fuzz_one(mutate(rng.choice(SEEDS), rng))
-    print(f"fuzz_bulk: {rounds} mutated inputs read or refused cleanly (install atheris for a guided run)")
-
-
 def main() -> None:
     """Run atheris on ``fuzz_one`` when it is installed, else the seeded fallback loop."""
-    try:
-        import atheris
-    except ImportError:
-        atheris = None
-    if atheris is None:
-        _fallback(int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else 100_000)
-        return
-    for function in vars(framing).values():  # coverage guidance from the code of service/bulk/framing.py
-        if inspect.isfunction(function) and function.__module__ == framing.__name__:
-            atheris.instrument_func(function)
-    atheris.Setup(sys.argv, fuzz_one)
-    atheris.Fuzz()
+    fuzz_main(fuzz_one, SEEDS, framing, "fuzz_bulk: {rounds} mutated inputs read or refused cleanly (install atheris "
+              "for a guided run)")
 
 
 if __name__ == "__main__":

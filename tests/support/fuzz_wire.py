@@ -17,10 +17,7 @@ Without atheris the script runs a seeded random mutation loop instead (``python 
 
 from __future__ import annotations
 
-import inspect
-import random
-import sys
-
+from fuzz_driver import fuzz_main
 from google.protobuf.message import DecodeError
 
 from kvshelf.proto import kvshelf_pb2 as pb
@@ -95,49 +92,10 @@ def fuzz_one(raw: bytes) -> None:
     check_response(raw)
 
 
-def mutate(raw: bytes, rng: random.Random) -> bytes:
-    """``raw`` with a few random byte-level changes (flip, set, insert, delete, truncate, duplicate a slice)."""
-    out = bytearray(raw)
-    for _ in range(rng.randint(1, 4)):
-        pos = rng.randint(0, len(out))
-        kind = rng.randrange(6)
-        if kind == 0 and pos < len(out):
-            out[pos] ^= 1 << rng.randrange(8)
-        elif kind == 1 and pos < len(out):
-            out[pos] = rng.randrange(256)
-        elif kind == 2:
-            out[pos:pos] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 4)))
-        elif kind == 3:
-            del out[pos:pos + rng.randint(1, 4)]
-        elif kind == 4:
-            del out[pos:]
-        else:
-            out[pos:pos] = out[rng.randint(0, pos):pos]
-    return bytes(out)
-
-
-def _fallback(rounds: int) -> None:
-    """A seeded random mutation loop over ``SEEDS`` (used when atheris is not installed)."""
-    rng = random.Random(0)
-    for _ in range(rounds):
-        fuzz_one(mutate(rng.choice(SEEDS), rng))
-    print(f"fuzz_wire: {rounds} mutated inputs agree with protobuf (install atheris for a guided run)")
-
-
 def main() -> None:
     """Run atheris on ``fuzz_one`` when it is installed, else the seeded fallback loop."""
-    try:
-        import atheris
-    except ImportError:
-        atheris = None
-    if atheris is None:
-        _fallback(int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else 100_000)
-        return
-    for function in vars(wire).values():  # coverage guidance from the code of service/wire.py
-        if inspect.isfunction(function) and function.__module__ == wire.__name__:
-            atheris.instrument_func(function)
-    atheris.Setup(sys.argv, fuzz_one)
-    atheris.Fuzz()
+    fuzz_main(fuzz_one, SEEDS, wire, "fuzz_wire: {rounds} mutated inputs agree with protobuf (install atheris for a "
+              "guided run)")
 
 
 if __name__ == "__main__":
