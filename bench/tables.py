@@ -56,6 +56,7 @@ TABLES: tuple[BenchTable, ...] = (
     BenchTable("ttft-int8", "ttft_int8.json", _TTFT),
     BenchTable("ttft-codec-cold", "ttft_codec_cold.json", _TTFT),
     BenchTable("ttft-remote", "ttft_remote.json", _TTFT),
+    BenchTable("ttft-remote-disk", "ttft_remote_disk.json", _TTFT),
     BenchTable("ttft-hybrid", "ttft_hybrid.json", _TTFT),
     BenchTable("ttft-hybrid-cuda", "ttft_hybrid_cuda.json", _TTFT),
     BenchTable("mla", "mla.json", "kvshelf.bench.mla:results_table"),
