@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import helpers
 import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Several tests press Ctrl-C on a child process (``kvshelf events``, ``kvshelf dashboard``, an example) and
+    expect it to exit. A suite started in the background by a script (``cmd &``, ``nohup``) inherits SIGINT
+    ignored, and so would every child it starts (an ignored signal stays ignored across ``exec``, and Python then
+    installs no KeyboardInterrupt handler): give this process Python's own handler back, which its children do not
+    inherit, so they start with SIGINT at its default as from a terminal."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture
