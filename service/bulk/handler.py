@@ -128,6 +128,9 @@ class DataPathHandler:
                 ticket.receiving = False
                 ticket.progress(len(END_MARK))
                 received, stored = self.servicer.store_values(call, values, headers, req.pin, context)
+                # stored, so counted as held: its reservations go before the end frame, after which the client may
+                # start its next put at once (which must not find this one's bytes still "being written")
+                call.close()
                 _finish(conn, pending, ticket, encode_done(received, stored))
             except OSError as exc:  # the data connection broke (reset, closed): the client's side
                 raise _broken(conn, exc, context) from None

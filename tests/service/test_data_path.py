@@ -260,6 +260,20 @@ def test_quota_and_block_size_are_checked_before_any_byte_is_sent(tenant_server)
     still_serving(tenant_server, TOKEN_A, "tenant-a")
 
 
+def test_back_to_back_puts_up_to_the_quota_are_all_accepted(tenant_server):
+    """A put's reservation is released before its end frame: the client's next put, started as soon as that frame
+    arrives, must not find the previous put's bytes still counted as being written (4 blocks of ~41 KB fit the
+    200,000-byte quota; a stale reservation would refuse the fourth)."""
+    with remote(tenant_server, token=TOKEN_A, namespace="tenant-a") as store:
+        for round_ in range(16):
+            items = [encoded([round_ * 100 + i] * 20, namespace="tenant-a", layers=2, heads=2, head_dim=64)
+                     for i in range(4)]
+            assert sum(len(v) for _, v in items) < 200_000 < sum(len(v) for _, v in items) + len(items[0][1])
+            for item in items:
+                assert store.put_encoded_many([item]) == 1
+            assert store.delete([k for k, _ in items]) == 4
+
+
 # -- bad tickets ---------------------------------------------------------------------------------------------------
 
 
