@@ -246,7 +246,6 @@ class RssSampler:
         with self._lock:
             return list(self.series)
 
-
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)

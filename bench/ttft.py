@@ -142,7 +142,7 @@ def disk_worker(spec_path: str) -> None:
         # one untimed load of this context first: a process's first load of a size faults in its buffers (the
         # cache, the decode scratch, the forward's concatenation), ~0.3 s at 4,096 tokens, paid once per process
         generator.generate(case, max_new_tokens=1, reuse=True, store=False)
-        if spec.get("backend", "lmdb") != "lmdb" or spec.get("breakdown"):
+        if spec.get("backend", "lmdb") != "lmdb":  # the remote modes (and their warm-disk anchor, "disk")
             timed = _timed_runs(generator, case, spec["runs"], spec["new_tokens"], reuse=True, store=False)
             results.append({**timed, **_load_breakdown(generator, case)})
             continue
@@ -394,7 +394,7 @@ def _remote_modes(model: Any, tokenizer: Any, store: Any, fingerprint: str, prom
     with ExitStack() as stack:
         backends: dict[str, dict[str, Any]] = {}
         if "disk" in modes:
-            backends["disk"] = {"data_dir": str(Path(tmp) / "disk"), "breakdown": True}
+            backends["disk"] = {"data_dir": str(Path(tmp) / "disk")}
         if "remote" in modes:
             address = stack.enter_context(kvshelf_server(str(Path(tmp) / "served")))
             backends["remote"] = {"address": address}
@@ -565,8 +565,8 @@ def results_table(payload: dict[str, Any]) -> Table:
             codec += " " + ", ".join(f"{k}={v}" for k, v in r["codec_params"].items())
         same = "yes" if r["same_output"] else "no (lossy)" if r.get("lossy") else "NO"
         dppl = r.get("dppl_rel")
-        by_disk_cell = (((f"{r['vs_warm_disk']:.2f}x" if r.get("vs_warm_disk") is not None else "-"),)
-                        if by_disk else ())
+        vs_disk = r.get("vs_warm_disk")
+        by_disk_cell = [f"{vs_disk:.2f}x" if vs_disk is not None else "-"] if by_disk else []
         table.add_row(str(r["tokens"]), r["mode"], codec, f"{r['ttft_s']:.3f}",
                       f"{r['speedup']:.1f}x", f"{r['vs_raw']:.2f}x" if "vs_raw" in r else "-", *by_disk_cell,
                       f"{r['bytes'] / 1e6:.1f}" if "bytes" in r else "-",

@@ -316,7 +316,7 @@ class TieredStore:
         items = list(items)
         check_keys((k for k, _ in items), scoped=True)
         headers = [verify_block(value, expected_key=header_key(key)) for key, value in items]
-        return self.put_verified_many(items, headers, pin=pin)
+        return self._put_verified(items, headers, pin)
 
     def put_verified_many(self, items: Sequence[tuple[bytes, bytes]], headers: Sequence[BlockHeader], *,
                           pin: bool = False) -> int:
@@ -327,6 +327,10 @@ class TieredStore:
         check_keys((k for k, _ in items), scoped=True)
         if len(headers) != len(items):
             raise ValueError(f"{len(items)} values and {len(headers)} headers")
+        return self._put_verified(items, headers, pin)
+
+    def _put_verified(self, items: list[tuple[bytes, bytes]], headers: Sequence[BlockHeader], pin: bool) -> int:
+        """Store ``items`` (keys checked, values verified: ``headers``)."""
         if self.max_decoded_bytes is not None:
             for (key, _), header in zip(items, headers, strict=True):
                 if any(not spec.stores_as_is(header) for spec in self.write_targets()):

@@ -577,7 +577,7 @@ class KVShelfServicer:
                     fail(grpc.StatusCode.INVALID_ARGUMENT, "malformed PutBlocks message: no chunk")
                 done = call.add(req.chunk, data, message_bytes)
                 if done is not None:  # checked as soon as it is whole: a damaged value ends the call before the rest
-                    headers.append(self._verify(call.namespace, *done))
+                    headers.append(self.verify_value(call.namespace, *done))
             if call is None:  # an empty stream: still authenticate
                 self.namespace(context, "")
                 return pb.PutBlocksResponse(received=0, stored=0)
@@ -637,10 +637,6 @@ class KVShelfServicer:
         """The header of a received value once verified as a block of ``key`` in ``namespace`` with a known codec
         (DATA_LOSS, INVALID_ARGUMENT or PERMISSION_DENIED naming what is wrong); ``digest``: the xxh3-64 of its bytes
         before the checksum, when computed as they arrived (see ``verify_block``)."""
-        return self._verify(namespace, key, value, digest)
-
-    def _verify(self, namespace: str, key: bytes, value: bytes | bytearray,
-                digest: bytes | None = None) -> BlockHeader:
         try:
             header = verify_block(value, expected_key=key, digest=digest)
         except CorruptBlockError as exc:

@@ -229,7 +229,6 @@ class DataPathClient:
         if reply.kind != STATUS:
             raise DataPathError(grpc.StatusCode.DATA_LOSS, "the server sent more values than keys asked for")
         self._failed(sock, reply)
-        raise AssertionError("unreachable: _failed raises")
 
 
 class _Transfer:
