@@ -250,14 +250,19 @@ def client_values(block_mib: int, clients: int, client: int, ops: int) -> dict[b
 
 def client_work(target: dict[str, Any], op: str, block_mib: int, clients: int, client: int, ops: int,
                 ready: Callable[[], None]) -> dict[str, Any]:
-    """One client's part of a case: connect, an untimed warm-up op, ``ready()`` (returns at the common start),
-    then ``ops`` timed ops on its own keys, every get verified byte for byte."""
+    """One client's part of a case: connect, ``ready()`` (returns at the common start of the warm-up), untimed
+    warm-up ops, ``ready()`` again (returns at the common start of the timed ops), then ``ops`` timed ops on its
+    own keys, every get verified byte for byte."""
     values = client_values(block_mib, clients, client, ops)
     (put, get), close = connect(target)
     try:
-        # Untimed warm-up, every backend alike: connect, and move a full-size value twice (gRPC's HTTP/2 windows
-        # grow, the client's /dev/shm arena gets its pages, and the C allocator, which raises its mmap threshold
-        # after the first large free, grows its heap once); the put case reads a key no case stores.
+        # Untimed warm-up, every backend alike, all clients at once (the server meets the case's concurrency before
+        # the timed ops do: each of its threads has a heap of the size it needs, which a cold server grows during
+        # its first concurrent transfers, at the speed the kernel hands out new pages): move a full-size value
+        # twice (gRPC's HTTP/2 windows grow, the client's /dev/shm arena gets its pages, and the C allocator, which
+        # raises its mmap threshold after the first large free, grows its heap once); the put case reads a key no
+        # case stores.
+        ready()
         for _ in range(WARMUP_OPS):
             get(bench_key(block_mib, clients, client, 0) if op == "get" else WARMUP_KEY)
         ready()
@@ -289,8 +294,9 @@ def client_work(target: dict[str, Any], op: str, block_mib: int, clients: int, c
 
 
 def _run_op(target: dict[str, Any], op: str, block_mib: int, clients: int, ops: int) -> dict[str, Any]:
-    """One phase of a case with ``clients`` worker processes (``python -m bench.store_worker``) that start
-    together once all are connected and warm; JSON lines over their pipes."""
+    """One phase of a case with ``clients`` worker processes (``python -m bench.store_worker``) that start their
+    warm-up together once all are connected, and their timed ops together once all are warm; lines over their
+    pipes."""
     spec = {"target": target, "op": op, "block_mib": block_mib, "clients": clients, "ops": ops}
     # every client process, whatever its backend, with glibc's large-buffer settings (service/allocator.py: without
     # them each 8 MiB value a client receives is a freshly faulted mapping, which costs about as much as moving it),
@@ -300,14 +306,15 @@ def _run_op(target: dict[str, Any], op: str, block_mib: int, clients: int, ops: 
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
                for c in range(clients)]
     try:
-        for w in workers:
-            line = w.stdout.readline() if w.stdout else ""
-            if line.strip() != "ready":
-                raise RuntimeError(f"bench store worker failed to start (exit {w.poll()}): {line.strip()!r}")
-        for w in workers:  # the common start: every worker is blocked reading this line
-            assert w.stdin is not None
-            w.stdin.write("go\n")
-            w.stdin.flush()
+        for _ in ("warm-up", "timed ops"):  # two common starts
+            for w in workers:
+                line = w.stdout.readline() if w.stdout else ""
+                if line.strip() != "ready":
+                    raise RuntimeError(f"bench store worker failed to start (exit {w.poll()}): {line.strip()!r}")
+            for w in workers:  # the common start: every worker is blocked reading this line
+                assert w.stdin is not None
+                w.stdin.write("go\n")
+                w.stdin.flush()
         reports = []
         for w in workers:
             out, _ = w.communicate(timeout=WORKER_TIMEOUT_S)

@@ -1,7 +1,8 @@
 """One client process of ``kvshelf bench store`` (``python -m bench.store_worker SPEC_JSON``).
 
-Protocol over its pipes (JSON, no pickle): it connects and warms up, prints ``ready``, waits for one line on
-stdin (the common start), runs its timed operations and prints one JSON object (``bench.store.client_work``).
+Protocol over its pipes (JSON, no pickle): it connects, prints ``ready`` and waits for one line on stdin (the
+common start of the warm-up), warms up, prints ``ready`` and waits for one more line (the common start of the timed
+operations), runs them and prints one JSON object (``bench.store.client_work``).
 """
 
 from __future__ import annotations

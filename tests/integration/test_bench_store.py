@@ -56,3 +56,36 @@ def test_disk_floor_round_trips_values_and_misses(tmp_path) -> None:
         assert get(b"k" * 16) == b"smaller"
     finally:
         close()
+
+
+
+def test_a_client_warms_up_after_the_first_common_start_and_times_after_the_second(tmp_path, monkeypatch) -> None:
+    """The warm-up runs at the case's concurrency (all clients released together), the timed ops after a second
+    common start: a client whose warm-up ran before the others connected would leave the server cold for them."""
+    import time
+
+    from kvshelf.bench import store
+
+    target = {"kind": "disk-floor", "path": str(tmp_path)}
+    (put, _), close = store.connect(target)
+    for key, value in store.client_values(1, 1, 0, 2).items():
+        put(key, value)
+    close()
+    events: list[tuple[str, float]] = []  # ("ready" | "get", when), in order
+    real_connect = store.connect
+
+    def observed(t: dict) -> tuple:  # the real disk-floor client, its gets noted
+        (put, get), close = real_connect(t)
+
+        def get_observed(key: bytes):
+            events.append(("get", time.perf_counter()))
+            return get(key)
+
+        return (put, get_observed), close
+
+    monkeypatch.setattr(store, "connect", observed)
+    report = store.client_work(target, "get", 1, 1, 0, 2, lambda: events.append(("ready", time.perf_counter())))
+    kinds = [kind for kind, _ in events]
+    assert kinds == ["ready"] + ["get"] * store.WARMUP_OPS + ["ready", "get", "get"]
+    second_start = events[1 + store.WARMUP_OPS][1]
+    assert report["began"] >= second_start and report["errors"] == 0
