@@ -46,7 +46,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from kvshelf.bench.abuser import ATTACKS, CALL_TIMEOUT_S, EXPECTED, MUST_REFUSE
+from kvshelf.bench.abuser import ATTACKS, CALL_TIMEOUT_S, CPU_SHARE, EXPECTED, MUST_REFUSE
 from kvshelf.bench.common import machine_description, save_results
 from kvshelf.kvstore import KVBlock, encode_block
 from kvshelf.kvstore.embedded import parse_size
@@ -80,6 +80,7 @@ class AbuseSettings:
     honest_interval_s: float = 0.05
     pace_s: float = 0.02  # the abuser's pause between two calls of one thread
     attacks: tuple[str, ...] = ATTACKS  # the abuser's threads to run (to tell which abuse costs what)
+    cpu_share: float = CPU_SHARE  # with the ``cpu`` control: the share of one core the abuser process burns
 
     def hold_windows(self) -> dict[str, float]:
         """The abuser's stream-holding windows: long enough for the server's idle timeout to end its streams
@@ -616,7 +617,7 @@ def run(*, json_path: str | None, settings: AbuseSettings | None = None,
                     "max_block": alone["max_block_bytes"], "max_call": alone["per_call_limit_bytes"],
                     "quota": alone["quota_bytes"], "idle_streams": settings.idle_streams,
                     "slow_streams": settings.slow_streams, "pace_s": settings.pace_s, "attacks": list(settings.attacks),
-                    **settings.hold_windows()}
+                    "cpu_share": settings.cpu_share, **settings.hold_windows()}
             abuser = AbuserProcess(spec, Path(tmp) / "abuser.err")
             try:
                 abuser.wait_ready()

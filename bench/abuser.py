@@ -31,6 +31,8 @@ Two threads of calls, plus one holding streams (the abuse the issue lists; ``spe
   them with large ones (``overwrite_quota``); in between, while at its quota, keeps sending all three kinds,
   which must be refused; it reads its usage from Stats after each round (``max_held_bytes``).
 
+- cpu (a control, only when asked for): burns ``cpu_share`` of one core and calls nothing.
+
 Each call is counted by kind and by the status code the server ended it with (``OK`` when accepted).
 """
 
@@ -103,6 +105,15 @@ EXPECTED: dict[str, frozenset[str]] = {
 REFILL_S = 5.0
 #: The abuser's threads: held streams, bad input, quota abuse (``--attacks`` picks some).
 ATTACKS = ("streams", "bad", "memory", "quota")
+#: A control, not an attack (never in the default): ``cpu`` burns ``spec["cpu_share"]`` of one core in the abuser
+#: process and calls nothing, to tell what the honest tenant loses to two cores shared with a busy process from
+#: what it loses to the server.
+CONTROLS = ("cpu",)
+#: The default share of one core the ``cpu`` control burns: about what the four attacks together cost the abuser
+#: process (178 s of CPU in 300 s of ``kvshelf bench abuse --seconds 600``).
+CPU_SHARE = 0.6
+#: One duty cycle of the ``cpu`` control: it spins ``cpu_share`` of it and sleeps the rest.
+CPU_PERIOD_S = 0.01
 #: Kinds that must never be accepted (``OK``): the abuse itself.
 MUST_REFUSE = frozenset(k for k, codes in EXPECTED.items() if "OK" not in codes)
 #: A RESOURCE_EXHAUSTED refusal at admission (the tenant's stream cap, or no stream slot left), before the
@@ -569,9 +580,17 @@ class Abuser:
                 self.hold_window(min(end, time.monotonic() + self.spec["hold_s"]))
                 self.stop.wait(min(self.spec["gap_s"], max(0.0, end - time.monotonic())))
 
+        def burn() -> None:
+            share = float(self.spec.get("cpu_share", CPU_SHARE))
+            while time.monotonic() < end and not self.stop.is_set():
+                spin_until = time.perf_counter() + share * CPU_PERIOD_S
+                while time.perf_counter() < spin_until:
+                    pass
+                self.stop.wait((1.0 - share) * CPU_PERIOD_S)
+
         groups: dict[str, Callable[[], None]] = {"streams": holder, "bad": lambda: loop(self.bad_input_round),
                                                  "memory": lambda: loop(self.memory_round),
-                                                 "quota": lambda: loop(self.quota_round)}
+                                                 "quota": lambda: loop(self.quota_round), "cpu": burn}
         threads = [threading.Thread(target=fn, daemon=True) for name, fn in groups.items()
                    if name in self.spec.get("attacks", ATTACKS)]
         for t in threads:

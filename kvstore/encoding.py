@@ -226,17 +226,22 @@ def verify_block(
     expected_fingerprint: str | None = None,
     expected_namespace: str | None = None,
     digest: bytes | None = None,
+    checksum_checked: bool = False,
 ) -> BlockHeader:
     """Check an encoded block without decoding its tensors: checksum, header, and whose block it is.
 
     ``digest``: the xxh3-64 of the block's bytes before its checksum, when the caller computed it as they arrived
-    (the bytes are then not hashed again). Raises ``CorruptBlockError`` when the bytes are damaged and
-    ``ForeignBlockError`` when they are a valid block of another key, model or namespace.
+    (the bytes are then not hashed again). ``checksum_checked``: ``data`` is an immutable copy of bytes whose
+    checksum was checked already (``Tier.holds_checked_copies``): it is not recomputed. Raises
+    ``CorruptBlockError`` when the bytes are damaged and ``ForeignBlockError`` when they are a valid block of
+    another key, model or namespace.
     """
     view = memoryview(data)
     header, payload_start = _parse_header(view)
     body_end = len(view) - _CHECKSUM_BYTES
-    if digest is None:
+    if checksum_checked:
+        digest = bytes(view[body_end:])
+    elif digest is None:
         digest = xxhash.xxh3_64_digest(view[:body_end])
     if digest != bytes(view[body_end:]):
         raise CorruptBlockError("block checksum mismatch")

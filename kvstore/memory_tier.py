@@ -52,6 +52,8 @@ class MemoryTier(Tier):
     absent.
     """
 
+    holds_checked_copies = True  # values are immutable bytes (``_own_copy``) that the store checked
+
     def __init__(self, capacity_bytes: int, name: str = "memory", *,
                  policy: str | EvictionPolicy = DEFAULT_POLICY, charge_overhead: bool = True) -> None:
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
@@ -119,12 +121,18 @@ class MemoryTier(Tier):
         self._report(evicted)
         return out
 
+    def _own_copy(self, value: bytes | bytearray | memoryview) -> bytes:
+        """What the tier holds for ``value``: the same object when it is ``bytes`` (immutable), else a ``bytes`` copy
+        (a caller's buffer may change after the put; the tier's values never do: ``holds_checked_copies``)."""
+        return value if type(value) is bytes else bytes(value)
+
     def peek_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """The values of ``keys``, the policy told nothing (no hit, no recency)."""
         with self._lock:
             return [self._data.get(key) for key in keys]
 
     def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> int:
+        items = [(key, self._own_copy(value)) for key, value in items]  # before the lock: a copy takes time
         evicted: list[tuple[bytes, bytes]] = []
         stored = 0
         with self._lock:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -50,10 +49,10 @@ class PinnedMemoryTier(MemoryTier):
         self.page_lock = torch.cuda.is_available() if pin is None else pin
         self._pin_failures = 0
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> int:
-        return super().put_many([(key, self._host_copy(value)) for key, value in items])
+    holds_checked_copies = False  # its memoryviews are writable (a read's caller could change the tier's bytes)
 
-    def _host_copy(self, value: bytes | memoryview) -> memoryview:
+    def _own_copy(self, value: bytes | bytearray | memoryview) -> memoryview:  # type: ignore[override]
+        """A page-locked copy of ``value`` (a ``memoryview`` over it)."""
         array = np.empty(len(value), dtype=np.uint8)
         view = memoryview(array)
         if len(value):

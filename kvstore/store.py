@@ -3,6 +3,7 @@ per-tier counters and stored/removed/evicted events."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -587,17 +588,22 @@ class TieredStore:
         tensors not decoded)."""
         namespace = namespace or self.namespace
 
-        def verify(key: bytes, value: bytes) -> bytes:
+        def verify(key: bytes, value: bytes, checksum_checked: bool = False) -> bytes:
             verify_block(value, expected_key=header_key(key), expected_fingerprint=fingerprint,
-                         expected_namespace=namespace)
+                         expected_namespace=namespace, checksum_checked=checksum_checked)
             return value
 
-        return self._fetch(keys, fingerprint or UNKNOWN, namespace, verify, tokens, parallel=True)
+        return self._fetch(keys, fingerprint or UNKNOWN, namespace, verify, tokens, parallel=True,
+                           decode_checked=functools.partial(verify, checksum_checked=True))
 
     def _fetch(
         self, keys: Sequence[bytes], model: str, namespace: str, decode: Callable[[bytes, bytes], T],
         tokens: Sequence[int] | None = None, *, parallel: bool = False,
+        decode_checked: Callable[[bytes, bytes], T] | None = None,
     ) -> list[T | None]:
+        """``decode``d values of ``keys`` from the first tier holding each (counted; damaged and foreign values are
+        misses, a damaged one removed); hits of a lower tier are promoted. ``decode_checked``, when given, decodes
+        the values of a tier that ``holds_checked_copies`` instead."""
         keys = check_keys(keys, scoped=True)
         result: list[T | None] = [None] * len(keys)
         remaining = list(range(len(keys)))
@@ -611,7 +617,8 @@ class TieredStore:
                 self._unavailable(spec, exc)
                 continue
             missed, promote = [], []
-            outcomes = decode_all(decode, [keys[j] for j in remaining], values, parallel=parallel)
+            tier_decode = decode_checked if decode_checked is not None and spec.tier.holds_checked_copies else decode
+            outcomes = decode_all(tier_decode, [keys[j] for j in remaining], values, parallel=parallel)
             for j, value, outcome in zip(remaining, values, outcomes, strict=True):
                 if value is None:
                     missed.append(j)

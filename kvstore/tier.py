@@ -27,6 +27,12 @@ class Tier(ABC):
 
     name: str
 
+    #: True when every value this tier returns is its own immutable copy of a value its store checked (checksum,
+    #: header) before writing it, and no one else can write to: a store's read then checks the header and whose
+    #: block it is, but does not recompute the checksum (a process-memory tier; never a medium that can be damaged
+    #: or shared: disk, Redis). Write such a tier through its store only.
+    holds_checked_copies: bool = False
+
     @abstractmethod
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """The values of ``keys`` in order, ``None`` where absent."""

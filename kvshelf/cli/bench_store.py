@@ -157,22 +157,27 @@ def bench_abuse(
     strike_burst: Annotated[int | None, opt("the server's --strike-burst (default: the server's; 0: off)")] = None,
     attacks: Annotated[str, typer.Option(help="the abuser's attacks, comma-separated: streams (idle and slow), "
                                               "bad (oversized, bomb, malformed), memory (padded messages, the "
-                                              "Hadamard bomb), quota")] = "streams,bad,memory,quota",
+                                              "Hadamard bomb), quota; or cpu alone, a control: the abuser "
+                                              "process burns --cpu-share of a core and calls nothing"
+                                        )] = "streams,bad,memory,quota",
+    cpu_share: Annotated[float, typer.Option(min=0.05, max=1.0, help="with --attacks cpu: the share of one core "
+                                             "the abuser burns (the four attacks cost it about 0.6)")] = 0.6,
     disk_codec: Annotated[str | None, opt("the server's --disk-codec (default: as sent; int8: the server "
                                            "decodes every put to re-encode it)")] = None,
 ) -> None:
     """Fairness: an honest tenant's p50/p99 alone and while another tenant abuses the server; RSS, INTERNALs."""
     from kvshelf.bench.abuse import AbuseSettings, run
-    from kvshelf.bench.abuser import ATTACKS
+    from kvshelf.bench.abuser import ATTACKS, CONTROLS
     from kvshelf.kvstore.errors import KVShelfError
 
     chosen = tuple(a.strip() for a in attacks.split(",") if a.strip())
-    if not chosen or not set(chosen) <= set(ATTACKS):
-        raise KVShelfError(f"--attacks must be a comma-separated subset of {', '.join(ATTACKS)}, got {attacks!r}")
+    if chosen != CONTROLS and (not chosen or not set(chosen) <= set(ATTACKS)):
+        raise KVShelfError(f"--attacks must be a comma-separated subset of {', '.join(ATTACKS)}, or "
+                           f"{', '.join(CONTROLS)} alone, got {attacks!r}")
     settings = AbuseSettings(seconds=seconds, max_block=max_block, max_call=max_call, quota=quota,
                              max_inflight=max_inflight, tenant_streams=tenant_streams, idle_timeout=idle_timeout,
                              idle_streams=idle_streams, attacks=chosen, strike_burst=strike_burst,
-                             disk_codec=disk_codec)
+                             disk_codec=disk_codec, cpu_share=cpu_share)
     result = run(json_path=str(json_path) if json_path else None, settings=settings, console=console)
     if not result["ok"]:
         raise typer.Exit(1)

@@ -106,6 +106,8 @@ def test_streams_beyond_the_tenant_cap_are_refused_and_idle_ones_cut(abuse_run):
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--attacks", "streams,nope"], "--attacks must be a comma-separated subset"),
+    (["--attacks", "cpu,streams"], "or cpu alone"),
+    (["--attacks", "cpu", "--cpu-share", "1.5"], "--cpu-share"),
     (["--max-block", "lots"], "--max-block"),
     (["--quota", "-1MiB"], "--quota"),
 ])
@@ -113,6 +115,19 @@ def test_bad_options_are_one_error_line(args, message):
     result = kvshelf_cli("bench", "abuse", *args)
     assert result.returncode == 2, result.stdout + result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_the_cpu_control_burns_its_share_and_calls_nothing(tmp_path):
+    path = tmp_path / "cpu.json"
+    result = kvshelf_cli("bench", "abuse", "--seconds", "6", "--attacks", "cpu", "--cpu-share", "0.5",
+                         "--json", str(path))
+    assert result.returncode in (0, 1), result.stdout + result.stderr
+    under = json.loads(path.read_text())["results"][1]
+    abuse = under["abuser"]
+    assert abuse["ran"] and abuse["calls"] == 0 and abuse["kinds"] == {}
+    assert abuse["cpu_s"] >= 0.25 * 0.5 * 3, abuse  # 3 s at half a core, with room for a loaded machine
+    assert under["honest_calls"] > 0 and under["internal_errors"] == 0 and under["wrong_blocks"] == 0
 
 
 def test_rss_growth_after_the_first_minute_is_measured_past_that_minutes_peak():
