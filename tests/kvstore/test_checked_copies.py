@@ -9,8 +9,15 @@ from pathlib import Path
 import pytest
 from helpers import FINGERPRINT, key_of, make_block
 
-from kvshelf.kvstore import CorruptBlockError, ForeignBlockError, LMDBTier, MemoryTier, TieredStore, encode_block
-from kvshelf.kvstore import encoding
+from kvshelf.kvstore import (
+    CorruptBlockError,
+    ForeignBlockError,
+    LMDBTier,
+    MemoryTier,
+    TieredStore,
+    encode_block,
+    encoding,
+)
 from kvshelf.kvstore.pinned_memory import PinnedMemoryTier
 
 MiB = 1 << 20
