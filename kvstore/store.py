@@ -617,8 +617,10 @@ class TieredStore:
                 self._unavailable(spec, exc)
                 continue
             missed, promote = [], []
-            tier_decode = decode_checked if decode_checked is not None and spec.tier.holds_checked_copies else decode
-            outcomes = decode_all(tier_decode, [keys[j] for j in remaining], values, parallel=parallel)
+            checked = decode_checked is not None and spec.tier.holds_checked_copies
+            # a checked copy's check is a header parse, all of it Python: threads would only add their start-up
+            outcomes = decode_all(decode_checked if checked else decode, [keys[j] for j in remaining], values,
+                                  parallel=parallel and not checked)
             for j, value, outcome in zip(remaining, values, outcomes, strict=True):
                 if value is None:
                     missed.append(j)
