@@ -239,12 +239,11 @@ def verify_block(
     view = memoryview(data)
     header, payload_start = _parse_header(view)
     body_end = len(view) - _CHECKSUM_BYTES
-    if checksum_checked:
-        digest = bytes(view[body_end:])
-    elif digest is None:
-        digest = xxhash.xxh3_64_digest(view[:body_end])
-    if digest != bytes(view[body_end:]):
-        raise CorruptBlockError("block checksum mismatch")
+    if not checksum_checked:
+        if digest is None:
+            digest = xxhash.xxh3_64_digest(view[:body_end])
+        if digest != bytes(view[body_end:]):
+            raise CorruptBlockError("block checksum mismatch")
     if body_end - payload_start != header.payload_len:
         raise CorruptBlockError(f"payload is {body_end - payload_start} bytes, header says {header.payload_len}")
     if len(header.token_ids) != header.shape[2]:
