@@ -11,6 +11,12 @@ small limits (``--max-block 4MiB``, ``--max-call 32MiB``, ``--quota 16MiB`` by d
 - ``under_abuse``: the same loop while the abusive tenant (``bench/abuser.py``, a process of its own with its
   own token) holds idle and slow streams, sends oversized, bomb, malformed and over-quota puts.
 
+With ``elsewhere`` a control phase runs between the two: ``abuse_elsewhere``, the same abuser process against a
+second ``kvshelf serve`` on this machine (its own data directory), while the honest tenant's server sees none of
+it. The abuser, the server it abuses and the honest tenant share the machine's cores as they do under abuse, so
+the phase measures what sharing the machine costs the honest tenant; ``under_abuse`` past it is the abused
+server's own share.
+
 Per phase: the honest tenant's p50/p99 latency, errors by status code of each tenant, ``internal_errors``
 (INTERNAL or UNKNOWN statuses anyone saw), ``wrong_blocks`` (gets returning other bytes than were put), the
 server's RSS growth (peak during the phase minus the phase's start, sampled every 50 ms from /proc). The run
@@ -81,6 +87,7 @@ class AbuseSettings:
     pace_s: float = 0.02  # the abuser's pause between two calls of one thread
     attacks: tuple[str, ...] = ATTACKS  # the abuser's threads to run (to tell which abuse costs what)
     cpu_share: float = CPU_SHARE  # with the ``cpu`` control: the share of one core the abuser process burns
+    elsewhere: bool = False  # a control phase: the same abuse against a second server on this machine
 
     def hold_windows(self) -> dict[str, float]:
         """The abuser's stream-holding windows: long enough for the server's idle timeout to end its streams
@@ -443,6 +450,7 @@ def _phase_result(name: str, log: HonestLog, seconds: float, memory: tuple[tuple
         "server_rss_start_bytes": memory[0][0],
         "server_rss_peak_bytes": memory[1][0],
         "server_anon_growth_bytes": max(0, memory[1][1] - memory[0][1]),
+        "server_address": server.address,
         "server_alive": server.alive(),
         "server_killed_for": server.killed_for,
         "server_cpu_s": round(server_cpu_s, 3),
@@ -480,9 +488,51 @@ def _run_phase(name: str, seconds: float, store: Any, values: list[tuple[bytes, 
                          max(0.0, server.cpu_s() - cpu0), server, settings, abuse, sampler.phase_series()), offset
 
 
+def _start_abuser(spec: dict[str, Any], stderr_path: Path) -> tuple[AbuserProcess | None, str | None]:
+    """The abuser process, ready for its go line; or None and why it did not start (e.g. the server died in an
+    earlier phase: measured and reported as such)."""
+    abuser = AbuserProcess(spec, stderr_path)
+    try:
+        abuser.wait_ready()
+    except ConfigError as exc:
+        return None, str(exc)
+    return abuser, None
+
+
+def _elsewhere_phase(seconds: float, store: Any, values: list[tuple[bytes, tuple[bytes, bytes]]],
+                     server: ServerProcess, sampler: RssSampler, settings: AbuseSettings, offset: int,
+                     spec: dict[str, Any], tmp: Path, tokens: Path) -> tuple[dict[str, Any], int]:
+    """The control phase: the abuser of ``spec`` attacks a second server (same settings, its own data directory)
+    while the honest tenant keeps using ``server``; both extra processes are gone when it returns."""
+    other = ServerProcess(settings.serve_args(tmp / "data-elsewhere", tokens))
+    abuser: AbuserProcess | None = None
+    try:
+        target = other.wait_ready()
+        abuser, not_started = _start_abuser({**spec, "address": target}, tmp / "abuser-elsewhere.err")
+        result, offset = _run_phase("abuse_elsewhere", seconds, store, values, server, sampler, settings, offset,
+                                    abuser)
+        if not_started is not None:
+            result["abuser"] = {**_abuse_summary(None), "error": not_started}
+        result["abuser"]["server"] = {"address": target, "alive": other.alive(), "cpu_s": round(other.cpu_s(), 3)}
+        return result, offset
+    finally:
+        if abuser is not None:
+            abuser.kill()
+        other.kill()
+
+
+def _times(value: float, base: float) -> str:
+    return f"{value / base:.2f}x" if base > 0 else "-"
+
+
+def _phase(results: list[dict[str, Any]], name: str) -> dict[str, Any] | None:
+    return next((r for r in results if r["phase"] == name), None)
+
+
 def checks(results: list[dict[str, Any]]) -> list[tuple[str, bool, str]]:
-    """The issue's figures (and the run's sanity): ``(what, passed, detail)``."""
-    alone, under = results
+    """The issue's figures (and the run's sanity): ``(what, passed, detail)``; the control phase, when run, is
+    reported beside them (it is a measurement of the machine, not a check)."""
+    alone, under = results[0], results[-1]
     abuse = under.get("abuser", {})
     limit = under["per_call_limit_bytes"]
     growth = under["server_rss_growth_bytes"]
@@ -494,10 +544,15 @@ def checks(results: list[dict[str, Any]]) -> list[tuple[str, bool, str]]:
     after_first_minute = [] if settled is None else [
         (f"server RSS growth after the first {SETTLED_AFTER_S:.0f} s of abuse <= 2 x per-call limit",
          settled <= 2 * limit, f"{settled / 2**20:.1f} MiB vs 2 x {limit / 2**20:.0f} MiB")]
+    control = _phase(results, "abuse_elsewhere")
+    machine = ("" if control is None else
+               f"; with the abuse on a second server of this machine {control['p99_ms']:.1f} ms "
+               f"({_times(control['p99_ms'], alone['p99_ms'])} alone)")
     return [
         *after_first_minute,
         ("honest p99 under abuse <= 2 x alone", under["p99_ms"] <= 2 * alone["p99_ms"] and under["honest_calls"] > 0,
-         f"{under['p99_ms']:.1f} ms vs 2 x {alone['p99_ms']:.1f} ms"),
+         f"{under['p99_ms']:.1f} ms vs 2 x {alone['p99_ms']:.1f} ms ({_times(under['p99_ms'], alone['p99_ms'])})"
+         f"{machine}"),
         ("server RSS growth under abuse <= 2 x per-call limit", growth <= 2 * limit,
          f"{growth / 2**20:.1f} MiB vs 2 x {limit / 2**20:.0f} MiB"),
         ("0 INTERNAL statuses", internal == 0, str(internal)),
@@ -521,8 +576,9 @@ def _print(results: list[dict[str, Any]], verdicts: list[tuple[str, bool, str]],
 
 
 def results_tables(payload: dict[str, Any]) -> list[Table]:
-    """The tables of a saved payload (``{"results": [alone, under_abuse]}``): the phases side by side, then the
-    abuser's calls by kind when it ran (``run``'s printout; docs/benchmarks.md renders them)."""
+    """The tables of a saved payload (``{"results": [alone, (abuse_elsewhere,) under_abuse]}``): the phases side
+    by side, then the abuser's calls by kind under abuse when it ran (``run``'s printout; docs/benchmarks.md
+    renders them)."""
     results = payload["results"]
     table = Table(title=f"abuse: honest tenant alone vs under abuse ({results[0]['machine']})")
     table.add_column("")
@@ -532,6 +588,7 @@ def results_tables(payload: dict[str, Any]) -> list[Table]:
         ("seconds", lambda r: f"{r['seconds']:.1f}"),
         ("honest calls", lambda r: r["honest_calls"]),
         ("honest p50 / p99 ms", lambda r: f"{r['p50_ms']:.1f} / {r['p99_ms']:.1f}"),
+        ("honest p99 / alone's", lambda r: _times(r["p99_ms"], results[0]["p99_ms"])),
         ("  put p50 / p99 ms", lambda r: f"{r['put_p50_ms']:.1f} / {r['put_p99_ms']:.1f}"),
         ("  get p50 / p99 ms", lambda r: f"{r['get_p50_ms']:.1f} / {r['get_p99_ms']:.1f}"),
         ("honest max ms", lambda r: f"{r['max_ms']:.1f}"),
@@ -561,7 +618,7 @@ def results_tables(payload: dict[str, Any]) -> list[Table]:
     for label, cell in rows:
         table.add_row(label, *(str(cell(r)) for r in results))
     tables = [table]
-    abuse = results[1].get("abuser", {}) if len(results) > 1 else {}
+    abuse = results[-1].get("abuser", {}) if len(results) > 1 else {}
     if abuse.get("kinds"):
         kinds = Table(title=f"abuse calls by kind ({abuse['calls']} calls in {abuse['seconds']:.1f} s, "
                             f"{abuse['calls_per_s']:.0f}/s; HELD: open until the abuser let go)")
@@ -618,12 +675,13 @@ def run(*, json_path: str | None, settings: AbuseSettings | None = None,
                     "quota": alone["quota_bytes"], "idle_streams": settings.idle_streams,
                     "slow_streams": settings.slow_streams, "pace_s": settings.pace_s, "attacks": list(settings.attacks),
                     "cpu_share": settings.cpu_share, **settings.hold_windows()}
-            abuser = AbuserProcess(spec, Path(tmp) / "abuser.err")
-            try:
-                abuser.wait_ready()
-                not_started = None
-            except ConfigError as exc:  # e.g. the server died in the first phase: measured and reported as such
-                not_started, abuser = str(exc), None
+            if settings.elsewhere:
+                console.print(f"phase abuse_elsewhere: {half:g} s of the honest tenant while the abuser attacks "
+                              "a second server on this machine")
+                control, offset = _elsewhere_phase(half, store, values, server, sampler, settings, offset, spec,
+                                                   Path(tmp), tokens)
+                results.append(control)
+            abuser, not_started = _start_abuser(spec, Path(tmp) / "abuser.err")
             console.print(f"phase under_abuse: {half:g} s of the honest tenant while the abuser attacks")
             under, _ = _run_phase("under_abuse", half, store, values, server, sampler, settings, offset, abuser)
             if not_started is not None:

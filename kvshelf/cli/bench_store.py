@@ -145,7 +145,8 @@ def bench_chaos(
 
 def bench_abuse(
     json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
-    seconds: Annotated[float, typer.Option(min=4, help="length of the run (half alone, half under abuse)")] = 60,
+    seconds: Annotated[float, typer.Option(
+        min=4, help="length of the run (half alone, half under abuse; --elsewhere adds a half)")] = 60,
     max_block: Annotated[str, typer.Option(help="the server's --max-block")] = "4MiB",
     max_call: Annotated[str, typer.Option(help="the server's --max-call (the per-call limit of the figures)")
                         ] = "32MiB",
@@ -164,6 +165,9 @@ def bench_abuse(
                                              "the abuser burns (the four attacks cost it about 0.6)")] = 0.6,
     disk_codec: Annotated[str | None, opt("the server's --disk-codec (default: as sent; int8: the server "
                                            "decodes every put to re-encode it)")] = None,
+    elsewhere: Annotated[bool, typer.Option(help="a control phase before the abuse: the same abuser against a "
+                                                 "second server on this machine (what sharing the machine's "
+                                                 "cores costs the honest tenant)")] = False,
 ) -> None:
     """Fairness: an honest tenant's p50/p99 alone and while another tenant abuses the server; RSS, INTERNALs."""
     from kvshelf.bench.abuse import AbuseSettings, run
@@ -177,7 +181,7 @@ def bench_abuse(
     settings = AbuseSettings(seconds=seconds, max_block=max_block, max_call=max_call, quota=quota,
                              max_inflight=max_inflight, tenant_streams=tenant_streams, idle_timeout=idle_timeout,
                              idle_streams=idle_streams, attacks=chosen, strike_burst=strike_burst,
-                             disk_codec=disk_codec, cpu_share=cpu_share)
+                             disk_codec=disk_codec, cpu_share=cpu_share, elsewhere=elsewhere)
     result = run(json_path=str(json_path) if json_path else None, settings=settings, console=console)
     if not result["ok"]:
         raise typer.Exit(1)

@@ -130,6 +130,22 @@ def test_the_cpu_control_burns_its_share_and_calls_nothing(tmp_path):
     assert under["honest_calls"] > 0 and under["internal_errors"] == 0 and under["wrong_blocks"] == 0
 
 
+@pytest.mark.slow
+def test_the_elsewhere_control_abuses_a_second_server_between_the_phases(tmp_path):
+    path = tmp_path / "elsewhere.json"
+    result = kvshelf_cli("bench", "abuse", "--seconds", "6", "--attacks", "bad", "--elsewhere", "--json", str(path))
+    assert result.returncode in (0, 1), result.stdout + result.stderr
+    assert "with the abuse on a second server of this machine" in " ".join(result.stdout.split())
+    results = json.loads(path.read_text())["results"]
+    assert [r["phase"] for r in results] == ["alone", "abuse_elsewhere", "under_abuse"]
+    control, under = results[1], results[2]
+    assert control["abuser"]["ran"] and control["abuser"]["calls"] > 0, control["abuser"]
+    assert control["abuser"]["server"]["alive"] and control["abuser"]["server"]["cpu_s"] > 0
+    assert control["abuser"]["server"]["address"] != control["server_address"] == under["server_address"]
+    assert control["honest_calls"] > 0 and not control["honest_errors"] and control["wrong_blocks"] == 0
+    assert under["abuser"]["ran"] and "server" not in under["abuser"]
+
+
 def test_rss_growth_after_the_first_minute_is_measured_past_that_minutes_peak():
     from kvshelf.bench.abuse import growth_after
 
