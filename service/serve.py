@@ -105,7 +105,7 @@ def serve(config: ServeConfig, *, ready: threading.Event | None = None, stop: th
 
     Prints ``kvshelf serving on HOST:PORT`` once it accepts calls (the real port when ``listen`` ends in :0).
     """
-    from kvshelf.service.allocator import SERVER_ARENAS, keep_large_buffers
+    from kvshelf.service.allocator import SERVER_ARENAS, keep_large_buffers, server_keep_bytes
     from kvshelf.service.arena import ArenaSweeper, shared_memory_supported
     from kvshelf.service.auth import TokenTable
     from kvshelf.service.history import StatsHistory
@@ -113,9 +113,9 @@ def serve(config: ServeConfig, *, ready: threading.Event | None = None, stop: th
     from kvshelf.service.server import start_server
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # reuse freed message buffers instead of faulting in fresh pages, in a bounded heap (service/allocator.py)
-    keep_large_buffers(arenas=SERVER_ARENAS)
     config.check()  # a config built in Python is checked as the sources' is, before anything is opened
+    # reuse freed message buffers instead of faulting in fresh pages, in a bounded heap (service/allocator.py)
+    keep_large_buffers(keep_bytes=server_keep_bytes(config.server_limits().inflight_bytes), arenas=SERVER_ARENAS)
     auth, metrics_settings = config.auth, config.metrics
     tokens = TokenTable.from_file(auth.tokens_file) if auth.tokens_file else None
     limits = config.server_limits()

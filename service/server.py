@@ -146,6 +146,11 @@ class ServerLimits:
     data_port: int = 0  # its port on the listen host (0: any free one; clients learn it from each ticket)
     data_handshakes: int = 64  # data connections in their handshake at once (half that from one peer host)
 
+    @property
+    def inflight_bytes(self) -> int:
+        """Put bytes buffered at once, all tenants together (``max_inflight_bytes``, else 2 x ``max_call_bytes``)."""
+        return self.max_inflight_bytes or 2 * self.max_call_bytes
+
     def __post_init__(self) -> None:
         if self.max_block_bytes <= 0 or self.max_call_bytes <= 0:
             raise ConfigError("max block and call sizes must be > 0")
@@ -350,8 +355,7 @@ class KVShelfServicer:
                                   idle_timeout_s=self.limits.idle_timeout_s, min_rate_bytes=self.limits.min_rate_bytes,
                                   strikes=TenantStrikes(self.limits.strike_burst, self.limits.strike_leak_per_s)
                                   if self.limits.strike_burst else None)
-        self.inflight = InflightBudget(self.limits.max_inflight_bytes or 2 * self.limits.max_call_bytes,
-                                       self.limits.max_call_bytes)
+        self.inflight = InflightBudget(self.limits.inflight_bytes, self.limits.max_call_bytes)
         if store.max_decoded_bytes is None or store.max_decoded_bytes > self.limits.max_block_bytes:
             store.max_decoded_bytes = self.limits.max_block_bytes  # bounds promotion and write-down re-encodes
         # KV events (service/events.py): persistent under events_dir, else in memory
