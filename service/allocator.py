@@ -6,22 +6,23 @@ faults in and zeroes 2,048 new pages. Measured (``perf``, a loop of 8 MiB gRPC g
 the CPU time was page faults and page clearing. With the mmap threshold raised above the largest message and the
 heap not trimmed below ``keep_bytes``, freed buffers are reused instead. ``kvshelf serve`` calls
 ``keep_large_buffers()`` at start (its process is ours). A client process gets the same from its environment,
-``GLIBC_TUNABLES=glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824``
+``GLIBC_TUNABLES=glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=67108864``
 (``LARGE_BUFFER_TUNABLES``), or by calling ``keep_large_buffers()`` itself: kvshelf never changes the allocator of
 a process it does not own. Measured in one process: a copy of 8 MiB into a new buffer, 6-9 ms with glibc's
 defaults (an 8 MiB allocation is a fresh mapping every time: glibc raises its mmap threshold to the size of a
 freed mapping, and a request of that same size is again mapped), 0.5 ms with these settings.
 
 What the heap keeps is bounded, so that a server's resident memory stays flat under sustained load: once the free
-memory at the top of a heap exceeds ``keep_bytes``, glibc returns it, and ``kvshelf serve`` limits glibc to ``SERVER_ARENAS`` heaps (its
-default is 8 per core, one per busy thread, each keeping its own peak). ``kvshelf serve`` keeps what its calls in
-flight can hold (``server_keep_bytes``: 4 x its in-flight budget, 64 MiB to 1 GiB): memory returned below that is
-faulted in again by the next burst, in whichever thread touches it first. Measured with ``kvshelf bench abuse`` (a
-tenant sending oversized, padded and bomb puts at the server's limits, 32 MiB per call, 64 MiB in flight): with one
-heap per thread and 1 GiB kept, the server's RSS grew by 254 MiB in the first minute of abuse and by 100 MiB more in
-the four after it; with 2 heaps, by 100-110 MiB in all, 64 MiB or 512 MiB kept alike. With 64 MiB kept the heap
-was trimmed and regrown all along, and the honest tenant's p99 was 1.6-2.5 ms above its p99 with the same abuse
-on another server of the machine (2 runs); with 512 MiB kept, 0.3-0.8 ms (2 runs).
+memory at the top of a heap exceeds ``keep_bytes``, glibc returns it, and ``kvshelf serve`` limits glibc to
+``SERVER_ARENAS`` heaps (its default is 8 per core, one per busy thread, each keeping its own peak). ``kvshelf
+serve`` keeps what its calls in flight can hold (``server_keep_bytes``: 4 x its in-flight budget, 64 MiB to 1 GiB):
+memory returned below that is faulted in again by the next burst, in whichever thread touches it first. Measured
+with ``kvshelf bench abuse`` (a tenant sending oversized, padded and bomb puts at the server's limits, 32 MiB per
+call, 64 MiB in flight): with one heap per thread and 1 GiB kept, the server's RSS grew by 254 MiB in the first
+minute of abuse and by 100 MiB more in the four after it; with 2 heaps, by 90-120 MiB in all, 64 MiB or more kept
+alike. With 64 MiB kept the heap was trimmed and regrown all along, and the honest tenant's p99 was 1.6-2.5 ms above
+its p99 with the same abuse aimed at another server of the machine (``--elsewhere``, 2 runs); with 256-512 MiB
+kept, 0.3-1.0 ms (4 runs).
 """
 
 from __future__ import annotations
