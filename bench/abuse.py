@@ -468,7 +468,9 @@ def _phase_result(name: str, log: HonestLog, seconds: float, memory: tuple[tuple
 
 def _run_phase(name: str, seconds: float, store: Any, values: list[tuple[bytes, tuple[bytes, bytes]]],
                server: ServerProcess, sampler: RssSampler, settings: AbuseSettings, offset: int,
-               abuser: AbuserProcess | None) -> tuple[dict[str, Any], int]:
+               abuser: AbuserProcess | None, abuser_error: str | None = None) -> tuple[dict[str, Any], int]:
+    """One phase of the honest loop, with ``abuser`` (if any) let go at its start; ``abuser_error``: why the
+    phase's abuser did not start (reported as its summary)."""
     sampler.mark()
     lines0, tracebacks0 = server.counts()
     cpu0 = server.cpu_s()
@@ -477,7 +479,7 @@ def _run_phase(name: str, seconds: float, store: Any, values: list[tuple[bytes, 
         abuser.go()
     log, offset = honest_loop(store, values, seconds, settings.honest_interval_s, offset)
     elapsed = time.monotonic() - started
-    abuse = None
+    abuse = None if abuser_error is None else {**_abuse_summary(None), "error": abuser_error}
     if abuser is not None:
         abuse = _abuse_summary(abuser.report(timeout=max(0.0, seconds - elapsed) + CALL_TIMEOUT_S + 5))
         if not abuse["ran"]:
@@ -510,9 +512,7 @@ def _elsewhere_phase(seconds: float, store: Any, values: list[tuple[bytes, tuple
         target = other.wait_ready()
         abuser, not_started = _start_abuser({**spec, "address": target}, tmp / "abuser-elsewhere.err")
         result, offset = _run_phase("abuse_elsewhere", seconds, store, values, server, sampler, settings, offset,
-                                    abuser)
-        if not_started is not None:
-            result["abuser"] = {**_abuse_summary(None), "error": not_started}
+                                    abuser, not_started)
         result["abuser"]["server"] = {"address": target, "alive": other.alive(), "cpu_s": round(other.cpu_s(), 3)}
         return result, offset
     finally:
@@ -683,9 +683,8 @@ def run(*, json_path: str | None, settings: AbuseSettings | None = None,
                 results.append(control)
             abuser, not_started = _start_abuser(spec, Path(tmp) / "abuser.err")
             console.print(f"phase under_abuse: {half:g} s of the honest tenant while the abuser attacks")
-            under, _ = _run_phase("under_abuse", half, store, values, server, sampler, settings, offset, abuser)
-            if not_started is not None:
-                under["abuser"] = {**_abuse_summary(None), "error": not_started}
+            under, _ = _run_phase("under_abuse", half, store, values, server, sampler, settings, offset, abuser,
+                                  not_started)
             results.append(under)
         finally:
             if abuser is not None:

@@ -115,10 +115,10 @@ def serve(config: ServeConfig, *, ready: threading.Event | None = None, stop: th
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config.check()  # a config built in Python is checked as the sources' is, before anything is opened
     # reuse freed message buffers instead of faulting in fresh pages, in a bounded heap (service/allocator.py)
-    keep_large_buffers(keep_bytes=server_keep_bytes(config.server_limits().inflight_bytes), arenas=SERVER_ARENAS)
+    limits = config.server_limits()
+    keep_large_buffers(keep_bytes=server_keep_bytes(limits.inflight_bytes), arenas=SERVER_ARENAS)
     auth, metrics_settings = config.auth, config.metrics
     tokens = TokenTable.from_file(auth.tokens_file) if auth.tokens_file else None
-    limits = config.server_limits()
     cert = Path(auth.tls_cert).read_bytes() if auth.tls_cert else None
     key = Path(auth.tls_key).read_bytes() if auth.tls_key else None
     metrics_token = read_token_file(metrics_settings.token_file) if metrics_settings.token_file else None
