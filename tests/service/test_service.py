@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import struct
 import threading
@@ -19,7 +20,7 @@ from kvshelf.kvstore import LMDBTier, MemoryTier, TieredStore, encode_block, ope
 from kvshelf.kvstore.errors import ConfigError, TierUnavailableError
 from kvshelf.proto import kvshelf_pb2 as pb
 from kvshelf.proto import kvshelf_pb2_grpc as pb_grpc
-from kvshelf.proto.generate import PROTO_DIR, STUBS, generate
+from kvshelf.proto.generate import PROTO_DIR, generate, generated_versions, stub_contract
 from kvshelf.service.auth import scope_tag
 from kvshelf.service.client import RemoteStore, RemoteStoreError
 from kvshelf.service.serve import ServeConfig, load_config
@@ -94,9 +95,41 @@ def _put_request(key: bytes, data: bytes, *, last: bool = True, namespace: str =
 
 
 def test_committed_stubs_are_not_stale(tmp_path):
-    fresh = generate(tmp_path / "stubs")
-    for name, path in zip(STUBS, fresh, strict=True):
-        assert path.read_text() == (PROTO_DIR / name).read_text(), f"proto/{name} is stale: run `make proto`"
+    """The committed stubs define what a fresh protoc run on kvshelf.proto defines (messages, fields, methods, the
+    type stub's names), whichever grpcio-tools a fresh install resolves: its version stamp is not compared."""
+    fresh = tmp_path / "stubs"
+    generate(fresh)
+    committed, regenerated = stub_contract(PROTO_DIR), stub_contract(fresh)
+    for part in ("descriptor", "methods", "pyi"):
+        assert committed[part] == regenerated[part], f"proto/ stubs are stale ({part}): run `make proto`"
+
+
+def test_the_stub_contract_sees_a_changed_proto(tmp_path):
+    """A field added to the contract changes what the comparison above compares."""
+    proto = tmp_path / "kvshelf.proto"
+    proto.write_text((PROTO_DIR / "kvshelf.proto").read_text().replace(
+        "message Chunk {", "message Chunk {\n  uint64 added_for_the_test = 99;", 1))
+    from grpc_tools import protoc
+
+    out = tmp_path / "changed"
+    out.mkdir()
+    assert protoc.main(["grpc_tools.protoc", f"-I{tmp_path}", f"--python_out={out}", f"--pyi_out={out}",
+                        f"--grpc_python_out={out}", str(proto)]) == 0
+    changed, committed = stub_contract(out), stub_contract(PROTO_DIR)
+    assert changed["descriptor"] != committed["descriptor"]
+    assert "added_for_the_test" in changed["pyi"]["Chunk"] and committed["methods"] == changed["methods"]
+
+
+def test_committed_stubs_need_no_newer_grpcio_or_protobuf_than_declared():
+    """The stubs refuse to import under a grpcio or protobuf older than the one that generated them: that one must
+    be the lower bound pyproject.toml declares, or a fresh install resolving the lowest allowed versions breaks."""
+    import tomllib
+
+    deps = tomllib.loads((PROTO_DIR.parent / "pyproject.toml").read_text())["project"]["dependencies"]
+    floors = dict(re.fullmatch(r"([\w-]+)>=([\d.]+).*", d.split(";")[0].strip()).groups()
+                  for d in deps if re.fullmatch(r"([\w-]+)>=([\d.]+).*", d.split(";")[0].strip()))
+    grpc_version, pb_version = generated_versions()
+    assert floors["grpcio"] == grpc_version and floors["protobuf"] == pb_version, (floors, grpc_version, pb_version)
 
 
 def test_health_and_reflection(server):
