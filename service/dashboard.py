@@ -2,14 +2,17 @@
 
 Routes: ``/`` (the page), ``/dashboard.js`` and ``/dashboard.css`` (its code and style, shipped in the package as
 ``service/dashboard_assets``: nothing is fetched from elsewhere), ``/api/data`` (one snapshot, JSON, from
-``service.dashboard_data``) and ``POST /login`` (a form that turns the token into a cookie). The page polls
+``service.dashboard_data``), ``/api/history`` (the server's kept history, JSON: ``{"points": [...]}``, which the
+page draws first) and ``POST /login`` (a form that turns the token into a cookie). The page polls
 ``/api/data`` every second and draws the rates from the differences of the snapshots it kept.
 
 Access, as for ``/metrics``: the server binds 127.0.0.1 by default; an address other than loopback needs a token
 (``check_dashboard_access``: a ``ConfigError`` otherwise), and then every request needs it, as
 ``Authorization: Bearer <token>`` or as the ``kvshelf_admin`` cookie the login form sets (``HttpOnly``,
-``SameSite=Strict``); others get 401 (the page's 401 carries the login form). Served by ``wsgiref`` with
-prometheus_client's threading server on a daemon thread.
+``SameSite=Strict``; only that cookie is looked for, in a header of at most ``MAX_COOKIE_CHARS``); others get 401
+(the page's 401 carries the login form). Without a token, only requests whose ``Host`` is ``localhost`` or a
+loopback address are answered (421 otherwise: no DNS rebinding). Served by the bounded server of
+``service.http_server`` (a fixed pool of workers, a read deadline, capped request heads).
 """
 
 from __future__ import annotations
@@ -19,11 +22,11 @@ import json
 import urllib.parse
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from http.cookies import CookieError, SimpleCookie
 from importlib import resources
 from typing import Any
 
 from kvshelf.kvstore.errors import ConfigError, KVShelfError
+from kvshelf.service.http_server import HttpServer
 from kvshelf.service.metrics import is_loopback, start_wsgi
 
 COOKIE = "kvshelf_admin"
@@ -42,6 +45,23 @@ LOGIN_PAGE = """<!doctype html><html lang="en"><head><meta charset="utf-8"><titl
 placeholder="token" autofocus> <button type="submit">open</button></form></main></body></html>
 """
 _MAX_FORM_BYTES = 4096
+#: the longest Cookie header looked into (a longer one is no login: the token comes with a bearer header then)
+MAX_COOKIE_CHARS = 4096
+
+
+def cookie_value(header: str, name: str) -> str | None:
+    """The value of cookie ``name`` in a ``Cookie`` header (surrounding double quotes removed); ``None`` when
+    absent or when the header is longer than ``MAX_COOKIE_CHARS``. One split: linear in the header's length."""
+    if len(header) > MAX_COOKIE_CHARS:
+        return None
+    for part in header.split(";"):
+        key, eq, value = part.partition("=")
+        if eq and key.strip() == name:
+            value = value.strip()
+            if len(value) >= 2 and value[0] == value[-1] == '"':
+                value = value[1:-1]
+            return value
+    return None
 
 
 def check_dashboard_access(addr: str, token: str | None, flag: str = "--admin-addr") -> None:
@@ -61,8 +81,10 @@ def load_asset(name: str) -> bytes:
 class DashboardApp:
     """The WSGI application: the page, its assets, ``/api/data`` from ``source``, the token check."""
 
-    def __init__(self, source: Callable[[], dict[str, Any]], *, token: str | None = None, title: str = "") -> None:
+    def __init__(self, source: Callable[[], dict[str, Any]], *, token: str | None = None, title: str = "",
+                 history: Callable[[], list[dict[str, Any]]] | None = None) -> None:
         self.source = source
+        self.history = history
         self.token = token.encode() if token is not None else None
         self.assets = {path: (load_asset(name), kind) for path, (name, kind) in ASSETS.items()}
         self.title = title
@@ -73,11 +95,8 @@ class DashboardApp:
         scheme, _, given = str(environ.get("HTTP_AUTHORIZATION", "")).strip().partition(" ")
         if scheme.lower() == "bearer" and self._matches(given.strip()):
             return True
-        try:
-            morsel = SimpleCookie(str(environ.get("HTTP_COOKIE", ""))).get(COOKIE)
-        except CookieError:
-            return False
-        return morsel is not None and self._matches(morsel.value)
+        value = cookie_value(str(environ.get("HTTP_COOKIE", "")), COOKIE)
+        return value is not None and self._matches(value)
 
     def _matches(self, given: str) -> bool:
         assert self.token is not None
@@ -107,9 +126,11 @@ class DashboardApp:
                          b"(Authorization: Bearer <token>)\n", "text/plain; charset=utf-8", challenge)
         if method not in ("GET", "HEAD"):
             return reply("405 Method Not Allowed", b"405\n", "text/plain; charset=utf-8", [("Allow", "GET, HEAD")])
-        if path == "/api/data":
+        if path in ("/api/data", "/api/history"):
             try:
-                return reply("200 OK", self.data(), "application/json")
+                body = self.data() if path == "/api/data" else json.dumps(
+                    {"points": self.history() if self.history is not None else []}, separators=(",", ":")).encode()
+                return reply("200 OK", body, "application/json")
             except KVShelfError as exc:  # a remote server gone or refusing: say so, keep serving
                 return reply("503 Service Unavailable", f"503: {exc}\n".encode(), "text/plain; charset=utf-8")
         if path in self.assets:
@@ -138,7 +159,7 @@ class DashboardEndpoint:
     host: str
     port: int
     token_required: bool
-    _server: Any = field(repr=False, default=None)
+    _server: HttpServer | None = field(repr=False, default=None)
 
     @property
     def url(self) -> str:
@@ -151,16 +172,18 @@ class DashboardEndpoint:
 
     def close(self) -> None:
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+            self._server.close()
             self._server = None
 
 
 def serve_dashboard(source: Callable[[], dict[str, Any]], port: int, addr: str = "127.0.0.1", *,
-                    token: str | None = None, title: str = "") -> DashboardEndpoint:
+                    token: str | None = None, title: str = "",
+                    history: Callable[[], list[dict[str, Any]]] | None = None) -> DashboardEndpoint:
     """Start the dashboard on ``addr:port`` (port 0: a free one) in a daemon thread; ``source()`` gives each
-    ``/api/data`` answer. A non-loopback ``addr`` without a token is a ``ConfigError``."""
+    ``/api/data`` answer, ``history()`` the ``/api/history`` points. A non-loopback ``addr`` without a token is a
+    ``ConfigError``."""
     check_dashboard_access(addr, token)
-    app = DashboardApp(source, token=token, title=title)
-    server, _, host, bound_port = start_wsgi(app, addr, port, flag="--admin-port", thread_name="kvshelf-dashboard")
+    app = DashboardApp(source, token=token, title=title, history=history)
+    server, host, bound_port = start_wsgi(app, addr, port, flag="--admin-port", thread_name="kvshelf-dashboard",
+                                          loopback_hosts=token is None)
     return DashboardEndpoint(host, bound_port, token is not None, server)
