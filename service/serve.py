@@ -88,16 +88,21 @@ def _with_redis(store: TieredStore, config: ServeConfig) -> TieredStore:
 
 
 def _start_dashboard(store: TieredStore, servicer: Any, config: ServeConfig, token: str | None,
-                     namespaces: frozenset[str] | None, title: str) -> Any:
-    """The admin dashboard over this server's store, KV event count and most reused prefixes."""
+                     namespaces: frozenset[str] | None, title: str, history: Any, latency: Any) -> Any:
+    """The admin dashboard over this server's store, KV event count, most reused prefixes, request latency
+    (``latency``: the gRPC latency histogram) and kept history."""
     from kvshelf.service.dashboard import serve_dashboard
-    from kvshelf.service.dashboard_data import CachedSource, local_snapshot
+    from kvshelf.service.dashboard_data import CachedSource, ModelNames, TierHealth, history_points, local_snapshot
+
+    names, health = ModelNames(), TierHealth()
+    names.attach(store)
 
     def source() -> dict[str, Any]:
         return local_snapshot(store, events_seq=lambda: servicer.events.next_seq, hot=servicer.hot_prefixes,
-                              namespaces=namespaces)
+                              namespaces=namespaces, names=names, health=health, latency=latency)
 
-    return serve_dashboard(CachedSource(source), config.admin.port, config.admin.addr, token=token, title=title)
+    return serve_dashboard(CachedSource(source), config.admin.port, config.admin.addr, token=token, title=title,
+                           history=lambda: history_points(history.points(), namespaces))
 
 
 def serve(config: ServeConfig, *, ready: threading.Event | None = None, stop: threading.Event | None = None) -> int:
@@ -143,10 +148,19 @@ def serve(config: ServeConfig, *, ready: threading.Event | None = None, stop: th
             publisher = VLLMEventPublisher(kv_events).attach(store)
             store.on_close(publisher.close)
         interceptors = []
+        latency = None  # the request latency histogram the dashboard shows (/metrics' own when it is on)
         if metrics_settings.port:
             metrics = serve_metrics(store, metrics_settings.port, metrics_settings.addr, token=metrics_token,
                                     namespaces=metrics_namespaces)
             interceptors.append(metrics.interceptor)
+            latency = metrics.interceptor.histogram
+        elif admin.port:
+            from prometheus_client import CollectorRegistry
+
+            from kvshelf.service.metrics import LatencyInterceptor
+
+            interceptors.append(LatencyInterceptor(CollectorRegistry()))
+            latency = interceptors[-1].histogram
             if publisher is not None:
                 from kvshelf.service.metrics import KVEventsCollector
 
@@ -158,7 +172,8 @@ def serve(config: ServeConfig, *, ready: threading.Event | None = None, stop: th
             running.servicer.clear_listeners.append(publisher.cleared)
         if admin.port:
             title = f"serve {config.server.listen.rsplit(':', 1)[0]}:{running.port}"
-            dashboard = _start_dashboard(store, running.servicer, config, admin_token, admin_namespaces, title)
+            dashboard = _start_dashboard(store, running.servicer, config, admin_token, admin_namespaces, title,
+                                         history, latency)
     except BaseException:
         if dashboard is not None:
             dashboard.close()
