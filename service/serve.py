@@ -154,6 +154,10 @@ def serve(config: ServeConfig, *, ready: threading.Event | None = None, stop: th
                                     namespaces=metrics_namespaces)
             interceptors.append(metrics.interceptor)
             latency = metrics.interceptor.histogram
+            if publisher is not None:
+                from kvshelf.service.metrics import KVEventsCollector
+
+                metrics.registry.register(KVEventsCollector(publisher))
         elif admin.port:
             from prometheus_client import CollectorRegistry
 
@@ -161,10 +165,6 @@ def serve(config: ServeConfig, *, ready: threading.Event | None = None, stop: th
 
             interceptors.append(LatencyInterceptor(CollectorRegistry()))
             latency = interceptors[-1].histogram
-            if publisher is not None:
-                from kvshelf.service.metrics import KVEventsCollector
-
-                metrics.registry.register(KVEventsCollector(publisher))
         running = start_server(store, config.server.listen, tokens=tokens, limits=limits, tls_cert=cert, tls_key=key,
                                max_workers=config.server.workers, interceptors=interceptors, history=history,
                                events_dir=config.resolved_data_dir() / "events")
