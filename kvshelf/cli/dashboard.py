@@ -29,7 +29,7 @@ def dashboard(
 
     from kvshelf.service.client import RemoteStore  # light: no torch (the admin calls move no blocks)
     from kvshelf.service.dashboard import check_dashboard_access, serve_dashboard
-    from kvshelf.service.dashboard_data import CachedSource, remote_snapshot
+    from kvshelf.service.dashboard_data import CachedSource, TierHealth, history_points, remote_snapshot
     from kvshelf.service.metrics import read_token_file
 
     page_token = read_token_file(admin_token_file, "--admin-token-file") if admin_token_file else None
@@ -37,8 +37,10 @@ def dashboard(
     remote = RemoteStore(target, token=token, namespace=namespace, tls_ca=tls_ca, shared_memory=False,
                          connect_timeout_s=connect_timeout)
     remote.stats()  # reachable and authorized, or a clear error now
-    endpoint = serve_dashboard(CachedSource(lambda: remote_snapshot(remote.stats())), port, addr, token=page_token,
-                               title=target)
+    health = TierHealth()
+    endpoint = serve_dashboard(CachedSource(lambda: remote_snapshot(remote.stats(), health)), port, addr,
+                               token=page_token, title=target,
+                               history=lambda: history_points(remote.stats().get("history") or []))
     print(f"kvshelf dashboard of {target} on {endpoint.describe()}", flush=True)
     try:
         threading.Event().wait()
