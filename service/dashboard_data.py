@@ -1,14 +1,14 @@
 """What the admin dashboard's data endpoints return: one JSON-ready snapshot of cumulative counts, and the
 server's kept history in the same shape.
 
-A snapshot holds the time, the lookup and retrieve counts (blocks asked and found) per namespace and model, with
-the model's name where one is known (``ModelNames``), each tier's usage, health (``TierHealth``), evictions, hits
-and misses, the server's KV event count (its next sequence number), the request latency histogram of each gRPC
-method (``latency_snapshot``: cumulative bucket counts of ``kvshelf_request_seconds``) and the most reused prefixes
-(``service.hot_prefixes``). The counts are cumulative: the page keeps the snapshots it polled and draws rates and
-latency quantiles from their differences over a window, so the endpoint does no bookkeeping of its own. The
-history (``history_points``: the server's ``StatsHistory``, the points ``kvshelf stats --plot`` draws) fills the
-charts when the page opens.
+A snapshot holds the time, the lookup and retrieve counts (blocks asked and found) in all (``totals``) and per
+namespace and model (the ``MAX_SERIES`` busiest), with the model's name where one is known (``ModelNames``), each
+tier's usage, health (``TierHealth``), evictions, hits and misses, the server's KV event count (its next sequence
+number), the request latency histogram of each gRPC method (``latency_snapshot``: cumulative bucket counts of
+``kvshelf_request_seconds``) and the most reused prefixes (``service.hot_prefixes``). The counts are
+cumulative: the page keeps the snapshots it polled and draws rates and latency quantiles from their differences
+over a window, so the endpoint does no bookkeeping of its own. The history (``history_points``: the server's
+``StatsHistory``, the points ``kvshelf stats --plot`` draws) fills the charts when the page opens.
 
 Two sources give the same shape: ``local_snapshot`` reads a store in this process (``kvshelf serve
 --admin-port``) and ``remote_snapshot`` turns a server's ``Stats`` answer into it (``kvshelf dashboard
@@ -135,6 +135,11 @@ def _series(rows: Iterable[Mapping[str, Any]], namespaces: Collection[str] | Non
     return out
 
 
+def _totals(series: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    """The lookup/retrieve block counts summed over every row (those ``_busiest`` leaves out too)."""
+    return {name: sum(int(r[name]) for r in series) for name in _SERIES_COUNTS}
+
+
 def _busiest(series: list[dict[str, Any]], names: ModelNames | None) -> list[dict[str, Any]]:
     """The ``MAX_SERIES`` rows with the most blocks asked (in ``(namespace, model)`` order), each with its model's
     name and geometry."""
@@ -220,6 +225,7 @@ def local_snapshot(store: Any, *, events_seq: Callable[[], int] | None = None, h
     return {
         "t": now,
         "scope": "every namespace" if scope is None else "namespaces " + ", ".join(sorted(scope)),
+        "totals": _totals(rows),
         "series": _busiest(rows, names),
         "series_total": len(rows),
         "tiers": tiers,
@@ -244,6 +250,7 @@ def remote_snapshot(stats: Mapping[str, Any], health: TierHealth | None = None) 
     return {
         "t": now,
         "scope": "every namespace" if whole is not None else f"namespace {stats.get('namespace', '?')}",
+        "totals": _totals(rows),
         "series": _busiest(rows, None),
         "series_total": len(rows),
         "tiers": tiers,

@@ -12,6 +12,7 @@ from helpers import FINGERPRINT, key_of, make_block
 from service_helpers import InProcessServe, free_port
 
 from kvshelf.service.client import RemoteStore
+from kvshelf.service.dashboard_data import MODEL_NAME_EXTRA
 from kvshelf.service.serve import ServeConfig
 
 TOKEN = "s3cret-admin-token_0123456789"
@@ -53,11 +54,15 @@ def request(url: str, *, token: str | None = None, cookie: str | None = None, da
         return exc.code, dict(exc.headers), exc.read()
 
 
-def traffic(address: str, namespace: str, blocks: int, *, seed: int = 0, token: str | None = None) -> list[bytes]:
+def traffic(address: str, namespace: str, blocks: int, *, seed: int = 0, token: str | None = None,
+            model_name: str | None = None) -> list[bytes]:
     """Put ``blocks`` blocks of 4 tokens into ``namespace``, get them all (hits) and one never stored (a miss), and
     look the run up as a prefix (a reuse of the prefix ending at the last key): the keys put. ``token``: the
-    bearer token of a server with a tokens file (its namespace must be ``namespace``)."""
-    items = [make_block([seed * 1000 + 4 * i + j for j in range(4)], namespace=namespace) for i in range(blocks)]
+    bearer token of a server with a tokens file (its namespace must be ``namespace``); ``model_name``: the name
+    the blocks' headers give their model (``MODEL_NAME_EXTRA``)."""
+    extra = {MODEL_NAME_EXTRA: model_name} if model_name is not None else None
+    items = [make_block([seed * 1000 + 4 * i + j for j in range(4)], namespace=namespace, extra=extra)
+             for i in range(blocks)]
     keys = [key_of(block) for block in items]
     absent = key_of(make_block([seed * 1000 + 999_000 + j for j in range(4)], namespace=namespace))
     with RemoteStore(address, namespace=namespace, token=token, shared_memory=False) as remote:
