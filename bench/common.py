@@ -59,15 +59,15 @@ def load_corpus(path: str | os.PathLike[str]) -> list[dict[str, str]]:
 
 
 def corpus_texts(path: str | os.PathLike[str] | None) -> Iterator[str]:
-    """Texts from the corpus, or made-up documents when there is none."""
+    """Texts from the corpus, or made-up abstracts (``bench/synthetic_abstracts.py``) when there is none."""
     if path is not None:
-        for record in load_corpus(path):
-            yield f"{record.get('title', '')}. {record['abstract']}"
-        return
-    from kvshelf.service.demo import make_documents  # no corpus: the demo's synthetic documents
+        records = load_corpus(path)
+    else:
+        from kvshelf.bench.synthetic_abstracts import make_abstracts
 
-    for doc in make_documents(count=12, target_tokens=None):
-        yield doc.text
+        records = make_abstracts()
+    for record in records:
+        yield f"{record.get('title', '')}. {record['abstract']}"
 
 
 def machine_description() -> str:

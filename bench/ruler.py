@@ -75,15 +75,17 @@ TaskError = ConfigError
 
 
 def corpus_documents(path: str | None) -> list[Document]:
-    """The corpus as ``(title, abstract)`` pairs (titles unique, first kept), or the demo's made-up documents."""
+    """The corpus as ``(title, abstract)`` pairs (titles unique, first kept), or made-up abstracts
+    (``bench/synthetic_abstracts.py``) when there is none."""
     if path is None:
-        from kvshelf.service.demo import make_documents
+        from kvshelf.bench.synthetic_abstracts import make_abstracts
 
-        docs = [(d.text.split(".", 1)[0], d.text) for d in make_documents(count=12, target_tokens=None)]
+        records = make_abstracts()
     else:
         from kvshelf.bench.common import load_corpus
 
-        docs = [(str(r.get("title", "")).strip(), str(r["abstract"]).strip()) for r in load_corpus(path)]
+        records = load_corpus(path)
+    docs = [(str(r.get("title", "")).strip(), str(r["abstract"]).strip()) for r in records]
     seen: set[str] = set()
     unique = []
     for title, body in docs:

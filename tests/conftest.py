@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
 import helpers
 import pytest
+
+# Haystack sends usage telemetry unless told not to: the suite sends nothing off this machine.
+os.environ.setdefault("HAYSTACK_TELEMETRY_ENABLED", "False")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -41,13 +45,25 @@ def smollm2():
     return load_model("smollm2-135m")
 
 
-@pytest.fixture(scope="module")
-def texts() -> list[str]:
-    """Texts of ../shared/data/abstracts.jsonl (or made-up documents when the corpus is absent)."""
-    from kvshelf.bench.common import corpus_texts, default_corpus
+@pytest.fixture(scope="session")
+def corpus_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The suite's own corpus: made-up abstracts (``kvshelf.bench.synthetic_abstracts``) in a JSONL file shaped like
+    ``../shared/data/abstracts.jsonl``. Tests never read ``../shared``: a user's clone has none beside it."""
+    import json
 
-    corpus = default_corpus()
-    return list(corpus_texts(str(corpus) if corpus else None))
+    from kvshelf.bench.synthetic_abstracts import make_abstracts
+
+    path = tmp_path_factory.mktemp("corpus") / "abstracts.jsonl"
+    path.write_text("".join(json.dumps(record) + "\n" for record in make_abstracts()))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def texts(corpus_path: str) -> list[str]:
+    """Texts of the suite's corpus (``corpus_path``), each ``"title. abstract"``."""
+    from kvshelf.bench.common import corpus_texts
+
+    return list(corpus_texts(corpus_path))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

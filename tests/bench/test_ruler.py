@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from kvshelf.bench import ruler
-from kvshelf.bench.common import default_corpus
 from kvshelf.bench.longctx import DEFAULT_PLAN, check_plan, plan_of
 from kvshelf.kvstore.errors import KVShelfError
 
@@ -21,9 +20,8 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def docs() -> list[ruler.Document]:
-    corpus = default_corpus()
-    return ruler.corpus_documents(str(corpus) if corpus else None)
+def docs(corpus_path) -> list[ruler.Document]:
+    return ruler.corpus_documents(corpus_path)
 
 
 @pytest.mark.parametrize("task", ruler.TASKS)

@@ -7,7 +7,6 @@ import json
 
 from rich.console import Console
 
-from kvshelf.bench.common import default_corpus
 from kvshelf.bench.longctx import averages, passed, results_tables, run
 
 FIELDS = {"method": str, "impl": str, "task": str, "tokens": int, "kv_fraction": float, "resident_fraction": float,
@@ -35,10 +34,9 @@ def test_averages_count_only_the_tasks_full_attention_passes() -> None:
     assert "cwe@4K ✗" in text and "+0.200" in text and json.dumps(payload) == before
 
 
-def test_short_run_writes_the_json(tmp_path) -> None:
+def test_short_run_writes_the_json(tmp_path, corpus_path) -> None:
     out = tmp_path / "longctx.json"
-    corpus = default_corpus()
-    run(json_path=str(out), corpus=str(corpus) if corpus else None, tasks=("niah_single", "ppl"), lengths=(1024,),
+    run(json_path=str(out), corpus=corpus_path, tasks=("niah_single", "ppl"), lengths=(1024,),
         methods=("streamingllm", "snapkv"), budgets=(0.5,), samples=1, kvpress=False, console=Console(width=200))
     payload = json.loads(out.read_text())
     assert payload["status"] == "complete" and payload["machine"]
@@ -62,10 +60,9 @@ def test_short_run_writes_the_json(tmp_path) -> None:
             assert row["dppl_rel"] is None
 
 
-def test_tier_sparse_rows_at_each_budget_from_one_prefill(tmp_path) -> None:
+def test_tier_sparse_rows_at_each_budget_from_one_prefill(tmp_path, corpus_path) -> None:
     out = tmp_path / "longctx.json"
-    corpus = default_corpus()
-    run(json_path=str(out), corpus=str(corpus) if corpus else None, tasks=("niah_single", "ppl"), lengths=(1024,),
+    run(json_path=str(out), corpus=corpus_path, tasks=("niah_single", "ppl"), lengths=(1024,),
         methods=("tier-sparse",), budgets=(0.25, 0.5), samples=1, kvpress=False, console=Console(width=200))
     rows = [r for r in json.loads(out.read_text())["results"] if r["method"] == "tier-sparse"]
     assert {(r["budget"], r["task"]) for r in rows} == {(b, t) for b in (0.25, 0.5) for t in ("niah_single", "ppl")}

@@ -7,7 +7,6 @@ import json
 
 from rich.console import Console
 
-from kvshelf.bench.common import default_corpus
 from kvshelf.bench.rag_chain import results_table, run
 
 
@@ -22,10 +21,9 @@ def test_results_table_is_pure_and_shows_the_speedup() -> None:
     assert "8.0x" in text and "100%" in text and json.dumps(payload) == before
 
 
-def test_short_run_writes_the_json(tmp_path) -> None:
+def test_short_run_writes_the_json(tmp_path, corpus_path) -> None:
     out = tmp_path / "rag-chain.json"
-    corpus = default_corpus()
-    run(json_path=str(out), corpus=str(corpus) if corpus else None, cases=2, modes=["reuse-blend", "block-attention"],
+    run(json_path=str(out), corpus=corpus_path, cases=2, modes=["reuse-blend", "block-attention"],
         console=Console(width=160), recompute_ratio=0.1)
     payload = json.loads(out.read_text())
     assert [(r["system"], r["framework"], r["mode"]) for r in payload["results"]] == [

@@ -8,16 +8,14 @@ import json
 import pytest
 from rich.console import Console
 
-from kvshelf.bench.common import default_corpus
 from kvshelf.bench.ttft import run
 
 pytestmark = pytest.mark.slow
 
 
-def test_remote_and_redis_rows_carry_codec_speedup_and_vs_raw(tmp_path):
+def test_remote_and_redis_rows_carry_codec_speedup_and_vs_raw(tmp_path, corpus_path):
     out = tmp_path / "ttft_remote.json"
-    corpus = default_corpus()
-    payload = run(json_path=str(out), corpus=str(corpus) if corpus else None, lengths=(256,), runs=1, rounds=1,
+    payload = run(json_path=str(out), corpus=corpus_path, lengths=(256,), runs=1, rounds=1,
                   new_tokens=4, console=Console(quiet=True), remote=True, redis=True, codecs=[("int8", {})])
     written = json.loads(out.read_text())
     assert written["results"] == payload["results"]

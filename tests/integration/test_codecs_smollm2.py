@@ -15,12 +15,11 @@ TOKENS = 300
 
 
 @pytest.fixture(scope="module")
-def real_kv():
+def real_kv(texts):
     from kvshelf.adapters.model import load_model
-    from kvshelf.bench.common import corpus_texts, default_corpus
 
     model, tokenizer = load_model("smollm2-135m")
-    text = " ".join(t for t, _ in zip(corpus_texts(default_corpus()), range(6), strict=False))
+    text = " ".join(t for t, _ in zip(texts, range(6), strict=False))
     ids = tokenizer(text, add_special_tokens=False)["input_ids"][: TOKENS + 1]
     with torch.no_grad():
         out = model(torch.tensor([ids[:TOKENS]]), use_cache=True)
