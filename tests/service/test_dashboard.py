@@ -11,7 +11,7 @@ import time
 
 import pytest
 from dashboard_helpers import TOKEN, request, serve_with_dashboard, token_file, traffic
-from helpers import FINGERPRINT
+from helpers import FINGERPRINT, key_of, make_block
 from service_helpers import free_port, kvshelf_cli, write_tokens
 from typer.testing import CliRunner
 
@@ -19,7 +19,17 @@ from kvshelf.kvstore import open_embedded_store
 from kvshelf.kvstore.errors import ConfigError
 from kvshelf.service.client import RemoteStore
 from kvshelf.service.dashboard import DashboardApp, load_asset, serve_dashboard
-from kvshelf.service.dashboard_data import CachedSource, local_snapshot, remote_snapshot
+from kvshelf.service.dashboard_data import (
+    MAX_NAME_CHARS,
+    MAX_SERIES,
+    MODEL_NAME_EXTRA,
+    CachedSource,
+    ModelNames,
+    TierHealth,
+    history_points,
+    local_snapshot,
+    remote_snapshot,
+)
 from kvshelf.service.hot_prefixes import HotPrefixes
 from kvshelf.service.serve import ServeConfig
 
@@ -240,3 +250,144 @@ def test_bench_dashboard_times_the_data_call(tmp_path):
     assert result.exit_code == 0, result.output
     payload = json.loads((tmp_path / "d.json").read_text())
     assert payload["calls"] == 20 and 0 < payload["median_us"] <= payload["p90_us"]
+
+
+def _history(port: int, at_least: int, token: str | None = None) -> list[dict]:
+    """``/api/history``'s points once it holds ``at_least`` (the server samples every 0.2 s in these tests)."""
+    deadline = time.monotonic() + 10
+    while True:
+        status, headers, body = request(f"http://127.0.0.1:{port}/api/history", token=token)
+        assert status == 200 and headers["Content-Type"] == "application/json", body
+        points = json.loads(body)["points"]
+        if len(points) >= at_least or time.monotonic() > deadline:
+            return points
+        time.sleep(0.1)
+
+
+def test_history_endpoint_returns_the_servers_kept_history(tmp_path, capsys):
+    """``/api/history``: the points the server keeps (``kvshelf stats --plot`` draws them), oldest first, in the
+    page's shape; the same history a dev-mode server returns with ``Stats`` (``kvshelf dashboard --target``)."""
+    running, port = serve_with_dashboard(tmp_path, capsys, history_interval=0.2)
+    try:
+        traffic(running.grpc, "tenant-a", 3)
+        traffic(running.grpc, "tenant-b", 1, seed=1)
+        points = _history(port, 1)
+        deadline = time.monotonic() + 10
+        while points[-1]["tiers"]["memory"]["blocks"] != 4 and time.monotonic() < deadline:
+            points = _history(port, 1)
+        assert len(points) >= 3, points
+        assert [p["t"] for p in points] == sorted(p["t"] for p in points)
+        last = points[-1]
+        assert last["tiers"]["memory"]["blocks"] == 4 and last["tiers"]["disk"]["bytes"] > 0
+        assert last["totals"] == {"lookup_blocks": 4, "lookup_hit_blocks": 4, "retrieve_blocks": 6,
+                                  "retrieve_hit_blocks": 4}
+        assert points[0]["totals"]["retrieve_blocks"] <= last["totals"]["retrieve_blocks"]
+        with RemoteStore(running.grpc, shared_memory=False) as remote:
+            remote_points = history_points(remote.stats()["history"])
+        assert remote_points[0] == points[0] and len(remote_points) >= len(points)
+        assert request(f"http://127.0.0.1:{port}/api/history", data=b"x=1")[0] == 405
+    finally:
+        running.close()
+
+
+def test_history_of_a_namespace_dashboard_names_no_other_tenant(tmp_path, capsys):
+    """A dashboard of some namespaces gets the tiers' usage from the history, not its counts (every tenant's)."""
+    running, port = serve_with_dashboard(tmp_path, capsys, history_interval=0.2, admin_namespaces="tenant-a")
+    try:
+        traffic(running.grpc, "tenant-a", 2)
+        traffic(running.grpc, "secret-project", 2, seed=1)
+        points = _history(port, 3)
+        assert points and all(p["totals"] is None for p in points)
+        assert all(t["evictions"] is None for p in points for t in p["tiers"].values())
+        assert "secret-project" not in json.dumps(points)
+    finally:
+        running.close()
+
+
+@pytest.mark.parametrize("metrics", [False, True], ids=["dashboard-only", "with-metrics"])
+def test_snapshot_names_models_times_requests_and_tells_tier_states(tmp_path, capsys, metrics):
+    """``/api/data`` names a model by the name its blocks carry (with its geometry), holds the request latency
+    histogram of each gRPC method (``/metrics``' own when it is on, else the dashboard's) and each tier's state."""
+    settings = {"metrics_port": free_port()} if metrics else {}
+    running, port = serve_with_dashboard(tmp_path, capsys, **settings)
+    try:
+        traffic(running.grpc, "tenant-a", 3, model_name="smollm2-135m")
+        data = _wait_for(port, lambda d: d["series"] and d["latency"])
+        row = _series(data, "tenant-a")
+        assert (row["model"], row["model_name"]) == (FINGERPRINT, "smollm2-135m")
+        assert row["model_shape"] == "2 layers, 2 KV heads x 8, float32"
+        assert data["totals"]["retrieve_blocks"] == 4 and data["series_total"] == 1
+        methods = {m["method"]: m for m in data["latency"]}
+        lookup = methods["LookupPrefix"]
+        assert lookup["count"] >= 1 and lookup["sum"] > 0
+        counts = [n for _, n in lookup["buckets"]]
+        assert counts == sorted(counts) and counts[-1] == lookup["count"] and lookup["buckets"][-1][0] is None
+        assert all(b is not None and b > 0 for b, _ in lookup["buckets"][:-1])
+        assert {(t["name"], t["state"]) for t in data["tiers"]} == {("memory", "up"), ("disk", "up")}
+        assert all(t["unavailable"] == 0 and t["corrupt"] == 0 for t in data["tiers"])
+        if metrics:  # the same histogram /metrics shows
+            status, _, body = request(f"http://127.0.0.1:{running.metrics_port}/metrics")
+            scraped = re.search(r'kvshelf_request_seconds_count\{method="LookupPrefix"\} (\S+)', body.decode())
+            assert status == 200 and scraped and float(scraped.group(1)) >= lookup["count"]
+    finally:
+        running.close()
+
+
+def test_model_names_are_learned_bounded_and_printable(tmp_path):
+    """``ModelNames`` learns a fingerprint's name and geometry from the headers of stored blocks, keeps at most its
+    capacity of fingerprints (made-up ones cannot grow it), and keeps a name printable and short."""
+    store = open_embedded_store(tmp_path / "data", memory_bytes="16MiB", max_disk_bytes="64MiB")
+    names = ModelNames(capacity=2)
+    stop = names.attach(store)
+    try:
+        def put(fingerprint: str, name: str | None, seed: int) -> None:
+            block = make_block([seed, seed + 1, seed + 2, seed + 3], fingerprint=fingerprint, layers=3,
+                               extra={MODEL_NAME_EXTRA: name} if name is not None else None)
+            store.put_many([(key_of(block), block)])
+
+        put("fp-a", None, 0)
+        assert names.label("fp-a") == {"model_name": None, "model_shape": "3 layers, 2 KV heads x 8, float32"}
+        put("fp-a", "Llama\x00-3\n-8B " + "x" * 500, 10)
+        name = names.label("fp-a")["model_name"]
+        assert name is not None and name.startswith("Llama-3-8B x") and len(name) == MAX_NAME_CHARS
+        put("fp-b", "qwen", 20)
+        put("fp-c", "made-up", 30)  # a third fingerprint: the table is full
+        assert names.label("fp-b")["model_name"] == "qwen"
+        assert names.label("fp-c") == {"model_name": None, "model_shape": None}
+        put("fp-b", "qwen2.5-7b", 40)  # a known fingerprint renamed: the latest name
+        assert names.label("fp-b")["model_name"] == "qwen2.5-7b"
+        names.learn("fp-a", "given-name")
+        assert names.label("fp-a")["model_name"] == "given-name"
+    finally:
+        stop()
+        store.close()
+
+
+def test_tier_health_is_degraded_while_failures_are_recent():
+    health = TierHealth(window_s=60)
+    assert health.state("redis", True, False, 5, now=0) == "up"  # failures before it was first seen: no time known
+    assert health.state("redis", True, False, 5, now=10) == "up"
+    assert health.state("redis", True, False, 7, now=20) == "degraded"
+    assert health.state("redis", True, False, 7, now=79) == "degraded"
+    assert health.state("redis", True, False, 7, now=81) == "up"
+    assert health.state("redis", False, False, 9, now=90) == "unreachable"
+    assert health.state("redis", True, True, 9, now=91) == "damaged"
+    assert health.state("disk", True, False, 0, now=91) == "up"
+
+
+def test_snapshot_carries_the_busiest_series_and_totals_of_all(tmp_path):
+    """With more ``(namespace, model)`` rows than ``MAX_SERIES``, a snapshot carries the busiest ones and the
+    totals of all: the page's work per poll stays bounded."""
+    store = open_embedded_store(tmp_path / "data", memory_bytes="16MiB", max_disk_bytes="64MiB")
+    try:
+        extra = 50
+        for i in range(MAX_SERIES + extra):
+            store.counters.add("*", f"tenant-{i}", "model", "lookup_blocks", i + 1)
+            store.counters.add("*", f"tenant-{i}", "model", "lookup_hit_blocks", 1)
+        snap = local_snapshot(store)
+        assert len(snap["series"]) == MAX_SERIES and snap["series_total"] == MAX_SERIES + extra
+        assert min(r["lookup_blocks"] for r in snap["series"]) == extra + 1  # the least busy left out
+        assert snap["totals"]["lookup_blocks"] == sum(range(1, MAX_SERIES + extra + 1))
+        assert snap["totals"]["lookup_hit_blocks"] == MAX_SERIES + extra
+    finally:
+        store.close()
