@@ -9,8 +9,10 @@ Access: the rows name every tenant's namespace and model, so ``serve_metrics`` b
 default, can require ``Authorization: Bearer <token>`` (others get 401) and can export only some namespaces
 (the others are not even named). Binding to an address other than loopback without a token is refused with a
 ``ConfigError``: put the token in a file (``--metrics-token-file``) and give it to Prometheus
-(``authorization: {credentials_file: ...}``). Served by ``prometheus_client.make_wsgi_app`` under a small
-WSGI wrapper (the token check) in a ``wsgiref`` server on a daemon thread.
+(``authorization: {credentials_file: ...}``). Without a token, only requests whose ``Host`` is ``localhost`` or a
+loopback address are answered (421 otherwise: no DNS rebinding). Served by ``prometheus_client.make_wsgi_app``
+under a small WSGI wrapper (the token check, before anything else of the request is looked at) in the bounded
+server of ``service.http_server`` (a fixed pool of workers, a read deadline, capped request heads).
 """
 
 from __future__ import annotations
@@ -21,22 +23,20 @@ import logging
 import re
 import socket
 import stat
-import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import grpc
 from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from kvshelf.kvstore.errors import ConfigError
 from kvshelf.kvstore.stats import ALL_TIERS, STORE_METRICS, TIER_METRICS, Metric
+from kvshelf.service.http_server import HttpLimits, HttpServer, serve_wsgi
 
 log = logging.getLogger(__name__)
 _TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*")  # RFC 6750 b64token: what a Bearer header can carry
@@ -226,30 +226,17 @@ def check_metrics_access(addr: str, token: str | None) -> None:
         )
 
 
-class _QuietHandler(WSGIRequestHandler):
-    """No access log line per request on stderr."""
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base class's name)
-        pass
-
-
-def start_wsgi(app: Callable, addr: str, port: int, *, flag: str,
-               thread_name: str) -> tuple[Any, threading.Thread, str, int]:
-    """Serve ``app`` on ``addr:port`` (port 0: a free one; IPv6 in brackets or bare) with prometheus_client's
-    threading server, quietly, on a daemon thread: ``(server, thread, host, bound port)``. An address that cannot
-    be listened on is a ``ConfigError`` naming ``flag``."""
-
-    class _Server(ThreadingWSGIServer):
-        address_family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-
+def start_wsgi(app: Callable, addr: str, port: int, *, flag: str, thread_name: str,
+               loopback_hosts: bool = False, limits: HttpLimits = HttpLimits()) -> tuple[HttpServer, str, int]:
+    """Serve ``app`` on ``addr:port`` (port 0: a free one; IPv6 in brackets or bare) with the bounded server of
+    ``service.http_server`` (a fixed pool of workers, a read deadline, capped heads), on daemon threads:
+    ``(server, host, bound port)``. ``loopback_hosts``: only ``Host: localhost`` or a loopback address is
+    answered (421 otherwise). An address that cannot be listened on is a ``ConfigError`` naming ``flag``."""
     try:
-        server = make_server(addr.strip("[]"), port, app, server_class=_Server, handler_class=_QuietHandler)
+        server = serve_wsgi(app, addr, port, name=thread_name, limits=limits, loopback_hosts=loopback_hosts)
     except OSError as exc:
         raise ConfigError(f"{flag}: cannot listen on {addr}:{port}: {exc.strerror or exc}") from None
-    thread = threading.Thread(target=server.serve_forever, name=thread_name, daemon=True)
-    thread.start()
-    host, bound_port = server.server_address[:2]
-    return server, thread, host, bound_port
+    return server, server.host, server.port
 
 
 def _require_token(app: Callable, token: str) -> Callable:
@@ -277,8 +264,7 @@ class MetricsEndpoint:
     port: int
     token_required: bool
     namespaces: frozenset[str] | None
-    _server: Any = field(repr=False, default=None)
-    _thread: threading.Thread | None = field(repr=False, default=None)
+    _server: HttpServer | None = field(repr=False, default=None)
 
     @property
     def url(self) -> str:
@@ -293,8 +279,7 @@ class MetricsEndpoint:
 
     def close(self) -> None:
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+            self._server.close()
             self._server = None
 
 
@@ -313,7 +298,7 @@ def serve_metrics(store: Any, port: int, addr: str = "127.0.0.1", *, token: str 
     if token is not None:
         app = _require_token(app, token)
 
-    server, thread, host, bound_port = start_wsgi(app, addr, port, flag="--metrics-port",
-                                                  thread_name="kvshelf-metrics")
+    server, host, bound_port = start_wsgi(app, addr, port, flag="--metrics-port", thread_name="kvshelf-metrics",
+                                          loopback_hosts=token is None)
     return MetricsEndpoint(registry, interceptor, host, bound_port, token is not None,
-                           frozenset(namespaces) if namespaces is not None else None, server, thread)
+                           frozenset(namespaces) if namespaces is not None else None, server)
