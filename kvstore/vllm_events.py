@@ -7,12 +7,17 @@ The wire follows ``vllm/distributed/kv_events.py`` at ``VLLM_VERSION`` (``ZmqEve
   payload a msgspec-msgpack ``KVEventBatch(ts, events, data_parallel_rank)`` (an array) whose events are
   ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` (maps tagged ``"type"``, default fields omitted);
 * an optional ROUTER socket (the replay endpoint, always bound) answers a request ``(8-byte start sequence)`` from a
-  REQ or DEALER client with every buffered batch from that sequence on, one ``(seq, payload)`` message each, then
-  ``(-1 as 8 signed bytes, b"")``. A start older than the buffer gets what is left, then the end marker.
-  kvshelf extension: a second request frame is a topic prefix; only batches whose topic starts with it are sent.
-* endpoints: ``tcp://*:PORT`` (or ``::``, ``ipc://``, ``inproc://``) binds, ``tcp://HOST:PORT`` connects.
+  DEALER client with every buffered batch from that sequence on, one ``(seq, payload)`` message each, then
+  ``(-1 as 8 signed bytes, b"")``. A start older than the buffer gets what is left, then the end marker. (A REQ
+  socket takes one reply per request: it reads the first message only.)
+* endpoints: ``tcp://*:PORT`` (or any with ``::``, ``ipc://``, ``inproc://``) binds, ``tcp://HOST:PORT`` connects;
+  a bracketed IPv6 host (``tcp://[::1]:PORT``) turns on ``ZMQ_IPV6``.
 
-What kvshelf maps onto it: a batch holds the events of one namespace, its topic is ``topic + namespace``; block
+What kvshelf maps onto it: a batch holds the events of one namespace, its topic is ``topic + namespace``, and each
+topic has its own sequence (from 0), so that a subscriber of one namespace sees no gaps. A replay request names its
+topic in a second frame (kvshelf's extension; only that topic's batches are sent); without it, the topic is the
+only namespace of ``namespaces``, else the only topic published so far; with several, the request is ambiguous and
+gets the end marker alone (counted as malformed). Block
 hashes are kvshelf's block keys, as the low 64 bits of the 16-byte key read big-endian (vLLM's default int form)
 or, with ``block_hashes="bytes"``, the 16 bytes; ``parent_block_hash`` is the chain's previous key (None for the
 first block); ``token_ids`` are the block's tokens and ``block_size`` their count; ``medium`` names the tier
@@ -25,7 +30,8 @@ it the event is dropped and counted). Records go in messages of up to ``FEED_BAT
 waking every 2 ms added ~40 µs per put on this project's 2-core test machine). That process reads, filters, encodes
 and sends them, on its own interpreter lock. The PUB socket is an XPUB with ``XPUB_NODROP``: a batch that a
 subscriber's high-water mark refuses is counted (``hwm_drops``) and sent to the others as PUB would. A subscriber
-sees a gap in the sequence numbers and asks the replay endpoint.
+sees a gap in the sequence numbers and asks the replay endpoint. What peers can make that process hold is bounded
+(frames, subscriptions, the buffer in batches and bytes, replays per peer and at once): ``vllm_events_worker``.
 """
 
 from __future__ import annotations
@@ -67,6 +73,8 @@ MAX_BATCH_EVENTS = 1024
 FEED_BATCH = 256
 #: how long a partial batch of records waits before the feed thread sends it
 FEED_WINDOW_S = 0.05
+#: default byte bound of the replay buffer (``buffer_bytes``)
+BUFFER_BYTES = 64 << 20
 _ENDPOINT = re.compile(r"(tcp)://(\*|\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-]+):(\d{1,5})|(ipc|inproc)://.+")
 
 
@@ -126,12 +134,19 @@ def parse_endpoint(endpoint: str, setting: str) -> tuple[str, bool]:
     return endpoint, binds
 
 
+def is_ipv6(endpoint: str) -> bool:
+    """Whether ``endpoint`` names a bracketed IPv6 host (``tcp://[::1]:PORT``): its socket needs ``ZMQ_IPV6``."""
+    return endpoint.startswith("tcp://[")
+
+
 @dataclass(frozen=True)
 class KVEventsSettings:
     """Where and how vLLM-format KV events are published (vLLM's ``KVEventsConfig`` fields, kvshelf's beside).
 
     ``namespaces``: only these namespaces' events are published (None: every namespace): with one namespace per
-    endpoint, another tenant's events never reach its subscribers."""
+    endpoint, another tenant's events never reach its subscribers. ``buffer_bytes``: payload bytes kept for replay
+    (beside ``buffer_steps`` batches; also the bound of payloads out of the buffer still queued for a peer).
+    ``handshake_s``: a peer that has not finished the ZeroMQ handshake by then is dropped."""
 
     endpoint: str
     replay_endpoint: str | None = None
@@ -142,6 +157,8 @@ class KVEventsSettings:
     block_hashes: Literal["int", "bytes"] = "int"
     namespaces: frozenset[str] | None = None
     data_parallel_rank: int = 0
+    buffer_bytes: int = BUFFER_BYTES
+    handshake_s: float = 3.0
 
     def check(self) -> None:
         parse_endpoint(self.endpoint, "kv_events_endpoint")
@@ -149,9 +166,11 @@ class KVEventsSettings:
             _, binds = parse_endpoint(self.replay_endpoint, "kv_events_replay_endpoint")
             if not binds and not self.replay_endpoint.startswith("tcp://"):
                 raise ConfigError(f"kv_events_replay_endpoint: {self.replay_endpoint!r} must be one to bind")
-        for name in ("buffer_steps", "hwm", "max_queue_size"):
+        for name in ("buffer_steps", "buffer_bytes", "hwm", "max_queue_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"kv_events_{name}: must be >= 1, got {getattr(self, name)}")
+        if not self.handshake_s > 0:
+            raise ConfigError(f"kv_events_handshake_s: must be > 0, got {self.handshake_s}")
         if self.block_hashes not in ("int", "bytes"):
             raise ConfigError(f"kv_events_block_hashes: {self.block_hashes!r} is not 'int' or 'bytes'")
 
@@ -181,7 +200,8 @@ class VLLMEventPublisher:
 
     Feed it with ``attach(store)`` (every tier's stored/removed/evicted events) or by hand: ``stored``,
     ``removed``, ``cleared``. Counters: ``published_events``, ``published_batches``, ``queue_drops``,
-    ``hwm_drops``, ``replays``, ``bad_replay_requests``."""
+    ``hwm_drops``, ``replays``, ``bad_replay_requests``, ``replays_refused``, ``socket_resets``; gauges
+    ``buffer_bytes``, ``pinned_bytes``."""
 
     def __init__(self, settings: KVEventsSettings, *, context: zmq.Context | None = None) -> None:
         from kvshelf.kvstore import vllm_events_worker as worker
@@ -301,7 +321,13 @@ class VLLMEventPublisher:
 
     @property
     def next_seq(self) -> int:
+        """Batches published so far, every topic (with one topic: its next sequence number)."""
         return self._counter(self._worker.COUNTER_NEXT_SEQ)
+
+    @property
+    def pid(self) -> int:
+        """The publisher process's id (its memory is the sockets' and the replay buffer's)."""
+        return self._proc.pid
 
     @property
     def published_events(self) -> int:
@@ -318,6 +344,10 @@ class VLLMEventPublisher:
                 "published_batches": self._counter(w.COUNTER_BATCHES), "queue_drops": self.queue_drops,
                 "hwm_drops": self._counter(w.COUNTER_HWM_DROPS), "replays": self._counter(w.COUNTER_REPLAYS),
                 "bad_replay_requests": self._counter(w.COUNTER_BAD_REPLAYS),
+                "replays_refused": self._counter(w.COUNTER_REPLAYS_REFUSED),
+                "socket_resets": self._counter(w.COUNTER_RESETS),
+                "buffer_bytes": self._counter(w.COUNTER_BUFFER_BYTES),
+                "pinned_bytes": self._counter(w.COUNTER_PINNED_BYTES),
                 "queued": max(0, self._sent - self._counter(w.COUNTER_RECORDS))}
 
     def flush(self, timeout_s: float = 5.0) -> bool:
@@ -372,6 +402,8 @@ def open_socket(socket: zmq.Socket, endpoint: str, setting: str, *, bind: bool |
     """Bind or connect ``socket`` to ``endpoint`` by vLLM's convention (``bind``: always bind); ``ConfigError``
     naming ``setting`` when it cannot."""
     _, binds = parse_endpoint(endpoint, setting)
+    if is_ipv6(endpoint):
+        socket.setsockopt(zmq.IPV6, 1)
     try:
         if binds or bind:
             socket.bind(endpoint)

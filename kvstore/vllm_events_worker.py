@@ -6,8 +6,27 @@ this process binds) and the counters (``counters``: ``COUNTERS`` int64, memory-m
 its sockets and answers ``ready`` (or ``error MESSAGE``: an endpoint that cannot be opened) on stdout. From then
 on the store's process only sends it records, one msgpack array per event (``RECORD_*``), in batches; everything
 else happens here, on another interpreter lock: the records of a message are read, filtered by namespace, turned
-into vLLM's events, encoded and sent, one batch per namespace, and kept for replay. The counters (``COUNTER_*``)
-are written after every batch. The process ends on a stop record, or when the store's process is gone.
+into vLLM's events, encoded and sent, one batch per namespace (each topic numbered on its own), and kept for replay.
+The counters (``COUNTER_*``) are written after every loop. The process ends on a stop record, or when the store's
+process is gone.
+
+What a peer can make this process hold is bounded before it is stored (the limits below):
+
+* frames: ``ZMQ_MAXMSGSIZE`` on the XPUB and the ROUTER (``MAX_FRAME_BYTES``): libzmq drops the connection of a peer
+  that announces a larger frame before reading it; peers that do not finish the ZeroMQ handshake within
+  ``handshake_s`` are dropped (``ZMQ_HANDSHAKE_IVL``);
+* subscriptions: libzmq keeps a trie node per byte of each distinct subscription (~48 bytes each). The XPUB hands
+  every new distinct subscription and every last unsubscription to this process, which keeps their count and
+  bytes; past ``MAX_SUBSCRIPTIONS`` or ``MAX_SUBSCRIPTION_BYTES`` the XPUB is closed and opened again (every
+  subscriber is dropped and reconnects; ZeroMQ's SUB sockets do that on their own) and the reset is counted;
+* the replay buffer: ``buffer_steps`` batches and ``buffer_bytes`` of payload, whichever is reached first;
+* payloads are sent zero-copy, the buffer's own bytes: a subscriber's or replay peer's queue shares them. A payload
+  that left the buffer while still queued for a peer is "pinned"; past ``buffer_bytes`` of pinned payloads for
+  ``PINNED_GRACE_S``, the replay socket (then the XPUB) is closed and opened again, which frees them;
+* replays: one job per peer, ``REPLAY_JOBS`` at once (more are answered with the end marker alone and counted as
+  refused), sent with ``ZMQ_ROUTER_MANDATORY`` and a send high-water mark of ``REPLAY_HWM`` messages: a peer that
+  does not read stops its own job (given up after ``REPLAY_STALL_S``), never another's; ``REPLAY_ROUND`` replay
+  messages at most per loop, between live batches, so live events are never behind a replay flood.
 """
 
 from __future__ import annotations
@@ -17,6 +36,7 @@ import os
 import sys
 import time
 from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,10 +64,36 @@ from kvshelf.kvstore.vllm_events import (
 #: ``(kind, ts, namespace, key, medium)``; ``(kind, ts, namespace)``; ``(kind, ts, {tier: medium})``; ``(kind,)``
 RECORD_STORE, RECORD_STORED, RECORD_REMOVED, RECORD_CLEARED, RECORD_MEDIA, RECORD_STOP = range(6)
 #: the shared counters (int64 each): records read, events published, batches, high-water-mark drops, replays,
-#: malformed replay requests, the next sequence number, this process's CPU time in ns
+#: malformed replay requests, batches published (all topics), this process's CPU time in ns, replays refused (too
+#: many at once), socket resets (subscriptions or pinned payloads past their bounds), payload bytes buffered for
+#: replay, payload bytes pinned (out of the buffer, still queued for a peer)
 (COUNTER_RECORDS, COUNTER_EVENTS, COUNTER_BATCHES, COUNTER_HWM_DROPS, COUNTER_REPLAYS, COUNTER_BAD_REPLAYS,
- COUNTER_NEXT_SEQ, COUNTER_CPU_NS) = range(8)
-COUNTERS = 8
+ COUNTER_NEXT_SEQ, COUNTER_CPU_NS, COUNTER_REPLAYS_REFUSED, COUNTER_RESETS, COUNTER_BUFFER_BYTES,
+ COUNTER_PINNED_BYTES) = range(12)
+COUNTERS = 12
+
+#: longest topic a replay request may name (a namespace is up to 1,024 characters, 4 KiB of UTF-8, plus the topic)
+MAX_TOPIC_BYTES = 8192
+#: ``ZMQ_MAXMSGSIZE`` of the XPUB and the ROUTER: a subscription or a request frame (a topic and a few bytes)
+MAX_FRAME_BYTES = MAX_TOPIC_BYTES + 64
+#: distinct subscriptions held at once, and their bytes (libzmq's trie: ~48 bytes a byte, 2 KiB a fan-out)
+MAX_SUBSCRIPTIONS = 1024
+MAX_SUBSCRIPTION_BYTES = 256 << 10
+#: inbound queue of each XPUB peer (subscriptions) and ROUTER peer (requests), in messages
+INBOUND_HWM = 4
+#: replay messages queued for one peer at most (``ZMQ_SNDHWM`` of the ROUTER)
+REPLAY_HWM = 4
+#: replay jobs at once (one per peer), replay messages sent per loop, requests read per loop
+REPLAY_JOBS = 16
+REPLAY_ROUND = 32
+REQUESTS_PER_ROUND = 64
+#: a replay job whose peer reads nothing for this long is given up
+REPLAY_STALL_S = 5.0
+#: a batch's payload is split (by events) above this size
+MAX_BATCH_BYTES = 1 << 20
+#: how long pinned payloads may stay past their bound before a socket is reset (libzmq frees them asynchronously)
+PINNED_GRACE_S = 0.1
+_SENT, _AGAIN, _GONE = range(3)
 
 
 def feed_endpoint(folder: Path) -> str:
@@ -59,34 +105,111 @@ def counters_at(folder: Path) -> np.memmap:
     return np.memmap(folder / "counters", dtype=np.int64, mode="r+", shape=(COUNTERS,))
 
 
+def parse_replay_request(frames: list[bytes]) -> tuple[int, bytes | None] | None:
+    """``(start sequence, topic or None)`` of a replay request's frames (after the peer's identity), or None when
+    malformed. A REQ client's empty delimiter frame is skipped; then the 8-byte big-endian start and, optionally, the
+    topic (``MAX_TOPIC_BYTES`` at most)."""
+    if frames and frames[0] == b"":
+        frames = frames[1:]
+    if not 1 <= len(frames) <= 2 or len(frames[0]) != 8:
+        return None
+    topic = frames[1] if len(frames) == 2 else None
+    if topic is not None and len(topic) > MAX_TOPIC_BYTES:
+        return None
+    return int.from_bytes(frames[0], "big"), topic
+
+
+@dataclass
+class _TopicLog:
+    """One topic's sequence and its buffered batches ``(seq, payload frame, bytes)``, oldest first."""
+
+    next_seq: int = 0
+    entries: deque[tuple[int, zmq.Frame, int]] = field(default_factory=deque)
+
+
+@dataclass
+class _Job:
+    """A replay under way: the batches of ``topic`` from ``next_seq`` to ``identity``."""
+
+    identity: bytes
+    topic: bytes
+    next_seq: int
+    stalled_since: float | None = None
+
+
 class _Worker:
     def __init__(self, settings: KVEventsSettings, feed: str, counters: np.ndarray) -> None:
         self.settings = settings
         self.counters = counters
         self.ctx = zmq.Context()
-        self.pub = self.ctx.socket(zmq.XPUB)
-        self.pub.setsockopt(zmq.SNDHWM, settings.hwm)
-        self.pub.setsockopt(zmq.XPUB_NODROP, 1)
-        self.pub.setsockopt(zmq.LINGER, 0)
-        self.replay: zmq.Socket | None = None
+        self.pub: zmq.Socket = self._open_pub()
+        self.replay: zmq.Socket | None = self._open_replay() if settings.replay_endpoint else None
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
-        open_socket(self.pub, settings.endpoint, "kv_events_endpoint")
-        if settings.replay_endpoint:
-            self.replay = self.ctx.socket(zmq.ROUTER)
-            self.replay.setsockopt(zmq.LINGER, 0)
-            open_socket(self.replay, settings.replay_endpoint, "kv_events_replay_endpoint", bind=True)
         self.pull.bind(feed)
-        self.buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=settings.buffer_steps)
+        self.logs: dict[bytes, _TopicLog] = {}
+        self.order: deque[bytes] = deque()  # the topic of each buffered batch, oldest first
+        self.buffered_bytes = 0
+        self.pinned: deque[tuple[Any, int]] = deque()  # (tracker, bytes) of payloads out of the buffer
+        self.pinned_bytes = 0
+        self.pinned_over_since: float | None = None
+        self.replay_reset_at = 0.0
+        self.subscriptions: set[bytes] = set()
+        self.subscription_bytes = 0
+        self.jobs: dict[bytes, _Job] = {}
         self.decoder = msgspec.msgpack.Decoder()
         self.encoder = msgspec.msgpack.Encoder()
         self.media: dict[str, str] = {}
         self.names: dict[bytes, str] = {}
-        self.seq = 0
+        self.batches = 0
         self.parent = os.getppid()
         self._hash = block_hasher(settings.block_hashes)
         self._warm_up()
         self.cpu_at_start = time.process_time_ns()  # CPU spent publishing: counted from here (start-up not)
+
+    # -- sockets ----------------------------------------------------------------------------------------------
+
+    def _guard(self, socket: zmq.Socket) -> None:
+        """The options every socket a peer reaches gets: frame size, handshake deadline, no linger."""
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        socket.setsockopt(zmq.HANDSHAKE_IVL, max(1, int(self.settings.handshake_s * 1000)))
+        socket.setsockopt(zmq.RCVHWM, INBOUND_HWM)
+
+    def _open_pub(self, *, retry: bool = False) -> zmq.Socket:
+        pub = self.ctx.socket(zmq.XPUB)
+        self._guard(pub)
+        pub.setsockopt(zmq.SNDHWM, self.settings.hwm)
+        pub.setsockopt(zmq.XPUB_NODROP, 1)
+        _open_retrying(pub, self.settings.endpoint, "kv_events_endpoint", retry=retry)
+        return pub
+
+    def _open_replay(self, *, retry: bool = False) -> zmq.Socket:
+        assert self.settings.replay_endpoint
+        replay = self.ctx.socket(zmq.ROUTER)
+        self._guard(replay)
+        replay.setsockopt(zmq.SNDHWM, REPLAY_HWM)
+        replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        _open_retrying(replay, self.settings.replay_endpoint, "kv_events_replay_endpoint", bind=True,
+                       retry=retry)
+        return replay
+
+    def _reset_pub(self) -> None:
+        """Close the XPUB and open it again: every subscription and queued batch is freed; subscribers reconnect."""
+        self.pub.close(linger=0)
+        self.subscriptions.clear()
+        self.subscription_bytes = 0
+        self.counters[COUNTER_RESETS] += 1
+        self.pub = self._open_pub(retry=True)
+
+    def _reset_replay(self) -> None:
+        """Close the replay ROUTER and open it again: every replay job and queued message is dropped."""
+        assert self.replay is not None
+        self.replay.close(linger=0)
+        self.jobs.clear()
+        self.counters[COUNTER_RESETS] += 1
+        self.replay_reset_at = time.monotonic()
+        self.replay = self._open_replay(retry=True)
 
     def _warm_up(self) -> None:
         """Build and encode one event of each type once: the encoders' one-time set-up belongs to the start."""
@@ -95,23 +218,31 @@ class _Worker:
         self.encoder.encode(KVEventBatch(ts=0.0, events=events, data_parallel_rank=None))
         self.decoder.decode(self.encoder.encode([(RECORD_STOP,)]))
 
+    # -- the loop ---------------------------------------------------------------------------------------------
+
     def run(self) -> None:
-        poller = zmq.Poller()
-        for socket in (self.pull, self.pub, self.replay):
-            if socket is not None:
-                poller.register(socket, zmq.POLLIN)
         running = True
         while running:
-            ready = dict(poller.poll(200))
-            if self.replay is not None and self.replay in ready:
-                self._serve_replays()
-            if self.pub in ready:
-                self._drain_subscriptions()
-            if self.pull in ready:  # records come batched (the publisher's FEED_BATCH / FEED_WINDOW_S)
+            poller = zmq.Poller()
+            for socket in (self.pull, self.pub, self.replay):
+                if socket is not None:
+                    poller.register(socket, zmq.POLLIN)
+            busy = any(job.stalled_since is None for job in self.jobs.values())
+            ready = dict(poller.poll(0 if busy else 50 if self.jobs else 200))
+            if self.pull in ready:  # live first: records come batched (the publisher's FEED_BATCH / FEED_WINDOW_S)
                 running = self._read_and_send()
             elif os.getppid() != self.parent:  # the store's process is gone
                 running = False
+            if self.pub in ready:
+                self._read_subscriptions()
+            if self.replay is not None and self.replay in ready:
+                self._read_replay_requests()
+            if self.jobs:
+                self._replay_round()
+            self._check_pinned()
             self.counters[COUNTER_CPU_NS] = time.process_time_ns() - self.cpu_at_start
+
+    # -- live -------------------------------------------------------------------------------------------------
 
     def _read_and_send(self) -> bool:
         items: list[tuple[str, Any]] = []
@@ -174,63 +305,219 @@ class _Worker:
         return BlockStored([self._hash(key)], self._hash(parent) if parent else None, tokens, len(tokens), None,
                            medium, None, None, 0)
 
+    def _encode(self, events: list[Any], ts: float) -> list[bytes]:
+        """The payloads of ``events``: one batch, split in halves while it is over ``MAX_BATCH_BYTES``."""
+        payload = self.encoder.encode(KVEventBatch(ts=ts, events=events,
+                                                   data_parallel_rank=self.settings.data_parallel_rank))
+        if len(payload) <= MAX_BATCH_BYTES or len(events) == 1:
+            return [payload]
+        half = len(events) // 2
+        return self._encode(events[:half], ts) + self._encode(events[half:], ts)
+
     def _send(self, items: list[tuple[str, Any]], ts: float) -> None:
         groups: dict[str, list[Any]] = {}
         for namespace, event in items:
             groups.setdefault(namespace, []).append(event)
         for namespace, events in groups.items():
-            payload = self.encoder.encode(KVEventBatch(ts=ts, events=events,
-                                                       data_parallel_rank=self.settings.data_parallel_rank))
             topic = (self.settings.topic + namespace).encode()
-            seq = self.seq
-            self.seq += 1
-            frames = (topic, seq.to_bytes(8, "big"), payload)
+            log = self.logs.get(topic)
+            if log is None:
+                log = self.logs[topic] = _TopicLog()
+            for payload in self._encode(events, ts):
+                seq = log.next_seq
+                log.next_seq += 1
+                frame = zmq.Frame(payload, track=True, copy=False)  # zero-copy: queues share the buffer's bytes
+                self._publish((topic, seq.to_bytes(8, "big"), frame))
+                log.entries.append((seq, frame, len(payload)))
+                self.order.append(topic)
+                self.buffered_bytes += len(payload)
+                self.batches += 1
+                self.counters[COUNTER_BATCHES] += 1
+            self.counters[COUNTER_EVENTS] += len(events)
+        self._evict()
+        self.counters[COUNTER_NEXT_SEQ] = self.batches
+
+    def _publish(self, frames: tuple[bytes, bytes, zmq.Frame]) -> None:
+        try:
+            self.pub.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.Again:  # a subscriber is at its high-water mark: it loses this batch, the others get it
+            self.counters[COUNTER_HWM_DROPS] += 1
+            self.pub.setsockopt(zmq.XPUB_NODROP, 0)
             try:
                 self.pub.send_multipart(frames, flags=zmq.NOBLOCK)
-            except zmq.Again:  # a subscriber is at its high-water mark: it loses this batch, the others get it
-                self.counters[COUNTER_HWM_DROPS] += 1
-                self.pub.setsockopt(zmq.XPUB_NODROP, 0)
-                try:
-                    self.pub.send_multipart(frames, flags=zmq.NOBLOCK)
-                finally:
-                    self.pub.setsockopt(zmq.XPUB_NODROP, 1)
-            self.buffer.append((seq, topic, payload))
-            self.counters[COUNTER_BATCHES] += 1
-            self.counters[COUNTER_EVENTS] += len(events)
-        self.counters[COUNTER_NEXT_SEQ] = self.seq
+            finally:
+                self.pub.setsockopt(zmq.XPUB_NODROP, 1)
 
-    def _drain_subscriptions(self) -> None:
-        """Read the XPUB's subscription messages (they would queue up otherwise)."""
-        while True:
+    def _evict(self) -> None:
+        """Drop the oldest batches past ``buffer_steps`` or ``buffer_bytes``; a payload still queued for a peer is
+        pinned (counted until libzmq lets it go)."""
+        limit_steps, limit_bytes = self.settings.buffer_steps, self.settings.buffer_bytes
+        while self.order and (len(self.order) > limit_steps or self.buffered_bytes > limit_bytes):
+            log = self.logs[self.order.popleft()]
+            _, frame, nbytes = log.entries.popleft()
+            self.buffered_bytes -= nbytes
+            self.pinned.append((frame.tracker, nbytes))  # done once this frame and every queued copy are freed
+            self.pinned_bytes += nbytes
+        self.counters[COUNTER_BUFFER_BYTES] = self.buffered_bytes
+
+    def _check_pinned(self) -> None:
+        """Forget pinned payloads libzmq has freed; past ``buffer_bytes`` for ``PINNED_GRACE_S``, reset the replay
+        socket (its peers pin payloads by not reading) or, when that was just done, the XPUB."""
+        while self.pinned and self.pinned[0][0].done:
+            self.pinned_bytes -= self.pinned.popleft()[1]
+        if self.pinned_bytes > self.settings.buffer_bytes:
+            kept = deque(item for item in self.pinned if not item[0].done)
+            self.pinned, self.pinned_bytes = kept, sum(nbytes for _, nbytes in kept)
+        now = time.monotonic()
+        if self.pinned_bytes <= self.settings.buffer_bytes:
+            self.pinned_over_since = None
+        elif self.pinned_over_since is None:
+            self.pinned_over_since = now
+        elif now - self.pinned_over_since >= PINNED_GRACE_S:
+            if self.replay is not None and now - self.replay_reset_at > 2 * PINNED_GRACE_S:
+                self._reset_replay()
+            else:
+                self._reset_pub()
+            self.pinned_over_since = now
+        self.counters[COUNTER_PINNED_BYTES] = self.pinned_bytes
+
+    def _read_subscriptions(self) -> None:
+        """Read the XPUB's subscription messages (each new distinct subscription, each last unsubscription) and keep
+        their count and bytes within ``MAX_SUBSCRIPTIONS`` and ``MAX_SUBSCRIPTION_BYTES`` (past them: reset)."""
+        for _ in range(4 * MAX_SUBSCRIPTIONS):
             try:
-                self.pub.recv(flags=zmq.NOBLOCK)
+                message = self.pub.recv(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
+            topic = message[1:]
+            if message[:1] == b"\x01" and topic not in self.subscriptions:
+                self.subscriptions.add(topic)
+                self.subscription_bytes += len(topic) + 1
+            elif message[:1] == b"\x00" and topic in self.subscriptions:
+                self.subscriptions.discard(topic)
+                self.subscription_bytes -= len(topic) + 1
+            if len(self.subscriptions) > MAX_SUBSCRIPTIONS or self.subscription_bytes > MAX_SUBSCRIPTION_BYTES:
+                self._reset_pub()
+                return
 
-    def _serve_replays(self) -> None:
+    # -- replay -----------------------------------------------------------------------------------------------
+
+    def _read_replay_requests(self) -> None:
+        """Read up to ``REQUESTS_PER_ROUND`` requests; each starts (or restarts) its peer's job, or gets the end
+        marker alone (malformed, ambiguous, or ``REPLAY_JOBS`` under way)."""
         assert self.replay is not None
-        while self.replay.poll(0):
-            frames = self.replay.recv_multipart()
-            identity, rest = frames[0], frames[1:]
-            if rest and rest[0] == b"":
-                rest = rest[1:]  # a REQ client's delimiter
-            if not 1 <= len(rest) <= 2 or len(rest[0]) != 8:  # malformed: the end marker alone, so no client hangs
+        for _ in range(REQUESTS_PER_ROUND):
+            try:
+                identity = self.replay.recv(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            frames: list[bytes] = []
+            extra = 0
+            while self.replay.getsockopt(zmq.RCVMORE):
+                frame = self.replay.recv()
+                if len(frames) < 4:
+                    frames.append(frame)
+                else:
+                    extra += 1
+            request = parse_replay_request(frames) if not extra else None
+            topic = self._topic_of(request[1]) if request is not None else None
+            if request is None or topic is None:
                 self.counters[COUNTER_BAD_REPLAYS] += 1
-                self.replay.send_multipart((identity, b"", END_SEQ, b""))
+                self._send_replay(identity, END_SEQ, b"")
                 continue
-            start = int.from_bytes(rest[0], "big")
-            prefix = rest[1] if len(rest) == 2 else b""
+            if identity not in self.jobs and len(self.jobs) >= REPLAY_JOBS:
+                self.counters[COUNTER_REPLAYS_REFUSED] += 1
+                self._send_replay(identity, END_SEQ, b"")
+                continue
             self.counters[COUNTER_REPLAYS] += 1
-            for seq, topic, payload in list(self.buffer):
-                if seq >= start and topic.startswith(prefix):
-                    self.replay.send_multipart((identity, b"", seq.to_bytes(8, "big"), payload))
-            self.replay.send_multipart((identity, b"", END_SEQ, b""))
+            self.jobs[identity] = _Job(identity, topic, request[0])
+
+    def _topic_of(self, named: bytes | None) -> bytes | None:
+        """The topic a request replays: the one it names; else the only namespace of ``namespaces``, or the only
+        topic published so far (b"" when none was); None when that is ambiguous (several topics)."""
+        if named is not None:
+            return named
+        allowed = self.settings.namespaces
+        if allowed is not None and len(allowed) == 1:
+            return (self.settings.topic + next(iter(allowed))).encode()
+        if len(self.logs) <= 1:
+            return next(iter(self.logs), b"")
+        return None
+
+    def _replay_round(self) -> None:
+        """Send up to ``REPLAY_ROUND`` replay messages, shared by the jobs; give up jobs stalled ``REPLAY_STALL_S``."""
+        now = time.monotonic()
+        share = max(1, REPLAY_ROUND // len(self.jobs))
+        for identity in list(self.jobs):
+            job = self.jobs[identity]
+            if self._advance(job, share) or (job.stalled_since is not None
+                                             and now - job.stalled_since > REPLAY_STALL_S):
+                del self.jobs[identity]
+        if self.jobs:  # the next round starts with the next job
+            first = next(iter(self.jobs))
+            self.jobs[first] = self.jobs.pop(first)
+
+    def _advance(self, job: _Job, quota: int) -> bool:
+        """Send up to ``quota`` of ``job``'s batches, then its end marker; True when the job is over."""
+        log = self.logs.get(job.topic)
+        while quota > 0:
+            if log is None or job.next_seq >= log.next_seq:
+                result = self._send_replay(job.identity, END_SEQ, b"")
+                if result == _AGAIN:
+                    job.stalled_since = job.stalled_since or time.monotonic()
+                    return False
+                return True
+            oldest = log.entries[0][0] if log.entries else log.next_seq
+            if job.next_seq < oldest:  # older than the buffer: what is left
+                job.next_seq = oldest
+                continue
+            seq, frame, _ = log.entries[job.next_seq - oldest]
+            result = self._send_replay(job.identity, seq.to_bytes(8, "big"), frame)
+            if result == _GONE:
+                return True
+            if result == _AGAIN:
+                job.stalled_since = job.stalled_since or time.monotonic()
+                return False
+            job.stalled_since = None
+            job.next_seq += 1
+            quota -= 1
+        return False
+
+    def _send_replay(self, identity: bytes, seq: bytes, payload: bytes | zmq.Frame) -> int:
+        """Queue one replay message for ``identity`` without blocking: ``_SENT``, ``_AGAIN`` (its queue is full) or
+        ``_GONE`` (no such peer)."""
+        assert self.replay is not None
+        try:
+            self.replay.send_multipart((identity, b"", seq, payload), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return _AGAIN
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                return _GONE
+            raise
+        return _SENT
 
     def close(self) -> None:
         for socket in (self.pull, self.pub, self.replay):
             if socket is not None:
                 socket.close(linger=0)
         self.ctx.term()
+
+
+def _open_retrying(socket: zmq.Socket, endpoint: str, setting: str, *, bind: bool = False,
+                   retry: bool = False) -> None:
+    """``open_socket``; with ``retry`` (a socket re-opened after a reset) retried for up to 5 s while the address is
+    still held by the socket it replaces (libzmq closes a listener in its I/O thread, shortly after ``close``)."""
+    deadline = time.monotonic() + 5.0
+    while True:
+        try:
+            open_socket(socket, endpoint, setting, bind=bind)
+            return
+        except ConfigError:
+            if not retry or time.monotonic() >= deadline:
+                socket.close(linger=0)
+                raise
+            time.sleep(0.02)
 
 
 def main() -> None:
