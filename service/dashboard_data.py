@@ -40,6 +40,7 @@ DEGRADED_WINDOW_S = 60.0
 _SERIES_COUNTS = tuple(m.value for m in BLOCK_COUNTS)
 _TIER_COUNTS = frozenset((Metric.EVICTIONS.value, Metric.HITS.value, Metric.MISSES.value, Metric.CORRUPT.value))
 _FAILURES = (Metric.UNAVAILABLE.value, Metric.CORRUPT.value)
+_UNAVAILABLE = Metric.UNAVAILABLE.value  # a plain str: compared once per counter, an enum's .value costs more
 
 
 def _clean_name(name: str | None) -> str | None:
@@ -200,7 +201,7 @@ def local_snapshot(store: Any, *, events_seq: Callable[[], int] | None = None, h
     sums: dict[str, dict[str, int]] = {}
     unavailable: dict[str, int] = {}
     for (tier, ns, model, metric), value in store.counters.snapshot().items():
-        if metric == Metric.UNAVAILABLE.value:  # counted under no namespace: the tier's health, every tenant's
+        if metric == _UNAVAILABLE:  # counted under no namespace: the tier's health, every tenant's
             unavailable[tier] = unavailable.get(tier, 0) + value
         if scope is not None and ns not in scope:
             continue
