@@ -7,13 +7,16 @@ hello (and for a put the values, scatter-gather, then the end mark), and reads t
 frame; then the call's result.
 
 ``DataPathUnavailable`` means the path itself is refused (a server without it, or with it off; a data port that
-cannot be reached or a connection cut before any reply, as a middlebox does): the caller falls back to gRPC. Every
-other failure is the transfer's: ``RemoteStoreError`` with the status both sides report.
+cannot be reached, that takes no hello (the control call ends saying that no data connection presented its ticket,
+after the ticket's lifetime: the client stops waiting then) or a connection cut before any reply, as a middlebox
+does): the caller falls back to gRPC. Every other failure is the transfer's: ``RemoteStoreError`` with the status
+both sides report.
 """
 
 from __future__ import annotations
 
 import contextlib
+import select
 import ssl
 import threading
 from collections.abc import Callable, Sequence
@@ -30,6 +33,7 @@ from kvshelf.service.bulk.framing import (
     REFUSED,
     REPLY_HEAD,
     STATUS,
+    UNANSWERED_METADATA,
     Entry,
     ReplyHead,
     check_value,
@@ -85,9 +89,10 @@ class DataPathClient:
                                      fingerprint=fingerprint, tokens=tokens)
         head = bytearray(REPLY_HEAD.size)
 
-        def exchange(sock: Any, ticket: bytes, replied: list[bool]) -> tuple[list[bytearray | None], ReplyHead]:
+        def exchange(sock: Any, call: _Transfer, replied: list[bool]) -> tuple[list[bytearray | None], ReplyHead]:
             out: list[bytearray | None] = [None] * len(keys)
-            send_parts(sock, [encode_hello(OP_GET, ticket, namespace, [Entry(k) for k in keys])])
+            send_parts(sock, [encode_hello(OP_GET, call.ticket, namespace, [Entry(k) for k in keys])])
+            call.await_reply(sock)
             for index, key in enumerate(keys):
                 reply = self._head(sock, head)
                 replied[0] = True
@@ -113,10 +118,12 @@ class DataPathClient:
                                      sizes=[len(value) for _, value in items], pin=pin)
         entries = [Entry(key, len(value), trailer_checksum(value)) for key, value in items]
 
-        def exchange(sock: Any, ticket: bytes, replied: list[bool]) -> tuple[int, ReplyHead]:
-            hello = encode_hello(OP_PUT, ticket, namespace, entries)
+        def exchange(sock: Any, call: _Transfer, replied: list[bool]) -> tuple[int, ReplyHead]:
+            hello = encode_hello(OP_PUT, call.ticket, namespace, entries)
             with contextlib.suppress(OSError):  # the server may have refused the put midway: its status frame says why
-                send_parts(sock, [hello, *(value for _, value in items), END_MARK])
+                send_parts(sock, [hello, *(value for _, value in items), END_MARK],
+                           stalled=(call.expires_s + REPLY_GRACE_S, lambda: call.watch(sock)))
+            call.await_reply(sock)
             reply = self._head(sock, bytearray(REPLY_HEAD.size))
             replied[0] = True
             done = self._ended(sock, reply)
@@ -134,8 +141,8 @@ class DataPathClient:
     # -- plumbing -------------------------------------------------------------------------------------------------
 
     def _transfer(self, request: pb.DataPathRequest,
-                  exchange: Callable[[Any, bytes, list[bool]], tuple[T, ReplyHead]]) -> T:
-        """Open the call, run ``exchange(sock, ticket, replied)`` on a data connection (a kept one when there is
+                  exchange: Callable[[Any, _Transfer, list[bool]], tuple[T, ReplyHead]]) -> T:
+        """Open the call, run ``exchange(sock, call, replied)`` on a data connection (a kept one when there is
         one; a fresh one if it turns out closed), keep the connection when the transfer ended well; the exchange's
         outcome. The end frame says how it went, so the call is then cancelled rather than read to its end (its
         result says the same; reading it costs a round of the channel); a failure is read from the call."""
@@ -147,9 +154,13 @@ class DataPathClient:
         while True:
             replied = [False]
             try:
-                out, done = exchange(sock, call.ticket, replied)
+                out, done = exchange(sock, call, replied)
             except (OSError, DataPathError) as exc:
                 _close(sock)  # first: a server still sending or reading is woken
+                call.settle()
+                if call.unanswered:  # the server never saw this connection: its data port is not answering
+                    raise DataPathUnavailable(f"the data port {self.host}:{call.port} took no hello (the server saw "
+                                              "no data connection within the ticket's lifetime)") from None
                 if kept and not replied[0] and not isinstance(exc, DataPathError):  # the server closed it meanwhile
                     sock, kept = self._connect(call), False
                     continue
@@ -157,9 +168,11 @@ class DataPathClient:
             except DataPathUnavailable:  # refused before its hello was read (the port is busy): gRPC for this call
                 _close(sock)
                 call.stream.cancel()
+                call.settle()
                 raise
             break
         call.stream.cancel()
+        call.settle()
         if done.count != len(request.keys):
             _close(sock)
             raise RemoteStoreError(grpc.StatusCode.DATA_LOSS,
@@ -239,10 +252,55 @@ class _Transfer:
         self.ticket = bytes(ticket.ticket)
         self.port = int(ticket.port)
         self.tls = bool(ticket.tls)
+        self.expires_s = float(ticket.expires_s) or DEFAULT_TICKET_S
+        self.unanswered = False  # the call ended saying that no data connection presented its ticket
+        self._watcher: threading.Thread | None = None
+        self._outcome: Any = None  # what the watcher read of the call: its next message, or its error
+
+    def await_reply(self, sock: Any) -> None:
+        """Return once ``sock`` has a reply to read, or its ticket's lifetime (and a grace) passed without one. Then
+        the control call is watched too (a thread reads it): if it ends saying that no data connection presented
+        the ticket (``UNANSWERED_METADATA``: the data port took no hello), ``sock`` is shut, so the read that follows
+        ends at once and the transfer is ``DataPathUnavailable`` (``unanswered``). A transfer answered in time costs
+        one poll. (A put's send that stalls as long starts the same watch.)"""
+        if not _readable(sock, self.expires_s + REPLY_GRACE_S):
+            self.watch(sock)
+
+    def watch(self, sock: Any) -> None:
+        """Watch the control call (a thread reads it, once; see ``await_reply``)."""
+        if self._watcher is not None:
+            return
+        watcher = threading.Thread(target=self._watch, args=(sock,), name="kvshelf-data-watch", daemon=True)
+        try:
+            watcher.start()
+        except RuntimeError:  # no thread to spare: the read that follows waits for the call's deadline
+            return
+        self._watcher = watcher
+
+    def _watch(self, sock: Any) -> None:
+        try:
+            self._outcome = next(self.stream, None)
+        except grpc.RpcError as exc:
+            self._outcome = exc
+            trailer = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+            if any(key == UNANSWERED_METADATA for key, _ in trailer or ()):
+                self.unanswered = True
+                shutdown(sock)
+
+    def settle(self) -> None:
+        """Wait for the watcher (``await_reply``), if one runs, to end (it ends with the call)."""
+        if self._watcher is not None:
+            self._watcher.join()
 
     def result(self) -> pb.DataPathResult:
         """The call's result message (its errors raise ``grpc.RpcError``, as any call's)."""
-        message = next(self.stream, None)
+        if self._watcher is not None:  # the watcher read what came of the call
+            self._watcher.join()
+            if isinstance(self._outcome, grpc.RpcError):
+                raise self._outcome
+            message, self._watcher = self._outcome, None
+        else:
+            message = next(self.stream, None)
         if message is None or not message.HasField("result"):
             raise RemoteStoreError(grpc.StatusCode.DATA_LOSS, "OpenDataPath ended without a result")
         for _ in self.stream:  # the end of the stream (its status)
@@ -266,6 +324,24 @@ class _Transfer:
             pass
         code = exc.code if isinstance(exc, DataPathError) else grpc.StatusCode.DATA_LOSS
         raise RemoteStoreError(code, exc.message if isinstance(exc, DataPathError) else str(exc)) from None
+
+
+#: how long a client waits for a transfer's first reply past its ticket's lifetime before it watches the control
+#: call (``_Transfer.await_reply``); and the lifetime it assumes for a ticket that gives none
+REPLY_GRACE_S = 1.0
+DEFAULT_TICKET_S = 5.0
+
+
+def _readable(sock: Any, timeout_s: float) -> bool:
+    """Whether ``sock`` has bytes to read (or is closed) within ``timeout_s``."""
+    if isinstance(sock, ssl.SSLSocket) and sock.pending():
+        return True
+    poller = select.poll()  # not select(): file descriptors past 1024 are common
+    try:
+        poller.register(sock, select.POLLIN)
+    except (OSError, ValueError):
+        return True  # closed: the read that follows says so
+    return bool(poller.poll(timeout_s * 1000))
 
 
 def _close(sock: Any) -> None:

@@ -55,6 +55,9 @@ MAX_VALUE_BYTES = 1 << 40  # a size past this is garbage, whatever the server's 
 MAX_STATUS_MESSAGE_BYTES = 4096
 REPLY_HEAD = struct.Struct("<cQ8s")
 VALUE, MISS, DONE, STATUS, REFUSED = b"V", b"M", b"D", b"S", b"R"
+#: trailing metadata of an ``OpenDataPath`` call that ended because no data connection presented its ticket (the
+#: data port took no hello from its client): the client then stops waiting on its data connection and uses gRPC
+UNANSWERED_METADATA = "kvshelf-data-unanswered"
 
 
 @dataclass(frozen=True)

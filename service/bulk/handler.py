@@ -10,15 +10,16 @@ thread). The rules of ``PutBlocks`` and ``GetBlocks`` hold, through the same ser
   buffer of its announced size, checked against its checksum and verified as a block (key, namespace, codec) as soon
   as it is whole; the end mark must follow the last one; nothing is stored until all of them are, then they are
   stored as ``PutBlocks`` stores them (``KVShelfServicer.store_values``); the status frame acknowledges them;
-* get: the store reads and checks the values as for ``GetBlocks`` (``KVShelfServicer.served``); each goes out with
-  one scatter-gather send of its head and its bytes as stored (no copy), its checksum the block's own.
+* get: once the data connection is delivered (nothing is read for a ticket never presented), the store reads and
+  checks the values as for ``GetBlocks`` (``KVShelfServicer.served``: a few ahead of what is sent, a key named more
+  than once read once); each goes out with one scatter-gather send of its head and its bytes as stored (no copy),
+  its checksum the block's own.
 
 A failure is sent as a status frame on the data connection (best effort) and ends the call with the same status.
 """
 
 from __future__ import annotations
 
-import itertools
 import socket
 import time
 from collections.abc import Iterator
@@ -31,6 +32,7 @@ from kvshelf.service.bulk.framing import (
     CHECKSUM_BYTES,
     END_MARK,
     MISS_HEAD,
+    UNANSWERED_METADATA,
     Entry,
     check_end,
     check_trailer,
@@ -84,7 +86,12 @@ class DataPathHandler:
         wakes the wait and later shuts the connection."""
         context.add_callback(pending.close)
         ticket.waiting()
-        conn, entries = pending.wait(self.listener.ticket_ttl_s)
+        try:
+            conn, entries = pending.wait(self.listener.ticket_ttl_s)
+        except DataPathError:
+            if not pending.presented:  # the data port never saw its client: tell it not to wait there any more
+                context.set_trailing_metadata(((UNANSWERED_METADATA, "1"),))
+            raise
         ticket.progress(0)
 
         def ended() -> None:  # the call is over: a transfer still running is cut (a finished one is kept)
@@ -149,13 +156,13 @@ class DataPathHandler:
         first, pending = self._ticket(OP_GET, namespace, keys)
         try:
             yield first
-            # the first values are read (and checked by the store) while the client connects and sends its hello
-            served = self.servicer.served(scoped, namespace, req.fingerprint or None, list(req.tokens))
-            head = next(served, None)
             conn, _ = self._connection(pending, context, ticket)
+            # read only now that its client is connected (a ticket never presented costs no read), a few values
+            # ahead of what is sent, each key once however often it is named (``KVShelfServicer.served``)
+            served = self.servicer.served(scoped, namespace, req.fingerprint or None, list(req.tokens))
             found = 0
             try:
-                for _, _, value in itertools.chain([head] if head is not None else [], served):
+                for _, _, value in served:
                     ticket.waiting()  # a client that does not read blocks the send: idle
                     if value is None:
                         send_parts(conn, [MISS_HEAD], ticket.progress)

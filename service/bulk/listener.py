@@ -6,17 +6,20 @@ signature, expiry, single use), checks that the hello names the ticket's namespa
 connection to the control call waiting for it (``Pending``). A connection is refused with a status frame naming why
 (and the control call of a valid ticket ends with the same status):
 
-* more than ``max_handshakes`` connections not yet through their handshake (half that from one peer host):
-  RESOURCE_EXHAUSTED;
+* more than ``max_handshakes`` connections held by the listener (in their handshake, or kept for their next hello,
+  below), or half that from one peer host: RESOURCE_EXHAUSTED (a ``REFUSED`` frame: the client uses gRPC for that
+  call);
+* no thread can be started for it (the process is at its task limit): RESOURCE_EXHAUSTED the same way; the accept
+  loop goes on (it is supervised: nothing one connection does or lacks ends it);
 * no hello within the handshake timeout: DEADLINE_EXCEEDED (a kept connection, below, waits ``keepalive_s`` for its
   next hello's first byte, then the handshake timeout for the rest);
 * not a hello, a forged, expired, replayed or unknown ticket: UNAUTHENTICATED;
 * the ticket of another namespace, op or set of keys: PERMISSION_DENIED.
 
+So the listener runs at most ``max_handshakes`` threads besides its accept thread, each ended by a deadline.
 Tenants' data connections are bounded by their control calls, which hold stream slots (``service/fairness.py``).
-A connection whose transfer ended cleanly is kept (``keep``: at most ``max_handshakes`` kept connections, half that
-from one host) for the client's next transfer, which presents a ticket of its own: no connect per call, and no
-socket left in TIME_WAIT per call.
+A connection whose transfer ended cleanly is kept (``keep``, within the same caps) for the client's next transfer,
+which presents a ticket of its own: no connect per call, and no socket left in TIME_WAIT per call.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -64,6 +67,7 @@ class Pending:
     _error: DataPathError | None = None
     _closed: bool = False
     peer: str = ""  # the host of the data connection, once delivered
+    presented: bool = False  # a data connection presented the ticket (whatever became of it)
     finished: bool = False  # the transfer ended cleanly: its connection is kept for the client's next one
 
     def deliver(self, conn: socket.socket, entries: tuple[Entry, ...], peer: str) -> bool:
@@ -117,9 +121,9 @@ class DataListener:
         self.replays = ReplayGuard()
         self.accepted = 0  # connections accepted
         self.refused = 0  # connections refused (any reason)
+        self.thread_failures = 0  # connections refused (or kept ones closed) because no thread could start
         self._pending: dict[bytes, Pending] = {}
-        self._handshakes: dict[str, int] = {}  # peer host -> connections in their handshake
-        self._kept: dict[str, int] = {}  # peer host -> kept connections waiting for their next hello
+        self._held: dict[str, int] = {}  # peer host -> its connections in their handshake or kept for their next
         self._kept_socks: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
@@ -128,7 +132,11 @@ class DataListener:
         self._sock = socket.create_server((host, port), family=family, backlog=256, dualstack_ipv6=dualstack)
         self.port: int = self._sock.getsockname()[1]
         self._thread = threading.Thread(target=self._accept_loop, name="kvshelf-data-accept", daemon=True)
-        self._thread.start()
+        try:
+            self._thread.start()
+        except RuntimeError:
+            self._sock.close()
+            raise
 
     # -- control calls --------------------------------------------------------------------------------------------
 
@@ -147,18 +155,29 @@ class DataListener:
             self._pending.pop(pending.claims.nonce, None)
 
     def keep(self, conn: socket.socket, peer: str) -> None:
-        """Keep ``conn`` (its transfer ended cleanly) for its client's next hello, or close it when too many are
-        kept."""
+        """Keep ``conn`` (its transfer ended cleanly) for its client's next hello, or close it when the listener
+        holds too many connections (of that host, or in all)."""
         with self._lock:
-            mine = self._kept.get(peer, 0)
-            admitted = not self._closed and mine < self.max_per_peer and sum(self._kept.values()) < self.max_handshakes
+            admitted = not self._closed and self._hold(peer) is None
             if admitted:
-                self._kept[peer] = mine + 1
                 self._kept_socks.add(conn)
         if not admitted:
             _close(conn)
             return
-        threading.Thread(target=self._next_hello, args=(conn, peer), name="kvshelf-data-kept", daemon=True).start()
+        if not self._start(self._next_hello, (conn, peer), "kvshelf-data-kept"):
+            with self._lock:
+                self._kept_socks.discard(conn)
+            self._release(peer)
+            _close(conn)
+
+    def held(self, peer: str | None = None) -> int:
+        """Connections in their handshake or kept for their next hello (of ``peer``, or in all)."""
+        with self._lock:
+            return self._held.get(peer, 0) if peer is not None else sum(self._held.values())
+
+    def alive(self) -> bool:
+        """Whether the accept loop runs."""
+        return self._thread.is_alive()
 
     def close(self) -> None:
         with self._lock:
@@ -173,9 +192,44 @@ class DataListener:
             shutdown(conn)
         self._thread.join(timeout=5)
 
+    # -- admission ------------------------------------------------------------------------------------------------
+
+    def _hold(self, peer: str) -> str | None:
+        """Count one more connection of ``peer`` as held (the lock held); or the reason it cannot be."""
+        total = sum(self._held.values())
+        mine = self._held.get(peer, 0)
+        if mine >= self.max_per_peer:
+            return (f"{mine} data connections of {peer} are in their handshake or kept (at most "
+                    f"{self.max_per_peer})")
+        if total >= self.max_handshakes:
+            return f"{total} data connections are in their handshake or kept (at most {self.max_handshakes})"
+        self._held[peer] = mine + 1
+        return None
+
+    def _release(self, peer: str) -> None:
+        """One held connection of ``peer`` is no longer held (its handshake ended, or it was closed)."""
+        with self._lock:
+            left = self._held.get(peer, 1) - 1
+            if left > 0:
+                self._held[peer] = left
+            else:
+                self._held.pop(peer, None)
+
+    def _start(self, target: Callable[..., None], args: tuple[object, ...], name: str) -> bool:
+        """Start a daemon thread running ``target(*args)``; False when none can start (the process is at its task
+        limit: ``RuntimeError: can't start new thread``)."""
+        try:
+            threading.Thread(target=target, args=args, name=name, daemon=True).start()
+        except RuntimeError as exc:
+            self.thread_failures += 1
+            log.warning("data path: cannot start a thread for a connection (%s); it is refused", exc)
+            return False
+        return True
+
     # -- connections ----------------------------------------------------------------------------------------------
 
     def _accept_loop(self) -> None:
+        """Accept until ``close``; a failure with one connection refuses that one and never ends the loop."""
         while True:
             try:
                 conn, addr = self._sock.accept()
@@ -184,47 +238,46 @@ class DataListener:
                     return
                 time.sleep(0.01)  # EMFILE and the like: do not spin
                 continue
-            self.accepted += 1
-            peer = str(addr[0])
-            with self._lock:
-                total = sum(self._handshakes.values())
-                mine = self._handshakes.get(peer, 0)
-                admitted = total < self.max_handshakes and mine < self.max_per_peer
-                if admitted:
-                    self._handshakes[peer] = mine + 1
-            if not admitted:
-                self.refused += 1
-                why = (f"{mine} data connections of {peer} are in their handshake (at most {self.max_per_peer})"
-                       if mine >= self.max_per_peer else
-                       f"{total} data connections are in their handshake (at most {self.max_handshakes})")
-                self._refuse(conn, DataPathError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{why}; retry later"),
-                             plain=True)
-                continue
-            threading.Thread(target=self._handshake, args=(conn, peer, True), name="kvshelf-data-handshake",
-                             daemon=True).start()
+            try:
+                self._admit(conn, str(addr[0]))
+            except Exception:  # supervision: the listener outlives whatever went wrong with one connection
+                log.exception("data path: a connection failed at accept; the listener goes on")
+                _close(conn)
+
+    def _admit(self, conn: socket.socket, peer: str) -> None:
+        """Hand an accepted connection to a handshake thread, or refuse it (too many held, no thread)."""
+        self.accepted += 1
+        with self._lock:
+            why = self._hold(peer)
+        if why is not None:
+            self.refused += 1
+            self._refuse(conn, DataPathError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{why}; retry later"), plain=True)
+            return
+        if not self._start(self._handshake, (conn, peer, True), "kvshelf-data-handshake"):
+            self._release(peer)
+            self.refused += 1
+            self._refuse(conn, DataPathError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                             "the server cannot start a thread for this connection now; retry later"),
+                         plain=True)
 
     def _next_hello(self, conn: socket.socket, peer: str) -> None:
-        """A kept connection: wait for its next hello (``keepalive_s``), then its handshake; closed quietly when
-        its client closes it or sends nothing."""
+        """A kept connection: wait for its next hello (``keepalive_s``), then its handshake (still held: it counts
+        against the caps all along); closed quietly when its client closes it or sends nothing."""
+        ready = False
         try:
             ready = _readable(conn, self.keepalive_s)
         finally:
             with self._lock:
                 self._kept_socks.discard(conn)
-                left = self._kept.get(peer, 1) - 1
-                if left > 0:
-                    self._kept[peer] = left
-                else:
-                    self._kept.pop(peer, None)
-                if ready:
-                    self._handshakes[peer] = self._handshakes.get(peer, 0) + 1
-        if not ready:
-            _close(conn)
-            return
-        self._handshake(conn, peer, False)
+            if not ready:
+                self._release(peer)
+                _close(conn)
+        if ready:
+            self._handshake(conn, peer, False)
 
     def _handshake(self, conn: socket.socket, peer: str, new: bool) -> None:
-        """Read and check a hello, and deliver the connection (``new``: a fresh connection, TLS not started)."""
+        """Read and check a hello, and deliver the connection (``new``: a fresh connection, TLS not started); the
+        connection is no longer held once this ends."""
         pending: Pending | None = None
         try:
             deadline = time.monotonic() + self.handshake_timeout_s
@@ -240,6 +293,8 @@ class DataListener:
             self.replays.use(claims)
             with self._lock:
                 pending = self._pending.pop(claims.nonce, None)
+            if pending is not None:
+                pending.presented = True
             if pending is None:
                 raise TicketError("ticket of a call that is over (it timed out, was cancelled or was answered)")
             _check_binding(head.op, namespace, head.count, claims, pending)
@@ -263,12 +318,7 @@ class DataListener:
                 pending.refuse(DataPathError(grpc.StatusCode.DATA_LOSS, f"the data connection failed: {exc}"))
             conn.close()
         finally:
-            with self._lock:
-                left = self._handshakes.get(peer, 1) - 1
-                if left > 0:
-                    self._handshakes[peer] = left
-                else:
-                    self._handshakes.pop(peer, None)
+            self._release(peer)
 
     def _refuse(self, conn: socket.socket, error: DataPathError, *, plain: bool = False) -> None:
         """Send ``error``'s status frame (best effort: never blocks for long) and close ``conn``. ``plain``: refused

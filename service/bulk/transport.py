@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import socket
 import ssl
 import tempfile
@@ -89,20 +90,31 @@ def recv_bytes(sock: socket.socket, size: int, what: str, *, deadline: float | N
 
 
 def send_parts(sock: socket.socket, parts: Sequence[bytes | bytearray | memoryview],
-               progress: Callable[[int], None] | None = None) -> None:
+               progress: Callable[[int], None] | None = None,
+               stalled: tuple[float, Callable[[], None]] | None = None) -> None:
     """Send ``parts`` in order without joining them: ``sendmsg`` (scatter-gather) on a plain socket, ``sendall``
     per part on TLS (which has no ``sendmsg``). A peer that stops reading for the socket's timeout is
-    DEADLINE_EXCEEDED."""
+    DEADLINE_EXCEEDED. ``stalled``: ``(seconds, callback)``: the callback runs (once) when the peer takes nothing
+    for that long, and the send goes on."""
     views = [memoryview(p).cast("B") for p in parts if len(p)]
+
+    def check_stall() -> None:
+        nonlocal stalled
+        if stalled is not None and not _writable(sock, stalled[0]):
+            stalled[1]()
+            stalled = None
+
     try:
         if isinstance(sock, ssl.SSLSocket):
             for view in views:
+                check_stall()
                 sock.sendall(view)
                 if progress is not None:
                     progress(len(view))
             return
         first = 0
         while first < len(views):
+            check_stall()
             sent = sock.sendmsg(views[first : first + _IOV_MAX])
             if progress is not None:
                 progress(sent)
@@ -116,19 +128,30 @@ def send_parts(sock: socket.socket, parts: Sequence[bytes | bytearray | memoryvi
                             f"the peer of the data connection took nothing for {sock.gettimeout():g} s") from None
 
 
+def _writable(sock: socket.socket, timeout_s: float) -> bool:
+    """Whether ``sock`` takes bytes (or is closed: the send that follows says so) within ``timeout_s``."""
+    poller = select.poll()  # not select(): file descriptors past 1024 are common
+    try:
+        poller.register(sock, select.POLLOUT)
+    except (OSError, ValueError):
+        return True
+    return bool(poller.poll(timeout_s * 1000))
+
+
 #: how long a client waits for a data connection to open (a firewall that drops the packets: fall back soon)
 CONNECT_TIMEOUT_S = 5.0
 
 
 def connect(host: str, port: int, timeout_s: float, tls: ssl.SSLContext | None) -> socket.socket:
     """A data connection to ``host:port`` (TLS with ``tls``, checking the server's name against ``host``), opened
-    within ``CONNECT_TIMEOUT_S`` (or ``timeout_s`` if shorter); its reads and writes time out after ``timeout_s``."""
+    (TLS handshake included) within ``CONNECT_TIMEOUT_S`` (or ``timeout_s`` if shorter); its reads and writes time
+    out after ``timeout_s``."""
     sock = socket.create_connection((host, port), timeout=min(timeout_s, CONNECT_TIMEOUT_S))
     try:
-        sock.settimeout(timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if tls is not None:
             sock = tls.wrap_socket(sock, server_hostname=host)
+        sock.settimeout(timeout_s)
     except BaseException:
         sock.close()
         raise

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import threading
 import time
 
 import grpc
@@ -473,3 +474,121 @@ def test_get_client_that_stops_reading_is_ended(server):
 
 def test_hello_head_size_is_fixed():
     assert HELLO_HEAD.size == 14 and struct.calcsize("<cQ8s") == REPLY_HEAD.size == 17
+
+
+# -- hardening: supervised listener, bounded reads, caps -----------------------------------------------------------
+
+
+def failing_thread_starts(monkeypatch, name: str, count: int) -> list[int]:
+    """Make the next ``count`` starts of threads named ``name`` fail as they do at the process's task limit (the
+    real ``RuntimeError`` of ``Thread.start``); the list holds how many failures are left."""
+    real_start = threading.Thread.start
+    left = [count]
+
+    def start(thread: threading.Thread) -> None:
+        if thread.name == name and left[0] > 0:
+            left[0] -= 1
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    return left
+
+
+def wait_for(condition, timeout_s: float = 10.0) -> None:
+    """Wait (bounded) until ``condition()`` holds."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the condition did not come true in time"
+        time.sleep(0.01)
+
+
+def test_accept_loop_survives_threads_that_cannot_start(server, monkeypatch):
+    listener = server.servicer.data_path.listener
+    left = failing_thread_starts(monkeypatch, "kvshelf-data-handshake", 3)
+    for _ in range(3):  # each refused at once, naming why; the listener goes on
+        with connect(server.data_port) as sock:
+            sock.settimeout(10)
+            assert sock.recv(1, socket.MSG_PEEK) == REFUSED
+            code, message = read_status(sock)
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "cannot start a thread" in message
+    assert left == [0] and listener.thread_failures == 3 and listener.held() == 0
+    assert listener.alive()
+    still_serving(server)  # transfers on new data connections go on
+    left = failing_thread_starts(monkeypatch, "kvshelf-data-kept", 1)  # a connection that cannot be kept is closed
+    key_, value = encoded([6, 6])
+    with remote(server) as store:
+        assert store.put_encoded_many([(key_, value)]) == 1
+        wait_for(lambda: left == [0])  # the server keeps a connection as its call ends, after the client has its end
+        assert listener.held() == 0
+        got = store.get_encoded_many([key_])  # its kept connection was closed: a fresh one
+        assert isinstance(got[0], bytearray) and got == [value]
+    assert listener.alive() and server.servicer.streams.open_streams() == 0
+
+
+def test_remote_store_falls_back_when_the_data_port_takes_no_hello(server):
+    """A data port that accepts connections (its kernel does) and reads nothing: the control call ends when its
+    ticket expires, saying no data connection presented it, and the client uses gRPC instead of waiting on the data
+    connection to its own deadline."""
+    silent = socket.create_server(("127.0.0.1", 0), backlog=16)  # never accept()ed, never read
+    server.servicer.data_path.listener.port = silent.getsockname()[1]
+    try:
+        key_, value = encoded(300, layers=4, heads=8, head_dim=128)  # ~9.8 MB: more than the socket buffers take
+        with remote(server, timeout_s=20) as store:
+            assert store.put_encoded_many([(key_, value)]) == 1  # stored over gRPC
+            got = store.get_encoded_many([key_])
+            assert type(got[0]) is bytes and got == [value]  # gRPC too (the data path rests a while)
+    finally:
+        silent.close()
+    assert server.servicer.streams.open_streams() == 0
+
+
+def kept_connection(server, key_: bytes) -> socket.socket:
+    """A raw data connection whose get (a miss) ended cleanly: the server keeps it for its next hello."""
+    control = Control(server, OP_GET, [(key_, b"")])
+    sock = connect(control.port)
+    sock.sendall(encode_hello(OP_GET, control.ticket, "default", [Entry(key_)]))
+    assert read_status(sock) == (grpc.StatusCode.OK, "1 values, 0 stored")
+    assert control.outcome() == grpc.StatusCode.OK  # the call is over, and its connection kept
+    return sock
+
+
+def test_kept_connections_count_against_the_per_host_cap(server):
+    """data_handshakes=4: at most 2 connections of one host held, in their handshake or kept."""
+    key_, _ = encoded([3, 1])
+    kept = [kept_connection(server, key_) for _ in range(2)]
+    try:
+        with connect(server.data_port) as extra:
+            extra.settimeout(10)
+            assert extra.recv(1, socket.MSG_PEEK) == REFUSED  # refused at once, before any hello
+            code, message = read_status(extra)
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "in their handshake or kept (at most 2)" in message
+        control = Control(server, OP_GET, [(key_, b"")])  # a kept connection's next transfer holds its place
+        kept[0].sendall(encode_hello(OP_GET, control.ticket, "default", [Entry(key_)]))
+        assert read_status(kept[0])[0] == grpc.StatusCode.OK
+        assert control.outcome() == grpc.StatusCode.OK
+        assert server.servicer.data_path.listener.held("127.0.0.1") == 2
+    finally:
+        for sock in kept:
+            sock.close()
+    still_serving(server)
+
+
+def retrieved_blocks(server) -> int:
+    with RemoteStore(f"127.0.0.1:{server.port}") as store:
+        rows = store.stats()["rows"]
+    return sum(r.get("retrieve_blocks", 0) for r in rows if r["tier"] == "*")  # the keys the store was asked for
+
+
+@pytest.mark.parametrize("data_path", [True, False])
+def test_duplicate_keys_are_read_once_and_answered_in_order(server, data_path):
+    a, b = encoded([1, 1]), encoded([2, 2])
+    missing = b"\x07" * 16
+    keys = [a[0]] * 16 + [b[0], missing, a[0], b[0], missing]
+    with remote(server, data_path=data_path) as store:
+        assert store.put_encoded_many([a, b]) == 2
+        before = retrieved_blocks(server)
+        got = store.get_encoded_many(keys)
+        assert [bytes(v) if v is not None else None for v in got] == [a[1]] * 16 + [b[1], None, a[1], b[1], None]
+        assert isinstance(got[0], bytearray if data_path else bytes)
+    assert retrieved_blocks(server) - before == 3  # each distinct key read once
