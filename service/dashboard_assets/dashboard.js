@@ -20,7 +20,7 @@ const snapshots = [];  // full /api/data answers, the last LIVE_S seconds
 let timeline = [];     // compact points {t, totals, tiers: {name: {bytes, blocks, evictions}}, events}, oldest first
 let spanS = 300;
 const state = { polls: 0, draws: 0, firstPaintMs: null, firstDataMs: null, lastError: null, historyPoints: 0,
-                historyError: null, chartPoints: {}, firstDrawPoints: null };
+                historyError: null, chartPoints: {}, firstDrawPoints: null, lastDrawMs: null };
 window.__kvshelf = state;
 
 function el(id) { return document.getElementById(id); }
@@ -461,8 +461,11 @@ function failed(err) {
 
 async function poll() {
   try {
-    take(await getJSON("/api/data"));
+    const snap = await getJSON("/api/data");
+    const began = performance.now();
+    take(snap);
     drawCharts();
+    state.lastDrawMs = performance.now() - began;  // the page's own work per poll
     state.lastError = null;
   } catch (err) {
     failed(err);
