@@ -47,8 +47,9 @@ function ms(seconds) {
   return v >= 100 ? `${v.toFixed(0)} ms` : v >= 10 ? `${v.toFixed(1)} ms` : `${v.toFixed(2)} ms`;
 }
 
-// a model as people know it: its name where the server learned one, else its fingerprint, shortened
-function modelName(r) { return r.model_name || short(r.model, 16); }
+// a model as people know it: its name where the server learned one, else what the client called it (a
+// fingerprint, 32 hex digits, shortened to 16)
+function modelName(r) { return r.model_name || (/^[0-9a-f]{32}$/.test(r.model) ? short(r.model, 16) : short(r.model, 40)); }
 
 function modelTitle(r) {
   return [`fingerprint ${r.model}`, r.model_shape].filter(Boolean).join("\n");
