@@ -170,8 +170,8 @@ class FairnessSection:
                                     kind="float", key="idle_timeout", above=0)
     min_rate_bytes: int = size(1 << 20, "slowest accepted PutBlocks upload, bytes per second (checked after "
                                "idle_timeout)", key="min_rate", minimum=0)
-    data_handshakes: int = setting(64, "data-path connections in their handshake at once (half that from one host); "
-                                   "more are refused", kind="int", minimum=1)
+    data_handshakes: int = setting(64, "data-path connections in their handshake or kept for their next transfer at "
+                                   "once (half that from one host); more are refused", kind="int", minimum=1)
     strike_burst: int = setting(20, "failed calls (the client's fault) at which a tenant's streams are refused; "
                                 "0: never", kind="int", minimum=0)
     strike_leak_per_s: float = setting(5.0, "failed calls per second a tenant is forgiven (service/strikes.py)",
