@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import time
 
 import pytest
@@ -391,3 +393,27 @@ def test_snapshot_carries_the_busiest_series_and_totals_of_all(tmp_path):
         assert snap["totals"]["lookup_hit_blocks"] == MAX_SERIES + extra
     finally:
         store.close()
+
+
+def test_remote_dashboard_serves_the_servers_history_and_tier_states(tmp_path, capsys):
+    """``kvshelf dashboard --target`` of a dev-mode server: ``/api/history`` holds the server's kept history,
+    ``/api/data`` its tiers' states, and no latency (the server's ``/metrics`` has it)."""
+    running, _ = serve_with_dashboard(tmp_path, capsys, history_interval=0.2)
+    proc = subprocess.Popen([sys.executable, "-P", "-c", "from kvshelf.cli import main; main()", "dashboard",
+                             "--target", running.grpc, "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        traffic(running.grpc, "tenant-a", 2)
+        assert proc.stdout is not None
+        match = re.search(r"on http://127\.0\.0\.1:(\d+)/", proc.stdout.readline())
+        assert match, proc.stderr.read() if proc.poll() is not None and proc.stderr else "no start-up line"
+        port = int(match.group(1))
+        points = _history(port, 3)
+        assert len(points) >= 3 and set(points[-1]["tiers"]) == {"memory", "disk"}
+        data = _wait_for(port, lambda d: d["series"])
+        assert data["latency"] is None and {t["state"] for t in data["tiers"]} == {"up"}
+        assert data["totals"]["lookup_blocks"] == 2
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        running.close()
