@@ -4,9 +4,10 @@ and the typed snapshots a store and a write-behind writer report (``StoreStats``
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Literal
@@ -60,6 +61,21 @@ TIER_STATS_METRICS = (
 )
 ALL_TIERS = "*"
 UNKNOWN = "?"
+#: the longest model label a count keeps: a longer name is cut and ends in ``~`` and 16 hex digits of its hash
+MAX_LABEL_CHARS = 128
+#: the distinct model labels counted per namespace: the first this many a namespace names keep their own label,
+#: later ones are counted under ``OTHER_MODELS`` (a Prometheus counter never moves to another label)
+MAX_MODELS_PER_NAMESPACE = 64
+OTHER_MODELS = "(other)"
+
+
+def bounded_label(value: str, limit: int = MAX_LABEL_CHARS) -> str:
+    """``value`` when at most ``limit`` characters; else its first ``limit - 17`` characters, ``~`` and 16 hex
+    digits of its BLAKE2b hash (distinct long names stay distinct, each label at most ``limit`` characters)."""
+    if len(value) <= limit:
+        return value
+    digest = hashlib.blake2b(value.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
+    return f"{value[: limit - 17]}~{digest}"
 
 
 @dataclass(frozen=True)
@@ -179,21 +195,40 @@ class StoreEvent:
 
 
 class Counters:
-    """Thread-safe counters keyed by ``(tier, namespace, model, metric)``."""
+    """Thread-safe counters keyed by ``(tier, namespace, model, metric)``. Model labels are bounded: at most
+    ``MAX_LABEL_CHARS`` characters (``bounded_label``) and ``max_models`` distinct ones per namespace, the rest
+    counted under ``OTHER_MODELS``."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_models: int = MAX_MODELS_PER_NAMESPACE) -> None:
         self._lock = threading.Lock()
         self._counts: Counter[tuple[str, str, str, str]] = Counter()
+        self.max_models = max_models
+        self._models: dict[str, set[str]] = {}  # namespace -> its model labels
+
+    def _model_label(self, namespace: str, model: str) -> str:
+        """The label ``model`` is counted under in ``namespace`` (called with the lock held)."""
+        label = bounded_label(model)
+        labels = self._models.setdefault(namespace, set())
+        if label in labels:
+            return label
+        if len(labels) < self.max_models:
+            labels.add(label)
+            return label
+        return OTHER_MODELS
 
     def add(self, tier: str, namespace: str, model: str, metric: Metric, n: int = 1) -> None:
         if n:
             with self._lock:
-                self._counts[(tier, namespace, model, metric)] += n
+                self._counts[(tier, namespace, self._model_label(namespace, model), metric)] += n
 
-    def counter_rows(self) -> list[CounterRow]:
-        """One row per ``(tier, namespace, model)`` with every metric that was counted (sorted)."""
+    def counter_rows(self, namespaces: Collection[str] | None = None) -> list[CounterRow]:
+        """One row per ``(tier, namespace, model)`` with every metric that was counted (sorted); ``namespaces``:
+        only the rows of these (filtered before anything is sorted or built)."""
         with self._lock:
-            items = list(self._counts.items())
+            if namespaces is None:
+                items = list(self._counts.items())
+            else:
+                items = [item for item in self._counts.items() if item[0][1] in namespaces]
         counts: dict[tuple[str, str, str], dict[str, int]] = {}
         for (tier, ns, model, metric), value in sorted(items):
             counts.setdefault((tier, ns, model), {})[str(metric)] = value  # plain names, as JSON has them

@@ -34,7 +34,7 @@ from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvshelf.kvstore.errors import ConfigError
+from kvshelf.kvstore.errors import ConfigError, TierUnavailableError
 from kvshelf.kvstore.stats import ALL_TIERS, STORE_METRICS, TIER_METRICS, Metric
 from kvshelf.service.http_server import HttpLimits, HttpServer, serve_wsgi
 
@@ -75,9 +75,7 @@ class StoreCollector(Collector):
         self.namespaces = frozenset(namespaces) if namespaces is not None else None
 
     def collect(self) -> Iterator[Any]:
-        rows = self.store.counters.counter_rows()
-        if self.namespaces is not None:
-            rows = [row for row in rows if row.namespace in self.namespaces]
+        rows = self.store.counters.counter_rows(self.namespaces)  # other tenants' counts are not even sorted
         tier_families = {
             m: CounterMetricFamily(f"{self.prefix}_tier_{m}", _HELP[m], labels=["tier", "namespace", "model"])
             for m in TIER_METRICS
@@ -99,12 +97,26 @@ class StoreCollector(Collector):
         held_bytes = GaugeMetricFamily(f"{self.prefix}_tier_bytes", "encoded bytes held", labels=["tier"])
         held_blocks = GaugeMetricFamily(f"{self.prefix}_tier_blocks", "blocks held", labels=["tier"])
         up = GaugeMetricFamily(f"{self.prefix}_tier_available", "1 when the tier is reachable", labels=["tier"])
-        for tier in self.store.typed_stats().tiers:
-            up.add_metric([tier.name], 1.0 if tier.available else 0.0)
-            if tier.bytes is not None:
-                held_bytes.add_metric([tier.name], float(tier.bytes))
-                held_blocks.add_metric([tier.name], float(tier.blocks or 0))
+        for name, usage in _tier_usage(self.store):
+            up.add_metric([name], 1.0 if usage is not None else 0.0)
+            if usage is not None:
+                held_bytes.add_metric([name], float(usage.bytes))
+                held_blocks.add_metric([name], float(usage.blocks or 0))
         yield from (held_bytes, held_blocks, up)
+
+
+def _tier_usage(store: Any) -> Iterator[tuple[str, Any]]:
+    """``(name, usage or None when unreachable)`` of each tier of ``store`` (a ``TieredStore``): its device tier,
+    then its specs; read from the tiers themselves (not ``typed_stats``, which also sums every counter)."""
+    device = getattr(store, "device_tier", None)
+    if device is not None:
+        yield device.name, device.usage()
+    for spec in store.specs:
+        try:
+            usage = spec.tier.usage()
+        except TierUnavailableError:
+            usage = None
+        yield spec.tier.name, usage
 
 
 class KVEventsCollector(Collector):

@@ -42,6 +42,7 @@ from kvshelf.kvstore.errors import (
     ForeignBlockError,
 )
 from kvshelf.kvstore.keys import KEY_BYTES, SCOPED_KEY_BYTES, BlockKey, ScopedKey, scope, scope_tag, unscope
+from kvshelf.kvstore.limits import MAX_FINGERPRINT_CHARS
 from kvshelf.kvstore.stats import ALL_TIERS, TIER_METRICS, Metric
 from kvshelf.kvstore.store import TieredStore, TierSpec
 from kvshelf.proto import kvshelf_pb2 as pb
@@ -450,6 +451,7 @@ class KVShelfServicer:
         def data_path_stream(raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
             try:
                 req = _parse(raw, pb.DataPathRequest)
+                self.check_model(req.fingerprint, "DataPathRequest.fingerprint")
                 if self.data_path is None:
                     fail(grpc.StatusCode.FAILED_PRECONDITION,
                          "this server's data path is off (--no-data-path): use GetBlocks and PutBlocks")
@@ -511,6 +513,13 @@ class KVShelfServicer:
         if len(namespace) > MAX_NAMESPACE_CHARS:
             fail(grpc.StatusCode.INVALID_ARGUMENT, f"namespace longer than {MAX_NAMESPACE_CHARS} characters")
         return namespace
+
+    @staticmethod
+    def check_model(model: str, field: str) -> None:
+        """INVALID_ARGUMENT when a request's model fingerprint is longer than any block's can be."""
+        if len(model) > MAX_FINGERPRINT_CHARS:
+            fail(grpc.StatusCode.INVALID_ARGUMENT,
+                 f"{field} of {len(model)} characters: a model fingerprint is at most {MAX_FINGERPRINT_CHARS}")
 
     @staticmethod
     def check_keys(keys: Sequence[bytes]) -> None:
@@ -680,6 +689,7 @@ class KVShelfServicer:
         With a usable shared-memory arena (same host), values that fit are written there and only their
         offsets are sent; the rest go over the wire in chunks.
         """
+        self.check_model(req.fingerprint, "GetBlocksRequest.fingerprint")
         namespace, keys = self.scoped(context, req.namespace, list(req.keys))
         fingerprint = req.fingerprint or None
         arena = self._arena(req, context)
@@ -767,6 +777,7 @@ class KVShelfServicer:
         return pb.ContainsResponse(present=present, prefix=prefix)
 
     def LookupPrefix(self, req: pb.LookupPrefixRequest, context: grpc.ServicerContext) -> Message:
+        self.check_model(req.model, "LookupPrefixRequest.model")
         namespace, keys = self.scoped(context, req.namespace, list(req.keys))
         tokens = list(req.tokens) if len(req.tokens) == len(keys) else None
         found = self.store.lookup_prefix(keys, namespace=namespace, model=req.model or "?", tokens=tokens)
