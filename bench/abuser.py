@@ -31,7 +31,20 @@ Two threads of calls, plus one holding streams (the abuse the issue lists; ``spe
   them with large ones (``overwrite_quota``); in between, while at its quota, keeps sending all three kinds,
   which must be refused; it reads its usage from Stats after each round (``max_held_bytes``).
 
+- dupkeys (only when asked for): one large block of its own (``dupkeys_put``) read with its key named many times:
+  GetBlocks of it x 64 (``dupkeys_grpc``) and a data-path get of it x 16 (``dupkeys_datapath``), each value
+  compared with what was put (``WRONG`` when it differs; ``MISS`` when the quota attack cleared it meanwhile), and
+  two ``OpenDataPath`` gets of it x 16 at once whose tickets are taken and never presented
+  (``dupkeys_unclaimed``: they must end when the ticket expires, having read nothing).
+- silentdata (only when asked for): keeps ``silent_data`` (48) connections open to the data port that send nothing,
+  or only the 4 bytes of a hello's magic, reopening those the server closes (a quarter of them per 0.2 s at most);
+  each is counted by the status frame it got (``silent_data``: the handshake deadline, or refused for the per-host
+  cap) or ``CLOSED`` without one.
+
 - cpu (a control, only when asked for): burns ``cpu_share`` of one core and calls nothing.
+
+- slowhttp and labels (only when asked for; ``bench/abuse_http.py``): silent and slow connections to ``/metrics``
+  and the dashboard while both must answer, and made-up model names as metric labels.
 
 Each call is counted by kind and by the status code the server ended it with (``OK`` when accepted).
 """
@@ -57,6 +70,7 @@ import grpc
 import torch
 import xxhash
 
+from kvshelf.bench.abuse_http import HTTP_ATTACKS, HTTP_EXPECTED, start_http_attacks
 from kvshelf.bench.common import PeakRss
 from kvshelf.kvstore import KVBlock, encode_block
 from kvshelf.kvstore.limits import MAX_HEAD_DIM
@@ -100,11 +114,26 @@ EXPECTED: dict[str, frozenset[str]] = {
     "overwrite_quota": frozenset({"OK", "RESOURCE_EXHAUSTED"}),
     "clear": frozenset({"OK", "RESOURCE_EXHAUSTED"}),
     "stats": frozenset({"OK", "RESOURCE_EXHAUSTED"}),
+    # duplicate keys: served, each value right (a MISS when the quota attack cleared the block meanwhile)
+    "dupkeys_put": frozenset({"OK", "RESOURCE_EXHAUSTED"}),
+    "dupkeys_grpc": frozenset({"OK", "MISS", "RESOURCE_EXHAUSTED"}),
+    "dupkeys_datapath": frozenset({"OK", "MISS", "RESOURCE_EXHAUSTED"}),
+    # tickets never presented: the call ends when the ticket expires (or is refused for the stream cap)
+    "dupkeys_unclaimed": frozenset({"DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"}),
+    # silent data connections: the hello's deadline, the listener's caps, or closed (a kept place given up)
+    "silent_data": frozenset({"DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "CLOSED", "HELD"}),
 }
 #: Seconds between two clear-and-refill cycles of the quota attack.
 REFILL_S = 5.0
-#: The abuser's threads: held streams, bad input, quota abuse (``--attacks`` picks some).
-ATTACKS = ("streams", "bad", "memory", "quota")
+#: The abuser's threads: held streams, bad input, quota abuse (``--attacks`` picks some); duplicate keys in gets and
+#: silent data connections (the bulk data path's) run only when named.
+ATTACKS = ("streams", "bad", "memory", "quota", "dupkeys", "silentdata")
+#: The attacks a run makes unless told which.
+DEFAULT_ATTACKS = ("streams", "bad", "memory", "quota")
+#: Data connections the ``silentdata`` attack keeps open (the server's --data-handshakes is 64, 32 per host).
+SILENT_DATA = 48
+#: The silentdata attack's pace: every tick it reopens at most a quarter of its connections.
+SILENT_TICK_S = 0.2
 #: A control, not an attack (never in the default): ``cpu`` burns ``spec["cpu_share"]`` of one core in the abuser
 #: process and calls nothing, to tell what the honest tenant loses to two cores shared with a busy process from
 #: what it loses to the server.
@@ -114,6 +143,9 @@ CONTROLS = ("cpu",)
 CPU_SHARE = 0.6
 #: One duty cycle of the ``cpu`` control: it spins ``cpu_share`` of it and sleeps the rest.
 CPU_PERIOD_S = 0.01
+#: The HTTP attacks (``bench/abuse_http.py``), only when named, and what the server may answer them with.
+ATTACKS = (*ATTACKS, *HTTP_ATTACKS)
+EXPECTED.update(HTTP_EXPECTED)
 #: Kinds that must never be accepted (``OK``): the abuse itself.
 MUST_REFUSE = frozenset(k for k, codes in EXPECTED.items() if "OK" not in codes)
 #: A RESOURCE_EXHAUSTED refusal at admission (the tenant's stream cap, or no stream slot left), before the
@@ -166,6 +198,13 @@ def code_of(exc: grpc.RpcError) -> str:
     """The status code's name (``NO_CODE`` for an error that carries none: never mistaken for the server's)."""
     code = exc.code() if hasattr(exc, "code") else None
     return code.name if isinstance(code, grpc.StatusCode) else "NO_CODE"
+
+
+def _compare(got: list[Any], value: bytes) -> str:
+    """``OK`` when every answer is ``value``; ``WRONG`` when one is another value; else ``MISS``."""
+    if any(v is not None and bytes(v) != value for v in got):
+        return "WRONG"
+    return "OK" if all(v is not None for v in got) else "MISS"
 
 
 def block_key(label: str) -> bytes:
@@ -292,6 +331,10 @@ class Abuser:
         self.big_template = _block(self.big_shape, self.namespace)
         self.tiny_template = _block((1, 1, 1, 8), self.namespace)
         self.garbage = bytes(range(256)) * (CHUNK_BYTES // 256)
+        self.open_data_path = self.channel.unary_stream(f"{METHOD}OpenDataPath", request_serializer=None,
+                                                        response_deserializer=pb.DataPathResponse.FromString)
+        self._dup: tuple[bytes, bytes] | None = None  # the dupkeys attack's block
+        self._remote: Any = None  # its RemoteStore (the data path), made on first use
 
     def _key(self, label: str) -> bytes:
         return block_key(f"abuser:{label}:{next(self.serial)}:{os.getpid()}")
@@ -565,6 +608,162 @@ class Abuser:
                 self._finish(kind, future)
             release.set()
 
+    # -- the bulk data path: duplicate keys, silent connections ----------------------------------------
+
+    def _open_data_path(self, keys: list[bytes]) -> Any:
+        """A tracked ``OpenDataPath`` GET of ``keys`` (the call; its first response is its ticket)."""
+        request = pb.DataPathRequest(namespace=self.namespace, op=pb.DataPathRequest.GET, keys=keys)
+        return self._tracked(self.open_data_path(request.SerializeToString(), timeout=CALL_TIMEOUT_S,
+                                                 metadata=self.metadata))
+
+    def _dup_value(self) -> tuple[bytes, bytes] | None:
+        """The block the dupkeys attack reads (put again when the quota attack cleared it); None when refused."""
+        if self._dup is None:
+            key = self._key("dup")
+            self._dup = (key, self._big(key))
+        key, value = self._dup
+        held = self.call_unary("dupkeys_put", "Contains",
+                               pb.KeysRequest(namespace=self.namespace, keys=[key]).SerializeToString())
+        if held[0] == "OK" and held[1] is not None and pb.ContainsResponse.FromString(held[1]).prefix == 1:
+            return self._dup
+        return self._dup if self.call_put("dupkeys_put", put_messages([(key, value)], self.namespace)) == "OK" else None
+
+    def _dup_grpc(self, key: bytes, value: bytes, count: int) -> None:
+        """GetBlocks of ``key`` x ``count``: every answer ``value``."""
+        parts: dict[int, list[bytes]] = {}
+
+        def fetch() -> int:
+            call = self.get(pb.GetBlocksRequest(namespace=self.namespace, keys=[key] * count).SerializeToString(),
+                            timeout=CALL_TIMEOUT_S, metadata=self.metadata)
+            for raw in call:
+                response = pb.GetBlocksResponse.FromString(raw)
+                if response.HasField("chunk"):
+                    parts.setdefault(response.index, []).append(bytes(response.chunk.data))
+            return len(parts)
+
+        try:
+            fetch()
+        except grpc.RpcError as exc:
+            self.tally.failed("dupkeys_grpc", exc)
+            return
+        got = [b"".join(parts[i]) if i in parts else None for i in range(count)]
+        self.tally.record("dupkeys_grpc", _compare(got, value))
+
+    def _dup_datapath(self, key: bytes, value: bytes, count: int) -> None:
+        """A data-path get of ``key`` x ``count`` through ``RemoteStore``: every answer ``value``."""
+        from kvshelf.kvstore.errors import TierUnavailableError
+        from kvshelf.service.errors import RemoteStoreError
+
+        try:
+            got = self.remote().get_encoded_many([key] * count)
+        except RemoteStoreError as exc:
+            self.tally.record("dupkeys_datapath", exc.code.name)
+            return
+        except TierUnavailableError:
+            self.tally.record("dupkeys_datapath", "UNAVAILABLE")
+            return
+        self.tally.record("dupkeys_datapath", _compare(got, value))
+
+    def _dup_unclaimed(self, key: bytes, count: int, calls: int = 2) -> None:
+        """``calls`` OpenDataPath gets of ``key`` x ``count`` at once, their tickets taken and never presented."""
+        opened = []
+        for _ in range(calls):
+            call = self._open_data_path([key] * count)
+            try:
+                next(call)
+            except grpc.RpcError as exc:
+                self._done(call)
+                if not (self.stop.is_set() and code_of(exc) == "CANCELLED"):
+                    self.tally.failed("dupkeys_unclaimed", exc)
+                continue
+            opened.append(call)
+        for call in opened:  # each ends when its ticket expires
+            self._outcome("dupkeys_unclaimed", lambda c=call: sum(1 for _ in c), call)
+
+    def remote(self) -> Any:
+        """A ``RemoteStore`` of the abuser's tenant (the data path on, no shared memory), made once."""
+        if self._remote is None:
+            from kvshelf.service.client import RemoteStore
+
+            self._remote = RemoteStore(self.spec["address"], token=self.spec["token"], namespace=self.namespace,
+                                       timeout_s=CALL_TIMEOUT_S, shared_memory=False)
+        return self._remote
+
+    def dupkeys_round(self) -> None:
+        pace = self.spec["pace_s"]
+        dup = self._dup_value()
+        if dup is None:
+            time.sleep(pace)
+            return
+        key, value = dup
+        for attack in (lambda: self._dup_grpc(key, value, 64), lambda: self._dup_datapath(key, value, 16),
+                       lambda: self._dup_unclaimed(key, 16)):
+            if self.stop.is_set():
+                return
+            attack()
+            time.sleep(pace)
+
+    def _data_port(self) -> int | None:
+        """The data port, from the ticket of one OpenDataPath call (cancelled at once)."""
+        call = self._open_data_path([self._key("port")])
+        try:
+            return int(next(call).ticket.port) or None
+        except (grpc.RpcError, StopIteration):
+            return None
+        finally:
+            call.cancel()
+            self._done(call)
+
+    def silent_data(self, end: float) -> None:
+        """Keep ``silent_data`` connections to the data port that send nothing (or a hello's magic alone) until
+        ``end``; count each the server ends by the status frame it sent."""
+        import select
+        import socket
+
+        from kvshelf.service.bulk.framing import HELLO_MAGIC, REFUSED, REPLY_HEAD, STATUS, status_code
+        from kvshelf.service.errors import FramingError
+
+        port = None
+        while port is None and time.monotonic() < end and not self.stop.is_set():
+            port = self._data_port()
+            if port is None:
+                self.stop.wait(0.5)
+        host = self.spec["address"].rsplit(":", 1)[0].strip("[]")
+        want = int(self.spec.get("silent_data", SILENT_DATA))
+        open_socks: dict[int, socket.socket] = {}
+        poller = select.poll()
+        serial = 0
+        while port is not None and time.monotonic() < end and not self.stop.is_set():
+            tick_end = time.monotonic() + SILENT_TICK_S
+            for _ in range(min(want - len(open_socks), max(1, want // 4))):  # reopened a quarter per tick at most
+                try:
+                    sock = socket.create_connection((host, port), timeout=2)
+                except OSError:
+                    self.tally.record("silent_data", "CONNECT_FAILED")
+                    break
+                serial += 1
+                if serial % 2:
+                    with contextlib.suppress(OSError):
+                        sock.sendall(HELLO_MAGIC)  # a hello begun, never finished
+                open_socks[sock.fileno()] = sock
+                poller.register(sock, select.POLLIN)
+            for fd, _ in poller.poll(SILENT_TICK_S * 1000):
+                sock = open_socks.pop(fd)
+                poller.unregister(fd)
+                try:
+                    head = sock.recv(REPLY_HEAD.size, socket.MSG_WAITALL)
+                    kind, code = (head[:1], REPLY_HEAD.unpack(head)[1]) if len(head) == REPLY_HEAD.size else (b"", 0)
+                    self.tally.record("silent_data", status_code(code).name if kind in (STATUS, REFUSED)
+                                      else "CLOSED")
+                except (OSError, ValueError, FramingError):
+                    self.tally.record("silent_data", "CLOSED")
+                finally:
+                    sock.close()
+            self.stop.wait(max(0.0, tick_end - time.monotonic()))
+        for sock in open_socks.values():
+            self.tally.record("silent_data", "HELD")
+            sock.close()
+
     # -- run ------------------------------------------------------------------------------------------
 
     def run(self, seconds: float) -> dict[str, Any]:
@@ -590,11 +789,14 @@ class Abuser:
 
         groups: dict[str, Callable[[], None]] = {"streams": holder, "bad": lambda: loop(self.bad_input_round),
                                                  "memory": lambda: loop(self.memory_round),
-                                                 "quota": lambda: loop(self.quota_round), "cpu": burn}
+                                                 "quota": lambda: loop(self.quota_round), "cpu": burn,
+                                                 "dupkeys": lambda: loop(self.dupkeys_round),
+                                                 "silentdata": lambda: self.silent_data(end)}
         threads = [threading.Thread(target=fn, daemon=True) for name, fn in groups.items()
-                   if name in self.spec.get("attacks", ATTACKS)]
+                   if name in self.spec.get("attacks", DEFAULT_ATTACKS)]
         for t in threads:
             t.start()
+        threads += start_http_attacks(self, end)
         self.stop.wait(max(0.0, end - time.monotonic()))
         self.stop.set()
         with self._calls_lock:
@@ -605,6 +807,8 @@ class Abuser:
         for t in threads:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
         report = {**self.tally.report(time.monotonic() - started), "cpu_s": round(time.process_time() - cpu_started, 3)}
+        if self._remote is not None:
+            self._remote.close()
         self.channel.close()
         return report
 
