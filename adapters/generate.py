@@ -66,6 +66,7 @@ from kvshelf.adapters.hf import BaseStreamer
 from kvshelf.adapters.kv_support import check_model_supported
 from kvshelf.adapters.lifecycle import Closable
 from kvshelf.adapters.miss import EXPLAIN_SCAN, MissKind, MissQuery, MissReason, MissReport, explain_miss
+from kvshelf.adapters.model_label import label_blocks
 from kvshelf.adapters.prompts import Prompt, batch_prompt_ids, is_batch, prompt_ids
 from kvshelf.adapters.streaming import FirstTokenTimer, TokenStream
 from kvshelf.kvstore.block import KVBlock, PreparedBlock
@@ -388,7 +389,7 @@ class CachedGenerator(Closable):
             )
             if i:
                 block.extra[PARENT_EXTRA] = spans[i - 1].key.hex()
-            entries.append((key, block))
+            entries.append((key, label_blocks([block], self.model)[0]))
         return entries
 
     def _put(self, entries: list[tuple[bytes, KVBlock]], wait: bool) -> int:

@@ -28,6 +28,7 @@ from kvshelf.adapters.decode import EOS_DEFAULT, generate_from_layout
 from kvshelf.adapters.fingerprint import model_fingerprint
 from kvshelf.adapters.hf import BaseStreamer
 from kvshelf.adapters.lifecycle import Closable
+from kvshelf.adapters.model_label import label_blocks
 from kvshelf.adapters.prompts import prompt_ids
 from kvshelf.adapters.reuse_engine import Layout, check_engine, check_positions, prefill_rows
 from kvshelf.adapters.streaming import TokenStream
@@ -106,7 +107,7 @@ class PromptModuleGenerator(Closable):
         rows = list(range(rows_before, layout.rows))
         prefill_rows(self.model, layout, module.tokens, module.positions, rows)
         k, v = layout.take(torch.tensor(rows))
-        return KVBlock(k, v, module.tokens, module.start, fingerprint, self.namespace)
+        return label_blocks([KVBlock(k, v, module.tokens, module.start, fingerprint, self.namespace)], self.model)[0]
 
     @torch.inference_mode()
     def module_blocks(self, names: Sequence[str], *, pin: bool = True) -> tuple[dict[str, KVBlock], int]:

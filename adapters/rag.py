@@ -62,6 +62,7 @@ from kvshelf.adapters.decode import (
 from kvshelf.adapters.fingerprint import model_fingerprint, other_dtype_fingerprints
 from kvshelf.adapters.hf import BaseStreamer
 from kvshelf.adapters.lifecycle import Closable
+from kvshelf.adapters.model_label import label_blocks
 from kvshelf.adapters.prompts import prompt_ids
 from kvshelf.adapters.reuse_engine import (
     Layout,
@@ -154,7 +155,7 @@ def compute_chunk(model: PreTrainedModel, ids: Sequence[int], fingerprint: str, 
     out = model(input_ids=input_ids, use_cache=True, past_key_values=cache, logits_to_keep=1)
     (block,) = blocks_from_cache(out.past_key_values, ids, start=0, end=len(ids), block_size=len(ids),
                                  fingerprint=fingerprint, namespace=namespace)
-    return block
+    return label_blocks([block], model)[0]
 
 
 @torch.inference_mode()
@@ -186,7 +187,7 @@ def compute_blocks(model: PreTrainedModel, prefix: Sequence[int], prefix_block: 
     for start, chunk in zip(starts, chunks, strict=True):
         k, v = layout.take(torch.arange(start, start + len(chunk)))
         out.append(KVBlock(k, v, tuple(int(t) for t in chunk), p, fingerprint, namespace))
-    return out
+    return label_blocks(out, model)
 
 
 @dataclass(frozen=True)

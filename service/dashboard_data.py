@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
+from kvshelf.kvstore.block import MODEL_NAME_EXTRA
 from kvshelf.kvstore.errors import TierUnavailableError
 from kvshelf.kvstore.stats import ALL_TIERS, BLOCK_COUNTS, Metric, StoreEvent
 
@@ -30,8 +31,6 @@ Snapshot = dict[str, Any]
 TOP_PREFIXES = 10
 #: the most active ``(namespace, model)`` rows a snapshot carries (by blocks asked); ``series_total`` counts all
 MAX_SERIES = 200
-#: the block header ``extra`` entry that names a block's model (``KVBlock(..., extra={MODEL_NAME_EXTRA: name})``)
-MODEL_NAME_EXTRA = "model_name"
 #: fingerprints ``ModelNames`` keeps (later ones stay unnamed), and the characters kept of a name
 MAX_MODEL_NAMES = 1024
 MAX_NAME_CHARS = 80

@@ -32,6 +32,7 @@ from kvshelf.adapters.hf import OwnedLayer, cache_of_layers
 from kvshelf.adapters.longctx.errors import BlockLostError, LongContextError, ResidentBudgetError
 from kvshelf.adapters.longctx.hot import HotBlocks
 from kvshelf.adapters.longctx.summary import BlockSummaries
+from kvshelf.adapters.model_label import label_blocks
 from kvshelf.kvstore.block import KVBlock
 from kvshelf.kvstore.embedded import parse_size
 from kvshelf.kvstore.keys import block_key, layer_block_key
@@ -220,6 +221,7 @@ class SparseSession:
             tail.filled -= m.block_tokens
             tail.stored += 1
         if entries:
+            label_blocks([block for _, block in entries], self.model)
             self.store.put_many(entries)
             self.stats.stored_blocks += len(entries)
             self._note_resident(0)
