@@ -31,6 +31,8 @@ What a peer can make this process hold is bounded before it is stored (the limit
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import os
 import sys
@@ -72,21 +74,24 @@ RECORD_STORE, RECORD_STORED, RECORD_REMOVED, RECORD_CLEARED, RECORD_MEDIA, RECOR
  COUNTER_PINNED_BYTES) = range(12)
 COUNTERS = 12
 
-#: longest topic a replay request may name (a namespace is up to 1,024 characters, 4 KiB of UTF-8, plus the topic)
-MAX_TOPIC_BYTES = 8192
+#: longest topic a replay request may name, and about the longest subscription (a namespace of 1,024 ASCII characters
+#: and a topic fit; 4 KiB is also what libzmq's subscription trie can take in before this process sees it)
+MAX_TOPIC_BYTES = 4096
 #: ``ZMQ_MAXMSGSIZE`` of the XPUB and the ROUTER: a subscription or a request frame (a topic and a few bytes)
 MAX_FRAME_BYTES = MAX_TOPIC_BYTES + 64
 #: distinct subscriptions held at once, and their bytes (libzmq's trie: ~48 bytes a byte, 2 KiB a fan-out)
 MAX_SUBSCRIPTIONS = 1024
-MAX_SUBSCRIPTION_BYTES = 256 << 10
+MAX_SUBSCRIPTION_BYTES = 64 << 10
 #: inbound queue of each XPUB peer (subscriptions) and ROUTER peer (requests), in messages
 INBOUND_HWM = 4
-#: replay messages queued for one peer at most (``ZMQ_SNDHWM`` of the ROUTER)
-REPLAY_HWM = 4
+#: replay messages queued for one peer at most (``ZMQ_SNDHWM`` of the ROUTER; each shares a buffered payload)
+REPLAY_HWM = 64
 #: replay jobs at once (one per peer), replay messages sent per loop, requests read per loop
 REPLAY_JOBS = 16
 REPLAY_ROUND = 32
 REQUESTS_PER_ROUND = 64
+#: how often replay jobs whose peers' queues were full are tried again (ms)
+STALLED_POLL_MS = 5
 #: a replay job whose peer reads nothing for this long is given up
 REPLAY_STALL_S = 5.0
 #: a batch's payload is split (by events) above this size
@@ -201,6 +206,7 @@ class _Worker:
         self.subscription_bytes = 0
         self.counters[COUNTER_RESETS] += 1
         self.pub = self._open_pub(retry=True)
+        _trim()
 
     def _reset_replay(self) -> None:
         """Close the replay ROUTER and open it again: every replay job and queued message is dropped."""
@@ -210,6 +216,7 @@ class _Worker:
         self.counters[COUNTER_RESETS] += 1
         self.replay_reset_at = time.monotonic()
         self.replay = self._open_replay(retry=True)
+        _trim()
 
     def _warm_up(self) -> None:
         """Build and encode one event of each type once: the encoders' one-time set-up belongs to the start."""
@@ -228,7 +235,7 @@ class _Worker:
                 if socket is not None:
                     poller.register(socket, zmq.POLLIN)
             busy = any(job.stalled_since is None for job in self.jobs.values())
-            ready = dict(poller.poll(0 if busy else 50 if self.jobs else 200))
+            ready = dict(poller.poll(0 if busy else STALLED_POLL_MS if self.jobs else 200))
             if self.pull in ready:  # live first: records come batched (the publisher's FEED_BATCH / FEED_WINDOW_S)
                 running = self._read_and_send()
             elif os.getppid() != self.parent:  # the store's process is gone
@@ -502,6 +509,25 @@ class _Worker:
             if socket is not None:
                 socket.close(linger=0)
         self.ctx.term()
+
+
+def _trim() -> None:
+    """Hand the C heap's free memory back to the system (glibc's ``malloc_trim``; nothing elsewhere): what a reset
+    freed (libzmq's subscription trie, queued messages) is not kept as resident memory."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _load_libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+    return libc if libc is not None and hasattr(libc, "malloc_trim") else None
+
+
+_LIBC = _load_libc()
 
 
 def _open_retrying(socket: zmq.Socket, endpoint: str, setting: str, *, bind: bool = False,

@@ -165,6 +165,27 @@ def test_replay_of_a_sequence_already_gone_sends_what_is_left_then_the_end_marke
         req.close(linger=0)
 
 
+def documented_replay_client() -> Any:
+    """The ``replay`` function of the replay client in docs/serving.md, as written there."""
+    page = (Path(__file__).parents[2] / "docs" / "serving.md").read_text()
+    block = next(b for b in page.split("```python\n")[1:] if "def replay(" in b).split("```")[0]
+    namespace: dict[str, Any] = {}
+    exec(compile(block.split("\nports = []")[0], "docs/serving.md", "exec"), namespace)
+    return namespace["replay"]
+
+
+def test_the_documented_replay_client_gets_every_batch_and_the_end_marker(
+        ctx: zmq.Context, ports: tuple[int, int]) -> None:
+    replay = documented_replay_client()
+    with VLLMEventPublisher(settings(ports), context=ctx) as pub:
+        for i in range(1500):
+            pub.removed("default", i.to_bytes(16, "big"), "CPU")
+            assert pub.flush()
+        batches = replay(ctx, f"tcp://127.0.0.1:{ports[1]}", 0, b"default")  # returns at the end marker only
+    assert [seq for seq, _ in batches] == list(range(1500))
+    assert [batch.events[0].block_hashes for _, batch in batches[-2:]] == [[1498], [1499]]
+
+
 def test_a_malformed_replay_request_gets_the_end_marker_and_is_counted(
         ctx: zmq.Context, ports: tuple[int, int]) -> None:
     with VLLMEventPublisher(settings(ports), context=ctx) as pub:
