@@ -216,6 +216,9 @@ class KVEventsSection:
                          key="kv_events_topic")
     buffer_steps: int = setting(10_000, "batches kept for replay", kind="int", key="kv_events_buffer_steps",
                                 minimum=1)
+    buffer_bytes: int = size(64 << 20, "payload bytes kept for replay (beside kv_events_buffer_steps); as much again "
+                             "may wait for subscribers that read slowly", key="kv_events_buffer_bytes",
+                             minimum=4096)
     hwm: int = setting(100_000, "ZeroMQ high-water mark of the PUB socket (batches per subscriber)", kind="int",
                        key="kv_events_hwm", minimum=1)
     max_queue_size: int = setting(100_000, "events waiting to be published; past it an event is dropped (counted)",
@@ -233,7 +236,8 @@ class KVEventsSection:
 
         names = frozenset(n.strip() for n in self.namespaces.split(",") if n.strip()) or None
         return KVEventsSettings(endpoint=self.endpoint, replay_endpoint=self.replay_endpoint or None,
-                                topic=self.topic, buffer_steps=self.buffer_steps, hwm=self.hwm,
+                                topic=self.topic, buffer_steps=self.buffer_steps, buffer_bytes=self.buffer_bytes,
+                                hwm=self.hwm,
                                 max_queue_size=self.max_queue_size, block_hashes=self.block_hashes,  # type: ignore
                                 namespaces=names)
 
