@@ -43,9 +43,6 @@ Two threads of calls, plus one holding streams (the abuse the issue lists; ``spe
 
 - cpu (a control, only when asked for): burns ``cpu_share`` of one core and calls nothing.
 
-- slowhttp and labels (only when asked for; ``bench/abuse_http.py``): silent and slow connections to ``/metrics``
-  and the dashboard while both must answer, and made-up model names as metric labels.
-
 Each call is counted by kind and by the status code the server ended it with (``OK`` when accepted).
 """
 
@@ -70,7 +67,6 @@ import grpc
 import torch
 import xxhash
 
-from kvshelf.bench.abuse_http import HTTP_ATTACKS, HTTP_EXPECTED, start_http_attacks
 from kvshelf.bench.common import PeakRss
 from kvshelf.kvstore import KVBlock, encode_block
 from kvshelf.kvstore.limits import MAX_HEAD_DIM
@@ -143,9 +139,6 @@ CONTROLS = ("cpu",)
 CPU_SHARE = 0.6
 #: One duty cycle of the ``cpu`` control: it spins ``cpu_share`` of it and sleeps the rest.
 CPU_PERIOD_S = 0.01
-#: The HTTP attacks (``bench/abuse_http.py``), only when named, and what the server may answer them with.
-ATTACKS = (*ATTACKS, *HTTP_ATTACKS)
-EXPECTED.update(HTTP_EXPECTED)
 #: Kinds that must never be accepted (``OK``): the abuse itself.
 MUST_REFUSE = frozenset(k for k, codes in EXPECTED.items() if "OK" not in codes)
 #: A RESOURCE_EXHAUSTED refusal at admission (the tenant's stream cap, or no stream slot left), before the
@@ -796,7 +789,6 @@ class Abuser:
                    if name in self.spec.get("attacks", DEFAULT_ATTACKS)]
         for t in threads:
             t.start()
-        threads += start_http_attacks(self, end)
         self.stop.wait(max(0.0, end - time.monotonic()))
         self.stop.set()
         with self._calls_lock:
