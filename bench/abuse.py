@@ -108,7 +108,9 @@ class AbuseSettings:
                             ("--disk-codec", self.disk_codec)):
             if value is not None:
                 args += [flag, str(value)]
-        return args
+        from kvshelf.bench.abuse_http import serve_args  # the HTTP attacks' targets: /metrics and the dashboard
+
+        return args + serve_args(self.attacks)
 
 
 # -- the server -----------------------------------------------------------------------------------------
@@ -124,6 +126,7 @@ class ServerProcess:
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
         )
         self.address: str | None = None
+        self.http_ports: list[int] = []  # /metrics and the dashboard, when on
         self.lines = 0
         self.tracebacks = 0
         self.tail: deque[str] = deque(maxlen=40)
@@ -133,6 +136,8 @@ class ServerProcess:
         threading.Thread(target=self._drain, name="abuse-server-output", daemon=True).start()
 
     def _drain(self) -> None:
+        from kvshelf.bench.abuse_http import http_ports_of
+
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             with self._lock:
@@ -141,6 +146,7 @@ class ServerProcess:
                 self.tail.append(line.rstrip("\n"))
             if self.address is None and "kvshelf serving on " in line:
                 self.address = line.split("kvshelf serving on ", 1)[1].split()[0]
+                self.http_ports = http_ports_of(line)
                 self._ready.set()
         self._ready.set()
 
@@ -512,7 +518,8 @@ def _elsewhere_phase(seconds: float, store: Any, values: list[tuple[bytes, tuple
     abuser: AbuserProcess | None = None
     try:
         target = other.wait_ready()
-        abuser, not_started = _start_abuser({**spec, "address": target}, tmp / "abuser-elsewhere.err")
+        abuser, not_started = _start_abuser({**spec, "address": target, "http_ports": other.http_ports,
+                                                  "server_pid": other.proc.pid}, tmp / "abuser-elsewhere.err")
         result, offset = _run_phase("abuse_elsewhere", seconds, store, values, server, sampler, settings, offset,
                                     abuser, not_started)
         result["abuser"]["server"] = {"address": target, "alive": other.alive(), "cpu_s": round(other.cpu_s(), 3)}
@@ -676,7 +683,8 @@ def run(*, json_path: str | None, settings: AbuseSettings | None = None,
                     "max_block": alone["max_block_bytes"], "max_call": alone["per_call_limit_bytes"],
                     "quota": alone["quota_bytes"], "idle_streams": settings.idle_streams,
                     "slow_streams": settings.slow_streams, "pace_s": settings.pace_s, "attacks": list(settings.attacks),
-                    "cpu_share": settings.cpu_share, **settings.hold_windows()}
+                    "cpu_share": settings.cpu_share, "http_ports": server.http_ports, "server_pid": server.proc.pid,
+                    **settings.hold_windows()}
             if settings.elsewhere:
                 console.print(f"phase abuse_elsewhere: {half:g} s of the honest tenant while the abuser attacks "
                               "a second server on this machine")

@@ -43,6 +43,9 @@ Two threads of calls, plus one holding streams (the abuse the issue lists; ``spe
 
 - cpu (a control, only when asked for): burns ``cpu_share`` of one core and calls nothing.
 
+- slowhttp and labels (only when asked for; ``bench/abuse_http.py``): silent and slow connections to ``/metrics``
+  and the dashboard while both must answer, and made-up model names as metric labels.
+
 Each call is counted by kind and by the status code the server ended it with (``OK`` when accepted).
 """
 
@@ -67,6 +70,7 @@ import grpc
 import torch
 import xxhash
 
+from kvshelf.bench.abuse_http import HTTP_ATTACKS, HTTP_EXPECTED, start_http_attacks
 from kvshelf.bench.common import PeakRss
 from kvshelf.kvstore import KVBlock, encode_block
 from kvshelf.kvstore.limits import MAX_HEAD_DIM
@@ -121,9 +125,9 @@ EXPECTED: dict[str, frozenset[str]] = {
 }
 #: Seconds between two clear-and-refill cycles of the quota attack.
 REFILL_S = 5.0
-#: The abuser's threads: held streams, bad input, quota abuse (``--attacks`` picks some); duplicate keys in gets and
-#: silent data connections (the bulk data path's) run only when named.
-ATTACKS = ("streams", "bad", "memory", "quota", "dupkeys", "silentdata")
+#: The abuser's threads: held streams, bad input, quota abuse (``--attacks`` picks some); duplicate keys in gets,
+#: silent data connections (the bulk data path's) and the HTTP attacks (``bench/abuse_http.py``) run only when named.
+ATTACKS = ("streams", "bad", "memory", "quota", "dupkeys", "silentdata", *HTTP_ATTACKS)
 #: The attacks a run makes unless told which.
 DEFAULT_ATTACKS = ("streams", "bad", "memory", "quota")
 #: Data connections the ``silentdata`` attack keeps open (the server's --data-handshakes is 64, 32 per host).
@@ -139,6 +143,7 @@ CONTROLS = ("cpu",)
 CPU_SHARE = 0.6
 #: One duty cycle of the ``cpu`` control: it spins ``cpu_share`` of it and sleeps the rest.
 CPU_PERIOD_S = 0.01
+EXPECTED.update(HTTP_EXPECTED)  # what the server may answer the HTTP attacks with
 #: Kinds that must never be accepted (``OK``): the abuse itself.
 MUST_REFUSE = frozenset(k for k, codes in EXPECTED.items() if "OK" not in codes)
 #: A RESOURCE_EXHAUSTED refusal at admission (the tenant's stream cap, or no stream slot left), before the
@@ -789,6 +794,7 @@ class Abuser:
                    if name in self.spec.get("attacks", DEFAULT_ATTACKS)]
         for t in threads:
             t.start()
+        threads += start_http_attacks(self, end)
         self.stop.wait(max(0.0, end - time.monotonic()))
         self.stop.set()
         with self._calls_lock:
