@@ -208,7 +208,6 @@ class HttpServer:
         self._ready: queue.Queue[tuple[_Conn, bytes] | None] = queue.Queue(limits.queue)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self.counts = {"accepted": 0, "answered": 0, "refused": 0, "timed_out": 0, "evicted": 0, "busy": 0}
 
     @property
     def server_address(self) -> tuple[str, int]:
@@ -291,7 +290,6 @@ class HttpServer:
                 if self._conns:
                     self._evict_oldest()
                 return
-            self.counts["accepted"] += 1
             if len(self._conns) >= self.limits.max_connections:
                 self._evict_oldest()
             sock.setblocking(False)
@@ -303,7 +301,6 @@ class HttpServer:
                 self._drop(conn)
 
     def _evict_oldest(self) -> None:
-        self.counts["evicted"] += 1
         self._drop(next(iter(self._conns.values())))
 
     def _expire(self, now: float) -> None:
@@ -311,8 +308,6 @@ class HttpServer:
             conn = next(iter(self._conns.values()))
             if conn.deadline > now:
                 return
-            if not conn.draining:
-                self.counts["timed_out"] += 1
             self._drop(conn)
 
     def _drop(self, conn: _Conn) -> None:
@@ -366,7 +361,6 @@ class HttpServer:
         try:
             self._ready.put_nowait((conn, body))
         except queue.Full:
-            self.counts["busy"] += 1
             self._conns[conn.sock] = conn
             self._selector.register(conn.sock, selectors.EVENT_READ)
             self._answer_here(conn, 503, "busy: try again")
@@ -374,7 +368,6 @@ class HttpServer:
     def _answer_here(self, conn: _Conn, status: int, reason: str) -> None:
         """A short error answer from the I/O thread; then the connection drains what the client still sends
         (so the answer is not lost to a reset) until it closes or a second passes."""
-        self.counts["refused"] += 1
         try:
             conn.sock.send(plain_response(status, reason))
             conn.sock.shutdown(socket.SHUT_WR)
@@ -401,7 +394,6 @@ class HttpServer:
                 conn.sock.settimeout(self.limits.write_timeout_s)
                 conn.sock.sendall(self._run_app(conn, body))
                 conn.sock.shutdown(socket.SHUT_WR)
-                self.counts["answered"] += 1
             except OSError:
                 pass  # the client went away or did not read within the write timeout
             except Exception:  # noqa: BLE001 (the worker serves on)
