@@ -200,7 +200,7 @@ class VLLMEventPublisher:
 
     Feed it with ``attach(store)`` (every tier's stored/removed/evicted events) or by hand: ``stored``,
     ``removed``, ``cleared``. Counters: ``published_events``, ``published_batches``, ``queue_drops``,
-    ``hwm_drops``, ``replays``, ``bad_replay_requests``, ``replays_refused``, ``socket_resets``; gauges
+    ``hwm_drops``, ``replays``, ``bad_replay_requests``, ``replays_refused``, ``socket_resets``, ``guard_drops``; gauges
     ``buffer_bytes``, ``pinned_bytes``."""
 
     def __init__(self, settings: KVEventsSettings, *, context: zmq.Context | None = None) -> None:
@@ -348,6 +348,7 @@ class VLLMEventPublisher:
                 "socket_resets": self._counter(w.COUNTER_RESETS),
                 "buffer_bytes": self._counter(w.COUNTER_BUFFER_BYTES),
                 "pinned_bytes": self._counter(w.COUNTER_PINNED_BYTES),
+                "guard_drops": self._counter(w.COUNTER_GUARD_DROPS),
                 "queued": max(0, self._sent - self._counter(w.COUNTER_RECORDS))}
 
     def flush(self, timeout_s: float = 5.0) -> bool:

@@ -26,7 +26,13 @@ What a peer can make this process hold is bounded before it is stored (the limit
 * replays: one job per peer, ``REPLAY_JOBS`` at once (more are answered with the end marker alone and counted as
   refused), sent with ``ZMQ_ROUTER_MANDATORY`` and a send high-water mark of ``REPLAY_HWM`` messages: a peer that
   does not read stops its own job (given up after ``REPLAY_STALL_S``), never another's; ``REPLAY_ROUND`` replay
-  messages at most per loop, between live batches, so live events are never behind a replay flood.
+  messages at most per loop, between live batches, so live events are never behind a replay flood;
+* and what libzmq does before this process can see it: a flood of subscriptions from several peers keeps libzmq
+  adding them to its trie inside one call of this process's loop. A guard thread (``_Guard``) reads this process's
+  resident memory every ``GUARD_INTERVAL_S``; past what it had at start, plus the payloads it holds (buffered and
+  pinned, each bounded by ``buffer_bytes``), plus ``GUARD_MARGIN_BYTES``, it shuts down (``shutdown(2)``, outside
+  libzmq) the TCP connections to the bound ports that have unread bytes waiting, then, if that was not enough,
+  every one; libzmq sees them closed and lets go of what they held.
 """
 
 from __future__ import annotations
@@ -35,7 +41,10 @@ import ctypes
 import ctypes.util
 import json
 import os
+import re
+import socket as stdsocket
 import sys
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -69,10 +78,11 @@ RECORD_STORE, RECORD_STORED, RECORD_REMOVED, RECORD_CLEARED, RECORD_MEDIA, RECOR
 #: malformed replay requests, batches published (all topics), this process's CPU time in ns, replays refused (too
 #: many at once), socket resets (subscriptions or pinned payloads past their bounds), payload bytes buffered for
 #: replay, payload bytes pinned (out of the buffer, still queued for a peer)
+#: replay, connections the memory guard dropped
 (COUNTER_RECORDS, COUNTER_EVENTS, COUNTER_BATCHES, COUNTER_HWM_DROPS, COUNTER_REPLAYS, COUNTER_BAD_REPLAYS,
  COUNTER_NEXT_SEQ, COUNTER_CPU_NS, COUNTER_REPLAYS_REFUSED, COUNTER_RESETS, COUNTER_BUFFER_BYTES,
- COUNTER_PINNED_BYTES) = range(12)
-COUNTERS = 12
+ COUNTER_PINNED_BYTES, COUNTER_GUARD_DROPS) = range(13)
+COUNTERS = 13
 
 #: longest topic a replay request may name, and about the longest subscription (a namespace of 1,024 ASCII characters
 #: and a topic fit; 4 KiB is also what libzmq's subscription trie can take in before this process sees it)
@@ -98,7 +108,12 @@ REPLAY_STALL_S = 5.0
 MAX_BATCH_BYTES = 1 << 20
 #: how long pinned payloads may stay past their bound before a socket is reset (libzmq frees them asynchronously)
 PINNED_GRACE_S = 0.1
+#: the memory guard: how often it looks, and the memory it allows past the process's own at start and the payloads
+#: it holds (buffered and pinned)
+GUARD_INTERVAL_S = 0.02
+GUARD_MARGIN_BYTES = 64 << 20
 _SENT, _AGAIN, _GONE = range(3)
+_TCP_BIND = re.compile(r"tcp://(\*|\[[0-9a-fA-F:.]*::[0-9a-fA-F:.]*\]):(\d+)")
 
 
 def feed_endpoint(folder: Path) -> str:
@@ -170,6 +185,9 @@ class _Worker:
         self.parent = os.getppid()
         self._hash = block_hasher(settings.block_hashes)
         self._warm_up()
+        self.guard = _Guard(bound_tcp_ports(settings), resident_bytes(), counters)
+        if self.guard.ports:
+            self.guard.start()
         self.cpu_at_start = time.process_time_ns()  # CPU spent publishing: counted from here (start-up not)
 
     # -- sockets ----------------------------------------------------------------------------------------------
@@ -505,10 +523,110 @@ class _Worker:
         return _SENT
 
     def close(self) -> None:
+        self.guard.stopped.set()
         for socket in (self.pull, self.pub, self.replay):
             if socket is not None:
                 socket.close(linger=0)
         self.ctx.term()
+
+
+def bound_tcp_ports(settings: KVEventsSettings) -> set[int]:
+    """The TCP ports this process listens on: the endpoint's when it binds, the replay endpoint's (always bound)."""
+    ports = set()
+    for endpoint, always in ((settings.endpoint, False), (settings.replay_endpoint, True)):
+        if endpoint and endpoint.startswith("tcp://"):
+            port = int(endpoint.rsplit(":", 1)[1])
+            if always or _TCP_BIND.fullmatch(endpoint):
+                ports.add(port)
+    return ports
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (``/proc/self/statm``)."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def inbound_connections(ports: set[int]) -> list[tuple[int, int]]:
+    """``(socket inode, bytes waiting to be read)`` of the established TCP connections to ``ports`` (IPv4, IPv6)."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 10 or fields[3] != "01":  # 01: ESTABLISHED
+                continue
+            if int(fields[1].rsplit(":", 1)[1], 16) in ports:
+                found.append((int(fields[9]), int(fields[4].split(":")[1], 16)))
+    return found
+
+
+def shut_down_inodes(inodes: set[int]) -> int:
+    """``shutdown(2)`` the sockets of this process whose inodes are ``inodes`` (libzmq sees them closed and closes
+    them itself); how many."""
+    done = 0
+    for entry in os.scandir("/proc/self/fd"):
+        try:
+            target = os.readlink(entry.path)
+        except OSError:
+            continue
+        if not target.startswith("socket:[") or int(target[8:-1]) not in inodes:
+            continue
+        try:
+            fd = os.dup(int(entry.name))
+        except OSError:
+            continue
+        try:
+            if os.fstat(fd).st_ino in inodes:  # still that socket (not a number reused since)
+                with stdsocket.socket(fileno=fd) as sock:
+                    fd = -1
+                    sock.shutdown(stdsocket.SHUT_RDWR)
+                    done += 1
+        except OSError:
+            pass
+        finally:
+            if fd >= 0:
+                os.close(fd)
+    return done
+
+
+class _Guard(threading.Thread):
+    """Drops the connections to ``ports`` when this process holds more than ``base`` plus the payloads it keeps plus
+    ``GUARD_MARGIN_BYTES`` (module doc)."""
+
+    def __init__(self, ports: set[int], base: int, counters: np.ndarray) -> None:
+        super().__init__(name="kvshelf-vllm-events-guard", daemon=True)
+        self.ports = ports
+        self.base = base
+        self.counters = counters
+        self.stopped = threading.Event()
+
+    @property
+    def ceiling(self) -> int:
+        held = int(self.counters[COUNTER_BUFFER_BYTES]) + int(self.counters[COUNTER_PINNED_BYTES])
+        return self.base + held + GUARD_MARGIN_BYTES
+
+    def run(self) -> None:
+        while not self.stopped.wait(GUARD_INTERVAL_S):
+            if resident_bytes() <= self.ceiling:
+                continue
+            connections = inbound_connections(self.ports)
+            busy = {inode for inode, waiting in connections if waiting > 0}
+            dropped = shut_down_inodes(busy) if busy else 0
+            if self.stopped.wait(5 * GUARD_INTERVAL_S):
+                return
+            _trim()
+            if resident_bytes() > self.ceiling:  # not enough: every connection
+                dropped += shut_down_inodes({inode for inode, _ in inbound_connections(self.ports)})
+                self.stopped.wait(5 * GUARD_INTERVAL_S)
+                _trim()
+                # what stays resident with no connection left is the process's own: never drop for it again
+                own = resident_bytes() - (self.ceiling - self.base - GUARD_MARGIN_BYTES)  # less the payloads held
+                self.base = max(self.base, own + GUARD_MARGIN_BYTES // 2)
+            self.counters[COUNTER_GUARD_DROPS] += dropped
 
 
 def _trim() -> None:

@@ -203,6 +203,52 @@ def test_subscriptions_are_bounded_in_count_and_bytes(ctx: zmq.Context, ports: t
         honest.close(linger=0)
 
 
+def flood_subscriptions(port: int, total: int, base: int) -> None:
+    """Distinct 4,000-byte subscriptions over raw connections (a new one whenever the publisher drops it)."""
+    raw, sent, number = None, 0, base
+    while sent < total:
+        if raw is None:
+            try:
+                raw = zmtp_peer(port, b"SUB")
+            except OSError:  # the XPUB is being opened again
+                time.sleep(0.01)
+                continue
+        frames = b"".join(zmtp_frame(b"\x01" + (number + k).to_bytes(4, "big") * 1000) for k in range(16))
+        number += 16
+        try:
+            raw.sendall(frames)
+            sent += len(frames)
+        except OSError:
+            raw.close()
+            raw = None
+    if raw is not None:
+        raw.close()
+
+
+def test_subscriptions_from_many_peers_at_once_are_bounded_by_the_guard(
+        ctx: zmq.Context, ports: tuple[int, int]) -> None:
+    """8 peers flooding distinct subscriptions at once keep libzmq adding them within one call of the publisher's
+    loop: its memory guard drops the connections with bytes waiting, and the honest subscriber stays."""
+    with publishing(ctx, ports, buffer_bytes=MiB) as pub:
+        honest = subscriber(ctx, ports[0], b"default")
+        time.sleep(0.2)
+        before = rss(pub.pid)
+        peak = PeakRSS(pub.pid)
+        floods = [threading.Thread(target=flood_subscriptions, args=(ports[0], 4 * MiB, i << 24)) for i in range(8)]
+        for flood in floods:
+            flood.start()
+        for flood in floods:
+            flood.join()
+        growth = peak.stop() - before
+        assert growth < 256 * MiB, f"32 MiB of subscriptions from 8 peers grew the publisher by {growth / MiB:.0f} MiB"
+        assert pub._proc.poll() is None
+        deadline = time.monotonic() + 10
+        while not honest.poll(100):
+            assert time.monotonic() < deadline, "the honest subscriber got no live event after the flood"
+            pub.cleared("default")
+        honest.close(linger=0)
+
+
 def test_silent_connections_are_closed_after_the_handshake_interval(
         ctx: zmq.Context, ports: tuple[int, int]) -> None:
     with publishing(ctx, ports, handshake_s=0.5) as pub:
