@@ -112,6 +112,8 @@ PINNED_GRACE_S = 0.1
 #: it holds (buffered and pinned)
 GUARD_INTERVAL_S = 0.02
 GUARD_MARGIN_BYTES = 64 << 20
+#: how long the guard waits after dropping every connection before it takes what stays resident as the process's own
+GUARD_SETTLE_S = 1.0
 _SENT, _AGAIN, _GONE = range(3)
 _TCP_BIND = re.compile(r"tcp://(\*|\[[0-9a-fA-F:.]*::[0-9a-fA-F:.]*\]):(\d+)")
 
@@ -621,7 +623,8 @@ class _Guard(threading.Thread):
             _trim()
             if resident_bytes() > self.ceiling:  # not enough: every connection
                 dropped += shut_down_inodes({inode for inode, _ in inbound_connections(self.ports)})
-                self.stopped.wait(5 * GUARD_INTERVAL_S)
+                if self.stopped.wait(GUARD_SETTLE_S):  # libzmq lets go of what they held
+                    return
                 _trim()
                 # what stays resident with no connection left is the process's own: never drop for it again
                 own = resident_bytes() - (self.ceiling - self.base - GUARD_MARGIN_BYTES)  # less the payloads held

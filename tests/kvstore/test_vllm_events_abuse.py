@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 import vllm_schema
 import zmq
+from fuzz_driver import mutate
+from fuzz_replay import SEEDS, check_request, encode_frames
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from service_helpers import free_port
@@ -476,13 +478,13 @@ frames_strategy = st.lists(st.one_of(st.binary(max_size=24), st.binary(min_size=
 @FUZZ
 @given(frames_strategy)
 def test_parse_replay_request_reads_or_refuses_any_frames(frames: list[bytes]) -> None:
-    parsed = parse_replay_request(frames)
-    body = frames[1:] if frames and frames[0] == b"" else frames
-    if parsed is None:
-        assert not 1 <= len(body) <= 2 or len(body[0]) != 8
-        return
-    start, topic = parsed
-    assert start == int.from_bytes(body[0], "big") and topic == (body[1] if len(body) == 2 else None)
+    check_request(encode_frames(frames))
+
+
+@FUZZ
+@given(st.sampled_from(SEEDS), st.randoms(use_true_random=False))
+def test_parse_replay_request_reads_or_refuses_mutated_requests(seed: bytes, rng: Any) -> None:
+    check_request(mutate(seed, rng))
 
 
 @pytest.fixture(scope="module")
