@@ -84,6 +84,18 @@ def _check_redis_url(url: str) -> None:
         raise parsed.error("a Redis URL needs a host (redis://HOST:PORT/DB)")
 
 
+def _check_listen(address: str) -> None:
+    from kvshelf.service.address import check_listen
+
+    check_listen(address, "")
+
+
+def _check_host(host: str) -> None:
+    from kvshelf.service.address import check_host
+
+    check_host(host, "")
+
+
 # -- the sections --------------------------------------------------------------------------------------------------
 
 
@@ -91,8 +103,8 @@ def _check_redis_url(url: str) -> None:
 class ServerSection:
     """Listening, threads and the server's lifecycle."""
 
-    listen: str = setting("127.0.0.1:50051", "HOST:PORT to listen on (port 0: any free port, printed on the "
-                          "start-up line)", kind="str")
+    listen: str = setting("127.0.0.1:50051", "HOST:PORT to listen on, IPv6 in brackets (port 0: any free port, "
+                          "printed on the start-up line)", kind="str", check=_check_listen)
     workers: int = setting(32, "gRPC worker threads; streams never take the last quarter of them", kind="int",
                            minimum=1)
     grace: float = setting(10.0, "seconds to drain in-flight calls on SIGTERM", kind="float", minimum=0)
@@ -258,7 +270,7 @@ class MetricsSection:
 
     port: int = setting(0, "Prometheus /metrics on this port; 0: off", kind="int", key="metrics_port", minimum=0)
     addr: str = setting("127.0.0.1", "address of the /metrics endpoint; any other than 127.0.0.1 needs "
-                        "metrics_token_file", kind="str", key="metrics_addr")
+                        "metrics_token_file", kind="str", key="metrics_addr", check=_check_host)
     token_file: str = setting("", "file holding the bearer token /metrics requires; unset: no token", kind="str",
                               key="metrics_token_file")
     namespaces: str = setting("", "comma-separated namespaces /metrics shows; unset: every namespace", kind="str",
@@ -272,7 +284,7 @@ class AdminSection:
     port: int = setting(0, "admin dashboard (web page) on this port; 0: off", kind="int", key="admin_port",
                         minimum=0)
     addr: str = setting("127.0.0.1", "address of the dashboard; any other than loopback needs admin_token_file",
-                        kind="str", key="admin_addr")
+                        kind="str", key="admin_addr", check=_check_host)
     token_file: str = setting("", "file holding the token the dashboard requires (a bearer header or its login "
                               "form); unset: no token", kind="str", key="admin_token_file")
     namespaces: str = setting("", "comma-separated namespaces the dashboard shows; unset: every namespace",

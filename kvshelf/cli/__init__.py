@@ -11,6 +11,7 @@ Run it as ``kvshelf ...`` (the console script) or ``python -m kvshelf.cli ...``.
 from __future__ import annotations
 
 import sys
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -21,6 +22,21 @@ app = typer.Typer(help="kvshelf: KV-cache management and context reuse for trans
                   no_args_is_help=True, pretty_exceptions_enable=False)
 bench_app = typer.Typer(help="Benchmarks (each writes JSON and prints a table).", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from kvshelf import __version__
+
+        print(f"kvshelf {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: Annotated[bool, typer.Option(
+        "--version", callback=_print_version, is_eager=True, help="print the version (kvshelf X.Y.Z) and exit")
+                                ] = False) -> None:
+    """kvshelf: KV-cache management and context reuse for transformer LLMs."""
 
 app.command()(demo.demo)
 app.command()(serve.serve)
@@ -58,7 +74,14 @@ for _name, _command in (
 
 
 def main() -> None:
-    """Entry point: our errors become one readable line and exit code 2."""
+    """Entry point: our errors become one readable line and exit code 2; help that is not a terminal is not cut
+    at rich's 80 columns."""
+    from kvshelf.cli.common import PIPE_HELP_WIDTH, width_unset
+
+    if width_unset():
+        import typer.rich_utils
+
+        typer.rich_utils.MAX_WIDTH = PIPE_HELP_WIDTH
     try:
         app()
     except Exception as exc:

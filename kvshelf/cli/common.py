@@ -4,13 +4,35 @@ values. Light on purpose: ``kvshelf --help`` imports this and typer, nothing of 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 
-console = Console()
+#: the width of output that is not a terminal (a pipe, a file, CI) when ``$COLUMNS`` names none: rich's own 80
+#: squeezes tables' cells into ``196… MiB``; tables take only the width their cells need, so this one never cuts them
+PIPE_WIDTH = 1000
+#: the width of ``--help`` that is not a terminal (its panels fill the width they are given)
+PIPE_HELP_WIDTH = 160
+
+
+def width_unset() -> bool:
+    """Whether nothing names the output's width: not a terminal, and no ``$COLUMNS`` (or typer's
+    ``$TERMINAL_WIDTH``)."""
+    return not Console().is_terminal and not os.environ.get("COLUMNS") and not os.environ.get("TERMINAL_WIDTH")
+
+
+def make_console(*, stderr: bool = False) -> Console:
+    """A console as wide as its terminal, or ``PIPE_WIDTH`` when the output is not a terminal and names no width."""
+    probe = Console(stderr=stderr)
+    if probe.is_terminal or os.environ.get("COLUMNS"):
+        return probe
+    return Console(stderr=stderr, width=PIPE_WIDTH)
+
+
+console = make_console()
 
 ModelOpt = Annotated[str, typer.Option(help="bundled name (smollm2-135m), local directory, or cached HF id")]
 
@@ -35,6 +57,20 @@ def check_device(device: str, dtype: str) -> None:
         raise KVShelfError(f"--device {device!r}: {exc}") from None
     if parsed.type == "cuda" and not torch.cuda.is_available():
         raise KVShelfError(f"--device {device}: CUDA is not available on this machine")
+
+
+def open_remote(address: str, flag: str, *, token: str | None, namespace: str, tls_ca: Path | None,
+                connect_timeout: float) -> Any:
+    """A ``RemoteStore`` of the server at ``address`` (no blocks move: no shared memory), after the address is
+    checked (a ``ConfigError`` for a malformed one) and a TCP connection to it opened: an unknown host, a refused
+    connection or an unreachable network is a ``TierUnavailableError`` at once, no answer one after
+    ``connect_timeout`` seconds (``service.address.probe_server``)."""
+    from kvshelf.service.address import probe_server
+    from kvshelf.service.client import RemoteStore  # light: no torch (the admin calls move no blocks)
+
+    probe_server(address, flag, connect_timeout)
+    return RemoteStore(address, token=token, namespace=namespace, tls_ca=tls_ca, shared_memory=False,
+                       connect_timeout_s=connect_timeout)
 
 
 def corpus_path(corpus: Path | None) -> Path | None:

@@ -7,6 +7,8 @@ from typing import Annotated
 
 import typer
 
+from kvshelf.cli.common import open_remote
+
 
 def dashboard(
     target: Annotated[str, typer.Option(help="HOST:PORT of a `kvshelf serve` server")],
@@ -27,15 +29,16 @@ def dashboard(
     token's namespace). Runs until Ctrl-C."""
     import threading
 
-    from kvshelf.service.client import RemoteStore  # light: no torch (the admin calls move no blocks)
+    from kvshelf.service.address import check_host
     from kvshelf.service.dashboard import check_dashboard_access, serve_dashboard
     from kvshelf.service.dashboard_data import CachedSource, TierHealth, history_points, remote_snapshot
     from kvshelf.service.metrics import read_token_file
 
+    check_host(addr, "--addr")
     page_token = read_token_file(admin_token_file, "--admin-token-file") if admin_token_file else None
     check_dashboard_access(addr, page_token, "--addr")
-    remote = RemoteStore(target, token=token, namespace=namespace, tls_ca=tls_ca, shared_memory=False,
-                         connect_timeout_s=connect_timeout)
+    remote = open_remote(target, "--target", token=token, namespace=namespace, tls_ca=tls_ca,
+                         connect_timeout=connect_timeout)
     remote.stats()  # reachable and authorized, or a clear error now
     health = TierHealth()
     endpoint = serve_dashboard(CachedSource(lambda: remote_snapshot(remote.stats(), health)), port, addr,

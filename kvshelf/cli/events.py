@@ -8,6 +8,8 @@ from typing import Annotated
 
 import typer
 
+from kvshelf.cli.common import open_remote
+
 
 def events(
     server: Annotated[str, typer.Option(help="HOST:PORT of a `kvshelf serve` server")],
@@ -25,7 +27,7 @@ def events(
     import threading
 
     from kvshelf.kvstore.errors import KVShelfError
-    from kvshelf.service.client import RemoteStore, RemoteStoreError
+    from kvshelf.service.client import RemoteStoreError
     from kvshelf.service.event_format import format_message
 
     try:
@@ -34,8 +36,8 @@ def events(
         raise KVShelfError(f"--from-seq must be an integer >= 0, got {from_seq!r}") from None
     if start < 0:
         raise KVShelfError(f"--from-seq must be an integer >= 0, got {from_seq!r}")
-    remote = RemoteStore(server, token=token, namespace=namespace, tls_ca=tls_ca, shared_memory=False,
-                         connect_timeout_s=connect_timeout)
+    remote = open_remote(server, "--server", token=token, namespace=namespace, tls_ca=tls_ca,
+                         connect_timeout=connect_timeout)
     current = [remote.subscribe_events(start)]
     stopping = threading.Event()
     failure: list[KVShelfError] = []

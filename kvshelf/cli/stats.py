@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
-from kvshelf.cli.common import console
+from kvshelf.cli.common import console, open_remote
 
 
 def stats(
@@ -18,7 +18,9 @@ def stats(
     data_dir: Annotated[Path | None, typer.Option(help="or: an embedded store directory (what it holds)")] = None,
     token: Annotated[str | None, typer.Option(help="bearer token (servers with a tokens file)",
                                               envvar="KVSHELF_TOKEN")] = None,
-    namespace: Annotated[str, typer.Option(help="namespace (dev-mode servers)")] = "default",
+    namespace: Annotated[str | None, typer.Option(
+        help="namespace (dev-mode servers; default: default); with --json, its view leads, else the whole "
+             "store's does", show_default=False)] = None,
     tls_ca: Annotated[Path | None, typer.Option(help="CA certificate of a TLS server")] = None,
     watch: Annotated[bool, typer.Option("--watch", help="refresh live until Ctrl-C")] = False,
     interval: Annotated[float, typer.Option(min=0.2, help="seconds between refreshes with --watch")] = 2.0,
@@ -33,7 +35,8 @@ def stats(
 
     if (server is None) == (data_dir is None):
         raise KVShelfError("give exactly one of --server HOST:PORT or --data-dir DIR")
-    fetch = _remote_stats(server, token, namespace, tls_ca, connect_timeout) if server else _local_stats(data_dir)
+    fetch = (_remote_stats(server, token, namespace or "default", tls_ca, connect_timeout) if server
+             else _local_stats(data_dir))
     if plot is not None:
         history = fetch().get("history")
         if history is None:
@@ -41,7 +44,7 @@ def stats(
         console.print(f"wrote {draw_plot(history, plot)}")
         return
     if as_json:
-        print(json.dumps(fetch(), indent=2))
+        print(json.dumps(json_view(fetch(), namespace_given=namespace is not None), indent=2))
         return
 
     def view() -> Any:
@@ -64,12 +67,24 @@ def stats(
             pass
 
 
+def json_view(data: dict[str, Any], *, namespace_given: bool) -> dict[str, Any]:
+    """What ``--json`` prints, led by the data asked for. A dev-mode server's answer holds the namespace's view and
+    the whole store's (``store``): without ``--namespace`` the whole store's leads (``scope: store``: its tiers,
+    hit rates, counter rows and pins, then ``health`` and ``history``), with it the namespace's (``scope:
+    namespace``, the store's under ``store``, last). A token server's answer (its caller's namespace) and an
+    embedded store's are printed as they are, with their ``scope``."""
+    if "store" not in data:
+        return {"scope": "namespace" if "namespace" in data else "store", **data}
+    rest = {k: v for k, v in data.items() if k != "store"}
+    if namespace_given:
+        return {"scope": "namespace", **rest, "store": data["store"]}
+    return {"scope": "store", **data["store"], "health": data.get("health"), "history": data.get("history")}
+
+
 def _remote_stats(server: str, token: str | None, namespace: str, tls_ca: Path | None,
                   connect_timeout: float) -> Callable[[], dict]:
-    from kvshelf.service.client import RemoteStore  # light: no torch (the admin calls move no blocks)
-
-    remote = RemoteStore(server, token=token, namespace=namespace, tls_ca=tls_ca, shared_memory=False,
-                         connect_timeout_s=connect_timeout)
+    remote = open_remote(server, "--server", token=token, namespace=namespace, tls_ca=tls_ca,
+                         connect_timeout=connect_timeout)
     return remote.stats
 
 
