@@ -30,15 +30,26 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
+from kvshelf.kvstore.errors import UnsupportedModelError
 from kvshelf.kvstore.fingerprint import fingerprint_from_properties
 
 _SAMPLE_ROWS = 64
 _MEMO = "_kvshelf_fingerprint"
 
 
+def has_attention_heads(config: PretrainedConfig) -> bool:
+    """Whether a decoder's config names its attention heads (a state-space model such as Mamba has none)."""
+    return getattr(config.get_text_config(decoder=True), "num_attention_heads", None) is not None
+
+
 def kv_geometry(model: PreTrainedModel) -> tuple[int, int, int]:
-    """``(layers, kv_heads, head_dim)`` of a decoder's KV cache (MLA: see ``mla_dims``)."""
+    """``(layers, kv_heads, head_dim)`` of a decoder's KV cache (MLA: see ``mla_dims``); ``UnsupportedModelError``
+    for a model without attention heads (no KV cache: Mamba and other state-space models)."""
     config = model.config.get_text_config(decoder=True)
+    if not has_attention_heads(model.config):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} (model type {config.model_type}) has no attention heads (its config has no "
+            "num_attention_heads): it keeps no KV cache kvshelf can store")
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -91,9 +102,21 @@ COMMON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DTYPE_MEMO = "_kvshelf_dtype_fingerprints"
 
 
+def _geometry(model: PreTrainedModel) -> tuple[int | None, int | None, int | None, dict[str, Any]]:
+    """``kv_geometry``, plus nothing, for a model with attention heads; for one without (a state-space model:
+    Mamba), its layers, ``None`` heads and head dim, and the sizes of its state, so that it has a fingerprint
+    too (it has no KV cache to store)."""
+    if has_attention_heads(model.config):
+        return *kv_geometry(model), {}
+    config = model.config.get_text_config(decoder=True)
+    state = {name: getattr(config, name) for name in ("hidden_size", "state_size", "conv_kernel", "expand")
+             if getattr(config, name, None) is not None}
+    return getattr(config, "num_hidden_layers", None), None, None, {"state": state}
+
+
 def _properties(model: PreTrainedModel, dtype: torch.dtype) -> dict[str, Any]:
     config = model.config.get_text_config(decoder=True)
-    layers, kv_heads, head_dim = kv_geometry(model)
+    layers, kv_heads, head_dim, state = _geometry(model)
     return {
         "architecture": type(model).__name__,
         "model_type": config.model_type,
@@ -101,6 +124,7 @@ def _properties(model: PreTrainedModel, dtype: torch.dtype) -> dict[str, Any]:
         "kv_heads": kv_heads,
         "head_dim": head_dim,
         **({"mla": mla} if (mla := mla_dims(model.config)) else {}),
+        **state,
         "rope": getattr(config, "rope_parameters", None) or getattr(config, "rope_theta", None),
         "dtype": str(dtype),
         "vocab": config.vocab_size,

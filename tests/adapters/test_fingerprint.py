@@ -121,3 +121,39 @@ def test_rag_and_prompt_modules_recompute_after_a_weight_change(tmp_path):
     warm = modules.generate(prompt, max_new_tokens=6, eos_token_id=None)
     cold = modules.generate(prompt, max_new_tokens=6, eos_token_id=None, reuse=False)
     assert warm.new_ids == cold.new_ids
+
+
+def _tiny_mamba(seed: int = 0):  # noqa: ANN202
+    from transformers import MambaConfig, MambaForCausalLM
+
+    torch.manual_seed(seed)
+    config = MambaConfig(vocab_size=64, hidden_size=16, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=2)
+    return MambaForCausalLM(config).eval()
+
+
+def test_a_model_without_attention_heads_has_a_fingerprint():
+    """A state-space model (Mamba: no num_attention_heads) is fingerprinted from its layers, state sizes and
+    weights; its weights and dtype change it as they do an attention model's."""
+    model = _tiny_mamba()
+    first = model_fingerprint(model)
+    assert len(first) == 32 and int(first, 16) >= 0
+    assert model_fingerprint(model) == first == model_fingerprint(_tiny_mamba())
+    assert model_fingerprint(_tiny_mamba(seed=1)) != first
+    assert model_fingerprint(model.to(torch.bfloat16)) != first
+
+
+def test_kv_geometry_of_a_model_without_attention_heads_names_what_is_missing():
+    from kvshelf.adapters.fingerprint import kv_geometry
+    from kvshelf.kvstore.errors import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match=r"MambaForCausalLM \(model type mamba\) has no attention heads "
+                                                    r"\(its config has no num_attention_heads\)"):
+        kv_geometry(_tiny_mamba())
+
+
+def test_attention_models_keep_their_fingerprints():
+    """The properties of a model with attention heads are what they were: blocks already stored stay found."""
+    from kvshelf.adapters.fingerprint import _properties  # noqa: PLC2701
+
+    assert list(_properties(tiny_llama(seed=0), torch.float32)) == [
+        "architecture", "model_type", "layers", "kv_heads", "head_dim", "rope", "dtype", "vocab"]
