@@ -106,7 +106,7 @@ READ_AHEAD_BYTES = 32 << 20
 READ_BATCH_KEYS = 16
 #: A value a get names again later is kept for it (read once) while the values kept add up to at most this many
 #: bytes, and always the first one; past that it is read again where it is named again.
-REPEAT_KEEP_BYTES = 64 << 20
+REPEAT_KEEP_BYTES = 16 << 20
 
 
 def iter_chunks(value: bytes | memoryview, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[memoryview, bool]]:

@@ -592,3 +592,16 @@ def test_duplicate_keys_are_read_once_and_answered_in_order(server, data_path):
         assert [bytes(v) if v is not None else None for v in got] == [a[1]] * 16 + [b[1], None, a[1], b[1], None]
         assert isinstance(got[0], bytearray if data_path else bytes)
     assert retrieved_blocks(server) - before == 3  # each distinct key read once
+
+
+@pytest.mark.parametrize("data_path", [True, False])
+def test_large_values_named_again_are_answered_in_order(server, data_path):
+    """Values past what a get keeps for their later places (16 MiB in all, always the first) are read again there:
+    every answer is still the right value, in order."""
+    a, b = encoded(300, layers=4, heads=8, head_dim=128), encoded(301, layers=4, heads=8, head_dim=128)  # ~9.8 MB
+    with remote(server, data_path=data_path) as store:
+        assert store.put_encoded_many([a]) == 1 and store.put_encoded_many([b]) == 1
+        before = retrieved_blocks(server)
+        got = store.get_encoded_many([a[0], b[0], a[0], b[0], a[0]])
+        assert [bytes(v) for v in got] == [a[1], b[1], a[1], b[1], a[1]]
+    assert 2 <= retrieved_blocks(server) - before < 5  # the first value kept for its later places
