@@ -8,7 +8,9 @@ name and reports every candidate that holds more of the prompt than the lookup f
 
 1. ``EVICTED``: the first missing block is in the generator's ``EvictionLog`` (evicted while it watched the store).
 2. ``OTHER_DTYPE``: the chain of the model's weights cast to another common dtype
-   (``fingerprint.other_dtype_fingerprints``: float32, bfloat16, float16).
+   (``fingerprint.other_dtype_fingerprints``: float32, bfloat16, float16); or the chain under another fingerprint
+   (step 5) whose scanned header shows this model's KV shape in another dtype: blocks of a float32 checkpoint,
+   looked up from its bfloat16 copy (whose cast weights cannot name them).
 3. ``OTHER_BLOCK_SIZE``: the chain cut in blocks of another of ``BLOCK_SIZES``.
 4. ``OTHER_NAMESPACE``: the chain in another namespace: those the caller names, then those the store's counters
    show blocks written in, then those of the scanned headers (at most ``MAX_NAMESPACES``).
@@ -28,8 +30,10 @@ name and reports every candidate that holds more of the prompt than the lookup f
 Cost, paid only when a lookup found fewer blocks than it asked for: one uncounted ``held`` call per namespace
 probed (the store's hit rates stay the users'), over at most ``MAX_PROBE_BLOCKS`` keys per candidate (2 dtypes,
 5 block sizes, ``MAX_NAMESPACES`` namespaces, ``MAX_MODELS`` fingerprints, 1 chunk key), one ``stats()`` call, and
-the headers of at most ``scan`` stored values of the first ``scan_tiers`` tiers that list their keys (an embedded
-``TieredStore`` only: a ``RemoteStore`` gets the probes alone), read with ``Tier.peek_many`` (the tiers' eviction
+the headers of at most ``scan`` stored values of other fingerprints from the first ``scan_tiers`` tiers that list
+their keys and hold any (a tier holding only this model's blocks, such as a fresh process's memory tier, is not
+counted: the disk tier behind it is read), at most ``scan`` from each (an embedded ``TieredStore`` only: a
+``RemoteStore`` gets the probes alone), read with ``Tier.peek_many`` (the tiers' eviction
 policies hear nothing of them). The fingerprints of the other dtypes cost one weight digest each, once (memoized).
 """
 
@@ -167,7 +171,7 @@ def explain_miss(model: Any, tokenizer: Any, store: BlockStore, query: MissQuery
     reasons: list[MissReason] = []
     if spans and eviction_log is not None:
         reasons += _evicted(spans, found, eviction_log)
-    headers = stored_headers(store, scan, scan_tiers) if spans else []
+    headers = stored_headers(store, scan, scan_tiers, own=query.fingerprint) if spans else []
     rows = _rows(store)
     dtype_fingerprints = other_dtype_fingerprints(model)
     probes = _probes(query, dtype_fingerprints, _namespaces(query.namespace, namespaces, rows, headers),
@@ -184,21 +188,35 @@ def explain_miss(model: Any, tokenizer: Any, store: BlockStore, query: MissQuery
 # -- what the store can tell ----------------------------------------------------------------------------------------
 
 
-def stored_headers(store: BlockStore, limit: int, tiers: int | None = 1) -> list[BlockHeader]:
+def stored_headers(store: BlockStore, limit: int, tiers: int | None = 1, *,
+                   own: str | None = None) -> list[BlockHeader]:
     """The headers of at most ``limit`` stored values of the first ``tiers`` tiers (``None``: all) that list their
-    keys, newest first where a tier keeps an order (the memory tier); ``[]`` for a store without tiers here."""
+    keys, newest first where a tier keeps an order (the memory tier); ``[]`` for a store without tiers here.
+
+    With ``own`` (the looking model's fingerprint), headers that carry it do not count toward ``limit``, nor a tier
+    that holds only such toward ``tiers``: a memory tier that holds only what this model wrote (in a fresh
+    process, the blocks of its first miss) tells nothing of other dtypes or models, and the next tier (the disk)
+    is read too. At most ``limit`` values are read from each tier."""
     specs = getattr(store, "specs", None)
     if not isinstance(specs, list) or limit <= 0:
         return []
     seen: set[bytes] = set()
     out: list[BlockHeader] = []
-    for spec in specs[:tiers]:
+    counted = 0
+
+    def useful() -> int:
+        return len(out) if own is None else sum(h.fingerprint != own for h in out)
+
+    for spec in specs:
+        if (tiers is not None and counted >= tiers) or useful() >= limit:
+            break
+        before = useful()
         tier = spec.tier
         try:
             keys = tier.keys()
         except (NotImplementedError, KVShelfError):
             continue
-        picked = [key for key in reversed(keys) if key not in seen][: limit - len(out)]
+        picked = [key for key in reversed(keys) if key not in seen][: limit - before]
         seen.update(picked)
         for i in range(0, len(picked), _SCAN_BATCH):
             try:
@@ -212,8 +230,8 @@ def stored_headers(store: BlockStore, limit: int, tiers: int | None = 1) -> list
                     out.append(read_header(value))
                 except KVShelfError:
                     continue
-        if len(out) >= limit:
-            break
+        if useful() > before:
+            counted += 1
     return out
 
 
@@ -294,10 +312,37 @@ def _probe_reasons(store: BlockStore, query: MissQuery, probes: list[_Probe], re
         tokens = probe.spans[run - 1].end if run else 0
         if tokens <= reused:
             continue
+        dtype = _other_dtype_of(probe, headers, model) if probe.kind is MissKind.OTHER_MODEL else None
+        if dtype is not None:
+            reasons.append(MissReason(MissKind.OTHER_DTYPE, _dtype_model_detail(probe, run, tokens, dtype, model),
+                                      blocks=run, tokens=tokens, candidate=dtype))
+            continue
         reasons.append(MissReason(probe.kind, _detail(probe, run, tokens, query, headers, model), blocks=run,
                                   tokens=tokens, candidate=probe.candidate,
                                   token_index=0 if probe.kind is MissKind.CHUNKED else None))
     return reasons
+
+
+def _other_dtype_of(probe: _Probe, headers: list[BlockHeader], model: Any) -> str | None:
+    """The dtype (``"float32"``) of another fingerprint's blocks when a scanned header of it shows this model's KV
+    shape in another dtype: the same model loaded in that dtype, most likely (a float32 checkpoint's blocks
+    cannot be named from its bfloat16 copy: ``fingerprint.other_dtype_fingerprints``); None otherwise."""
+    header = next((h for h in headers if h.fingerprint == probe.candidate), None)
+    own = getattr(model, "dtype", None)
+    if header is None or own is None or header.dtype == own:
+        return None
+    layers, kv_heads, head_dim = kv_geometry(model)
+    if (header.shape[0], header.shape[1], header.shape[3]) != (layers, kv_heads, head_dim):
+        return None
+    return str(header.dtype).removeprefix("torch.")
+
+
+def _dtype_model_detail(probe: _Probe, run: int, tokens: int, dtype: str, model: Any) -> str:
+    layers, kv_heads, head_dim = kv_geometry(model)
+    return (f"{run} block{'s' if run != 1 else ''} ({tokens} tokens) of this prompt are stored in {dtype} for model "
+            f"fingerprint {probe.candidate}, whose KV has this model's shape ({layers} layers, {kv_heads} KV heads, "
+            f"head dim {head_dim}); this model runs in {str(model.dtype).removeprefix('torch.')} and blocks are "
+            f"keyed by dtype: load the model in {dtype} to reuse them (unless they are another checkpoint's)")
 
 
 def _detail(probe: _Probe, run: int, tokens: int, query: MissQuery, headers: list[BlockHeader],

@@ -71,3 +71,14 @@ def test_bad_input_is_one_line_and_exit_code_2(stored: tuple[Path, Path, int], t
     no_store = _explain(tmp_path / "empty", prompt_file)
     assert no_store.returncode == 2
     assert len(no_store.stderr.strip().splitlines()) == 1 and "no kvshelf store at" in no_store.stderr
+
+
+def test_blocks_stored_in_float32_explained_to_a_bfloat16_model(stored: tuple[Path, Path, int]) -> None:
+    data, prompt_file, tokens = stored
+    done = _explain(data, prompt_file, "--block-size", "16", "--dtype", "bfloat16")
+    assert done.returncode == 0, done.stderr
+    head, *findings = done.stdout.splitlines()
+    assert head == f"{tokens} prompt tokens, {tokens // 16} blocks of 16: 0 held (0 tokens)"
+    assert len(findings) == 1 and findings[0].startswith(
+        f"other_dtype: {tokens // 16} blocks ({tokens // 16 * 16} tokens) of this prompt are stored in float32 ")
+    assert "load the model in float32 to reuse them" in findings[0]

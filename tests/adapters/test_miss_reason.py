@@ -229,3 +229,24 @@ def test_explain_refuses_bad_input(model, store):
     gen.close()
     with pytest.raises(ConfigError, match="is closed"):
         gen.explain(_prompt(20))
+
+
+def test_blocks_of_a_float32_model_looked_up_from_its_bfloat16_copy_are_another_dtype(tmp_path):
+    """A bfloat16 copy of float32 weights cannot name their blocks (its cast weights lost the bits in their
+    fingerprint), but a scanned header shows this model's KV shape in float32: another dtype, not another model;
+    in a fresh process too, where the memory tier holds only the blocks of the lookup itself and the disk tier's
+    headers are read."""
+    prompt = _prompt(70, seed=12)
+    with open_embedded_store(tmp_path / "data", memory_bytes="64MiB") as store:
+        CachedGenerator(tiny_llama(seed=0), store=store, block_size=BLOCK).generate(prompt, max_new_tokens=1,
+                                                                                     wait=True)
+        bf16 = CachedGenerator(tiny_llama(seed=0).to(torch.bfloat16), store=store, block_size=BLOCK)
+        reason = bf16.generate(prompt, max_new_tokens=1, store=False).miss_reason
+        assert (reason.kind, reason.candidate, reason.blocks, reason.tokens) == (MissKind.OTHER_DTYPE, "float32", 4,
+                                                                                 64)
+        assert "load the model in float32" in reason.detail and "this model runs in bfloat16" in reason.detail
+    with open_embedded_store(tmp_path / "data", memory_bytes="64MiB") as reopened:  # no counters, memory empty
+        bf16 = CachedGenerator(tiny_llama(seed=0).to(torch.bfloat16), store=reopened, block_size=BLOCK)
+        result = bf16.generate(prompt, max_new_tokens=1, wait=True)  # its own blocks reach the memory tier
+        assert [(r.kind, r.candidate) for r in result.miss_reasons] == [(MissKind.OTHER_DTYPE, "float32")]
+        assert (result.other_dtype_blocks, result.other_dtypes) == (4, ("float32",))
