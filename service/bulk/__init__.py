@@ -13,6 +13,6 @@ socket moves the same values with ``recv_into`` into preallocated buffers and sc
    all arrived whole; a get's values go out as stored, each checked by the client before it is handed on;
 4. the call ends with the transfer's outcome, and a failure also reaches the data connection as a status frame.
 
-``client.py`` is ``RemoteStore``'s side; it falls back to gRPC when the server has no data path or its port cannot
-be reached.
+``client.py`` is ``RemoteStore``'s side; it falls back to gRPC when the server has no data path, its port cannot
+be reached or takes no hello, or it refuses the connection before reading it.
 """
