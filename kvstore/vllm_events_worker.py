@@ -188,7 +188,7 @@ class _Worker:
         self._hash = block_hasher(settings.block_hashes)
         self._warm_up()
         self.guard = _Guard(bound_tcp_ports(settings), resident_bytes(), counters)
-        if self.guard.ports:
+        if self.guard.ports and _STATM >= 0:
             self.guard.start()
         self.cpu_at_start = time.process_time_ns()  # CPU spent publishing: counted from here (start-up not)
 
@@ -249,11 +249,13 @@ class _Worker:
 
     def run(self) -> None:
         running = True
+        poller, polled = zmq.Poller(), ()
         while running:
-            poller = zmq.Poller()
-            for socket in (self.pull, self.pub, self.replay):
-                if socket is not None:
-                    poller.register(socket, zmq.POLLIN)
+            if polled != (self.pub, self.replay):  # at start, and after a socket was opened again
+                poller, polled = zmq.Poller(), (self.pub, self.replay)
+                for socket in (self.pull, self.pub, self.replay):
+                    if socket is not None:
+                        poller.register(socket, zmq.POLLIN)
             busy = any(job.stalled_since is None for job in self.jobs.values())
             ready = dict(poller.poll(0 if busy else STALLED_POLL_MS if self.jobs else 200))
             if self.pull in ready:  # live first: records come batched (the publisher's FEED_BATCH / FEED_WINDOW_S)
@@ -390,6 +392,8 @@ class _Worker:
     def _check_pinned(self) -> None:
         """Forget pinned payloads libzmq has freed; past ``buffer_bytes`` for ``PINNED_GRACE_S``, reset the replay
         socket (its peers pin payloads by not reading) or, when that was just done, the XPUB."""
+        if not self.pinned and self.pinned_over_since is None:
+            return
         while self.pinned and self.pinned[0][0].done:
             self.pinned_bytes -= self.pinned.popleft()[1]
         if self.pinned_bytes > self.settings.buffer_bytes:
@@ -543,10 +547,13 @@ def bound_tcp_ports(settings: KVEventsSettings) -> set[int]:
     return ports
 
 
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_STATM = os.open("/proc/self/statm", os.O_RDONLY) if os.path.exists("/proc/self/statm") else -1  # -1: no guard
+
+
 def resident_bytes() -> int:
-    """This process's resident memory (``/proc/self/statm``)."""
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    """This process's resident memory (``/proc/self/statm``, kept open: the guard reads it 50 times a second)."""
+    return int(os.pread(_STATM, 256, 0).split()[1]) * _PAGE
 
 
 def inbound_connections(ports: set[int]) -> list[tuple[int, int]]:
