@@ -17,11 +17,11 @@ What kvshelf maps onto it: a batch holds the events of one namespace, its topic 
 topic has its own sequence (from 0), so that a subscriber of one namespace sees no gaps. A replay request names its
 topic in a second frame (kvshelf's extension; only that topic's batches are sent); without it, the topic is the
 only namespace of ``namespaces``, else the only topic published so far; with several, the request is ambiguous and
-gets the end marker alone (counted as malformed). Block
-hashes are kvshelf's block keys, as the low 64 bits of the 16-byte key read big-endian (vLLM's default int form)
-or, with ``block_hashes="bytes"``, the 16 bytes; ``parent_block_hash`` is the chain's previous key (None for the
-first block); ``token_ids`` are the block's tokens and ``block_size`` their count; ``medium`` names the tier
-(``MEDIA``). ``group_idx`` is 0: a kvshelf block holds every layer.
+gets the end marker alone (counted as malformed). Block hashes are kvshelf's block keys, as the low 64 bits of the
+16-byte key read big-endian (vLLM's default int form) or, with ``block_hashes="bytes"``, the 16 bytes;
+``parent_block_hash`` is the chain's previous key (None for the first block); ``token_ids`` are the block's tokens
+and ``block_size`` their count; ``medium`` names the tier (``MEDIA``). ``group_idx`` is 0: a kvshelf block holds
+every layer.
 
 Puts are never slowed: the sockets live in a process of their own (``kvstore.vllm_events_worker``); the store's
 listener only sends it one small record per event, without blocking (``max_queue_size`` records may wait: past
