@@ -30,9 +30,9 @@ What a peer can make this process hold is bounded before it is stored (the limit
 * and what libzmq does before this process can see it: a flood of subscriptions from several peers keeps libzmq
   adding them to its trie inside one call of this process's loop. A guard thread (``_Guard``) reads this process's
   resident memory every ``GUARD_INTERVAL_S``; past what it had at start, plus the payloads it holds (buffered and
-  pinned, each bounded by ``buffer_bytes``), plus ``GUARD_MARGIN_BYTES``, it shuts down (``shutdown(2)``, outside
-  libzmq) the TCP connections to the bound ports that have unread bytes waiting, then, if that was not enough,
-  every one; libzmq sees them closed and lets go of what they held.
+  pinned, each bounded by ``buffer_bytes``), plus ``GUARD_MARGIN_BYTES``, it trims the C heap, then shuts down
+  (``shutdown(2)``, outside libzmq) the TCP connections to the bound ports that have unread bytes waiting, or, when
+  none has, every one (once a second at most); libzmq sees them closed and lets go of what they held.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ PINNED_GRACE_S = 0.1
 #: it holds (buffered and pinned)
 GUARD_INTERVAL_S = 0.02
 GUARD_MARGIN_BYTES = 64 << 20
-#: how long the guard waits after dropping every connection before it takes what stays resident as the process's own
+#: the guard drops every connection (when none has bytes waiting) and trims the heap at most once this often
 GUARD_SETTLE_S = 1.0
 _SENT, _AGAIN, _GONE = range(3)
 _TCP_BIND = re.compile(r"tcp://(\*|\[[0-9a-fA-F:.]*::[0-9a-fA-F:.]*\]):(\d+)")
@@ -619,24 +619,27 @@ class _Guard(threading.Thread):
         return self.base + held + GUARD_MARGIN_BYTES
 
     def run(self) -> None:
+        trimmed = dropped_all = 0.0
         while not self.stopped.wait(GUARD_INTERVAL_S):
             if resident_bytes() <= self.ceiling:
                 continue
+            now = time.monotonic()
+            if now - trimmed >= GUARD_SETTLE_S:  # free memory the heap still holds first (once a second at most)
+                trimmed = now
+                _trim()
+                if resident_bytes() <= self.ceiling:
+                    continue
             connections = inbound_connections(self.ports)
             busy = {inode for inode, waiting in connections if waiting > 0}
-            dropped = shut_down_inodes(busy) if busy else 0
-            if self.stopped.wait(5 * GUARD_INTERVAL_S):
-                return
-            _trim()
-            if resident_bytes() > self.ceiling:  # not enough: every connection
-                dropped += shut_down_inodes({inode for inode, _ in inbound_connections(self.ports)})
-                if self.stopped.wait(GUARD_SETTLE_S):  # libzmq lets go of what they held
-                    return
-                _trim()
-                # what stays resident with no connection left is the process's own: never drop for it again
-                own = resident_bytes() - (self.ceiling - self.base - GUARD_MARGIN_BYTES)  # less the payloads held
-                self.base = max(self.base, own + GUARD_MARGIN_BYTES // 2)
+            if busy:  # peers sending faster than libzmq takes it in
+                dropped = shut_down_inodes(busy)
+            elif now - dropped_all >= GUARD_SETTLE_S:  # none: every connection, once a second at most
+                dropped_all = now
+                dropped = shut_down_inodes({inode for inode, _ in connections})
+            else:
+                continue
             self.counters[COUNTER_GUARD_DROPS] += dropped
+            trimmed = 0.0  # what the dropped connections held is freed: trim again when still over
 
 
 def _trim() -> None:
