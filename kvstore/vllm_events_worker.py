@@ -77,15 +77,14 @@ RECORD_STORE, RECORD_STORED, RECORD_REMOVED, RECORD_CLEARED, RECORD_MEDIA, RECOR
 #: the shared counters (int64 each): records read, events published, batches, high-water-mark drops, replays,
 #: malformed replay requests, batches published (all topics), this process's CPU time in ns, replays refused (too
 #: many at once), socket resets (subscriptions or pinned payloads past their bounds), payload bytes buffered for
-#: replay, payload bytes pinned (out of the buffer, still queued for a peer)
-#: replay, connections the memory guard dropped
+#: replay, payload bytes pinned (out of the buffer, still queued for a peer), connections the memory guard dropped
 (COUNTER_RECORDS, COUNTER_EVENTS, COUNTER_BATCHES, COUNTER_HWM_DROPS, COUNTER_REPLAYS, COUNTER_BAD_REPLAYS,
  COUNTER_NEXT_SEQ, COUNTER_CPU_NS, COUNTER_REPLAYS_REFUSED, COUNTER_RESETS, COUNTER_BUFFER_BYTES,
  COUNTER_PINNED_BYTES, COUNTER_GUARD_DROPS) = range(13)
 COUNTERS = 13
 
 #: longest topic a replay request may name, and about the longest subscription (a namespace of 1,024 ASCII characters
-#: and a topic fit; 4 KiB is also what libzmq's subscription trie can take in before this process sees it)
+#: and a topic fit)
 MAX_TOPIC_BYTES = 4096
 #: ``ZMQ_MAXMSGSIZE`` of the XPUB and the ROUTER: a subscription or a request frame (a topic and a few bytes)
 MAX_FRAME_BYTES = MAX_TOPIC_BYTES + 64
