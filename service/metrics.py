@@ -138,10 +138,23 @@ class KVEventsCollector(Collector):
                                       labels=["reason"])
         dropped.add_metric(["queue"], float(stats["queue_drops"]))
         dropped.add_metric(["hwm"], float(stats["hwm_drops"]))
-        replays = CounterMetricFamily(f"{p}_replays", "replay requests answered", labels=["result"])
+        replays = CounterMetricFamily(f"{p}_replays", "replay requests: 'ok' (replayed), 'malformed', 'refused' "
+                                      "(too many replays at once: the end marker alone)", labels=["result"])
         replays.add_metric(["ok"], float(stats["replays"]))
         replays.add_metric(["malformed"], float(stats["bad_replay_requests"]))
-        yield from (published, batches, dropped, replays)
+        replays.add_metric(["refused"], float(stats["replays_refused"]))
+        resets = CounterMetricFamily(f"{p}_socket_resets", "publisher sockets closed and opened again (subscriptions "
+                                     "or payloads pinned by slow peers past their bounds)", labels=[])
+        resets.add_metric([], float(stats["socket_resets"]))
+        guard = CounterMetricFamily(f"{p}_guard_drops", "peer connections the publisher's memory guard dropped",
+                                    labels=[])
+        guard.add_metric([], float(stats["guard_drops"]))
+        buffered = GaugeMetricFamily(f"{p}_buffer_bytes", "payload bytes kept for replay", labels=[])
+        buffered.add_metric([], float(stats["buffer_bytes"]))
+        pinned = GaugeMetricFamily(f"{p}_pinned_bytes", "payload bytes out of the replay buffer, still queued for "
+                                   "a peer", labels=[])
+        pinned.add_metric([], float(stats["pinned_bytes"]))
+        yield from (published, batches, dropped, replays, resets, guard, buffered, pinned)
 
 
 class LatencyInterceptor(grpc.ServerInterceptor):

@@ -113,3 +113,42 @@ def test_the_embedded_store_publishes_and_closes_its_publisher(tmp_path: Path, c
     with pytest.raises(ConfigError, match="address already in use"):
         open_embedded_store(tmp_path / "b", memory_bytes=None, kv_events=KVEventsSettings(endpoint=f"tcp://*:{busy}"))
     assert not (tmp_path / "b" / "lmdb").exists()  # refused before anything was opened
+
+
+def metric_value(body: str, name: str) -> float:
+    """The value of the sample ``name`` (with its labels, as the exposition writes them) in a scrape's ``body``."""
+    (line,) = [line for line in body.splitlines() if line.startswith(name + " ")]
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_metrics_show_the_publishers_bounds_counters(serving: Callable[..., InProcessServe], ctx: zmq.Context) -> None:
+    """Replays refused, socket resets, guard drops and the bytes buffered and pinned are scraped from /metrics: a
+    SUB peer past the subscription bytes' bound resets the XPUB, and a stored block is buffered for replay."""
+    port, replay_port = free_port(), free_port()
+    running = serving(kv_events_endpoint=f"tcp://*:{port}", kv_events_replay_endpoint=f"tcp://*:{replay_port}")
+    sub = subscriber(ctx, port, b"default")
+    time.sleep(0.3)
+    block = make_block([1, 2, 3, 4])
+    with RemoteStore(running.grpc, shared_memory=False) as remote:
+        assert remote.put_many([(key_of(block), block)]) == 1
+    wait_for(sub, 2)  # stored in memory and on disk
+    flood = ctx.socket(zmq.SUB)  # 20 distinct subscriptions of 4,000 bytes: past the 64 KiB the XPUB keeps
+    flood.setsockopt(zmq.LINGER, 0)
+    for i in range(20):
+        flood.setsockopt(zmq.SUBSCRIBE, i.to_bytes(4, "big") * 1000)
+    flood.connect(f"tcp://127.0.0.1:{port}")
+    url = f"http://127.0.0.1:{running.metrics_port}/metrics"
+    deadline = time.monotonic() + 10
+    while True:
+        status, body = scrape(url)
+        assert status == 200
+        if metric_value(body, "kvshelf_kv_events_socket_resets_total") >= 1:
+            break
+        assert time.monotonic() < deadline, "no socket reset in /metrics after 80 KB of subscriptions"
+        time.sleep(0.1)
+    assert metric_value(body, "kvshelf_kv_events_buffer_bytes") > 0
+    assert metric_value(body, "kvshelf_kv_events_pinned_bytes") >= 0
+    assert metric_value(body, "kvshelf_kv_events_guard_drops_total") == 0
+    assert metric_value(body, 'kvshelf_kv_events_replays_total{result="refused"}') == 0
+    flood.close(linger=0)
+    sub.close(linger=0)
