@@ -35,12 +35,26 @@ def make_console(*, stderr: bool = False) -> Console:
 console = make_console()
 
 ModelOpt = Annotated[str, typer.Option(help="bundled name (smollm2-135m), local directory, or cached HF id")]
+ThreadsOpt = Annotated[int | None, typer.Option(
+    min=1, show_default=False, help="torch threads for this command and the processes it starts (default: torch's, "
+    "one per core); on a small machine shared with other work, 1 keeps them from spinning against each other")]
 
 
 def opt(help_text: str) -> Any:
     """An option shown without a default: None leaves the setting to the environment, a config file or the built-in
     default, which ``help_text`` states."""
     return typer.Option(help=help_text, show_default=False)
+
+
+def set_threads(threads: int | None) -> None:
+    """torch's intra-op threads for this process, and ``$OMP_NUM_THREADS`` for the processes it starts (None:
+    torch's default)."""
+    if threads is None:
+        return
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
 
 
 def check_device(device: str, dtype: str) -> None:

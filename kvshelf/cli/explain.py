@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from kvshelf.cli.common import ModelOpt, console
+from kvshelf.cli.common import ModelOpt, ThreadsOpt, console, set_threads
 
 
 def explain(
@@ -21,6 +21,7 @@ def explain(
                           ] = 256,
     other_namespace: Annotated[list[str] | None, typer.Option(
         help="another namespace to look in (repeatable); the store's known ones are tried too")] = None,
+    threads: ThreadsOpt = None,
 ) -> None:
     """Why a prompt misses: its blocks, how many the store holds, and each reason found for the rest (evicted,
     another dtype, block size, namespace or model, a chunk, other token ids, never stored). Exit code 0 when it
@@ -43,6 +44,7 @@ def explain(
     from kvshelf.adapters.model import load_model, resolve_dtype
 
     resolve_dtype(dtype)  # an unknown dtype is a clear error before the model loads
+    set_threads(threads)
     loaded, tokenizer = load_model(model, dtype=dtype)
     store = open_embedded_store(directory, memory_bytes=None, namespace=namespace)
     try:

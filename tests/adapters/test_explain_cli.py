@@ -5,6 +5,7 @@ every process)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,27 @@ def test_blocks_stored_in_float32_explained_to_a_bfloat16_model(stored: tuple[Pa
     assert len(findings) == 1 and findings[0].startswith(
         f"other_dtype: {tokens // 16} blocks ({tokens // 16 * 16} tokens) of this prompt are stored in float32 ")
     assert "load the model in float32 to reuse them" in findings[0]
+
+
+def test_threads_sets_torch_threads_for_the_command(stored: tuple[Path, Path, int],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--threads 1`` (in process, typer's runner): torch runs one intra-op thread, and the processes the command
+    starts inherit ``OMP_NUM_THREADS=1``."""
+    import torch
+    from typer.testing import CliRunner
+
+    from kvshelf.cli import app
+
+    data, prompt_file, _ = stored
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        done = CliRunner().invoke(app, ["explain", "--model", MODEL, "--prompt-file", str(prompt_file), "--data-dir",
+                                        str(data), "--block-size", "16", "--threads", "1"])
+        assert done.exit_code == 0, done.output
+        assert "a full hit" in done.output
+        assert torch.get_num_threads() == 1
+        assert os.environ["OMP_NUM_THREADS"] == "1"
+    finally:
+        torch.set_num_threads(before)

@@ -207,3 +207,12 @@ def test_dashboard_refuses_a_bad_address_of_its_own(free_port: int) -> None:
     done = kvshelf_cli("dashboard", "--target", f"127.0.0.1:{free_port}", "--addr", "300.1.1.1", "--port", "0")
     assert done.returncode == 2
     assert _one_error_line(done) == "error: --addr: '300.1.1.1' is not an IPv4 address"
+
+
+def test_demo_checks_its_remote_before_loading_a_model(free_port: int) -> None:
+    bad = kvshelf_cli("demo", "--remote", "127.0.0.1")
+    assert bad.returncode == 2
+    assert _one_error_line(bad).startswith("error: --remote: '127.0.0.1' has no port")
+    refused = kvshelf_cli("demo", "--remote", f"127.0.0.1:{free_port}")
+    assert refused.returncode == 2
+    assert _one_error_line(refused).endswith(f"connection refused (nothing listens on port {free_port})")
