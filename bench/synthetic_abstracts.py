@@ -61,6 +61,14 @@ _CLOSERS = (
 )
 
 
+def _plural(noun: str) -> str:
+    if noun.endswith(("s", "x", "sh", "ch")):
+        return noun + "es"
+    if noun.endswith("y") and noun[-2:-1] not in "aeiou":
+        return noun[:-1] + "ies"
+    return noun + "s"
+
+
 def _phrase(rng: random.Random) -> str:
     return f"{rng.choice(_ADJECTIVES)} {rng.choice(_NOUNS)}"
 
@@ -96,9 +104,9 @@ def make_abstracts(count: int = 64, seed: int = 0) -> list[dict[str, str]]:
     records = []
     for name in names[:count]:
         task = rng.choice(_TASKS)
-        title = f"{name}: {_phrase(rng).capitalize()} {rng.choice(_NOUNS)}s for {task.title()}"
+        title = f"{name}: {_phrase(rng).capitalize()} {_plural(rng.choice(_NOUNS))} for {task.title()}"
         body = [f"We present {name}, a {_phrase(rng)} for {task} that {rng.choice(_VERBS)} the "
-                f"{_phrase(rng)} of current {rng.choice(_NOUNS)}s."]
+                f"{_phrase(rng)} of current {_plural(rng.choice(_NOUNS))}."]
         body += [_sentence(rng, name, task) for _ in range(rng.randrange(6, 10))]
         body.append(rng.choice(_CLOSERS))
         records.append({"title": title, "abstract": " ".join(body)})

@@ -23,7 +23,9 @@ from kvshelf.kvstore import open_embedded_store
 
 pytestmark = pytest.mark.slow
 CODE = "7316"
-QUESTION = "What is the secret code of the MagicInfinite paper?"
+#: the suite's first abstract (``bench/synthetic_abstracts.py``) is about this method: the code is planted in it
+NAME = "QuantumLoop"
+QUESTION = f"What is the secret code of the {NAME} paper?"
 NEW = 16
 
 
@@ -39,7 +41,8 @@ class Bm25Retriever(BaseRetriever):
 @pytest.fixture(scope="module")
 def corpus(texts) -> list[str]:
     docs = [t[:500] for t in texts]
-    docs[0] = docs[0] + f"\n\nThe secret code of the MagicInfinite paper is {CODE}."
+    assert docs[0].startswith(NAME)
+    docs[0] = docs[0] + f"\n\nThe secret code of the {NAME} paper is {CODE}."
     return docs
 
 
