@@ -208,6 +208,7 @@ class HttpServer:
         self._ready: queue.Queue[tuple[_Conn, bytes] | None] = queue.Queue(limits.queue)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._quiet_until = 0.0  # no accept-failure warning before this (one per 10 s)
 
     @property
     def server_address(self) -> tuple[str, int]:
@@ -285,10 +286,15 @@ class HttpServer:
                 sock, peer = self.listener.accept()
             except BlockingIOError:
                 return
-            except OSError as exc:  # out of fds (EMFILE...): make room, try again next round
-                log.warning("%s: accept failed: %s", self.name, exc)
+            except OSError as exc:  # out of fds (EMFILE...): make room (or wait a little), try again next round
+                now = time.monotonic()
+                if now >= self._quiet_until:
+                    log.warning("%s: accept failed: %s (the oldest connection being read is closed)", self.name, exc)
+                    self._quiet_until = now + 10.0
                 if self._conns:
                     self._evict_oldest()
+                else:
+                    time.sleep(0.05)
                 return
             if len(self._conns) >= self.limits.max_connections:
                 self._evict_oldest()

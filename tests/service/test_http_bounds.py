@@ -6,6 +6,7 @@ at once; a token-less server answers only loopback ``Host`` names (no DNS rebind
 from __future__ import annotations
 
 import json
+import resource
 import threading
 
 import pytest
@@ -164,3 +165,29 @@ def test_a_token_makes_any_host_name_fine(served):
     assert get(admin_port, "/api/data", host="kvshelf.internal", headers={"Authorization": f"Bearer {TOKEN}"})[0] \
         == 200
     assert get(admin_port, "/api/data", host="kvshelf.internal")[0] == 401
+
+
+def test_under_a_low_fd_limit_silent_connections_leave_room_for_honest_calls(tmp_path):
+    """Under a small fd limit, silent HTTP connections must not take the fds an honest call needs: when accept
+    fails for want of fds the server closes the oldest connection it reads; scrapes and gRPC calls still work."""
+    metrics_port = free_port()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    # the server inherits it: ~20 fds of its own, so accept fails (EMFILE) before 128 connections are read
+    resource.setrlimit(resource.RLIMIT_NOFILE, (100, hard))
+    try:
+        server = ServeProcess("--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "data"), "--memory", "16MiB",
+                              "--max-disk", "64MiB", "--metrics-port", str(metrics_port))
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    silent: list = []
+    try:
+        silent = open_silent(metrics_port, 600)
+        wait_for(lambda: False, 1.0)
+        for _ in range(3):
+            assert get(metrics_port, "/metrics")[0] == 200
+        traffic(server.address, "tenant-a", 2)  # gRPC put, get and lookup: fds for its connection were left
+        assert server.proc.poll() is None
+    finally:
+        for sock in silent:
+            sock.close()
+        server.stop()
