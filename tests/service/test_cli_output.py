@@ -46,14 +46,16 @@ def test_serve_help_through_a_pipe_shows_every_option_whole() -> None:
         assert re.search(rf"{re.escape(spec.flag)}\b", done.stdout), spec.flag
 
 
-@pytest.mark.parametrize("command", ["demo", "stats", "explain", "dashboard", "precompute", "events"])
+@pytest.mark.parametrize("command", ["precompute", "bench serve", "bench store", "bench abuse"])
 def test_other_help_through_a_pipe_is_not_cut(command: str) -> None:
-    done = piped(command, "--help")
+    """The commands whose help rich cut at 80 columns."""
+    done = piped(*command.split(), "--help")
     assert done.returncode == 0, done.stderr
     assert ELLIPSIS not in done.stdout
 
 
 def test_a_width_the_user_names_is_kept() -> None:
+    """$COLUMNS still rules (a guard of the fix: the old code kept it too)."""
     done = piped("serve", "--help", env={"COLUMNS": "100"})
     assert done.returncode == 0, done.stderr
     assert max(len(line) for line in done.stdout.splitlines()) <= 100
