@@ -9,11 +9,12 @@ scheme. Light: the standard library and ``kvstore.errors`` only.
 
 from __future__ import annotations
 
-import concurrent.futures
 import ipaddress
 import re
 import socket
+import threading
 import time
+from typing import Any
 
 from kvshelf.kvstore.errors import ConfigError, TierUnavailableError
 
@@ -101,13 +102,24 @@ def parse_target(address: str, flag: str) -> tuple[str, int] | None:
 
 
 def _resolve(host: str, port: int, timeout_s: float) -> list[tuple]:
-    """``getaddrinfo`` for TCP, waited on for at most ``timeout_s`` (a resolver may hang for long)."""
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvshelf-resolve")
-    try:
-        future = pool.submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
-        return future.result(timeout=timeout_s)
-    finally:
-        pool.shutdown(wait=False)
+    """``getaddrinfo`` for TCP, waited on for at most ``timeout_s`` (a resolver may hang for long; it runs on a
+    daemon thread, so a command that gives up on it exits at once); ``TimeoutError`` past it."""
+    result: list[Any] = []
+
+    def run() -> None:
+        try:
+            result.append(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+        except (OSError, UnicodeError) as exc:
+            result.append(exc)
+
+    thread = threading.Thread(target=run, name="kvshelf-resolve", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not result:
+        raise TimeoutError(f"{host!r} did not resolve within {timeout_s:g} s")
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
 
 
 def probe_server(address: str, flag: str, timeout_s: float) -> None:
@@ -133,11 +145,11 @@ def probe_server(address: str, flag: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     try:
         infos = _resolve(host, port, timeout_s)
-    except concurrent.futures.TimeoutError:
+    except TimeoutError:
         raise TierUnavailableError(f"{where} unreachable: host {host!r} did not resolve within {timeout_s:g} s"
                                    ) from None
-    except (socket.gaierror, UnicodeError) as exc:
-        reason = exc.strerror if isinstance(exc, socket.gaierror) else str(exc)
+    except (OSError, UnicodeError) as exc:
+        reason = (exc.strerror if isinstance(exc, OSError) else None) or str(exc)
         raise TierUnavailableError(f"{where} unreachable: unknown host {host!r} ({reason})") from None
     failures: list[str] = []
     for family, kind, proto, _, sockaddr in infos:
