@@ -45,6 +45,9 @@ Two threads of calls, plus one holding streams (the abuse the issue lists; ``spe
 
 - slowhttp and labels (only when asked for; ``bench/abuse_http.py``): silent and slow connections to ``/metrics``
   and the dashboard while both must answer, and made-up model names as metric labels.
+- subscriptions and replay (only when asked for; ``bench/abuse_events.py``): raw ZeroMQ peers flooding the KV events
+  publisher with distinct and oversized subscriptions and frames, and its replay endpoint with requests never read,
+  floods of requests, bursts past its replay jobs, requests without a topic and malformed ones.
 
 Each call is counted by kind and by the status code the server ended it with (``OK`` when accepted).
 """
@@ -70,6 +73,7 @@ import grpc
 import torch
 import xxhash
 
+from kvshelf.bench.abuse_events import EVENT_ATTACKS, EVENTS_EXPECTED, start_event_attacks
 from kvshelf.bench.abuse_http import HTTP_ATTACKS, HTTP_EXPECTED, start_http_attacks
 from kvshelf.bench.common import PeakRss
 from kvshelf.kvstore import KVBlock, encode_block
@@ -126,8 +130,9 @@ EXPECTED: dict[str, frozenset[str]] = {
 #: Seconds between two clear-and-refill cycles of the quota attack.
 REFILL_S = 5.0
 #: The abuser's threads: held streams, bad input, quota abuse (``--attacks`` picks some); duplicate keys in gets,
-#: silent data connections (the bulk data path's) and the HTTP attacks (``bench/abuse_http.py``) run only when named.
-ATTACKS = ("streams", "bad", "memory", "quota", "dupkeys", "silentdata", *HTTP_ATTACKS)
+#: silent data connections (the bulk data path's), the HTTP attacks (``bench/abuse_http.py``) and the KV events attacks
+#: (``bench/abuse_events.py``) run only when named.
+ATTACKS = ("streams", "bad", "memory", "quota", "dupkeys", "silentdata", *HTTP_ATTACKS, *EVENT_ATTACKS)
 #: The attacks a run makes unless told which.
 DEFAULT_ATTACKS = ("streams", "bad", "memory", "quota")
 #: Data connections the ``silentdata`` attack keeps open (the server's --data-handshakes is 64, 32 per host).
@@ -144,6 +149,7 @@ CPU_SHARE = 0.6
 #: One duty cycle of the ``cpu`` control: it spins ``cpu_share`` of it and sleeps the rest.
 CPU_PERIOD_S = 0.01
 EXPECTED.update(HTTP_EXPECTED)  # what the server may answer the HTTP attacks with
+EXPECTED.update(EVENTS_EXPECTED)  # and the KV events attacks
 #: Kinds that must never be accepted (``OK``): the abuse itself.
 MUST_REFUSE = frozenset(k for k, codes in EXPECTED.items() if "OK" not in codes)
 #: A RESOURCE_EXHAUSTED refusal at admission (the tenant's stream cap, or no stream slot left), before the
@@ -795,6 +801,7 @@ class Abuser:
         for t in threads:
             t.start()
         threads += start_http_attacks(self, end)
+        threads += start_event_attacks(self, end)
         self.stop.wait(max(0.0, end - time.monotonic()))
         self.stop.set()
         with self._calls_lock:

@@ -158,8 +158,14 @@ def bench_abuse(
     strike_burst: Annotated[int | None, opt("the server's --strike-burst (default: the server's; 0: off)")] = None,
     attacks: Annotated[str, typer.Option(help="the abuser's attacks, comma-separated: streams (idle and slow), "
                                               "bad (oversized, bomb, malformed), memory (padded messages, the "
-                                              "Hadamard bomb), quota; or cpu alone, a control: the abuser "
-                                              "process burns --cpu-share of a core and calls nothing"
+                                              "Hadamard bomb), quota; only when named: dupkeys (one key many "
+                                              "times in a get), silentdata (silent data-path connections), "
+                                              "slowhttp (silent and slow /metrics and dashboard connections), "
+                                              "labels (made-up model names as metric labels), subscriptions "
+                                              "(KV events: subscription floods, oversized frames), replay (KV "
+                                              "events: replay requests never read, floods, bursts, no topic); "
+                                              "or cpu alone, a control: the abuser process burns --cpu-share of "
+                                              "a core and calls nothing"
                                         )] = "streams,bad,memory,quota",
     cpu_share: Annotated[float, typer.Option(min=0.05, max=1.0, help="with --attacks cpu: the share of one core "
                                              "the abuser burns (the four attacks cost it about 0.6)")] = 0.6,
