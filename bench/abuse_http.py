@@ -8,7 +8,7 @@
   answer 200 within ``SCRAPE_TIMEOUT_S`` (``slow_http_scrape``: ``OK``, else ``TIMEOUT`` or ``HTTP_<status>``),
   and the server's threads and fds (``/proc``) must stay within ``MAX_EXTRA_THREADS`` and ``MAX_EXTRA_FDS`` of
   what it had before (``slow_http_server``: ``OK`` per sample, else ``THREADS_UNBOUNDED``/``FDS_UNBOUNDED``).
-- labels: ``LookupPrefix`` calls naming ``LABELS_PER_ROUND`` made-up models each round of ``LABELS_ROUND_S``
+- labels: ``LookupPrefix`` calls naming ``LABELS_PER_ROUND`` made-up models each round, one per ``pace_s``
   (``labels``: ``OK``), one naming a model of 2 MiB (``labels_long``: must be ``INVALID_ARGUMENT``), then a scrape
   of ``/metrics`` whose model labels of the abuser's namespace must stay within the server's bound
   (``labels_scrape``: ``OK``, else ``UNBOUNDED``).
@@ -41,9 +41,9 @@ SCRAPE_TIMEOUT_S = 5.0
 #: being read, up to the HTTP servers' cap of 128 each
 MAX_EXTRA_THREADS = 32 + 16
 MAX_EXTRA_FDS = 2 * 128 + 64
-LABELS_PER_ROUND = 200
-#: a round of the labels attack starts at most once a second: cardinality, not a flood of calls, is its point
-LABELS_ROUND_S = 1.0
+#: made-up model names per round of the labels attack, one call per ``pace_s`` (as the other attacks pace theirs:
+#: cardinality, not a flood of calls, is its point)
+LABELS_PER_ROUND = 50
 LONG_MODEL_CHARS = 2 << 20
 #: what the server may answer each kind with (merged into ``bench.abuser.EXPECTED``)
 HTTP_EXPECTED: dict[str, frozenset[str]] = {
@@ -152,18 +152,19 @@ def slow_http(abuser: Any, end: float) -> None:
 
 
 def labels_round(abuser: Any) -> None:
-    """One round of the labels attack (``abuser``: a ``bench.abuser.Abuser``), at most one per ``LABELS_ROUND_S``."""
-    started = time.monotonic()
+    """One round of the labels attack (``abuser``: a ``bench.abuser.Abuser``)."""
+    pace = float(abuser.spec.get("pace_s", 0.02))
     lookup = abuser.channel.unary_unary("/kvshelf.v1.KVShelf/LookupPrefix",
                                         request_serializer=pb.LookupPrefixRequest.SerializeToString,
                                         response_deserializer=pb.LookupPrefixResponse.FromString)
     key = abuser._key("labels")
     base = next(abuser.serial)
-    calls = [lookup.future(pb.LookupPrefixRequest(namespace=abuser.namespace, keys=[key], model=f"made-up-{base}-{i}"),
-                           metadata=abuser.metadata, timeout=10) for i in range(LABELS_PER_ROUND)]
-    for call in calls:
+    for i in range(LABELS_PER_ROUND):
+        if abuser.stop.wait(pace):
+            return
         try:
-            call.result()
+            lookup(pb.LookupPrefixRequest(namespace=abuser.namespace, keys=[key], model=f"made-up-{base}-{i}"),
+                   metadata=abuser.metadata, timeout=10)
             abuser.tally.record("labels", "OK")
         except grpc.RpcError as exc:
             abuser.tally.failed("labels", exc)
@@ -184,7 +185,7 @@ def labels_round(abuser: Any) -> None:
                 MAX_LABEL_CHARS
             code = "OK" if bounded else "UNBOUNDED"
         abuser.tally.record("labels_scrape", code)
-    abuser.stop.wait(max(float(abuser.spec.get("pace_s", 0.02)), started + LABELS_ROUND_S - time.monotonic()))
+    abuser.stop.wait(pace)
 
 
 #: the HTTP attacks, run only when named (``--attacks slowhttp,labels``)

@@ -29,7 +29,7 @@ def test_slow_http_and_label_attacks_are_bounded(tmp_path):
     # the server closed silent connections (at the read deadline, or the oldest when more came than it reads)
     assert kinds["slow_http"].get("CLOSED", 0) > 0, kinds["slow_http"]
     assert set(kinds["slow_http_scrape"]) == {"OK"} and set(kinds["slow_http_server"]) == {"OK"}, kinds
-    assert kinds["labels"].get("OK", 0) >= 200, kinds["labels"]
+    assert kinds["labels"].get("OK", 0) >= 50, kinds["labels"]  # a round at least
     assert set(kinds["labels_long"]) == {"INVALID_ARGUMENT"} and set(kinds["labels_scrape"]) == {"OK"}, kinds
 
 
