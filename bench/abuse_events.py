@@ -11,11 +11,13 @@ send what they send.
   bytes went, else ``READ``.
 - replay: the abuser's own puts (``replay_fill``: blocks of ``FILL_TOKENS`` tokens, ~24 KiB of events each) fill the
   publisher's replay buffer; ``UNREAD_PEERS`` DEALER peers that never read send ``UNREAD_REQUESTS`` requests each for
-  the whole buffer (``replay_unread``: ``NOT_READ``); ``FLOOD_PEERS`` peers send ``FLOOD_REQUESTS`` requests each at
-  once and read (``replay_flood``: ``END`` when the peer got its end marker within ``REPLAY_WAIT_S``, else
-  ``NO_END``); ``BURST_PEERS`` peers at once (past the publisher's replay jobs) each ask for the last batches
-  (``replay_burst``: ``END`` with batches, ``END_ALONE`` refused, else ``NO_END``); a request without a topic
-  (``replay_no_topic``: ``END`` or ``END_ALONE``) and malformed ones (``replay_malformed``: ``END_ALONE`` only).
+  the whole buffer (``replay_unread``: ``NOT_READ``); ``BURST_PEERS`` peers at once (past the publisher's replay
+  jobs) each ask for the last batches (``replay_burst``: ``END`` with batches, ``END_ALONE`` refused); a request
+  without a topic (``replay_no_topic``: ``END`` when one topic was published so far, else ``END_ALONE``) and
+  malformed ones (``replay_malformed``: ``END_ALONE`` only); ``FLOOD_PEERS`` peers send ``FLOOD_REQUESTS`` requests
+  each at once and read (``replay_flood``: ``END`` once its end marker came). Every reading peer's answer must end
+  within ``REPLAY_WAIT_S`` (else ``NO_END``) unless the publisher closed its connection first (``DROPPED``: a socket
+  reset or the memory guard; seen by a socket monitor).
 
 After the run, ``listeners_alive`` (in the bench's process) checks what an honest router needs: a subscriber of the
 honest tenant's topic gets a live event of its put, and a replay of that topic ends with its end marker.
@@ -61,10 +63,12 @@ EVENTS_EXPECTED: dict[str, frozenset[str]] = {
     "events_big_frame": frozenset({"DROPPED", "STALLED"}),
     "replay_fill": frozenset({"OK", "RESOURCE_EXHAUSTED"}),
     "replay_unread": frozenset({"NOT_READ"}),
-    "replay_flood": frozenset({"END"}),
-    "replay_burst": frozenset({"END", "END_ALONE"}),
-    "replay_no_topic": frozenset({"END", "END_ALONE"}),
-    "replay_malformed": frozenset({"END_ALONE"}),
+    # DROPPED: the publisher closed the peer's connection before answering (a socket reset past its bounds, or its
+    # memory guard while the subscriptions attack runs): the peer reconnects and asks again, as a router does
+    "replay_flood": frozenset({"END", "DROPPED"}),
+    "replay_burst": frozenset({"END", "END_ALONE", "DROPPED"}),
+    "replay_no_topic": frozenset({"END", "END_ALONE", "DROPPED"}),
+    "replay_malformed": frozenset({"END_ALONE", "DROPPED"}),
 }
 
 
@@ -237,27 +241,54 @@ def _host(abuser: Any) -> str:
 
 
 def _dealer(ctx: zmq.Context, host: str, port: int, *, reads: bool = True) -> zmq.Socket:
+    """A DEALER replay peer; when it ``reads``, watched for the publisher dropping its connection (a socket monitor:
+    ``read_to_end`` tells a dropped request from one never answered)."""
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     if not reads:  # a peer that never reads: the least it can take in
         dealer.setsockopt(zmq.RCVHWM, 1)
         dealer.setsockopt(zmq.RCVBUF, 4096)
+    else:
+        dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     dealer.connect(f"tcp://{host}:{port}")
     return dealer
 
 
+def _close(dealer: zmq.Socket) -> None:
+    """Close ``dealer`` and its monitor, if any."""
+    monitor = getattr(dealer, "_monitor_socket", None)
+    if monitor is not None:
+        with contextlib.suppress(zmq.ZMQError):
+            dealer.disable_monitor()
+        monitor.close(linger=0)
+    dealer.close(linger=0)
+
+
 def read_to_end(dealer: zmq.Socket, deadline: float) -> str:
-    """Read a replay's answer: ``END`` (batches then the end marker), ``END_ALONE`` (the end marker alone) or
-    ``NO_END`` (none by ``deadline``)."""
-    batches = 0
+    """Read a replay's answer: ``END`` (batches then the end marker), ``END_ALONE`` (the end marker alone),
+    ``DROPPED`` (the publisher closed the connection first: a socket reset or its memory guard; ZeroMQ reconnects,
+    the request is gone) or ``NO_END`` (none by ``deadline`` on a connection kept open)."""
+    monitor = getattr(dealer, "_monitor_socket", None)
+    poller = zmq.Poller()
+    poller.register(dealer, zmq.POLLIN)
+    if monitor is not None:
+        poller.register(monitor, zmq.POLLIN)
+    batches, dropped = 0, False
     while True:
         left = deadline - time.monotonic()
-        if left <= 0 or not dealer.poll(int(left * 1000)):
+        ready = dict(poller.poll(0 if dropped else max(0, int(left * 1000)))) if left > 0 or dropped else {}
+        if dealer in ready:
+            frames = dealer.recv_multipart()
+            if len(frames) >= 2 and frames[1] == END_SEQ:
+                return "END" if batches else "END_ALONE"
+            batches += 1
+        elif monitor is not None and monitor in ready:
+            monitor.recv_multipart()
+            dropped = True
+        elif dropped:
+            return "DROPPED"
+        else:
             return "NO_END"
-        frames = dealer.recv_multipart()
-        if len(frames) >= 2 and frames[1] == END_SEQ:
-            return "END" if batches else "END_ALONE"
-        batches += 1
 
 
 class Replay:
@@ -347,7 +378,7 @@ class Replay:
                 code = "END"
             if code != "NO_END" or time.monotonic() < self.end:
                 self.abuser.tally.record(kind, code)
-            dealer.close(linger=0)
+            _close(dealer)
 
     def run(self) -> None:
         try:
@@ -355,7 +386,7 @@ class Replay:
                 self.round()
         finally:
             for dealer in self.unread:
-                dealer.close(linger=0)
+                _close(dealer)
             self.ctx.destroy(linger=0)
 
 
@@ -389,7 +420,7 @@ def listeners_alive(put_one: Callable[[], object], ports: list[int], namespace: 
                     timeout_s: float = 10.0) -> dict[str, Any]:
     """What an honest router of ``namespace`` gets now: seconds until a subscriber of its topic receives the event of
     a put (``put_one``, repeated every 0.2 s while it connects; None: none within ``timeout_s``), and the answer of a
-    replay of that topic from its start (``END``, ``END_ALONE`` or ``NO_END``)."""
+    replay of that topic from its start (``read_to_end``'s code)."""
     host = "127.0.0.1"
     name = (topic + namespace).encode()
     ctx = zmq.Context()
