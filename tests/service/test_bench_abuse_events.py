@@ -42,10 +42,14 @@ def test_subscription_and_replay_attacks_are_refused_and_the_listeners_live(tmp_
     # the publisher dropped flooding peers and every oversized frame before reading it
     assert kinds["events_subscriptions"].get("DROPPED", 0) > 0, kinds["events_subscriptions"]
     assert sum(kinds["events_big_frame"].values()) > 0 and sum(kinds["events_big_subscription"].values()) > 0, kinds
-    # every replay request was answered with an end: requests never read, floods, a burst past the replay jobs
-    assert kinds["replay_unread"].get("NOT_READ", 0) > 0 and kinds["replay_flood"].get("END", 0) > 0, kinds
-    assert sum(kinds["replay_burst"].values()) > 0 and set(kinds["replay_malformed"]) == {"END_ALONE"}, kinds
-    assert sum(kinds["replay_no_topic"].values()) > 0, kinds
+    # every replay request read was answered with an end (none NO_END: not unexpected), or its connection dropped by
+    # the publisher's memory guard while the subscriptions flood it; requests never read, floods, a burst past the
+    # replay jobs, requests without a topic, malformed ones (the end marker alone, never batches)
+    assert kinds["replay_unread"].get("NOT_READ", 0) > 0, kinds
+    for kind in ("replay_flood", "replay_burst", "replay_no_topic", "replay_malformed"):
+        assert sum(kinds[kind].values()) > 0, kinds
+    assert sum(kinds[k].get("END", 0) for k in ("replay_flood", "replay_burst", "replay_no_topic")) > 0, kinds
+    assert set(kinds["replay_malformed"]) <= {"END_ALONE", "DROPPED"}, kinds
     listeners = under["events_listeners"]
     assert listeners["live_event_s"] is not None and listeners["replay"] == "END", listeners
     assert under["events_publisher_bound_bytes"] > 0
