@@ -617,7 +617,8 @@ def checks(results: list[dict[str, Any]]) -> list[tuple[str, bool, str]]:
     events = [] if listeners is None else [
         ("the KV events listeners alive after the abuse (a live event, a replay's end marker)",
          listeners["live_event_s"] is not None and listeners["replay"] in ("END", "END_ALONE"),
-         f"live event after {listeners['live_event_s']} s; replay: {listeners['replay']}")]
+         f"live event after {listeners['live_event_s']} s; replay: {listeners['replay']}, "
+         f"{listeners.get('replay_batches', 0)} batches")]
     control = _phase(results, "abuse_elsewhere")
     machine = ("" if control is None else
                f"; with the abuse on a second server of this machine {control['p99_ms']:.1f} ms "
@@ -764,7 +765,9 @@ def run(*, json_path: str | None, settings: AbuseSettings | None = None,
             console.print(f"phase under_abuse: {half:g} s of the honest tenant while the abuser attacks")
             under, _ = _run_phase("under_abuse", half, store, values, server, sampler, settings, offset, abuser,
                                   not_started)
-            if server.events_ports:
+            if server.events_ports:  # after the attack: the abuser's process (and every peer it held) gone first
+                if abuser is not None:
+                    abuser.kill()
                 under["events_listeners"] = _events_listeners(store, server)
             results.append(under)
         finally:

@@ -268,6 +268,11 @@ def read_to_end(dealer: zmq.Socket, deadline: float) -> str:
     """Read a replay's answer: ``END`` (batches then the end marker), ``END_ALONE`` (the end marker alone),
     ``DROPPED`` (the publisher closed the connection first: a socket reset or its memory guard; ZeroMQ reconnects,
     the request is gone) or ``NO_END`` (none by ``deadline`` on a connection kept open)."""
+    return read_answer(dealer, deadline)[0]
+
+
+def read_answer(dealer: zmq.Socket, deadline: float) -> tuple[str, int]:
+    """``read_to_end``'s code and the batches read before it."""
     monitor = getattr(dealer, "_monitor_socket", None)
     poller = zmq.Poller()
     poller.register(dealer, zmq.POLLIN)
@@ -280,15 +285,13 @@ def read_to_end(dealer: zmq.Socket, deadline: float) -> str:
         if dealer in ready:
             frames = dealer.recv_multipart()
             if len(frames) >= 2 and frames[1] == END_SEQ:
-                return "END" if batches else "END_ALONE"
+                return ("END" if batches else "END_ALONE"), batches
             batches += 1
         elif monitor is not None and monitor in ready:
             monitor.recv_multipart()
             dropped = True
-        elif dropped:
-            return "DROPPED"
         else:
-            return "NO_END"
+            return ("DROPPED" if dropped else "NO_END"), batches
 
 
 class Replay:
@@ -420,7 +423,7 @@ def listeners_alive(put_one: Callable[[], object], ports: list[int], namespace: 
                     timeout_s: float = 10.0) -> dict[str, Any]:
     """What an honest router of ``namespace`` gets now: seconds until a subscriber of its topic receives the event of
     a put (``put_one``, repeated every 0.2 s while it connects; None: none within ``timeout_s``), and the answer of a
-    replay of that topic from its start (``read_to_end``'s code)."""
+    replay of that topic from its start (``read_to_end``'s code) and the batches it brought."""
     host = "127.0.0.1"
     name = (topic + namespace).encode()
     ctx = zmq.Context()
@@ -438,7 +441,7 @@ def listeners_alive(put_one: Callable[[], object], ports: list[int], namespace: 
                 break
         dealer = _dealer(ctx, host, ports[1])
         dealer.send_multipart([b"", (0).to_bytes(8, "big"), name])
-        answer = read_to_end(dealer, time.monotonic() + timeout_s)
-        return {"live_event_s": live_s, "replay": answer}
+        answer, batches = read_answer(dealer, time.monotonic() + timeout_s)
+        return {"live_event_s": live_s, "replay": answer, "replay_batches": batches}
     finally:
         ctx.destroy(linger=0)
