@@ -56,6 +56,11 @@ BURST_BACK = 20  # the burst's peers ask for the last this many batches of the a
 REPLAY_WAIT_S = 10.0
 REPLAY_ROUND_S = 1.0
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+#: what a replay peer's socket monitor reports when the publisher ends one of its connections (or its handshake)
+DROP_EVENTS = (zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+               | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+#: after a dropped connection, how long a peer still waits for an answer (ZeroMQ may reconnect and send the request)
+DROP_GRACE_S = 1.0
 #: what the server may answer each kind with (merged into ``bench.abuser.EXPECTED``)
 EVENTS_EXPECTED: dict[str, frozenset[str]] = {
     "events_subscriptions": frozenset({"DROPPED", "SENT", "STALLED"}),
@@ -249,7 +254,7 @@ def _dealer(ctx: zmq.Context, host: str, port: int, *, reads: bool = True) -> zm
         dealer.setsockopt(zmq.RCVHWM, 1)
         dealer.setsockopt(zmq.RCVBUF, 4096)
     else:
-        dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        dealer.get_monitor_socket(DROP_EVENTS)
     dealer.connect(f"tcp://{host}:{port}")
     return dealer
 
@@ -266,8 +271,9 @@ def _close(dealer: zmq.Socket) -> None:
 
 def read_to_end(dealer: zmq.Socket, deadline: float) -> str:
     """Read a replay's answer: ``END`` (batches then the end marker), ``END_ALONE`` (the end marker alone),
-    ``DROPPED`` (the publisher closed the connection first: a socket reset or its memory guard; ZeroMQ reconnects,
-    the request is gone) or ``NO_END`` (none by ``deadline`` on a connection kept open)."""
+    ``DROPPED`` (the publisher ended a connection of the peer and no answer came within ``DROP_GRACE_S``: a socket
+    reset or its memory guard; ZeroMQ reconnects, the request is gone) or ``NO_END`` (none by ``deadline`` on a
+    connection kept open)."""
     return read_answer(dealer, deadline)[0]
 
 
@@ -281,7 +287,7 @@ def read_answer(dealer: zmq.Socket, deadline: float) -> tuple[str, int]:
     batches, dropped = 0, False
     while True:
         left = deadline - time.monotonic()
-        ready = dict(poller.poll(0 if dropped else max(0, int(left * 1000)))) if left > 0 or dropped else {}
+        ready = dict(poller.poll(int(left * 1000))) if left > 0 else {}
         if dealer in ready:
             frames = dealer.recv_multipart()
             if len(frames) >= 2 and frames[1] == END_SEQ:
@@ -289,7 +295,8 @@ def read_answer(dealer: zmq.Socket, deadline: float) -> tuple[str, int]:
             batches += 1
         elif monitor is not None and monitor in ready:
             monitor.recv_multipart()
-            dropped = True
+            if not dropped:
+                dropped, deadline = True, min(deadline, time.monotonic() + DROP_GRACE_S)
         else:
             return ("DROPPED" if dropped else "NO_END"), batches
 
