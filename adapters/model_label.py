@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import PurePath
 from typing import Any
 
-from kvshelf.kvstore.block import MODEL_NAME_EXTRA, KVBlock
+from kvshelf.kvstore.block import KVBlock
+from kvshelf.kvstore.keys import MODEL_NAME_EXTRA
 
 #: a label longer than this is cut (a path or an id is never that long in practice)
 MAX_LABEL_CHARS = 80

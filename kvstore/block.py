@@ -13,10 +13,6 @@ if TYPE_CHECKING:
     from kvshelf.kvstore.codec import PreparedPayload
 
 
-#: the ``extra`` entry naming the model a block was made by (``adapters.model_label``): shown by dashboards and
-#: stats, never part of a key or a check
-MODEL_NAME_EXTRA = "model_name"
-
 @dataclass(frozen=True)
 class KVBlock:
     """Keys and values of ``tokens`` consecutive tokens for every layer of one model.

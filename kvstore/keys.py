@@ -121,6 +121,9 @@ def layer_block_key(block: bytes, layer: int) -> BlockKey:
     return BlockKey(_digest(b"layer", block, int(layer).to_bytes(4, "little")))
 
 
+#: the ``KVBlock.extra`` entry naming the model a block was made by (``adapters.model_label``): shown by dashboards
+#: and stats, never part of a key or a check
+MODEL_NAME_EXTRA = "model_name"
 #: the ``KVBlock.extra`` entry naming a prefix block's parent key (hex) in its chain: set by the generate adapter,
 #: passed on by the service in the block's BlockStored events (``service/events.py``)
 PARENT_EXTRA = "parent"

@@ -23,8 +23,8 @@ import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
-from kvshelf.kvstore.block import MODEL_NAME_EXTRA
 from kvshelf.kvstore.errors import TierUnavailableError
+from kvshelf.kvstore.keys import MODEL_NAME_EXTRA
 from kvshelf.kvstore.stats import ALL_TIERS, BLOCK_COUNTS, Metric, StoreEvent
 
 Snapshot = dict[str, Any]

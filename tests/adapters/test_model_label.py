@@ -12,8 +12,8 @@ from kvshelf.adapters.model import tiny_llama
 from kvshelf.adapters.model_label import MAX_LABEL_CHARS, label_blocks, model_label
 from kvshelf.adapters.rag import RAGGenerator
 from kvshelf.kvstore import open_embedded_store
-from kvshelf.kvstore.block import MODEL_NAME_EXTRA
 from kvshelf.kvstore.encoding import read_header
+from kvshelf.kvstore.keys import MODEL_NAME_EXTRA
 
 
 def _named(name_or_path: str) -> LlamaForCausalLM:
