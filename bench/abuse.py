@@ -691,9 +691,14 @@ def results_tables(payload: dict[str, Any]) -> list[Table]:
          else f"{r['server_rss_growth_after_first_minute_bytes'] / 2**20:.1f}"),
         ("server log lines / tracebacks", lambda r: f"{r['server_log_lines']} / {r['server_tracebacks']}"),
         ("server alive", lambda r: "yes" if r["server_alive"] else f"NO {r['server_killed_for'] or ''}"),
+        ("KV events after: live event s / replay", lambda r: "-" if "events_listeners" not in r else
+         f"{r['events_listeners']['live_event_s']} / {r['events_listeners']['replay']} "
+         f"({r['events_listeners'].get('replay_batches', 0)} batches)"),
     ]
     if all(r.get("server_rss_growth_after_first_minute_bytes") is None for r in results):  # a run too short for it
         rows = [row for row in rows if "past the first" not in row[0]]
+    if not any("events_listeners" in r for r in results):
+        rows = [row for row in rows if not row[0].startswith("KV events")]
     for label, cell in rows:
         table.add_row(label, *(str(cell(r)) for r in results))
     tables = [table]

@@ -12,7 +12,8 @@ send what they send.
 - replay: the abuser's own puts (``replay_fill``: blocks of ``FILL_TOKENS`` tokens, ~24 KiB of events each) fill the
   publisher's replay buffer; ``UNREAD_PEERS`` DEALER peers that never read send ``UNREAD_REQUESTS`` requests each for
   the whole buffer (``replay_unread``: ``NOT_READ``); ``BURST_PEERS`` peers at once (past the publisher's replay
-  jobs) each ask for the last batches (``replay_burst``: ``END`` with batches, ``END_ALONE`` refused); a request
+  jobs) each ask for the last ``BURST_BACK`` batches, once the topic's last sequence number is known from its live
+  batches or a replay (``replay_burst``: ``END`` with batches, ``END_ALONE`` refused); a request
   without a topic (``replay_no_topic``: ``END`` when one topic was published so far, else ``END_ALONE``) and
   malformed ones (``replay_malformed``: ``END_ALONE`` only); ``FLOOD_PEERS`` peers send ``FLOOD_REQUESTS`` requests
   each at once and read (``replay_flood``: ``END`` once its end marker came). Every reading peer's answer must end
@@ -277,28 +278,30 @@ def read_to_end(dealer: zmq.Socket, deadline: float) -> str:
     return read_answer(dealer, deadline)[0]
 
 
-def read_answer(dealer: zmq.Socket, deadline: float) -> tuple[str, int]:
-    """``read_to_end``'s code and the batches read before it."""
+def read_answer(dealer: zmq.Socket, deadline: float) -> tuple[str, int, int]:
+    """``read_to_end``'s code, the batches read before it and the last one's sequence number (-1: none)."""
     monitor = getattr(dealer, "_monitor_socket", None)
     poller = zmq.Poller()
     poller.register(dealer, zmq.POLLIN)
     if monitor is not None:
         poller.register(monitor, zmq.POLLIN)
-    batches, dropped = 0, False
+    batches, last, dropped = 0, -1, False
     while True:
         left = deadline - time.monotonic()
         ready = dict(poller.poll(int(left * 1000))) if left > 0 else {}
         if dealer in ready:
             frames = dealer.recv_multipart()
             if len(frames) >= 2 and frames[1] == END_SEQ:
-                return ("END" if batches else "END_ALONE"), batches
+                return ("END" if batches else "END_ALONE"), batches, last
             batches += 1
+            if len(frames) >= 2 and len(frames[1]) == 8:
+                last = max(last, int.from_bytes(frames[1], "big"))
         elif monitor is not None and monitor in ready:
             monitor.recv_multipart()
             if not dropped:
                 dropped, deadline = True, min(deadline, time.monotonic() + DROP_GRACE_S)
         else:
-            return ("DROPPED" if dropped else "NO_END"), batches
+            return ("DROPPED" if dropped else "NO_END"), batches, last
 
 
 class Replay:
@@ -358,11 +361,12 @@ class Replay:
                     dealer.send_multipart(request, flags=zmq.NOBLOCK)
                     self.abuser.tally.record("replay_unread", "NOT_READ")
         start = max(0, self.last_seq - BURST_BACK).to_bytes(8, "big")
-        burst = [_dealer(self.ctx, self.host, self.port) for _ in range(BURST_PEERS)]
-        time.sleep(0.05)  # connected, so that the requests arrive together
-        for dealer in burst:
-            dealer.send_multipart([b"", start, self.topic])
-        self._answers("replay_burst", burst, min(self.end, time.monotonic() + REPLAY_WAIT_S))
+        if self.last_seq >= 0:  # known (from the live topic or a flood's replay): the burst asks for recent batches
+            burst = [_dealer(self.ctx, self.host, self.port) for _ in range(BURST_PEERS)]
+            time.sleep(0.05)  # connected, so that the requests arrive together
+            for dealer in burst:
+                dealer.send_multipart([b"", start, self.topic])
+            self._answers("replay_burst", burst, min(self.end, time.monotonic() + REPLAY_WAIT_S))
         odd = {"replay_no_topic": [[b"", start]],
                "replay_malformed": [[b"", b"xx"], [b"", start, self.topic, b"a", b"b", b"c"], [b"\x00" * 9],
                                     [b"", start, b"t" * 4000]]}
@@ -383,7 +387,8 @@ class Replay:
         the publisher runs one job per peer, a new request replacing the last) and close it; answers cut short by
         the end of the run are not counted."""
         for dealer in dealers:
-            code = read_to_end(dealer, deadline)
+            code, _, last = read_answer(dealer, deadline)
+            self.last_seq = max(self.last_seq, last)
             if until_last and code == "END_ALONE":
                 code = "END"
             if code != "NO_END" or time.monotonic() < self.end:
@@ -448,7 +453,7 @@ def listeners_alive(put_one: Callable[[], object], ports: list[int], namespace: 
                 break
         dealer = _dealer(ctx, host, ports[1])
         dealer.send_multipart([b"", (0).to_bytes(8, "big"), name])
-        answer, batches = read_answer(dealer, time.monotonic() + timeout_s)
+        answer, batches, _ = read_answer(dealer, time.monotonic() + timeout_s)
         return {"live_event_s": live_s, "replay": answer, "replay_batches": batches}
     finally:
         ctx.destroy(linger=0)
