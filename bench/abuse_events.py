@@ -374,7 +374,7 @@ class Replay:
             for frames in requests:
                 dealer = _dealer(self.ctx, self.host, self.port)
                 dealer.send_multipart(frames)
-                self._answers(kind, [dealer], min(self.end, time.monotonic() + REPLAY_WAIT_S))
+                self._answers(kind, [dealer], min(self.end, time.monotonic() + REPLAY_WAIT_S), ours=False)
         flooders = [_dealer(self.ctx, self.host, self.port) for _ in range(FLOOD_PEERS)]
         for _ in range(FLOOD_REQUESTS):
             for dealer in flooders:
@@ -382,13 +382,15 @@ class Replay:
         self._answers("replay_flood", flooders, min(self.end, time.monotonic() + REPLAY_WAIT_S), until_last=True)
         self.abuser.stop.wait(max(0.0, started + REPLAY_ROUND_S - time.monotonic()))
 
-    def _answers(self, kind: str, dealers: list[zmq.Socket], deadline: float, *, until_last: bool = False) -> None:
+    def _answers(self, kind: str, dealers: list[zmq.Socket], deadline: float, *, until_last: bool = False,
+                 ours: bool = True) -> None:
         """Count each dealer's answer (``until_last``: the peer sent many requests; one end marker is its answer:
         the publisher runs one job per peer, a new request replacing the last) and close it; answers cut short by
         the end of the run are not counted."""
         for dealer in dealers:
             code, _, last = read_answer(dealer, deadline)
-            self.last_seq = max(self.last_seq, last)
+            if ours:  # a replay of the abuser's topic: its sequence numbers
+                self.last_seq = max(self.last_seq, last)
             if until_last and code == "END_ALONE":
                 code = "END"
             if code != "NO_END" or time.monotonic() < self.end:
