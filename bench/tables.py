@@ -82,6 +82,7 @@ TABLES: tuple[BenchTable, ...] = (
     BenchTable("abuse-int8", "abuse_int8.json", "kvshelf.bench.abuse:results_tables"),
     BenchTable("abuse-memory", "abuse_memory.json", "kvshelf.bench.abuse:results_tables"),
     BenchTable("abuse-600s", "abuse_600s.json", "kvshelf.bench.abuse:results_tables"),
+    BenchTable("abuse-events", "abuse_events.json", "kvshelf.bench.abuse:results_tables"),
     BenchTable("codecs", "codecs.json", "kvshelf.bench.codecs:results_table"),
     BenchTable("codecs-synthetic", "codecs_synthetic.json", "kvshelf.bench.codecs:results_table"),
     BenchTable("codecs-xquant-cl", "codecs_xquant_cl.json", "kvshelf.bench.codecs:results_table"),
