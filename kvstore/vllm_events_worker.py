@@ -103,6 +103,10 @@ REQUESTS_PER_ROUND = 64
 STALLED_POLL_MS = 5
 #: a replay job whose peer reads nothing for this long is given up
 REPLAY_STALL_S = 5.0
+#: a peer whose replay was given up gets only end markers for this long (a peer that never reads and asks again
+#: would otherwise hold a job for ever), and how many such peers are remembered (the oldest forgotten first)
+STALLED_PEER_S = 60.0
+STALLED_PEERS = 4096
 #: a batch's payload is split (by events) above this size
 MAX_BATCH_BYTES = 1 << 20
 #: how long pinned payloads may stay past their bound before a socket is reset (libzmq frees them asynchronously)
@@ -178,6 +182,7 @@ class _Worker:
         self.subscriptions: set[bytes] = set()
         self.subscription_bytes = 0
         self.jobs: dict[bytes, _Job] = {}
+        self.stalled_peers: dict[bytes, float] = {}  # identity -> when its replay was given up
         self.decoder = msgspec.msgpack.Decoder()
         self.encoder = msgspec.msgpack.Encoder()
         self.media: dict[str, str] = {}
@@ -455,12 +460,15 @@ class _Worker:
                 self.counters[COUNTER_BAD_REPLAYS] += 1
                 self._send_replay(identity, END_SEQ, b"")
                 continue
-            if identity not in self.jobs and len(self.jobs) >= REPLAY_JOBS:
+            given_up = self.stalled_peers.get(identity)
+            stalled = given_up is not None and time.monotonic() - given_up < STALLED_PEER_S
+            if stalled or (identity not in self.jobs and len(self.jobs) >= REPLAY_JOBS):
                 self.counters[COUNTER_REPLAYS_REFUSED] += 1
                 self._send_replay(identity, END_SEQ, b"")
                 continue
             self.counters[COUNTER_REPLAYS] += 1
-            self.jobs[identity] = _Job(identity, topic, request[0])
+            previous = self.jobs.get(identity)  # asking again does not restart a stalled job's clock
+            self.jobs[identity] = _Job(identity, topic, request[0], previous.stalled_since if previous else None)
 
     def _topic_of(self, named: bytes | None) -> bytes | None:
         """The topic a request replays: the one it names; else the only namespace of ``namespaces``, or the only
@@ -480,9 +488,14 @@ class _Worker:
         share = max(1, REPLAY_ROUND // len(self.jobs))
         for identity in list(self.jobs):
             job = self.jobs[identity]
-            if self._advance(job, share) or (job.stalled_since is not None
-                                             and now - job.stalled_since > REPLAY_STALL_S):
+            if self._advance(job, share):
                 del self.jobs[identity]
+            elif job.stalled_since is not None and now - job.stalled_since > REPLAY_STALL_S:
+                del self.jobs[identity]
+                self.stalled_peers.pop(identity, None)
+                self.stalled_peers[identity] = now
+                if len(self.stalled_peers) > STALLED_PEERS:
+                    del self.stalled_peers[next(iter(self.stalled_peers))]
         if self.jobs:  # the next round starts with the next job
             first = next(iter(self.jobs))
             self.jobs[first] = self.jobs.pop(first)

@@ -25,7 +25,12 @@ from service_helpers import free_port
 from vllm_schema import DECODER, END_SEQ, receive, subscriber
 
 from kvshelf.kvstore.vllm_events import KVEventsSettings, VLLMEventPublisher
-from kvshelf.kvstore.vllm_events_worker import GUARD_MARGIN_BYTES, GUARD_SETTLE_S, parse_replay_request
+from kvshelf.kvstore.vllm_events_worker import (
+    GUARD_MARGIN_BYTES,
+    GUARD_SETTLE_S,
+    REPLAY_STALL_S,
+    parse_replay_request,
+)
 
 ctx = vllm_schema.ctx
 MiB = 1 << 20
@@ -304,6 +309,26 @@ def test_replay_requests_that_are_never_read_hold_a_few_messages_each(
         assert len(replay_all(ctx, ports[1], 0)) == 120  # an honest client still gets everything
         for dealer in peers:
             dealer.close(linger=0)
+
+
+def test_a_peer_that_never_reads_cannot_hold_a_replay_job_by_asking_again(
+        ctx: zmq.Context, ports: tuple[int, int]) -> None:
+    """A peer whose replay was given up for not reading (``REPLAY_STALL_S``) and that keeps asking gets end markers
+    only: asking again neither restarts its stalled job's clock nor starts another (16 such peers held every job)."""
+    with publishing(ctx, ports, buffer_bytes=128 * MiB) as pub:
+        big_batches(pub, 120, 170_000)
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.RCVHWM, 1)
+        dealer.setsockopt(zmq.RCVBUF, 4096)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(f"tcp://127.0.0.1:{ports[1]}")
+        end = time.monotonic() + REPLAY_STALL_S + 4
+        while time.monotonic() < end:
+            dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+            time.sleep(0.5)
+        assert pub.stats()["replays_refused"] >= 1  # one peer, so not the job limit: refused as stalled
+        assert len(replay_all(ctx, ports[1], 0)) == 120  # another peer is served
+        dealer.close(linger=0)
 
 
 def test_a_live_event_arrives_while_replay_requests_flood(ctx: zmq.Context, ports: tuple[int, int]) -> None:
