@@ -116,6 +116,7 @@ _EXPORTS: dict[str, str] = {
     "DataPathError": "kvshelf.service.errors",
     "TicketError": "kvshelf.service.errors",
     "FramingError": "kvshelf.service.errors",
+    "HttpRequestError": "kvshelf.service.http_server",
     "DataPathUnavailable": "kvshelf.service.errors",
     "TraceError": "kvshelf.kvstore.errors",
 }
@@ -139,7 +140,7 @@ __all__ = [  # the literal list static tools read; a test checks it against _EXP
     "ForeignChunkError", "XQuantUnboundError", "PruningError", "BudgetError", "AttentionImplementationError",
     "UnsupportedArchitectureError", "ServiceError", "RemoteStoreError", "WireError", "WireLimitError",
     "BearerError", "ArenaUnavailable", "DataPathError", "TicketError", "FramingError",
-    "DataPathUnavailable",
+    "DataPathUnavailable", "HttpRequestError",
     "TierDamagedError", "BlockTooLargeError", "StreamRefusedError", "EvictionPolicy", "make_policy", "TraceError",
 ]
 
@@ -228,3 +229,4 @@ if TYPE_CHECKING:  # what static type checkers and IDEs see
         WireError,
         WireLimitError,
     )
+    from kvshelf.service.http_server import HttpRequestError
