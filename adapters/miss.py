@@ -325,11 +325,13 @@ def _probe_reasons(store: BlockStore, query: MissQuery, probes: list[_Probe], re
 
 def _other_dtype_of(probe: _Probe, headers: list[BlockHeader], model: Any) -> str | None:
     """The dtype (``"float32"``) of another fingerprint's blocks when a scanned header of it shows this model's KV
-    shape in another dtype: the same model loaded in that dtype, most likely (a float32 checkpoint's blocks
-    cannot be named from its bfloat16 copy: ``fingerprint.other_dtype_fingerprints``); None otherwise."""
+    shape in a wider dtype: the same model loaded in that dtype, most likely (a float32 checkpoint's blocks
+    cannot be named from its bfloat16 copy: ``fingerprint.other_dtype_fingerprints``); None otherwise. A
+    narrower dtype is never guessed: the model's own weights cast to it name its blocks exactly, so blocks of
+    that dtype under another fingerprint are another model's."""
     header = next((h for h in headers if h.fingerprint == probe.candidate), None)
     own = getattr(model, "dtype", None)
-    if header is None or own is None or header.dtype == own:
+    if header is None or own is None or header.dtype.itemsize <= own.itemsize:
         return None
     layers, kv_heads, head_dim = kv_geometry(model)
     if (header.shape[0], header.shape[1], header.shape[3]) != (layers, kv_heads, head_dim):
