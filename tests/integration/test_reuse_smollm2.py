@@ -41,7 +41,7 @@ def test_prompt_modules_at_schema_positions_equal_full_prefill(smollm2, texts, t
 def test_rag_modes_end_to_end_and_full_equals_plain_generate(smollm2, texts, tmp_path):
     model, tokenizer = smollm2
     store = open_embedded_store(tmp_path)
-    docs = [t[:500] for t in texts[:3]]
+    docs = [t[:700] for t in texts[:3]]  # over 96 tokens each: two chunks a document
     prefix = "<|im_start|>system\nAnswer from the documents.<|im_end|>\n<|im_start|>user\n"
     result = precompute(docs, model, tokenizer, store, prefix=prefix, chunk_size=96, progress=False)
     summary = result.summary()
