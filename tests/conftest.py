@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 from pathlib import Path
 
 import helpers
 import pytest
+
+# tests/vllm runs a real vLLM engine: only in the vLLM venv (`make vllm-venv`, run by `make test` after this suite)
+collect_ignore = [] if importlib.util.find_spec("vllm") is not None else ["vllm"]
 
 # Haystack sends usage telemetry unless told not to: the suite sends nothing off this machine.
 os.environ.setdefault("HAYSTACK_TELEMETRY_ENABLED", "False")

@@ -72,7 +72,11 @@ def _modules() -> list[str]:
         package = importlib.import_module(f"kvshelf.{part}")
         names.append(package.__name__)
         names += [info.name for info in pkgutil.walk_packages(package.__path__, f"kvshelf.{part}.")]
-    return names
+    return [name for name in names if NEEDS.get(name) is None or importlib.util.find_spec(NEEDS[name]) is not None]
+
+
+#: modules that import an engine installed only in its own venv (the vLLM connector: `make vllm-venv`)
+NEEDS = {"kvshelf.adapters.vllm.connector": "vllm"}
 
 
 def _nested_exception_classes(module: object) -> list[str]:

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger("vllm.kvshelf")  # under vLLM's logger: shown in its log, in its format
@@ -271,10 +272,17 @@ class KVShelfConnector(KVConnectorBase_V1):
             planner.drop(req_id)
         return KVShelfMetadata(out)
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self._planner is not None and connector_output.invalid_block_ids:
+            self._planner.load_failed(set(connector_output.invalid_block_ids))
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        if self._planner is not None:
-            self._planner.drop(request.request_id)
-        return False, None
+        """Frees nothing late (saves copy pages out in the step that computed them); the request's output carries
+        ``kv_transfer_params={"kvshelf": RequestPlan.report()}``."""
+        if self._planner is None:
+            return False, None
+        plan = self._planner.requests.pop(request.request_id, None)
+        return False, ({"kvshelf": plan.report()} if plan is not None else None)
 
     # -- worker side ---------------------------------------------------------------------------------------
 

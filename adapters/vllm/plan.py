@@ -61,6 +61,14 @@ class RequestPlan:
     page_ids: list[int] = field(default_factory=list)  # the request's vLLM block ids, in token order
     load_from: int = 0  # token from which the pending load writes (vLLM's own cached tokens before it)
     load_to: int = 0  # token at which it ends (0: no load pending)
+    loaded_tokens: int = 0  # tokens planned to load from the store (all loads so far)
+    failed_tokens: int = 0  # of those, tokens whose block failed at load time (recomputed by vLLM)
+    saved_blocks: int = 0  # blocks handed to the worker to save
+
+    def report(self) -> dict[str, int]:
+        """What the request got from and gave to the store (its ``kv_transfer_params["kvshelf"]``)."""
+        return {"stored_blocks": self.stored, "loaded_tokens": self.loaded_tokens,
+                "failed_tokens": self.failed_tokens, "saved_blocks": self.saved_blocks}
 
 
 class Planner:
@@ -111,6 +119,7 @@ class Planner:
                      if s.end > plan.load_from and s.end <= plan.load_to]
             if loads:
                 out.loads[req_id] = loads
+                plan.loaded_tokens += sum(len(m.pages) for m in loads) * self.page_tokens
             plan.load_from = plan.load_to = 0
         saves = []
         while plan.next_save < len(plan.spans) and plan.spans[plan.next_save].end <= computed_after:
@@ -120,6 +129,18 @@ class Planner:
             plan.next_save += 1
         if saves:
             out.saves[req_id] = saves
+            plan.saved_blocks += len(saves)
+
+    def load_failed(self, page_ids: set[int]) -> None:
+        """The worker could not load the blocks holding ``page_ids``: count them per request, and save those blocks
+        again once vLLM has recomputed them (a damaged stored copy is replaced)."""
+        for plan in self.requests.values():
+            failed = [i for i, page in enumerate(plan.page_ids) if page in page_ids]
+            if not failed:
+                continue
+            plan.failed_tokens += len(failed) * self.page_tokens
+            first_block = failed[0] * self.page_tokens // self.block_tokens
+            plan.next_save = min(plan.next_save, first_block)
 
     def drop(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
