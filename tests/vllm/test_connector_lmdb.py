@@ -1,0 +1,127 @@
+"""kvshelf's connector on a real vLLM engine over the embedded store (LMDB, no memory tier so that every read is
+the disk's): a first engine stores, a second engine process reuses, and the greedy tokens always equal vLLM's
+without the connector; damaged and foreign blocks cost a recompute, never an answer."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_engine import BLOCK, engine, generate, lmdb_dir, report, tokens_of
+
+from kvshelf.kvstore.keys import prefix_block_keys
+from kvshelf.kvstore.store_url import open_store
+
+pytestmark = pytest.mark.slow
+
+
+def _keys(fingerprint: str, tokens: list[int]) -> list[bytes]:
+    return prefix_block_keys(fingerprint, "default", tokens, BLOCK)
+
+
+def wait_held(url: str, keys: list[bytes], timeout_s: float = 60.0) -> None:
+    """Wait until the store holds ``keys`` (the connector writes behind)."""
+    deadline = time.monotonic() + timeout_s
+    with open_store(url) as store:
+        while not all(store.held(keys)):
+            assert time.monotonic() < deadline, f"{store.held(keys)} of the blocks stored after {timeout_s} s"
+            time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def store_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return f"embedded://{tmp_path_factory.mktemp('vllm-store')}?memory=0"
+
+
+@pytest.fixture(scope="module")
+def first_run(model_dir: str, documents: dict, reference: dict, fingerprint: str, store_url: str) -> dict[str, Any]:
+    """A first engine with the connector: every document once (stored), then doc4 again in the same process (no
+    vLLM prefix caching: the second time comes from the store)."""
+    names = ["doc0", "doc1", "doc2", "doc4", "short"]
+    with engine(model_dir, {"store": store_url}) as llm:
+        outputs = dict(zip(names, generate(llm, [documents[n] for n in names]), strict=True))
+        wait_held(store_url, _keys(fingerprint, documents["doc4"]))
+        again = generate(llm, [documents["doc4"]])[0]
+    for name in ["doc0", "doc1", "doc2"]:
+        wait_held(store_url, _keys(fingerprint, documents[name]))
+    return {"outputs": outputs, "again": again}
+
+
+@pytest.fixture(scope="module")
+def second_engine(first_run: dict, model_dir: str, store_url: str) -> Any:
+    """A new engine process over what the first stored."""
+    with engine(model_dir, {"store": store_url}) as llm:
+        yield llm
+
+
+def test_first_engine_answers_as_vllm_alone_and_stores_full_prompt_blocks(first_run: dict, reference: dict) -> None:
+    for name, output in first_run["outputs"].items():
+        assert tokens_of([output]) == [reference[name]], name
+    assert report(first_run["outputs"]["doc0"]) == {"stored_blocks": 0, "loaded_tokens": 0, "failed_tokens": 0,
+                                                    "saved_blocks": 3}
+    assert report(first_run["outputs"]["short"])["saved_blocks"] == 0  # shorter than one block
+
+
+def test_reuse_in_the_same_process(first_run: dict, reference: dict) -> None:
+    again = first_run["again"]
+    assert tokens_of([again]) == [reference["doc4"]]
+    assert report(again) == {"stored_blocks": 3, "loaded_tokens": 3 * BLOCK, "failed_tokens": 0, "saved_blocks": 0}
+    assert again.num_cached_tokens == 3 * BLOCK
+
+
+def test_reuse_in_a_new_engine_process(second_engine: Any, documents: dict, reference: dict) -> None:
+    output = generate(second_engine, [documents["doc0"]])[0]
+    assert tokens_of([output]) == [reference["doc0"]]
+    assert report(output)["loaded_tokens"] == 3 * BLOCK and report(output)["failed_tokens"] == 0
+    assert output.num_cached_tokens == 3 * BLOCK
+
+
+def test_partial_hit_loads_the_shared_blocks_only(second_engine: Any, documents: dict, reference: dict) -> None:
+    output = generate(second_engine, [documents["partial"]])[0]  # doc0's first 600 tokens: 2 blocks stored
+    assert tokens_of([output]) == [reference["partial"]]
+    assert report(output)["stored_blocks"] == 2 and report(output)["loaded_tokens"] == 2 * BLOCK
+
+
+def test_prompt_shorter_than_a_block(second_engine: Any, documents: dict, reference: dict) -> None:
+    output = generate(second_engine, [documents["short"]])[0]
+    assert tokens_of([output]) == [reference["short"]]
+    assert report(output) == {"stored_blocks": 0, "loaded_tokens": 0, "failed_tokens": 0, "saved_blocks": 0}
+
+
+def _tier(store_url: str) -> Any:
+    from kvshelf.kvstore.tier_registry import lmdb_url, open_tier
+
+    return open_tier(lmdb_url(lmdb_dir(Path(store_url.split("://", 1)[1].split("?")[0]))))
+
+
+def test_damaged_block_is_a_counted_miss_and_recomputed(second_engine: Any, documents: dict, reference: dict,
+                                                        fingerprint: str, store_url: str) -> None:
+    key = _keys(fingerprint, documents["doc1"])[1]
+    tier = _tier(store_url)
+    try:
+        (value,) = tier.get_many([key])
+        assert value is not None
+        damaged = bytearray(value)
+        damaged[len(damaged) // 2] ^= 0xFF  # a flipped byte in the payload: the checksum no longer holds
+        tier.put_many([(key, bytes(damaged))])
+    finally:
+        tier.close()
+    output = generate(second_engine, [documents["doc1"]])[0]
+    assert tokens_of([output]) == [reference["doc1"]]
+    assert report(output)["stored_blocks"] == 3 and report(output)["failed_tokens"] == BLOCK
+
+
+def test_foreign_block_is_a_counted_miss_and_recomputed(second_engine: Any, documents: dict, reference: dict,
+                                                        fingerprint: str, store_url: str) -> None:
+    own, other = _keys(fingerprint, documents["doc2"])[0], _keys(fingerprint, documents["doc0"])[0]
+    tier = _tier(store_url)
+    try:
+        (value,) = tier.get_many([other])
+        tier.put_many([(own, value)])  # a valid block, but another key's (another prompt's tokens)
+    finally:
+        tier.close()
+    output = generate(second_engine, [documents["doc2"]])[0]
+    assert tokens_of([output]) == [reference["doc2"]]
+    assert report(output)["failed_tokens"] == BLOCK
