@@ -48,6 +48,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+#: how every refusal at engine start begins (vLLM repeats it in the error that ends the engine's start)
+REFUSED = "kvshelf connector refused to start"
 log = logging.getLogger("vllm.kvshelf")  # under vLLM's logger: shown in its log, in its format
 
 
@@ -212,7 +214,7 @@ class KVShelfConnector(KVConnectorBase_V1):
             self._store = _acquire_store(self.settings.store, self.settings.namespace)
         except KVShelfError as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise type(exc)(f"kvshelf connector refused to start: {first}") from None
+            raise type(exc)(f"{REFUSED}: {first}") from None
         if role == KVConnectorRole.SCHEDULER:
             self._planner = Planner(self.info.fingerprint, self.settings.namespace, self.settings.block_tokens,
                                     self.info.page_tokens)

@@ -18,8 +18,9 @@ BLOCK = 256
 MAX_TOKENS = 8
 
 @contextmanager
-def engine(model_dir: str, extra: dict[str, Any] | None) -> Iterator[Any]:
-    """An ``LLM`` over ``model_dir`` (with kvshelf's connector when ``extra`` is given), shut down on exit."""
+def engine(model_dir: str, extra: dict[str, Any] | None, **options: Any) -> Iterator[Any]:
+    """An ``LLM`` over ``model_dir`` (with kvshelf's connector when ``extra`` is given; ``options``: more of
+    ``LLM``'s arguments), shut down on exit."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -27,7 +28,7 @@ def engine(model_dir: str, extra: dict[str, Any] | None) -> Iterator[Any]:
         kv_connector="KVShelfConnector", kv_connector_module_path="kvshelf.adapters.vllm", kv_role="kv_both",
         kv_connector_extra_config=extra)
     llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=2048, seed=0,
-              enable_prefix_caching=False, kv_transfer_config=transfer, disable_log_stats=True)
+              enable_prefix_caching=False, kv_transfer_config=transfer, disable_log_stats=True, **options)
     try:
         yield llm
     finally:
