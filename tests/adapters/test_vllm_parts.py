@@ -146,3 +146,66 @@ def test_pages_round_trip_and_lay_out_as_the_kernel_does(transposed: bool) -> No
     k_page = page[0].view(c, n).T if transposed else page[0].view(n, c)
     assert torch.equal(k_page, keys[0, 0, n:]) and torch.equal(page[1].view(n, c), values[0, 0, n:])
     assert caches[0][[0, 2, 3, 5]].abs().sum() == 0  # no other page touched
+
+
+# -- the worker's page mover over a real store --------------------------------------------------------------
+
+
+def _mover(tmp_path, caches):
+    from kvshelf.adapters.vllm.worker import PageMover
+    from kvshelf.kvstore.store_url import open_store
+
+    store = open_store(f"embedded://{tmp_path}?memory=0")
+    return PageMover(store, caches, PageLayout(2, 4, 8, True), fingerprint=FP, namespace="default",
+                     model_name="tiny", max_pending_blocks=4)
+
+
+def test_saved_pages_load_back_and_a_missing_block_is_reported(tmp_path) -> None:
+    planner, prompt = _planner(), list(range(20))  # blocks of 8 tokens = 2 pages of 4
+    plan = planner.admit("r", prompt, planner.spans(prompt), stored=0)
+    planner.set_pages("r", [1, 2, 3, 4, 5], replace=True)
+    out = StepPlan()
+    planner.step("r", computed_after=20, out=out)
+    caches = [torch.randn(6, 2, 4, 16) for _ in range(3)]
+    mover = _mover(tmp_path, caches)
+    try:
+        mover.save(out)
+        mover.writer.flush()
+        assert mover.counts.saved_blocks == 2 and mover.store.held([s.key for s in plan.spans]) == [True, True]
+        block = mover.store.get_many([plan.spans[1].key], fingerprint=FP)[0]
+        assert block.extra["model_name"] == "tiny" and block.extra["parent"] == plan.spans[0].key.hex()
+        mover.caches = fresh = [torch.zeros(6, 2, 4, 16) for _ in range(3)]
+        loads = StepPlan(loads={"r": out.saves["r"]})
+        mover.store.delete([plan.spans[1].key])  # evicted between the lookup and the load
+        mover.load(loads)
+        assert all(torch.equal(f[[1, 2]], c[[1, 2]]) for f, c in zip(fresh, caches, strict=True))
+        assert all(f[[3, 4]].abs().sum() == 0 for f in fresh)
+        assert mover.take_errors() == {3, 4} and mover.take_errors() == set()
+        assert (mover.counts.loaded_blocks, mover.counts.failed_blocks) == (1, 1)
+    finally:
+        mover.close()
+        mover.store.close()
+
+
+def test_a_block_of_other_tokens_is_not_written(tmp_path) -> None:
+    from kvshelf.adapters.vllm.plan import BlockMove
+
+    planner, prompt = _planner(), list(range(8))
+    caches = [torch.randn(6, 2, 4, 16) for _ in range(3)]
+    mover = _mover(tmp_path, caches)
+    try:
+        plan = planner.admit("r", prompt + [99], planner.spans(prompt + [99]), stored=0)
+        planner.set_pages("r", [1, 2, 3], replace=True)
+        out = StepPlan()
+        planner.step("r", computed_after=9, out=out)
+        mover.save(out)
+        mover.writer.flush()
+        move = out.saves["r"][0]
+        wrong = BlockMove(move.key, b"", 0, tuple(range(1, 9)), 0, move.pages)  # the key's block, other tokens
+        mover.caches = fresh = [torch.zeros(6, 2, 4, 16) for _ in range(3)]
+        mover.load(StepPlan(loads={"r": [wrong]}))
+        assert mover.take_errors() == {1, 2} and all(f.abs().sum() == 0 for f in fresh)
+        assert plan.spans[0].key == move.key
+    finally:
+        mover.close()
+        mover.store.close()
