@@ -152,8 +152,9 @@ def model_info(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -
                                     "vLLM connector")
     spec = groups[0].kv_cache_spec
     if type(spec) is not FullAttentionSpec:
-        raise UnsupportedModelError(f"{arch}: KV cache spec {type(spec).__name__}: kvshelf's vLLM connector supports "
-                                    "full attention only")
+        raise UnsupportedModelError(f"{arch}: KV cache spec {type(spec).__name__} (sliding-window, chunked local or "
+                                    "another non-full attention): kvshelf's vLLM connector supports full attention "
+                                    "only (a prefix's pages must hold the whole prefix's K/V)")
     if spec.sliding_window or spec.attention_chunk_size:
         raise UnsupportedModelError(f"{arch}: sliding-window or chunked local attention is not supported by "
                                     "kvshelf's vLLM connector (a prefix's pages are not the whole prefix's K/V)")

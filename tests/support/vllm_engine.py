@@ -37,11 +37,12 @@ def engine(model_dir: str, extra: dict[str, Any] | None, **options: Any) -> Iter
         gc.collect()
 
 
-def generate(llm: Any, prompts: Sequence[Sequence[int]]) -> list[Any]:
-    """Greedy completions (``MAX_TOKENS`` tokens) of token-id prompts, one ``RequestOutput`` each."""
+def generate(llm: Any, prompts: Sequence[Sequence[int]], *, detokenize: bool = True) -> list[Any]:
+    """Greedy completions (``MAX_TOKENS`` tokens) of token-id prompts, one ``RequestOutput`` each (``detokenize``
+    False for an engine without a tokenizer)."""
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=detokenize)
     return llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
 
 

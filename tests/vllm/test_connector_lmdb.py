@@ -125,3 +125,33 @@ def test_foreign_block_is_a_counted_miss_and_recomputed(second_engine: Any, docu
     output = generate(second_engine, [documents["doc2"]])[0]
     assert tokens_of([output]) == [reference["doc2"]]
     assert report(output)["failed_tokens"] == BLOCK
+
+
+# -- one store for both worlds: vLLM's blocks are CachedGenerator's and back ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf_generator(model_dir: str, store_url: str) -> Any:
+    from kvshelf.adapters.generate import CachedGenerator
+    from kvshelf.adapters.model import load_model
+
+    model, tokenizer = load_model(model_dir, "float32")
+    with open_store(store_url) as store:
+        yield CachedGenerator(model, tokenizer, store, write_behind=False)
+
+
+def test_cached_generator_reuses_blocks_a_vllm_engine_stored(first_run: dict, hf_generator: Any,
+                                                             documents: dict) -> None:
+    alone = hf_generator.generate(documents["doc0"], max_new_tokens=8, reuse=False, store=False)
+    reused = hf_generator.generate(documents["doc0"], max_new_tokens=8, store=False)
+    assert reused.reused_tokens == 3 * BLOCK
+    assert reused.new_ids == alone.new_ids
+
+
+def test_a_vllm_engine_reuses_blocks_cached_generator_stored(second_engine: Any, hf_generator: Any,
+                                                             documents: dict, reference: dict) -> None:
+    stored = hf_generator.generate(documents["doc3"], max_new_tokens=1, reuse=False, wait=True)
+    assert stored.stored_blocks == 3
+    output = generate(second_engine, [documents["doc3"]])[0]
+    assert tokens_of([output]) == [reference["doc3"]]
+    assert report(output)["loaded_tokens"] == 3 * BLOCK and report(output)["failed_tokens"] == 0
