@@ -183,24 +183,7 @@ def test_subscriptions_are_bounded_in_count_and_bytes(ctx: zmq.Context, ports: t
             sent = send_until_dropped(raw, zmtp_frame(b"\x01" + bytes([i]) * (8 * MiB)), 8 * MiB)
             raw.close()
             assert sent < 8 * MiB, "the publisher read a subscription of 8 MiB"
-        raw, sent, number = None, 0, 0
-        while sent < 16 * MiB:  # 64 distinct subscriptions of 4 KiB a send, on one connection while it lasts
-            if raw is None:
-                try:
-                    raw = zmtp_peer(ports[0], b"SUB")
-                except OSError:  # the XPUB is being opened again
-                    time.sleep(0.01)
-                    continue
-            frames = b"".join(zmtp_frame(b"\x01" + (number + k).to_bytes(4, "big") * 1024) for k in range(64))
-            number += 64
-            try:
-                raw.sendall(frames)
-                sent += len(frames)
-            except OSError:
-                raw.close()
-                raw = None
-        if raw is not None:
-            raw.close()
+        flood_subscriptions(ports[0], 16 * MiB, 0, per_send=64, repeat=1024)
         growth = peak.stop() - before
         # the guard's ceiling (1 MiB buffered, the margin) and at most 128 MiB past it while the guard reacts
         assert growth < MiB + GUARD_MARGIN_BYTES + 128 * MiB, f"16 MiB of subscriptions: +{growth / MiB:.0f} MiB"
@@ -212,8 +195,9 @@ def test_subscriptions_are_bounded_in_count_and_bytes(ctx: zmq.Context, ports: t
         honest.close(linger=0)
 
 
-def flood_subscriptions(port: int, total: int, base: int) -> None:
-    """Distinct 4,000-byte subscriptions over raw connections (a new one whenever the publisher drops it)."""
+def flood_subscriptions(port: int, total: int, base: int, per_send: int = 16, repeat: int = 1000) -> None:
+    """``total`` bytes of distinct subscriptions (4 x ``repeat`` bytes each, ``per_send`` a send) over raw
+    connections, a new one whenever the publisher drops the last."""
     raw, sent, number = None, 0, base
     while sent < total:
         if raw is None:
@@ -222,8 +206,8 @@ def flood_subscriptions(port: int, total: int, base: int) -> None:
             except OSError:  # the XPUB is being opened again
                 time.sleep(0.01)
                 continue
-        frames = b"".join(zmtp_frame(b"\x01" + (number + k).to_bytes(4, "big") * 1000) for k in range(16))
-        number += 16
+        frames = b"".join(zmtp_frame(b"\x01" + (number + k).to_bytes(4, "big") * repeat) for k in range(per_send))
+        number += per_send
         try:
             raw.sendall(frames)
             sent += len(frames)

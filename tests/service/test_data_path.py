@@ -16,7 +16,7 @@ import time
 import grpc
 import pytest
 from helpers import FINGERPRINT, assert_same_block, key_of, make_block
-from service_helpers import TOKENS, self_signed_cert, write_tokens
+from service_helpers import TOKENS, data_path_call, self_signed_cert, write_tokens
 
 from kvshelf.kvstore import encode_block, open_embedded_store
 from kvshelf.proto import kvshelf_pb2 as pb
@@ -37,7 +37,7 @@ from kvshelf.service.bulk.framing import (
 )
 from kvshelf.service.bulk.ticket import OP_GET, OP_PUT
 from kvshelf.service.client import RemoteStore, RemoteStoreError
-from kvshelf.service.server import SERVICE_NAME, ServerLimits, start_server
+from kvshelf.service.server import ServerLimits, start_server
 
 TOKEN_A, TOKEN_B = list(TOKENS)
 IDLE_S = 1.0  # the servers' idle timeout: tickets and hellos wait half of it
@@ -74,9 +74,7 @@ def encoded(tokens, namespace="default", **shape) -> tuple[bytes, bytes]:
 
 def open_data_path(server) -> tuple[grpc.Channel, grpc.UnaryStreamMultiCallable]:
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
-    return channel, channel.unary_stream(f"/{SERVICE_NAME}/OpenDataPath",
-                                         request_serializer=pb.DataPathRequest.SerializeToString,
-                                         response_deserializer=pb.DataPathResponse.FromString)
+    return channel, data_path_call(channel)
 
 
 class Control:

@@ -16,6 +16,7 @@ from fuzz_driver import mutate
 from helpers import key_of, make_block
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from service_helpers import data_path_call
 
 from kvshelf.kvstore import encode_block, open_embedded_store
 from kvshelf.proto import kvshelf_pb2 as pb
@@ -33,7 +34,7 @@ from kvshelf.service.bulk.framing import (
 )
 from kvshelf.service.bulk.ticket import OP_GET, OP_PUT
 from kvshelf.service.client import RemoteStore
-from kvshelf.service.server import SERVICE_NAME, ServerLimits, start_server
+from kvshelf.service.server import ServerLimits, start_server
 
 FUZZ = settings(max_examples=60, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -122,9 +123,7 @@ def test_mutated_hellos_with_real_tickets(server, op, rng: random.Random, mutate
     key_ = server.stored_key
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
     try:
-        open_call = channel.unary_stream(f"/{SERVICE_NAME}/OpenDataPath",
-                                         request_serializer=pb.DataPathRequest.SerializeToString,
-                                         response_deserializer=pb.DataPathResponse.FromString)
+        open_call = data_path_call(channel)
         sizes = [64] if op == OP_PUT else []
         call = open_call(pb.DataPathRequest(op=op, keys=[key_], sizes=sizes), timeout=10)
         ticket = next(call).ticket.ticket

@@ -7,13 +7,12 @@ import time
 
 import grpc
 from helpers import key_of, make_block
-from service_helpers import ServeProcess
+from service_helpers import ServeProcess, data_path_call
 
 from kvshelf.kvstore import encode_block
 from kvshelf.proto import kvshelf_pb2 as pb
 from kvshelf.service.bulk.ticket import OP_GET
 from kvshelf.service.client import RemoteStore
-from kvshelf.service.server import SERVICE_NAME
 
 
 def rss_bytes(pid: int) -> int:
@@ -41,9 +40,7 @@ def test_gets_never_connected_read_nothing(tmp_path):
             del got
         time.sleep(0.5)
         base = rss_bytes(server.proc.pid)
-        open_call = channel.unary_stream(f"/{SERVICE_NAME}/OpenDataPath",
-                                         request_serializer=pb.DataPathRequest.SerializeToString,
-                                         response_deserializer=pb.DataPathResponse.FromString)
+        open_call = data_path_call(channel)
         calls = [open_call(pb.DataPathRequest(op=OP_GET, keys=[key] * 16), timeout=30) for _ in range(2)]
         assert all(next(call).HasField("ticket") for call in calls)  # and never connect
         grown = 0

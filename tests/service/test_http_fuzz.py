@@ -6,11 +6,11 @@ The head parser alone runs through the same checks as the atheris target ``tests
 from __future__ import annotations
 
 import random
-import socket
 
 from dashboard_helpers import TOKEN, token_file, traffic
 from fuzz_driver import mutate
 from fuzz_http import SEEDS, check_head
+from http_probe import raw_request
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from service_helpers import free_port
@@ -67,23 +67,10 @@ def requests(draw: st.DrawFn) -> bytes:
 
 
 def _answer(port: int, raw: bytes) -> int | None:
-    """The status of ``raw``'s answer (``None``: closed without one); the write side is closed after ``raw``, so
-    a request cut short ends at once instead of at the read deadline."""
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        try:
-            sock.sendall(raw)
-            sock.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass  # answered and closed before the whole request was sent
-        chunks = []
-        try:
-            while chunk := sock.recv(65536):
-                chunks.append(chunk)
-        except ConnectionResetError:
-            pass
-    answer = b"".join(chunks)
+    """The status of ``raw``'s answer (``None``: closed without one), the write side closed after ``raw``."""
+    status, answer = raw_request(port, raw, close_write=True)
     assert not answer or answer.startswith(b"HTTP/1.1 "), answer[:200]
-    return int(answer[9:12]) if answer else None
+    return status
 
 
 def _alive(port: int, path: str, token: str | None = None) -> None:

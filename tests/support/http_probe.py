@@ -10,13 +10,17 @@ import time
 from collections.abc import Callable
 
 
-def raw_request(port: int, head: bytes, *, timeout: float = 10.0) -> tuple[int | None, bytes]:
+def raw_request(port: int, head: bytes, *, timeout: float = 10.0,
+                close_write: bool = False) -> tuple[int | None, bytes]:
     """Send ``head`` to ``127.0.0.1:port`` and read until the server closes: ``(status, whole answer)``; status
-    ``None`` when the server closed without an HTTP answer (a clean close or a reset)."""
+    ``None`` when the server closed without an HTTP answer (a clean close or a reset). ``close_write`` ends the
+    sending side after ``head``, so a request cut short is answered at once instead of at the read deadline."""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
         # the server may answer and close before the whole request is sent: then read what it said
         with contextlib.suppress(OSError):
             sock.sendall(head)
+            if close_write:
+                sock.shutdown(socket.SHUT_WR)
         chunks = []
         try:
             while chunk := sock.recv(65536):

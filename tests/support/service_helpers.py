@@ -14,10 +14,13 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import grpc
 from helpers import REPO_ROOT
 
 from kvshelf.kvstore.errors import TierUnavailableError
 from kvshelf.kvstore.tier import Tier, TierUsage
+from kvshelf.proto import kvshelf_pb2 as pb
+from kvshelf.service.server import SERVICE_NAME
 
 TOKENS = {"token-of-tenant-a": "tenant-a", "token-of-tenant-b": "tenant-b"}
 
@@ -124,6 +127,13 @@ def put_with_lineage(port: int, namespace: str, entries: list, lineage: list) ->
         call = channel.stream_unary(f"/{SERVICE_NAME}/PutBlocks", request_serializer=None,
                                     response_deserializer=pb.PutBlocksResponse.FromString)
         return call(put_requests(items, namespace, lineage=lineage), timeout=60).stored
+
+
+def data_path_call(channel: grpc.Channel) -> grpc.UnaryStreamMultiCallable:
+    """The raw ``OpenDataPath`` call of ``channel`` (a ticket message, then the transfer's result)."""
+    return channel.unary_stream(f"/{SERVICE_NAME}/OpenDataPath",
+                                request_serializer=pb.DataPathRequest.SerializeToString,
+                                response_deserializer=pb.DataPathResponse.FromString)
 
 
 def free_port() -> int:
