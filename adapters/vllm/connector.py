@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvshelf.adapters.vllm.config import ConnectorSettings
@@ -58,6 +59,34 @@ class KVShelfMetadata(KVConnectorMetadata):
     """The scheduler's plan for one step, sent to the worker."""
 
     plan: StepPlan = field(default_factory=StepPlan)
+
+
+#: the counters of ``KVShelfConnectorStats`` (``worker.WorkerCounts``' fields)
+STAT_NAMES = ("loaded_blocks", "loaded_tokens", "failed_blocks", "saved_blocks")
+
+
+@dataclass
+class KVShelfConnectorStats(KVConnectorStats):
+    """The worker's counts over one of vLLM's stats intervals (``STAT_NAMES``), summed across workers and steps;
+    vLLM's stats logger shows them with its KV transfer metrics."""
+
+    def __post_init__(self) -> None:
+        for name in STAT_NAMES:
+            self.data.setdefault(name, 0)
+
+    def reset(self) -> None:
+        self.data = dict.fromkeys(STAT_NAMES, 0)
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for name in STAT_NAMES:
+            self.data[name] = self.data.get(name, 0) + int(other.data.get(name, 0))
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {name: int(self.data.get(name, 0)) for name in STAT_NAMES}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(name, 0) for name in STAT_NAMES)
 
 
 @dataclass(frozen=True)
@@ -208,6 +237,7 @@ class KVShelfConnector(KVConnectorBase_V1):
         self._store: BlockStore | None = None
         self._mover: PageMover | None = None
         self._planner: Planner | None = None
+        self._reported: dict[str, int] = {}  # worker counts given to vLLM's stats so far
         try:
             self.settings = ConnectorSettings.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
             self.info = model_info(vllm_config, kv_cache_config)
@@ -333,6 +363,20 @@ class KVShelfConnector(KVConnectorBase_V1):
         if plan is not None and plan.saves:
             assert self._mover is not None
             self._mover.save(plan)
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """The counts since the last call (vLLM sums them over its logging interval)."""
+        if self._mover is None:
+            return None
+        now = {name: getattr(self._mover.counts, name) for name in STAT_NAMES}
+        delta = {name: now[name] - self._reported.get(name, 0) for name in STAT_NAMES}
+        self._reported = now
+        stats = KVShelfConnectorStats(data=delta)
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVShelfConnectorStats(data=dict(data or {}))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._mover.take_errors() if self._mover is not None else set()
