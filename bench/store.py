@@ -373,8 +373,10 @@ def add_redis_ratios(results: list[dict[str, Any]]) -> None:
 def run(
     *, json_path: str | None, backends: dict[str, Backend] = BACKENDS, sizes: tuple[int, ...] = DEFAULT_SIZES,
     clients: tuple[int, ...] = DEFAULT_CLIENTS, console: Console | None = None, settle_s: float = SETTLE_S,
-    durability: str = DEFAULT_DURABILITY,
+    durability: str = DEFAULT_DURABILITY, ops: int | None = None,
 ) -> dict[str, Any]:
+    """Every backend at every size and client count; ``ops``: operations per client and case (default
+    ``ops_per_client``: enough samples for a p99)."""
     console = console or Console()
     if "redis" in backends:
         binary("redis-server")  # fail before minutes of other backends, not after them
@@ -383,9 +385,9 @@ def run(
         with backend() as target:
             for block_mib in sizes:
                 for n in clients:
-                    ops = ops_per_client(block_mib)
-                    console.print(f"[dim]{name}: {block_mib} MiB x {n} client(s) x {ops} ops[/dim]")
-                    for row in run_case(target, block_mib, n, ops, settle_s):
+                    count = ops or ops_per_client(block_mib)
+                    console.print(f"[dim]{name}: {block_mib} MiB x {n} client(s) x {count} ops[/dim]")
+                    for row in run_case(target, block_mib, n, count, settle_s):
                         results.append({"backend": name, **row})
     add_redis_ratios(results)
     payload = {"machine": machine_description(), "results": results,

@@ -12,7 +12,7 @@ from kvshelf.bench.store import BACKENDS, run
 def test_bench_store_small_run_writes_its_schema(tmp_path):
     out = tmp_path / "store.json"
     payload = run(json_path=str(out), backends=BACKENDS, sizes=(1,), clients=(2,), console=Console(quiet=True),
-                  settle_s=0.0)
+                  settle_s=0.0, ops=4)
     rows = json.loads(out.read_text())["results"]
     assert rows == payload["results"]
     assert {(r["backend"], r["op"], r["clients"]) for r in rows} == {
