@@ -61,6 +61,7 @@ for _name, _command in (
     ("codecs", bench_models.bench_codecs),
     ("mla", bench_models.bench_mla),
     ("gpu", bench_models.bench_gpu),
+    ("vllm", bench_models.bench_vllm),
     ("lmdb", bench_store.bench_lmdb),
     ("lmdb-capacity", bench_store.bench_lmdb_capacity),
     ("store", bench_store.bench_store),

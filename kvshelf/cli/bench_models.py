@@ -1,5 +1,5 @@
 """The benchmarks that run a model: ``kvshelf bench ttft | rag | rag-chain | serve | pruning | longctx | codecs | mla |
-gpu``."""
+gpu | vllm``."""
 
 from __future__ import annotations
 
@@ -299,3 +299,41 @@ def bench_gpu(
         gpu_bytes=parse_size(gpu_bytes, "--gpu-bytes"), memory_bytes=parse_size(memory_bytes, "--memory-bytes"),
         remote_max_tokens=remote_max_tokens, codec_max_tokens=codec_max_tokens, corpus=str(chosen) if chosen else None,
         console=console)
+
+
+def bench_vllm(
+    json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+    corpus: Annotated[Path | None, typer.Option(help="JSONL of {title, abstract}: the documents")] = None,
+    systems: Annotated[str, typer.Option(
+        help="comma-separated: vllm, kvshelf, kvshelf-serve, lmcache")] = "vllm,kvshelf,kvshelf-serve,lmcache",
+    lengths: Annotated[str, typer.Option(help="comma-separated TTFT document lengths (multiples of 128)")] =
+        "1024,4096",
+    ttft_docs: Annotated[int, typer.Option(help="documents per TTFT length")] = 2,
+    qa_docs: Annotated[int, typer.Option(help="long_doc_qa: documents")] = 8,
+    qa_tokens: Annotated[int, typer.Option(help="long_doc_qa: tokens per document (a multiple of 128)")] = 1024,
+    questions: Annotated[int, typer.Option(help="long_doc_qa: questions per document in the query round")] = 2,
+    max_tokens: Annotated[int, typer.Option(help="greedy output tokens per request")] = 16,
+    kv_blocks: Annotated[int, typer.Option(
+        help="vLLM's KV space in 128-token pages (num_gpu_blocks_override): less than the long_doc_qa documents")] =
+        48,
+    vllm_venv: Annotated[Path | None, typer.Option(
+        help="the venv with vLLM and kvshelf (default: $KVSHELF_VLLM_VENV, else .venv-vllm: `make vllm-venv`)")] =
+        None,
+    model: ModelOpt = "smollm2-135m",
+) -> None:
+    """TTFT (cold, warm), time per output token and long-document QA throughput of vLLM alone, kvshelf's vLLM
+    connector (embedded store; a shared kvshelf serve) and LMCache MP, each engine in a process of its own."""
+    import sys
+
+    from kvshelf.bench.vllm import Options, check, check_vllm_venv, run
+    from kvshelf.bench.vllm import vllm_venv as find_venv
+
+    options = Options(systems=tuple(s.strip() for s in systems.split(",") if s.strip()),
+                      lengths=ints(lengths, "--lengths"), ttft_docs=ttft_docs, qa_docs=qa_docs, qa_tokens=qa_tokens,
+                      questions=questions, max_tokens=max_tokens, kv_blocks=kv_blocks)
+    check(options)
+    check_vllm_venv(find_venv(str(vllm_venv) if vllm_venv else None))
+    chosen = corpus_path(corpus)
+    run(json_path=str(json_path) if json_path else None, corpus=str(chosen) if chosen else None, options=options,
+        vllm_venv_dir=str(vllm_venv) if vllm_venv else None, model_name=model, console=console,
+        command="kvshelf bench vllm " + " ".join(sys.argv[3:]))
