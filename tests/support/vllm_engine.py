@@ -27,8 +27,9 @@ def engine(model_dir: str, extra: dict[str, Any] | None, **options: Any) -> Iter
     transfer = None if extra is None else KVTransferConfig(
         kv_connector="KVShelfConnector", kv_connector_module_path="kvshelf.adapters.vllm", kv_role="kv_both",
         kv_connector_extra_config=extra)
-    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=2048, seed=0,
-              enable_prefix_caching=False, kv_transfer_config=transfer, disable_log_stats=True, **options)
+    settings: dict[str, Any] = {"dtype": "float32", "enforce_eager": True, "max_model_len": 2048, "seed": 0,
+                                "enable_prefix_caching": False, "disable_log_stats": True}
+    llm = LLM(model=model_dir, kv_transfer_config=transfer, **{**settings, **options})
     try:
         yield llm
     finally:
