@@ -94,14 +94,18 @@ def open_embedded_url(url: TierURL, *, namespace: str, **options: Any) -> BlockS
 
 
 def open_redis_url(url: TierURL, *, namespace: str, **options: Any) -> BlockStore:
-    """``redis://...?codec=C`` (and the other Redis schemes of ``kvstore.tier_registry``): a ``TieredStore`` over
-    one Redis tier holding blocks in codec ``C`` (default ``raw``); the tier's own parameters pass through."""
+    """``redis://...?codec=C&prefix=P`` (and the other Redis schemes of ``kvstore.tier_registry``): a
+    ``TieredStore`` over one Redis tier holding blocks in codec ``C`` (default ``raw``) under key prefix ``P``
+    (default ``kvshelf:``); the tier's own (TLS) parameters pass through."""
     from kvshelf.kvstore.codec import get_codec
     from kvshelf.kvstore.store import TieredStore, TierSpec
     from kvshelf.kvstore.tier_registry import open_tier
 
     codec = url.take("codec", options.pop("codec", "raw"))
     get_codec(codec)
+    prefix = url.take("prefix")
+    if prefix is not None:
+        options["prefix"] = prefix
     tier_url = url.url.split("?", 1)[0]
     if url.query:
         from urllib.parse import urlencode

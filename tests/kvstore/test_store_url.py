@@ -6,6 +6,7 @@ import socket
 
 import pytest
 from helpers import key_of, make_block
+from redis_servers import redis_server  # noqa: F401 - the fixture
 
 from kvshelf.kvstore.errors import ConfigError, TierUnavailableError
 from kvshelf.kvstore.store import TieredStore
@@ -76,3 +77,11 @@ def test_grpc_url_opens_a_remote_store_to_kvshelf_serve(tmp_path) -> None:
             assert got[0] is not None and got[0].token_ids == block.token_ids
     finally:
         server.stop()
+
+
+def test_redis_url_opens_one_redis_tier_in_its_codec(redis_server) -> None:  # noqa: F811
+    block = make_block(list(range(16)), seed=7)
+    with open_store(f"{redis_server.url}?codec=int8&prefix=store-url:") as store:
+        assert [(t["name"], t["codec"]) for t in store.stats()["tiers"]] == [("redis", "int8")]
+        assert store.put_many([(key_of(block), block)]) == 1
+        assert store.get_many([key_of(block)], fingerprint=block.fingerprint)[0] is not None
