@@ -249,7 +249,8 @@ def lmcache_server(python: Path, log: Path, memory_gb: float) -> Iterator[int]:
     out = log.open("w")
     proc = subprocess.Popen([str(lmcache), "server", "--host", "127.0.0.1", "--port", str(port),
                              "--http-port", str(free_port()), "--prometheus-port", str(free_port()),
-                             "--l1-size-gb", str(memory_gb), "--supported-transfer-mode", "auto"],
+                             "--l1-size-gb", str(memory_gb), "--eviction-policy", "LRU",
+                             "--supported-transfer-mode", "auto"],
                             stdout=out, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONPATH": "", "LMCACHE_DISABLE_BANNER": "1"})
     try:
