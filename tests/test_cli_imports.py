@@ -97,7 +97,7 @@ def test_every_command_is_listed_in_order() -> None:
         "bench"]
     assert commands(run_probe("bench", "--help").stdout) == [
         "replay", "eviction-bounds", "ttft", "rag", "rag-chain", "serve", "pruning", "longctx", "codecs", "mla", "gpu",
-        "lmdb", "lmdb-capacity", "store", "clear", "kv-events", "dashboard", "chaos", "abuse"]
+        "vllm", "lmdb", "lmdb-capacity", "store", "clear", "kv-events", "dashboard", "chaos", "abuse"]
 
 
 def test_python_m_runs_the_command_line() -> None:
