@@ -26,8 +26,9 @@ def fingerprint(model_dir: str) -> str:
 @pytest.fixture(scope="session")
 def documents(model_dir: str) -> dict[str, list[int]]:
     """Token-id prompts: ``doc0``..``doc4`` (1,000 tokens each: 3 full 256-token blocks), ``partial`` (doc0's first
-    600 tokens, then another text: 2 blocks shared), ``short`` (100 tokens: no full block), ``long0``/``long1`` (1,020
-    tokens: their fifth decoded token needs a ninth vLLM page)."""
+    600 tokens, then another text: 2 blocks shared), ``short`` (100 tokens: no full block), ``straddle`` (doc0's
+    first 400 tokens, then another text), ``long0``/``long1`` (1,020 tokens: their fifth decoded token needs a
+    ninth vLLM page)."""
     from transformers import AutoTokenizer
 
     from kvshelf.bench.synthetic_abstracts import make_abstracts
@@ -40,6 +41,7 @@ def documents(model_dir: str) -> dict[str, list[int]]:
     docs = {f"doc{i}": ids[i * 1000:(i + 1) * 1000] for i in range(5)}
     docs["partial"] = docs["doc0"][:600] + ids[6000:6400]
     docs["short"] = ids[6500:6600]
+    docs["straddle"] = docs["doc0"][:400] + ids[6400:6500]  # 3 of vLLM's pages shared with doc0, 1.5 blocks
     docs["long0"], docs["long1"] = ids[7000:8020], ids[8100:9120]  # 8 vLLM pages each; the 5th new token a 9th
     return docs
 
