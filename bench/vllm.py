@@ -10,10 +10,10 @@ kvshelf protobuf >= 7.35). The bench itself runs in kvshelf's main venv and spea
 Workloads (prompts are token ids, the same for every system; greedy, ``max_tokens`` output tokens):
 
 * ``ttft``: per length, ``ttft_docs`` documents of that many corpus tokens plus a question, one request at a time.
-  ``cold``: the engine's first sight of the document, nothing stored. ``warm``: for ``vllm`` the same prompts again
-  in the same process (its prefix cache: the floor); for the others a **new engine process** over what the first
-  stored (``kvshelf``: the same LMDB directory; ``kvshelf-serve``: the same ``kvshelf serve``; ``lmcache``: the
-  same ``lmcache server``).
+  ``cold``: the engine's first sight of the document, nothing stored. ``warm``: for ``vllm`` each prompt again
+  right after its cold run in the same process (its prefix cache: the floor); for the others a **new engine
+  process** over what the first stored (``kvshelf``: the same LMDB directory; ``kvshelf-serve``: the same ``kvshelf
+  serve``; ``lmcache``: the same ``lmcache server``).
 * ``long_doc_qa`` (the shape of LMCache's ``long_doc_qa`` benchmark), in the warm engine: ``qa_docs`` documents of
   ``qa_tokens`` tokens, more than the KV space holds; a warm-up round asks each document one question, then the
   query round asks each document ``questions`` other questions, all requests in a shuffled order (seed 0),
@@ -198,6 +198,7 @@ class Engine:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             if line.startswith("@@ "):
+                self._err.flush()
                 return json.loads(line[3:])
             self._err.write(line)
         self._err.flush()
@@ -365,8 +366,14 @@ def base_config(model_dir: str, options: Options, transfer: dict[str, Any] | Non
 def run_vllm(python: Path, model_dir: str, prompts: Prompts, options: Options, logs: Path) -> list[Measured]:
     with engine(python, base_config(model_dir, options, None), logs / "vllm.log") as eng:
         eng.generate([prompts.warmup], options.max_tokens)
-        measured = ttft_phase(eng, "vllm", "cold", prompts, options)
-        measured += ttft_phase(eng, "vllm", "warm", prompts, options)  # its own prefix cache: the floor
+        measured = []
+        for length, docs in prompts.ttft.items():
+            # each prompt again right after its cold run: its own prefix cache (the floor), before the next
+            # documents can evict it from the small KV space
+            pairs = [(eng.generate([p], options.max_tokens)["outputs"][0],
+                      eng.generate([p], options.max_tokens)["outputs"][0]) for p in docs]
+            measured.append(Measured("vllm", "ttft", "cold", length, [c for c, _ in pairs], docs))
+            measured.append(Measured("vllm", "ttft", "warm", length, [w for _, w in pairs], docs))
         measured.append(long_doc_qa(eng, "vllm", prompts, options))
     return measured
 
