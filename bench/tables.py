@@ -91,6 +91,7 @@ TABLES: tuple[BenchTable, ...] = (
     BenchTable("pruning-snapkv", "pruning_snapkv.json", "kvshelf.bench.pruning:results_table"),
     BenchTable("longctx", "longctx.json", "kvshelf.bench.longctx:results_tables"),
     BenchTable("serve", "serve.json", "kvshelf.bench.serve:results_tables"),
+    BenchTable("vllm", "vllm.json", "kvshelf.bench.vllm:results_tables"),
 )
 
 
