@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install demo test test-fast bench bench-codecs lint clean redis chromium vllm-venv
+.PHONY: install demo test test-vllm test-fast bench bench-codecs lint clean redis chromium vllm-venv
 
 install: $(STAMP)
 
@@ -32,10 +32,16 @@ redis:
 chromium:
 	test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || (apt-get update && apt-get install -y chromium chromium-driver)
 
+# PYTEST_WORKERS="-n 2 --dist loadfile" runs the suite on two pytest-xdist workers, each taking whole files (module
+# fixtures such as the loaded model stay one per file); the default is one process.
+PYTEST_WORKERS ?=
+
 test: install redis chromium
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/pytest -q
-	$(MAKE) vllm-venv
+	$(VENV)/bin/pytest -q $(PYTEST_WORKERS)
+
+# The connector's tests on a real vLLM engine (tests/vllm), in the vLLM venv (12-20 minutes on 2 cores).
+test-vllm: vllm-venv
 	$(VLLM_VENV)/bin/pytest -q tests/vllm
 
 test-fast: install

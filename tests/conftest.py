@@ -10,7 +10,7 @@ from pathlib import Path
 import helpers
 import pytest
 
-# tests/vllm runs a real vLLM engine: only in the vLLM venv (`make vllm-venv`, run by `make test` after this suite)
+# tests/vllm runs a real vLLM engine: only in the vLLM venv (`make test-vllm`)
 collect_ignore = [] if importlib.util.find_spec("vllm") is not None else ["vllm"]
 
 # Haystack sends usage telemetry unless told not to: the suite sends nothing off this machine.
