@@ -1,6 +1,9 @@
 """kvshelf's connector on a real vLLM engine over the embedded store (LMDB, no memory tier so that every read is
 the disk's): a first engine stores, a second engine process reuses, and the greedy tokens always equal vLLM's
-without the connector; damaged and foreign blocks cost a recompute, never an answer."""
+without the connector; damaged and foreign blocks cost a recompute, never an answer. Two engines serve every case
+(an engine start is most of a case's time): the first, with vLLM's prefix caching on (as vLLM serves by default),
+also completes a kvshelf block vLLM holds in part; the second, with a KV space of 17 pages, also preempts a request.
+"""
 
 from __future__ import annotations
 
@@ -37,22 +40,30 @@ def store_url(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def first_run(model_dir: str, documents: dict, reference: dict, fingerprint: str, store_url: str) -> dict[str, Any]:
-    """A first engine with the connector: every document once (stored), then doc4 again in the same process (no
-    vLLM prefix caching: the second time comes from the store)."""
+    """A first engine with the connector and vLLM's prefix caching: every document once (stored); with vLLM's prefix
+    cache emptied, doc4 again (it comes from the store); emptied again, ``straddle`` (vLLM then caches doc0's first 3
+    of its 128-token pages, 384 tokens) and doc0 again (the rest of its first block and its later blocks from the
+    store)."""
     names = ["doc0", "doc1", "doc2", "doc4", "short"]
-    with engine(model_dir, {"store": store_url}) as llm:
+    with engine(model_dir, {"store": store_url}, enable_prefix_caching=True) as llm:
         outputs = dict(zip(names, generate(llm, [documents[n] for n in names]), strict=True))
-        wait_held(store_url, _keys(fingerprint, documents["doc4"]))
+        for name in ["doc4", "doc0"]:
+            wait_held(store_url, _keys(fingerprint, documents[name]))
+        assert llm.reset_prefix_cache()  # vLLM forgets the documents' pages; the store keeps their blocks
         again = generate(llm, [documents["doc4"]])[0]
-    for name in ["doc0", "doc1", "doc2"]:
+        assert llm.reset_prefix_cache()
+        straddle = generate(llm, [documents["straddle"]])[0]
+        doc0_again = generate(llm, [documents["doc0"]])[0]
+    for name in ["doc1", "doc2"]:
         wait_held(store_url, _keys(fingerprint, documents[name]))
-    return {"outputs": outputs, "again": again}
+    return {"outputs": outputs, "again": again, "straddle": straddle, "doc0_again": doc0_again}
 
 
 @pytest.fixture(scope="module")
 def second_engine(first_run: dict, model_dir: str, store_url: str) -> Any:
-    """A new engine process over what the first stored."""
-    with engine(model_dir, {"store": store_url}) as llm:
+    """A new engine process over what the first stored; 17 pages of 128 tokens (one of them vLLM's null page): one
+    1,000-token prompt fits, two 1,020-token prompts fit side by side but their fifth decoded tokens do not."""
+    with engine(model_dir, {"store": store_url}, num_gpu_blocks_override=17, disable_log_stats=False) as llm:
         yield llm
 
 
@@ -69,6 +80,16 @@ def test_reuse_in_the_same_process(first_run: dict, reference: dict) -> None:
     assert tokens_of([again]) == [reference["doc4"]]
     assert report(again) == {"stored_blocks": 3, "loaded_tokens": 3 * BLOCK, "failed_tokens": 0, "saved_blocks": 0}
     assert again.num_cached_tokens == 3 * BLOCK
+
+
+def test_load_completes_a_block_vllm_holds_in_part(first_run: dict, reference: dict) -> None:
+    """With vLLM's prefix caching on: the connector loads the pages of a kvshelf block that vLLM does not hold and
+    the blocks after it, never the pages vLLM holds."""
+    straddle, again = first_run["straddle"], first_run["doc0_again"]
+    assert tokens_of([straddle, again]) == [reference["straddle"], reference["doc0"]]
+    assert report(straddle)["loaded_tokens"] == BLOCK  # doc0's first block, from the store
+    assert again.num_cached_tokens == 3 * BLOCK
+    assert report(again)["loaded_tokens"] == 3 * BLOCK - 384  # block 1's last page, and block 2
 
 
 def test_reuse_in_a_new_engine_process(second_engine: Any, documents: dict, reference: dict) -> None:
@@ -125,6 +146,21 @@ def test_foreign_block_is_a_counted_miss_and_recomputed(second_engine: Any, docu
     output = generate(second_engine, [documents["doc2"]])[0]
     assert tokens_of([output]) == [reference["doc2"]]
     assert report(output)["failed_tokens"] == BLOCK
+
+
+def _counter(llm: Any, name: str) -> float:
+    return sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == name)
+
+
+def test_a_preempted_request_answers_as_vllm_alone(second_engine: Any, documents: dict, reference: dict) -> None:
+    """A request preempted by vLLM (too few pages for two 1,020-token prompts to decode side by side): its pages are
+    freed mid-run, it comes back through the connector's lookup (its blocks stored while it ran), and both answers
+    equal vLLM's without the connector."""
+    before = _counter(second_engine, "vllm:num_preemptions")
+    outputs = generate(second_engine, [documents["long0"], documents["long1"]])
+    assert _counter(second_engine, "vllm:num_preemptions") > before
+    assert tokens_of(outputs) == [reference["long0"], reference["long1"]]
+    assert all(report(o)["failed_tokens"] == 0 for o in outputs)
 
 
 # -- one store for both worlds: vLLM's blocks are CachedGenerator's and back ----------------------------------
