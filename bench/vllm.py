@@ -47,7 +47,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvshelf.bench.common import corpus_texts, machine_description, save_results
-from kvshelf.kvstore.errors import ConfigError
+from kvshelf.kvstore.errors import ConfigError, KVShelfError
 from kvshelf.kvstore.paths import cache_dir
 
 SYSTEMS = ("vllm", "kvshelf", "kvshelf-serve", "lmcache")
@@ -164,7 +164,7 @@ def ensure_lmcache_venv(console: Console, venv: Path | None = None) -> tuple[Pat
 
 # -- engine workers ----------------------------------------------------------------------------------------------
 
-class EngineError(RuntimeError):
+class _EngineError(KVShelfError):
     """An engine worker that failed to start or died (its log's tail in the message)."""
 
 
@@ -187,7 +187,7 @@ class Engine:
         started = self._read()
         if "error" in started:
             self.close()
-            raise EngineError(started["error"].strip().splitlines()[-1][:400])
+            raise _EngineError(started["error"].strip().splitlines()[-1][:400])
 
     def _send(self, obj: dict[str, Any]) -> None:
         assert self.proc.stdin is not None
@@ -203,7 +203,7 @@ class Engine:
             self._err.write(line)
         self._err.flush()
         tail = [s for s in self.log.read_text().strip().splitlines() if s.strip()][-3:]
-        raise EngineError(f"vLLM worker exited: {' | '.join(tail)[-600:]} (log: {self.log})")
+        raise _EngineError(f"vLLM worker exited: {' | '.join(tail)[-600:]} (log: {self.log})")
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> dict[str, Any]:
         self._send({"op": "generate", "prompts": [list(p) for p in prompts], "max_tokens": max_tokens})
@@ -215,7 +215,7 @@ class Engine:
                 self._send({"op": "quit"})
                 self._read()
                 self.proc.wait(timeout=120)
-            except (OSError, EngineError, subprocess.TimeoutExpired):
+            except (OSError, _EngineError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait(timeout=30)
         self._err.close()
@@ -259,12 +259,12 @@ def lmcache_server(python: Path, log: Path, memory_gb: float) -> Iterator[int]:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 tail = " | ".join(log.read_text().strip().splitlines()[-3:])
-                raise EngineError(f"lmcache server exited: {tail[-400:]}")
+                raise _EngineError(f"lmcache server exited: {tail[-400:]}")
             if _listening(port):
                 break
             time.sleep(0.5)
         else:
-            raise EngineError("lmcache server did not listen within 120 s")
+            raise _EngineError("lmcache server did not listen within 120 s")
         yield port
     finally:
         if proc.poll() is None:
@@ -561,7 +561,7 @@ def run(*, json_path: str | None, corpus: str | None, options: Options = Options
                                                     options, logs)
                     notes.append(f"lmcache: {_versions(lm_python)}, multiprocess mode (lmcache server, vLLM's "
                                  "LMCacheMPConnector)")
-            except EngineError as exc:
+            except _EngineError as exc:
                 notes.append(f"{system} failed: {exc}")
                 console.print(f"[red]{system} failed:[/red] {exc}")
                 _keep_logs(logs, console)
