@@ -30,6 +30,7 @@ from kvshelf.kvstore import KVBlock, encode_block
 from kvshelf.kvstore.errors import KVShelfError
 
 NAMESPACE = "chaos"
+RECOVERY_LIMIT_S = 60.0  # how long after Redis is back the run waits for every client to work again
 
 
 def _value(client: int, n: int, tokens: int = 64) -> tuple[bytes, bytes]:
@@ -43,15 +44,26 @@ def _value(client: int, n: int, tokens: int = 64) -> tuple[bytes, bytes]:
 
 @dataclass
 class Ledger:
-    """What the clients saw: acknowledged puts (key -> value, time) and counts per outcome."""
+    """What the clients saw: acknowledged puts (key -> value, time), counts per outcome and each client's last
+    successful operation (monotonic time)."""
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     acked: dict[bytes, tuple[bytes, float]] = field(default_factory=dict)
     counts: Counter[str] = field(default_factory=Counter)
+    last_ok: dict[int, float] = field(default_factory=dict)
 
     def count(self, what: str) -> None:
         with self.lock:
             self.counts[what] += 1
+
+    def succeeded(self, client: int) -> None:
+        with self.lock:
+            self.last_ok[client] = time.monotonic()
+
+    def clients_ok_since(self, since: float) -> int:
+        """How many clients finished an operation after ``since``."""
+        with self.lock:
+            return sum(t > since for t in self.last_ok.values())
 
 
 def _client(index: int, address: str, ledger: Ledger, stop: threading.Event) -> None:
@@ -83,6 +95,7 @@ def _client(index: int, address: str, ledger: Ledger, stop: threading.Event) -> 
                 else:
                     store.lookup_prefix(keys)
                     ledger.count("lookup_ok")
+            ledger.succeeded(index)
         except KVShelfError as exc:
             ledger.count(f"error:{type(exc).__name__}")
             if store is not None:
@@ -126,8 +139,16 @@ def run(*, json_path: str | None, seconds: float = 60, clients: int = 8, redis_d
         events.append(f"{time.monotonic() - started:.1f}s redis stopped")
         time.sleep(redis_down_s)
         redis.start()
-        events.append(f"{time.monotonic() - started:.1f}s redis restarted (empty)")
+        redis_back = time.monotonic()
+        events.append(f"{redis_back - started:.1f}s redis restarted (empty)")
         at(1.0)
+        # the run ends once every client has worked again after the restart (a slow machine takes longer), or
+        # RECOVERY_LIMIT_S after it: then ``recovered_clients`` says how many did
+        while ledger.clients_ok_since(redis_back) < clients and time.monotonic() < redis_back + RECOVERY_LIMIT_S:
+            time.sleep(0.1)
+        recovered = ledger.clients_ok_since(redis_back)
+        events.append(f"{time.monotonic() - started:.1f}s stopped: {recovered} of {clients} clients worked again "
+                      "after the restarts")
         stop.set()
         for t in threads:
             t.join()
@@ -147,14 +168,15 @@ def run(*, json_path: str | None, seconds: float = 60, clients: int = 8, redis_d
         "machine": machine_description(), "seconds": seconds, "clients": clients, "redis_down_s": redis_down_s,
         "durability": durability,
         "events": events, "counts": counts, "wrong": counts.get("wrong", 0),
-        "acked_before_kill": len(before_kill), "readable_after_restart": readable,
-        "ok": counts.get("wrong", 0) == 0 and readable == len(before_kill),
+        "acked_before_kill": len(before_kill), "readable_after_restart": readable, "recovered_clients": recovered,
+        "ok": counts.get("wrong", 0) == 0 and readable == len(before_kill) and recovered == clients,
     }
     console.print(results_table(payload))
     for line in events:
         console.print(f"  {line}")
-    console.print("[green]OK[/green]: no wrong block, nothing committed lost" if payload["ok"]
-                  else "[red]FAILED[/red]: see counts")
+    console.print("[green]OK[/green]: no wrong block, nothing committed lost, every client worked again"
+                  if payload["ok"]
+                  else "[red]FAILED[/red]: see counts and events")
     save_results(json_path, payload, console)
     return payload
 
@@ -170,4 +192,6 @@ def results_table(payload: dict[str, Any]) -> Table:
         table.add_row(name, str(value))
     table.add_row("blocks acknowledged before the kill", str(payload["acked_before_kill"]))
     table.add_row("of those readable after restart", str(payload["readable_after_restart"]))
+    if "recovered_clients" in payload:  # recorded since the run waits for every client to recover
+        table.add_row("clients that worked again after the restarts", str(payload["recovered_clients"]))
     return table
