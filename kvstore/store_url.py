@@ -34,29 +34,9 @@ STORE_SCHEMES: dict[str, str] = {
 }
 
 
-def known_store_schemes() -> str:
-    return ", ".join(f"{scheme}://" for scheme in STORE_SCHEMES)
-
-
 def parse_store_url(url: str) -> TierURL:
     """``url`` split into scheme, location and query (``ConfigError`` for a non-URL or an unknown scheme)."""
-    if not isinstance(url, str) or "://" not in url:
-        raise ConfigError(f"store URL {url!r}: not a URL (SCHEME://...); known schemes: {known_store_schemes()}")
-    scheme = url.split("://", 1)[0].lower()
-    if scheme not in STORE_SCHEMES:
-        raise ConfigError(f"store URL {url!r}: unknown scheme {scheme + '://'!r}; known schemes: "
-                          f"{known_store_schemes()}")
-    # TierURL.parse checks the scheme against the tier schemes: build it by hand with the same query rules
-    from urllib.parse import parse_qsl, unquote
-
-    rest = url.split("://", 1)[1]
-    location, _, query = rest.partition("?")
-    params: dict[str, str] = {}
-    for name, value in parse_qsl(query, keep_blank_values=True):
-        if name in params:
-            raise ConfigError(f"store URL {url!r}: parameter {name!r} given twice")
-        params[name] = value
-    return TierURL(url, scheme, unquote(location), params)
+    return TierURL.parse(url, STORE_SCHEMES, kind="store")
 
 
 def open_store(url: str, *, namespace: str = DEFAULT_NAMESPACE, **options: Any) -> BlockStore:

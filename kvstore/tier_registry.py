@@ -42,32 +42,37 @@ def known_schemes() -> str:
 
 @dataclass
 class TierURL:
-    """A parsed tier URL: ``scheme://location?query``; the opener takes its query parameters one by one."""
+    """A parsed URL: ``scheme://location?query``; the opener takes its query parameters one by one. ``kind`` names
+    what the URL is for in error messages (``"tier"`` here, ``"store"`` for ``kvstore.store_url``)."""
 
     url: str
     scheme: str
     location: str  # everything between ``scheme://`` and ``?`` (percent-decoded: a host, a path, or nothing)
     query: dict[str, str] = field(default_factory=dict)
+    kind: str = "tier"
 
     @classmethod
-    def parse(cls, url: str) -> TierURL:
+    def parse(cls, url: str, schemes: dict[str, str] | None = None, kind: str = "tier") -> TierURL:
+        """``url`` split into scheme, location and query; ``ConfigError`` for a non-URL, a scheme not in
+        ``schemes`` (default: the tier schemes) or a parameter given twice."""
+        schemes = SCHEMES if schemes is None else schemes
+        known = ", ".join(f"{scheme}://" for scheme in schemes)
         if not isinstance(url, str) or "://" not in url:
-            raise ConfigError(f"tier URL {url!r}: not a URL (SCHEME://...); known schemes: {known_schemes()}")
+            raise ConfigError(f"{kind} URL {url!r}: not a URL (SCHEME://...); known schemes: {known}")
         scheme, rest = url.split("://", 1)
         scheme = scheme.lower()
-        if scheme not in SCHEMES:
-            raise ConfigError(f"tier URL {url!r}: unknown scheme {scheme + '://'!r}; known schemes: "
-                              f"{known_schemes()}")
+        if scheme not in schemes:
+            raise ConfigError(f"{kind} URL {url!r}: unknown scheme {scheme + '://'!r}; known schemes: {known}")
         location, _, query = rest.partition("?")
         params: dict[str, str] = {}
         for name, value in parse_qsl(query, keep_blank_values=True):
             if name in params:
-                raise ConfigError(f"tier URL {url!r}: parameter {name!r} given twice")
+                raise ConfigError(f"{kind} URL {url!r}: parameter {name!r} given twice")
             params[name] = value
-        return cls(url, scheme, unquote(location), params)
+        return cls(url, scheme, unquote(location), params, kind)
 
     def error(self, what: str) -> ConfigError:
-        return ConfigError(f"tier URL {self.url!r}: {what}")
+        return ConfigError(f"{self.kind} URL {self.url!r}: {what}")
 
     def take(self, name: str, default: Any = None) -> Any:
         """The query parameter ``name`` as text (``default`` when absent), removed from the query."""
