@@ -7,6 +7,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -125,3 +127,26 @@ class PeakRss:
 
     def __exit__(self, *exc: object) -> None:
         self.growth = max(0, _vm_bytes(self.pid, "VmHWM") - self.start)
+
+
+def ensure_side_venv(venv: Path, requirements: list[list[str]], check_imports: str, console: Any, what: str,
+                     uninstall: tuple[str, ...] = ()) -> tuple[Path | None, str | None]:
+    """The python of a benchmark's own virtualenv ``venv`` (an anchor whose pins clash with kvshelf's), created on
+    first use: one ``pip install`` per entry of ``requirements`` (in order), then ``uninstall``; it is ready when
+    ``import {check_imports}`` runs. ``(None, reason)`` when a step fails; ``what`` is shown while it is built."""
+    python = venv / "bin" / "python"
+    check = [str(python), "-c", f"import {check_imports}"]
+    if python.exists() and subprocess.run(check, capture_output=True).returncode == 0:
+        return python, None
+    console.print(f"[dim]creating {venv} ({what}): a few minutes...[/dim]")
+    steps = [[sys.executable, "-m", "venv", str(venv)],
+             *([str(python), "-m", "pip", "install", "-q", *packages] for packages in requirements)]
+    if uninstall:
+        steps.append([str(python), "-m", "pip", "uninstall", "-q", "-y", *uninstall])
+    for cmd in steps:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            return None, f"`{' '.join(cmd[-3:])}` failed: {(done.stderr or done.stdout).strip()[-400:]}"
+    if subprocess.run(check, capture_output=True).returncode != 0:
+        return None, f"{python} cannot import {check_imports}"
+    return python, None

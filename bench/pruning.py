@@ -38,7 +38,6 @@ import os
 import random
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -52,7 +51,7 @@ from rich.table import Table
 from tqdm import tqdm
 
 from kvshelf.adapters.pruning.layout import cache_bytes
-from kvshelf.bench.common import corpus_texts, machine_description, save_results
+from kvshelf.bench.common import corpus_texts, ensure_side_venv, machine_description, save_results
 from kvshelf.kvstore.paths import cache_dir
 
 BUDGETS = (0.5, 0.25, 0.125)
@@ -358,20 +357,8 @@ def kvpress_venv() -> Path:
 def ensure_kvpress_venv(console: Console, venv: Path | None = None) -> tuple[Path | None, str | None]:
     """The python of the kvpress virtualenv ``venv`` (default ``kvpress_venv()``), created on first use, or
     ``(None, reason)``."""
-    venv = venv or kvpress_venv()
-    python = venv / "bin" / "python"
-    check = [str(python), "-c", "import kvpress, transformers; print(transformers.__version__)"]
-    if python.exists() and subprocess.run(check, capture_output=True).returncode == 0:
-        return python, None
-    console.print(f"[dim]creating {venv} (kvpress pins an older transformers)...[/dim]")
-    steps = [[sys.executable, "-m", "venv", str(venv)],
-             [str(python), "-m", "pip", "install", "-q", KVPRESS_REQUIREMENTS[0]],
-             [str(python), "-m", "pip", "install", "-q", KVPRESS_REQUIREMENTS[1]]]
-    for cmd in steps:
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            return None, f"`{' '.join(cmd[-3:])}` failed: {(done.stderr or done.stdout).strip()[-400:]}"
-    return python, None
+    return ensure_side_venv(venv or kvpress_venv(), [[KVPRESS_REQUIREMENTS[0]], [KVPRESS_REQUIREMENTS[1]]],
+                            "kvpress, transformers", console, "kvpress pins an older transformers")
 
 
 @contextmanager

