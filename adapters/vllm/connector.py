@@ -33,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvshelf.adapters.vllm.config import ConnectorSettings
+from kvshelf.adapters.vllm.events import KVShelfKVEvents, StoreEventCollector
 from kvshelf.adapters.vllm.pages import PageLayout, read_pages
 from kvshelf.adapters.vllm.plan import Planner, StepPlan
 from kvshelf.adapters.vllm.worker import PageMover
@@ -40,7 +41,10 @@ from kvshelf.kvstore.errors import ConfigError, KVShelfError, UnsupportedModelEr
 from kvshelf.kvstore.protocol import BlockStore
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -238,6 +242,8 @@ class KVShelfConnector(KVConnectorBase_V1):
         self._mover: PageMover | None = None
         self._planner: Planner | None = None
         self._reported: dict[str, int] = {}  # worker counts given to vLLM's stats so far
+        self._collector: StoreEventCollector | None = None  # worker: the store's events of this namespace
+        self._events: list[Any] = []  # scheduler: the workers' events not taken yet
         try:
             self.settings = ConnectorSettings.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
             self.info = model_info(vllm_config, kv_cache_config)
@@ -308,6 +314,15 @@ class KVShelfConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._planner is not None and connector_output.invalid_block_ids:
             self._planner.load_failed(set(connector_output.invalid_block_ids))
+        events = connector_output.kv_cache_events
+        if isinstance(events, KVShelfKVEvents):
+            self._events.extend(events.get_all_events())
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The store's events the workers reported since the last call (``adapters.vllm.events``); vLLM publishes
+        them with its own when KV events are enabled."""
+        events, self._events = self._events, []
+        return events
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Frees nothing late (saves copy pages out in the step that computed them); the request's output carries
@@ -338,6 +353,7 @@ class KVShelfConnector(KVConnectorBase_V1):
         self._mover = PageMover(self._store, [cache for _, cache in ordered], layout, fingerprint=info.fingerprint,
                                 namespace=self.settings.namespace, model_name=info.name,
                                 max_pending_blocks=self.settings.max_pending_blocks)
+        self._collector = StoreEventCollector(self._store, self.settings.namespace)
 
     def _plan(self) -> StepPlan | None:
         if self._mover is None or not self.has_connector_metadata():
@@ -378,10 +394,16 @@ class KVShelfConnector(KVConnectorBase_V1):
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return KVShelfConnectorStats(data=dict(data or {}))
 
+    def get_kv_connector_kv_cache_events(self) -> KVShelfKVEvents | None:
+        return self._collector.take() if self._collector is not None else None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._mover.take_errors() if self._mover is not None else set()
 
     def shutdown(self) -> None:
+        if self._collector is not None:
+            self._collector.close()
+            self._collector = None
         if self._mover is not None:
             self._mover.close()
             log.info("kvshelf connector: %s", self._mover.counts)

@@ -7,6 +7,7 @@ also completes a kvshelf block vLLM holds in part; the second, with a KV space o
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -38,14 +39,49 @@ def store_url(tmp_path_factory: pytest.TempPathFactory) -> str:
     return f"embedded://{tmp_path_factory.mktemp('vllm-store')}?memory=0"
 
 
+class EventListener:
+    """A ZeroMQ subscriber of the engine's KV events (vLLM's publisher), reading on a thread until ``stop``."""
+
+    def __init__(self) -> None:
+        import zmq
+
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.port = self.sub.bind_to_random_port("tcp://127.0.0.1")  # vLLM's publisher connects to it
+        self.events: list[Any] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from vllm_schema import DECODER
+
+        while not self._stop.is_set():
+            if self.sub.poll(100):
+                _topic, _seq, payload = self.sub.recv_multipart()
+                self.events += DECODER.decode(payload).events
+
+    def stop(self) -> list[Any]:
+        self._stop.set()
+        self._thread.join()
+        self.ctx.destroy(linger=0)
+        return self.events
+
+
 @pytest.fixture(scope="module")
 def first_run(model_dir: str, documents: dict, reference: dict, fingerprint: str, store_url: str) -> dict[str, Any]:
     """A first engine with the connector and vLLM's prefix caching: every document once (stored); with vLLM's prefix
     cache emptied, doc4 again (it comes from the store); emptied again, ``straddle`` (vLLM then caches doc0's first 3
     of its 128-token pages, 384 tokens) and doc0 again (the rest of its first block and its later blocks from the
-    store)."""
+    store). Its KV events go to a subscriber (``events``)."""
+    from vllm.config import KVEventsConfig
+
     names = ["doc0", "doc1", "doc2", "doc4", "short"]
-    with engine(model_dir, {"store": store_url}, enable_prefix_caching=True) as llm:
+    listener = EventListener()
+    events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                   endpoint=f"tcp://127.0.0.1:{listener.port}")
+    with engine(model_dir, {"store": store_url}, enable_prefix_caching=True, kv_events_config=events_config) as llm:
         outputs = dict(zip(names, generate(llm, [documents[n] for n in names]), strict=True))
         for name in ["doc4", "doc0"]:
             wait_held(store_url, _keys(fingerprint, documents[name]))
@@ -54,9 +90,11 @@ def first_run(model_dir: str, documents: dict, reference: dict, fingerprint: str
         assert llm.reset_prefix_cache()
         straddle = generate(llm, [documents["straddle"]])[0]
         doc0_again = generate(llm, [documents["doc0"]])[0]
+        time.sleep(0.5)  # the last step's events reach the subscriber
     for name in ["doc1", "doc2"]:
         wait_held(store_url, _keys(fingerprint, documents[name]))
-    return {"outputs": outputs, "again": again, "straddle": straddle, "doc0_again": doc0_again}
+    return {"outputs": outputs, "again": again, "straddle": straddle, "doc0_again": doc0_again,
+            "events": listener.stop()}
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +111,21 @@ def test_first_engine_answers_as_vllm_alone_and_stores_full_prompt_blocks(first_
     assert report(first_run["outputs"]["doc0"]) == {"stored_blocks": 0, "loaded_tokens": 0, "failed_tokens": 0,
                                                     "saved_blocks": 3}
     assert report(first_run["outputs"]["short"])["saved_blocks"] == 0  # shorter than one block
+
+
+def test_kv_events_name_the_stored_blocks_with_their_tier(first_run: dict, documents: dict,
+                                                          fingerprint: str) -> None:
+    """The connector's events reach vLLM's KV event stream beside vLLM's own: each stored block once per tier that
+    stored it (``DISK``: LMDB), its hash the low 64 bits of kvshelf's key, its parent the previous block's, its
+    tokens the block's."""
+    stored = {e.block_hashes[0]: e for e in first_run["events"]
+              if type(e).__name__ == "BlockStored" and e.medium == "DISK"}
+    keys = _keys(fingerprint, documents["doc0"])
+    for i, key in enumerate(keys):
+        event = stored[int.from_bytes(key[-8:], "big")]
+        assert event.token_ids == documents["doc0"][i * BLOCK:(i + 1) * BLOCK] and event.block_size == BLOCK
+        assert event.parent_block_hash == (int.from_bytes(keys[i - 1][-8:], "big") if i else None)
+    assert any(e.medium != "DISK" for e in first_run["events"])  # vLLM's own prefix-cache events beside them
 
 
 def test_reuse_in_the_same_process(first_run: dict, reference: dict) -> None:
