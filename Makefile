@@ -32,9 +32,10 @@ redis:
 chromium:
 	test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || (apt-get update && apt-get install -y chromium chromium-driver)
 
-# PYTEST_WORKERS="-n 2 --dist loadfile" runs the suite on two pytest-xdist workers, each taking whole files (module
-# fixtures such as the loaded model stay one per file); the default is one process.
-PYTEST_WORKERS ?=
+# The suite runs on two pytest-xdist workers (one per core of the CI machine), each taking whole files in the order
+# tests/conftest.py gives them (the slow ones first; module fixtures such as the loaded model stay one per file);
+# PYTEST_WORKERS= (empty) runs it in one process.
+PYTEST_WORKERS ?= -n 2 --dist loadfile --no-loadscope-reorder
 
 test: install redis chromium
 	$(VENV)/bin/ruff check .

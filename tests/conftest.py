@@ -25,6 +25,26 @@ def pytest_configure(config: pytest.Config) -> None:
     inherit, so they start with SIGINT at its default as from a terminal."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+        # one of several pytest-xdist workers (`make test` runs one per core): one torch thread each, and for the
+        # processes it starts; two workers of two threads each on two cores spin against each other (the model
+        # tests ran up to 6x slower)
+        import torch
+
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Everything under tests/integration/ (the real model, chaos, whole benchmarks) is ``slow``. Modules with a
+    ``slow`` test run first, each module's tests together and in order: workers that take whole files (``--dist
+    loadfile``) start on the long ones and end on short ones, so neither waits long for the other."""
+    integration = Path(__file__).parent / "integration"
+    for item in items:
+        if integration in item.path.parents:
+            item.add_marker(pytest.mark.slow)
+    slow_modules = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.path not in slow_modules)
 
 
 @pytest.fixture
@@ -69,10 +89,3 @@ def texts(corpus_path: str) -> list[str]:
 
     return list(corpus_texts(corpus_path))
 
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Everything under tests/integration/ (the real model, chaos, whole benchmarks) is ``slow``."""
-    integration = Path(__file__).parent / "integration"
-    for item in items:
-        if integration in item.path.parents:
-            item.add_marker(pytest.mark.slow)

@@ -40,7 +40,6 @@ def bench_ttft(
 ) -> None:
     """TTFT of full prefill vs warm-memory vs warm-disk (or warm-remote / warm-redis) reuse, with same-output
     checks."""
-    from kvshelf.bench.ttft import run
     from kvshelf.kvstore.codec import get_codec
     from kvshelf.kvstore.errors import KVShelfError
 
@@ -68,6 +67,8 @@ def bench_ttft(
     check_device(device, dtype)
     if any(n < block_size for n in parsed):
         raise KVShelfError(f"every length must be >= the block size {block_size}: {parsed}")
+    from kvshelf.bench.ttft import run  # transformers and the model after the options are checked
+
     run(json_path=str(json_path) if json_path else None, corpus=str(chosen) if chosen else None,
         lengths=parsed, runs=runs, model_name=model, block_size=block_size, console=console, disk_codec=disk,
         disk_codec_params=params, rounds=rounds, cold=cold, remote=remote, redis=redis,

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 
 #: the width of output that is not a terminal (a pipe, a file, CI) when ``$COLUMNS`` names none: rich's own 80
 #: squeezes tables' cells into ``196… MiB``; tables take only the width their cells need, so this one never cuts them
@@ -24,12 +24,29 @@ def width_unset() -> bool:
     return not Console().is_terminal and not os.environ.get("COLUMNS") and not os.environ.get("TERMINAL_WIDTH")
 
 
+class _LiveWidthConsole(Console):
+    """A console whose width is decided at each print, not when it was made (the module's ``console`` is made at
+    import): ``$COLUMNS`` when set, else the terminal's, else ``PIPE_WIDTH``."""
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        dims = Console.size.fget(self)  # type: ignore[attr-defined]
+        columns = os.environ.get("COLUMNS", "")
+        if columns.isdigit():
+            return ConsoleDimensions(int(columns), dims.height)
+        if self.is_terminal:
+            return dims
+        return ConsoleDimensions(PIPE_WIDTH, dims.height)
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        Console.size.fset(self, new_size)  # type: ignore[attr-defined]
+
+
 def make_console(*, stderr: bool = False) -> Console:
-    """A console as wide as its terminal, or ``PIPE_WIDTH`` when the output is not a terminal and names no width."""
-    probe = Console(stderr=stderr)
-    if probe.is_terminal or os.environ.get("COLUMNS"):
-        return probe
-    return Console(stderr=stderr, width=PIPE_WIDTH)
+    """A console as wide as ``$COLUMNS`` or its terminal, or ``PIPE_WIDTH`` when the output is not a terminal and
+    names no width, as they are when it prints."""
+    return _LiveWidthConsole(stderr=stderr)
 
 
 console = make_console()
@@ -61,7 +78,7 @@ def check_device(device: str, dtype: str) -> None:
     """A clear error for a device or dtype the bench cannot use, before the model loads."""
     import torch
 
-    from kvshelf.adapters.model import resolve_dtype
+    from kvshelf.adapters.dtypes import resolve_dtype
     from kvshelf.kvstore.errors import KVShelfError
 
     resolve_dtype(dtype)
