@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import time
 import weakref
@@ -41,9 +42,13 @@ class WriteBehind:
             ``RemoteStore`` are thread-safe).
         max_pending_blocks: blocks queued or being written at most; ``submit`` waits beyond it (a single batch
             larger than this is accepted when the queue is empty).
+        idle_priority: run the writer thread only on CPU time nothing else wants (``lower_thread_priority``): for
+            a caller whose own threads keep the cores busy (an engine decoding), so that storing never slows it;
+            a full queue still makes ``submit`` wait.
     """
 
-    def __init__(self, store: BlockStore, *, max_pending_blocks: int = DEFAULT_MAX_PENDING_BLOCKS) -> None:
+    def __init__(self, store: BlockStore, *, max_pending_blocks: int = DEFAULT_MAX_PENDING_BLOCKS,
+                 idle_priority: bool = False) -> None:
         if max_pending_blocks <= 0:
             raise ConfigError(f"max_pending_blocks must be > 0, got {max_pending_blocks}")
         self.store = store
@@ -55,6 +60,8 @@ class WriteBehind:
         self._counts = {"submitted_blocks": 0, "written_blocks": 0, "rejected_blocks": 0, "failed_blocks": 0,
                         "failed_batches": 0}  # the running counts of ``WriterStats``
         self._last_error: str | None = None
+        self.idle_priority = idle_priority
+        self.priority = "normal"  # what the writer thread runs at ("idle", "nice" or "normal": see lower_...)
         self._thread = threading.Thread(target=self._run, name="kvshelf-write-behind", daemon=True)
         self._thread.start()
         self._exit_hook = _exit_hook(weakref.ref(self))
@@ -126,6 +133,8 @@ class WriteBehind:
         self.close()
 
     def _run(self) -> None:
+        if self.idle_priority:
+            self.priority = lower_thread_priority()
         while True:
             with self._cond:
                 while not self._queue and not self._closed:
@@ -150,6 +159,21 @@ class WriteBehind:
                     self._counts["failed_batches"] += 1
                     self._last_error = error
                 self._cond.notify_all()
+
+
+def lower_thread_priority() -> str:
+    """Let the calling thread run only when the CPUs are otherwise idle: Linux's ``SCHED_IDLE`` policy ("idle"),
+    else the lowest nice value ("nice"), else nothing ("normal"). Lowering one's own priority needs no privilege."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: the calling thread (Linux)
+        return "idle"
+    except (AttributeError, OSError):
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        return "nice"
+    except (AttributeError, OSError):
+        return "normal"
 
 
 def _exit_hook(ref: weakref.ref[WriteBehind]) -> Any:

@@ -5,8 +5,9 @@
   namespace's: the store refuses it; token ids that differ: checked here) is not written, and its vLLM pages are
   reported by ``load_errors`` so vLLM recomputes them (``kv_load_failure_policy`` recompute).
 * Saves copy the pages of completed blocks out in ``wait_for_save`` (a memcpy of ``block_tokens`` tokens per layer)
-  and hand ``(key, KVBlock)`` to ``kvstore.write_behind.WriteBehind``: encoding and storing run on its thread, so a
-  decode step never waits on the store (it waits only when ``max_pending_blocks`` blocks are queued).
+  and hand ``(key, KVBlock)`` to ``kvstore.write_behind.WriteBehind``: encoding and storing run on its thread, at
+  idle priority (``SCHED_IDLE``: only on CPU time the engine leaves), so a decode step never waits on the store nor
+  shares the cores with it (it waits only when ``max_pending_blocks`` blocks are queued).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class PageMover:
         self.fingerprint = fingerprint
         self.namespace = namespace
         self.model_name = model_name
-        self.writer = WriteBehind(store, max_pending_blocks=max_pending_blocks)
+        # saves run on CPU time the engine leaves idle: decoding never waits on them (a full queue still does)
+        self.writer = WriteBehind(store, max_pending_blocks=max_pending_blocks, idle_priority=True)
         self.counts = WorkerCounts()
         self._errors: set[int] = set()
 

@@ -127,3 +127,18 @@ print(json.dumps([key_of(b).hex() for b in made]))
     keys = [bytes.fromhex(k) for k in run_python(code)]
     with open_embedded_store(data, memory_bytes=None) as store:
         assert all(b is not None for b in store.get_many(keys, fingerprint=FINGERPRINT))
+
+
+def test_an_idle_priority_writer_runs_at_sched_idle_and_stores_everything(store) -> None:
+    import os
+
+    made = blocks(6)
+    with WriteBehind(store, max_pending_blocks=2, idle_priority=True) as writer:
+        writer.submit([(key_of(b), b) for b in made])
+        assert writer.flush()["written_blocks"] == 6
+        assert writer.priority == "idle"  # Linux lets a thread lower its own policy without privilege
+        assert os.sched_getscheduler(writer._thread.native_id) == os.SCHED_IDLE
+    assert os.sched_getscheduler(0) != os.SCHED_IDLE  # the caller's thread is untouched
+    for actual, expected in zip(store.get_many([key_of(b) for b in made], fingerprint=FINGERPRINT), made,
+                                strict=True):
+        assert_same_block(actual, expected)
