@@ -76,7 +76,7 @@ def _modules() -> list[str]:
 
 
 #: modules that import an engine installed only in its own venv (the vLLM connector: `make vllm-venv`)
-NEEDS = {"kvshelf.adapters.vllm.connector": "vllm"}
+NEEDS = {"kvshelf.adapters.vllm.connector": "vllm", "kvshelf.adapters.vllm.events": "vllm"}
 
 
 def _nested_exception_classes(module: object) -> list[str]:
