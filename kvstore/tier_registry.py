@@ -36,8 +36,9 @@ SCHEMES: dict[str, str] = {
 }
 
 
-def known_schemes() -> str:
-    return ", ".join(f"{scheme}://" for scheme in SCHEMES)
+def known_schemes(schemes: dict[str, str] | None = None) -> str:
+    """``schemes`` (default: the tier schemes) as ``a://, b://`` for error messages."""
+    return ", ".join(f"{scheme}://" for scheme in (SCHEMES if schemes is None else schemes))
 
 
 @dataclass
@@ -56,7 +57,7 @@ class TierURL:
         """``url`` split into scheme, location and query; ``ConfigError`` for a non-URL, a scheme not in
         ``schemes`` (default: the tier schemes) or a parameter given twice."""
         schemes = SCHEMES if schemes is None else schemes
-        known = ", ".join(f"{scheme}://" for scheme in schemes)
+        known = known_schemes(schemes)
         if not isinstance(url, str) or "://" not in url:
             raise ConfigError(f"{kind} URL {url!r}: not a URL (SCHEME://...); known schemes: {known}")
         scheme, rest = url.split("://", 1)

@@ -403,6 +403,9 @@ class KVShelfConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._collector is not None:
             self._collector.close()
+            if self._collector.dropped:
+                log.warning("kvshelf connector: %d KV events dropped (no engine step took them in time)",
+                            self._collector.dropped)
             self._collector = None
         if self._mover is not None:
             self._mover.close()

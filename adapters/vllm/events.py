@@ -72,10 +72,6 @@ class StoreEventCollector:
         subscribe = getattr(store, "subscribe", None)
         self._unsubscribe = subscribe(self._on_event) if subscribe is not None and self._media else None
 
-    @property
-    def active(self) -> bool:
-        return self._unsubscribe is not None
-
     def _on_event(self, event: StoreEvent) -> None:
         if event.namespace != self.namespace and not (event.kind == "removed" and event.namespace == UNKNOWN):
             return  # another namespace's (a removal may not know its block's namespace: forgetting it is harmless)
