@@ -37,11 +37,14 @@ chromium:
 # PYTEST_WORKERS= (empty) runs it in one process.
 PYTEST_WORKERS ?= -n 2 --dist loadfile --no-loadscope-reorder
 
-test: install redis chromium
+# The two venvs install side by side (their downloads overlap); tests/integration/test_vllm_suite.py runs tests/vllm
+# in the vLLM venv on one of the workers.
+test: redis chromium
+	$(MAKE) --no-print-directory -j2 --output-sync=target install vllm-venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -q $(PYTEST_WORKERS)
 
-# The connector's tests on a real vLLM engine (tests/vllm), in the vLLM venv (12-20 minutes on 2 cores).
+# The connector's tests on a real vLLM engine (tests/vllm) alone, in the vLLM venv (7-8 minutes on 2 cores).
 test-vllm: vllm-venv
 	$(VLLM_VENV)/bin/pytest -q tests/vllm
 

@@ -59,8 +59,8 @@ from rich.table import Table
 from kvshelf.bench.abuser import CALL_TIMEOUT_S, CPU_SHARE, DEFAULT_ATTACKS, EXPECTED, MUST_REFUSE
 from kvshelf.bench.common import machine_description, save_results
 from kvshelf.kvstore import KVBlock, encode_block
-from kvshelf.kvstore.embedded import parse_size
 from kvshelf.kvstore.errors import ConfigError, KVShelfError, TierUnavailableError
+from kvshelf.kvstore.sizes import parse_size
 
 HONEST_TOKEN, ABUSER_TOKEN = "honest-tenant-token", "abusive-tenant-token"
 HONEST_NS, ABUSER_NS = "honest", "abuser"

@@ -75,7 +75,7 @@ class Options:
     lengths: tuple[int, ...] = (1024, 4096)
     ttft_docs: int = 2
     qa_docs: int = 8
-    qa_tokens: int = 1024
+    qa_tokens: int = 2048
     questions: int = 2
     max_tokens: int = 16
     kv_blocks: int = 48

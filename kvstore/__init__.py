@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS: dict[str, str] = {
     "KVBlock": "kvshelf.kvstore.block",
     "open_embedded_store": "kvshelf.kvstore.embedded",
-    "parse_size": "kvshelf.kvstore.embedded",
+    "parse_size": "kvshelf.kvstore.sizes",
     "decode_block": "kvshelf.kvstore.encoding",
     "encode_block": "kvshelf.kvstore.encoding",
     "read_header": "kvshelf.kvstore.encoding",
@@ -112,7 +112,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # what static type checkers and IDEs see
     from kvshelf.kvstore.block import KVBlock
-    from kvshelf.kvstore.embedded import open_embedded_store, parse_size
+    from kvshelf.kvstore.embedded import open_embedded_store
     from kvshelf.kvstore.encoding import decode_block, encode_block, read_header
     from kvshelf.kvstore.errors import (
         CodecParamError,
@@ -142,6 +142,7 @@ if TYPE_CHECKING:  # what static type checkers and IDEs see
     from kvshelf.kvstore.memory_tier import MemoryTier
     from kvshelf.kvstore.protocol import BlockStore
     from kvshelf.kvstore.redis_tier import RedisTier
+    from kvshelf.kvstore.sizes import parse_size
     from kvshelf.kvstore.stats import Metric, StoreEvent, StoreStats, TierStats, WriterStats
     from kvshelf.kvstore.store import TieredStore, TierSpec
     from kvshelf.kvstore.tier import Tier, TierUsage

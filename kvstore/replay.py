@@ -47,8 +47,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvshelf.kvstore import eviction
-from kvshelf.kvstore.embedded import parse_size
 from kvshelf.kvstore.errors import ConfigError
+from kvshelf.kvstore.sizes import parse_size
 from kvshelf.kvstore.tier import Tier
 from kvshelf.kvstore.trace import Trace
 

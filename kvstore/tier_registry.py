@@ -80,7 +80,7 @@ class TierURL:
         return self.query.pop(name, default)
 
     def take_size(self, name: str, default: int | None) -> int | None:
-        from kvshelf.kvstore.embedded import parse_size
+        from kvshelf.kvstore.sizes import parse_size
 
         text = self.take(name)
         if text is None:

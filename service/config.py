@@ -413,7 +413,7 @@ class Setting:
         if self.kind == "size":
             if self.unset and str(value).strip() == "":
                 return None
-            from kvshelf.kvstore.embedded import parse_size
+            from kvshelf.kvstore.sizes import parse_size
 
             plain = value if isinstance(value, int | float) and not isinstance(value, bool) else str(value)
             number = parse_size(plain, source)

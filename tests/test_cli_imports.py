@@ -238,3 +238,15 @@ def test_no_server_is_one_error_line_and_no_torch(command: str) -> None:
     err = probe.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and "unreachable" in err[0], probe.stderr
     assert_no_model_stack(probe, f"kvshelf {command} (no server)")
+
+
+@pytest.mark.parametrize("args", [["--memory", "1.5"], ["--max-inflight", "0"], ["--listen", "[::1"]])
+def test_serve_refuses_bad_settings_before_loading_the_store(tmp_path: Path, args: list[str]) -> None:
+    """A bad setting is answered in well under a second: the settings are checked before the store (and torch)
+    load."""
+    probe = run_probe("serve", "--data-dir", str(tmp_path / "data"), *args)
+    assert probe.code == 2, probe.stderr
+    err = probe.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and args[0] in err[0], probe.stderr
+    assert not set(probe.loaded) & {"torch", "transformers", "grpc"}, probe.loaded
+    assert not (tmp_path / "data").exists()

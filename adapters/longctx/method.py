@@ -28,8 +28,8 @@ from kvshelf.adapters.longctx.attention import managing
 from kvshelf.adapters.longctx.errors import ResidentBudgetError
 from kvshelf.adapters.longctx.session import SparseSession
 from kvshelf.adapters.pruning.base import attention_modules, refusal
-from kvshelf.kvstore.embedded import parse_size
 from kvshelf.kvstore.protocol import BlockStore
+from kvshelf.kvstore.sizes import parse_size
 
 FEATURE = "tier-backed sparse attention"
 

@@ -34,9 +34,9 @@ from kvshelf.adapters.longctx.hot import HotBlocks
 from kvshelf.adapters.longctx.summary import BlockSummaries
 from kvshelf.adapters.model_label import label_blocks
 from kvshelf.kvstore.block import KVBlock
-from kvshelf.kvstore.embedded import parse_size
 from kvshelf.kvstore.keys import block_key, layer_block_key
 from kvshelf.kvstore.protocol import BlockStore, namespace_of
+from kvshelf.kvstore.sizes import parse_size
 from kvshelf.reuse.errors import ContextTooLongError
 
 if TYPE_CHECKING:

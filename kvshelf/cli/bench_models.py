@@ -277,8 +277,8 @@ def bench_gpu(
     Without CUDA: one line, exit 0."""
     from kvshelf.bench.gpu import MODES, cuda_missing, run
     from kvshelf.kvstore.codec import get_codec
-    from kvshelf.kvstore.embedded import parse_size
     from kvshelf.kvstore.errors import KVShelfError
+    from kvshelf.kvstore.sizes import parse_size
 
     if cuda_missing(device):
         console.print(cuda_missing(device))

@@ -36,8 +36,8 @@ def bench_lmdb_capacity(
     """A bounded LMDB tier under random puts and gets: the file stays under capacity + slack, no errors, every
     get a correct block or a counted miss (exit code 1 if an invariant broke)."""
     from kvshelf.bench.lmdb_capacity import run
-    from kvshelf.kvstore.embedded import parse_size
     from kvshelf.kvstore.errors import KVShelfError
+    from kvshelf.kvstore.sizes import parse_size
 
     sizes = [parse_size(v, flag) for v, flag in ((capacity, "--capacity"), (min_block, "--min-block"),
                                                  (max_block, "--max-block"))]

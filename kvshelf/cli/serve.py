@@ -32,11 +32,12 @@ def _option(spec: Setting) -> inspect.Parameter:
 def serve(**settings: Any) -> None:
     """Run the gRPC KV service. Settings: flags > KVSHELF_* environment variables > --config TOML > defaults
     (docs/configuration.md)."""
-    from kvshelf.service.serve import load_config
+    from kvshelf.service.config import load_config
+
+    config = load_config(settings, config_file=settings.pop("config", None))  # bad settings refused before torch loads
     from kvshelf.service.serve import serve as run_server
 
-    config = settings.pop("config", None)
-    raise typer.Exit(run_server(load_config(settings, config_file=config)))
+    raise typer.Exit(run_server(config))
 
 
 # the options come from the settings' metadata (service/config.py), then --config

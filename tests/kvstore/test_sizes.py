@@ -10,7 +10,7 @@ import pytest
 from service_helpers import kvshelf_cli
 
 from kvshelf.kvstore import ConfigError, MemoryTier, open_embedded_store, parse_size
-from kvshelf.kvstore.embedded import MAX_SIZE_BYTES
+from kvshelf.kvstore.sizes import MAX_SIZE_BYTES
 
 GiB = 1 << 30
 
