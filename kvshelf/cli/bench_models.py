@@ -311,7 +311,7 @@ def bench_vllm(
         "1024,4096",
     ttft_docs: Annotated[int, typer.Option(help="documents per TTFT length")] = 2,
     qa_docs: Annotated[int, typer.Option(help="long_doc_qa: documents")] = 8,
-    qa_tokens: Annotated[int, typer.Option(help="long_doc_qa: tokens per document (a multiple of 128)")] = 1024,
+    qa_tokens: Annotated[int, typer.Option(help="long_doc_qa: tokens per document (a multiple of 128)")] = 2048,
     questions: Annotated[int, typer.Option(help="long_doc_qa: questions per document in the query round")] = 2,
     max_tokens: Annotated[int, typer.Option(help="greedy output tokens per request")] = 16,
     kv_blocks: Annotated[int, typer.Option(
