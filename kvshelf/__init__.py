@@ -10,7 +10,8 @@ The public API, importable from here::
 
 The parts are subpackages: ``kvshelf.kvstore`` (blocks, keys, tiers, the store), ``kvshelf.compress`` (codecs),
 ``kvshelf.reuse`` (prompt modules, RAG chunks, RoPE), ``kvshelf.adapters`` (HuggingFace transformers),
-``kvshelf.service`` (gRPC service, client, CLI), ``kvshelf.proto`` and ``kvshelf.bench``. Their folders sit at the
+``kvshelf.service`` (gRPC service and client), ``kvshelf.proto``, ``kvshelf.bench`` and ``kvshelf.cli`` (the
+``kvshelf`` command). Their folders sit at the
 top of the repository; ``pyproject.toml`` maps them under this package (see docs/architecture.md, "Packaging").
 
 Names are loaded on first use, so ``import kvshelf`` (and the ``kvshelf`` command) starts without torch,

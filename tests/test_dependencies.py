@@ -1,4 +1,4 @@
-"""Dependencies between the parts point one way (DESIGN.md, "Layout"), read from the source with ``ast``.
+"""Dependencies between the parts point one way (docs/architecture.md, "Layout"), read from the source with ``ast``.
 
 * Module-level imports (not inside a function, not under ``if TYPE_CHECKING:``) form a graph of parts with no
   cycle, and every edge is one the design allows (``ALLOWED``).

@@ -1,9 +1,11 @@
 """kvshelf's connector through a real ``kvshelf serve`` (``grpc://`` store): blocks stored by the engine are
-served back (the server counts the hits), and a server that goes away mid-run costs recomputes, never an answer
-or a hung engine."""
+served back (the server counts the hits), and a server that stalls or goes away mid-run costs recomputes, never an
+answer or a hung engine."""
 
 from __future__ import annotations
 
+import os
+import signal
 from typing import Any
 
 import pytest
@@ -50,6 +52,21 @@ def test_blocks_go_through_kvshelf_serve_and_come_back(served_engine: Any, serve
     with RemoteStore(server.address) as remote:
         stats = remote.stats()
     assert sum(t["hits"] for t in stats["tiers"]) >= 3  # the server counted the engine's hits
+
+
+def test_a_stalled_server_costs_recomputes_not_answers(served_engine: Any, server: Any, documents: dict,
+                                                      reference: dict) -> None:
+    """A server that stops answering (SIGSTOP): the lookups give up at the URL's timeout (10 s) and vLLM computes
+    the prompts; once it answers again, the blocks come from it."""
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        outputs = generate(served_engine, [documents["doc3"], documents["doc1"]])  # doc3 is stored there
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    assert tokens_of(outputs) == [reference["doc3"], reference["doc1"]]
+    assert all(report(o)["loaded_tokens"] == 0 for o in outputs)
+    warm = generate(served_engine, [documents["doc3"]])[0]
+    assert tokens_of([warm]) == [reference["doc3"]] and report(warm)["loaded_tokens"] == 3 * BLOCK
 
 
 def test_a_server_gone_mid_run_costs_recomputes_not_answers(served_engine: Any, server: Any, documents: dict,
