@@ -19,6 +19,7 @@ import torch
 import transformers as tf
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from kvshelf.adapters.bundled import BUNDLED_MODELS, convert_bundled
 from kvshelf.kvstore.errors import ModelLoadError
 
 SUFFIX = "-shaped"
@@ -115,8 +116,6 @@ def _cut_layers(config: PretrainedConfig, layers: int) -> None:
 def load_shaped(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu", *,
                 seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """``(model, tokenizer)`` of ``NAME-shaped[:N]``: random weights (seeded) in eval mode, SmolLM2's tokenizer."""
-    from kvshelf.adapters.model import BUNDLED_MODELS, convert_bundled
-
     config = shaped_config(name)
     torch.manual_seed(seed)
     with torch.device(device):  # the weights are made where they are used (an 8B model in seconds on a GPU)

@@ -23,7 +23,7 @@ def env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> pytest.MonkeyPatch:
 
 
 def _defaults() -> dict[str, Path]:
-    from kvshelf.adapters.model import model_cache_dir
+    from kvshelf.adapters.bundled import model_cache_dir
     from kvshelf.bench.common import results_path
     from kvshelf.bench.pruning import kvpress_venv
     from kvshelf.kvstore.embedded import default_data_dir
@@ -55,7 +55,7 @@ def test_every_default_lives_under_the_cache(env: pytest.MonkeyPatch, tmp_path: 
 
 
 def test_per_use_overrides_win(env: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from kvshelf.adapters.model import model_cache_dir
+    from kvshelf.adapters.bundled import model_cache_dir
     from kvshelf.bench.pruning import kvpress_venv
     from kvshelf.kvstore.embedded import default_data_dir
 
