@@ -5,15 +5,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Sequence, Set
 from sys import getsizeof
-from typing import TYPE_CHECKING, Any
 
 from kvshelf.kvstore.errors import ConfigError
 from kvshelf.kvstore.eviction import DEFAULT_POLICY, EvictionPolicy, make_policy
 from kvshelf.kvstore.footprint import DICT_ENTRY_BYTES, bytes_object, containers
 from kvshelf.kvstore.tier import EvictionCallback, Tier, TierUsage
-
-if TYPE_CHECKING:
-    from kvshelf.kvstore.tier_registry import TierURL
 
 #: the policy's memory of keys not held (ghost lists, learnt chain links) may take up to 1/EXTRA_SHARE of the
 #: capacity (it counts against the capacity as the held entries do)
@@ -273,21 +269,3 @@ class MemoryTier(Tier):
         with self._lock:
             return TierUsage(blocks=len(self._data), bytes=self._bytes, capacity_bytes=self.capacity_bytes)
 
-
-def open_url(url: TierURL, *, capacity_bytes: int = 2 << 30, policy: str = DEFAULT_POLICY, pinned: bool = False,
-             **options: Any) -> MemoryTier:
-    """``memory://[?capacity=SIZE&policy=NAME&pinned=BOOL]`` (kvstore/tier_registry.py): a ``MemoryTier``, or with
-    ``pinned`` a ``PinnedMemoryTier`` (values in page-locked memory where CUDA is present)."""
-    if url.location:
-        raise url.error("memory:// takes no host or path (only ?capacity=SIZE&policy=NAME&pinned=BOOL)")
-    capacity = url.take_size("capacity", capacity_bytes)
-    policy = url.take("policy", policy)
-    pinned = url.take_bool("pinned", pinned)
-    url.done(("capacity", "policy", "pinned"))
-    if not capacity:
-        raise url.error("capacity must be > 0 bytes")
-    if pinned:
-        from kvshelf.kvstore.pinned_memory import PinnedMemoryTier
-
-        return PinnedMemoryTier(capacity, policy=policy, **options)
-    return MemoryTier(capacity, policy=policy, **options)

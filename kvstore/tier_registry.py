@@ -27,7 +27,7 @@ from kvshelf.kvstore.tier import Tier
 
 #: scheme -> "module:function" opening a tier of it (imported on first use)
 SCHEMES: dict[str, str] = {
-    "memory": "kvshelf.kvstore.memory_tier:open_url",
+    "memory": "kvshelf.kvstore.memory_url:open_url",
     "lmdb": "kvshelf.kvstore.lmdb_tier.tier:open_url",
     "redis": "kvshelf.kvstore.redis_tier.tier:open_url",
     "rediss": "kvshelf.kvstore.redis_tier.tier:open_url",

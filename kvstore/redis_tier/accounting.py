@@ -1,4 +1,4 @@
-"""Usage and eviction: the registry and counters kept by every put and delete (``kvstore.redis_usage`` has the
+"""Usage and eviction: the registry and counters kept by every put and delete (``kvstore.redis_tier.usage`` has the
 scripts), reconciliation passes that find what Redis evicted on its own, ``usage()``, ``recount()``, ``reconcile()``.
 
 kvshelf never evicts from Redis: configure ``maxmemory`` with ``maxmemory-policy allkeys-lfu`` (or ``allkeys-lru``).
@@ -28,7 +28,7 @@ from kvshelf.kvstore.redis_tier.layout import (
     _Manifest,
     read_manifest,
 )
-from kvshelf.kvstore.redis_usage import (
+from kvshelf.kvstore.redis_tier.usage import (
     INIT_SCRIPT,
     LOST,
     RECONCILE_STEP,
@@ -328,7 +328,7 @@ class Accounting:
 
     def usage(self) -> TierUsage:
         """The counters (``HMGET`` of the usage hash), Redis's ``maxmemory`` and ``evicted_keys`` (``INFO``), and --
-        when Redis evicted keys since the last look -- a reconciliation step first (see ``kvstore.redis_usage``),
+        when Redis evicted keys since the last look -- a reconciliation step first (see ``kvstore.redis_tier.usage``),
         so the figures count what Redis holds now. A missing, damaged or old-format usage hash is rebuilt with a
         recount (a warning, unless this tier never saw one: a new tier)."""
 

@@ -14,7 +14,7 @@ import redis.cluster
 
 from kvshelf.kvstore.redis_tier.connection import Client
 from kvshelf.kvstore.redis_tier.layout import CLEAR_BATCH, _Damage, _glob_escape, _Manifest
-from kvshelf.kvstore.redis_usage import entry_field
+from kvshelf.kvstore.redis_tier.usage import entry_field
 
 
 class Delete:

@@ -21,8 +21,8 @@ from kvshelf.kvstore.redis_tier.layout import (
     MiB,
 )
 from kvshelf.kvstore.redis_tier.reads import Reads
+from kvshelf.kvstore.redis_tier.usage import RECONCILE_INTERVAL_S
 from kvshelf.kvstore.redis_tier.writes import Writes
-from kvshelf.kvstore.redis_usage import RECONCILE_INTERVAL_S
 from kvshelf.kvstore.tier import EvictionCallback, Tier
 
 if TYPE_CHECKING:

@@ -37,7 +37,7 @@ class _Write:
 
 class _PutOutcome:
     """What a put learned from Redis's replies: how many values it stored, the usage registry's changes
-    (``kvstore.redis_usage``), the chunk keys to remove once the registry knows, the writes whose manifest name
+    (``kvstore.redis_tier.usage``), the chunk keys to remove once the registry knows, the writes whose manifest name
     holds a key of another type (to replace), and an error Redis refused a write with."""
 
     __slots__ = ("dropped", "ops", "refused", "replace", "stored")

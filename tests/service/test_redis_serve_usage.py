@@ -45,7 +45,7 @@ def redis_row(stats: dict[str, Any]) -> dict[str, Any]:
 def test_serve_with_redis_stats_follow_what_redis_holds(maxmemory_redis: Any, tmp_path: Path) -> None:
     """allkeys-lfu, the recommended policy: under allkeys-lru a 4 MiB Redis turning over within a second may evict
     the usage registry too, and the values evicted meanwhile are then counted out by a recount, not reported one by
-    one (kvstore.redis_usage)."""
+    one (kvstore.redis_tier.usage)."""
     with maxmemory_redis.client() as client:
         client.config_set("maxmemory-policy", "allkeys-lfu")
     store = open_store(ServeConfig.from_settings(data_dir=str(tmp_path / "data"), memory="1MiB", max_disk="256MiB",
