@@ -40,7 +40,7 @@ from kvshelf.kvstore.sizes import parse_size
 from kvshelf.reuse.errors import ContextTooLongError
 
 if TYPE_CHECKING:
-    from kvshelf.adapters.longctx.method import TierSparse
+    from kvshelf.adapters.longctx.settings import SparseSettings
 
 
 @dataclass
@@ -106,7 +106,7 @@ class _Tail:
 class SparseSession:
     """A context held in ``store`` with a bounded memory; made by ``TierSparse.session``."""
 
-    def __init__(self, method: TierSparse, model: Any, store: BlockStore, layers: list[int], *,
+    def __init__(self, method: SparseSettings, model: Any, store: BlockStore, layers: list[int], *,
                  namespace: str | None = None) -> None:
         self.method, self.model, self.store = method, model, store
         self.namespace = namespace_of(store, namespace)
