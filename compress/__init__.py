@@ -12,6 +12,7 @@ from kvshelf.compress import kivi as _kivi  # noqa: F401
 from kvshelf.compress import raw as _raw  # noqa: F401
 from kvshelf.compress import sparse as _sparse  # noqa: F401
 from kvshelf.compress import xquant as _xquant  # noqa: F401
+from kvshelf.compress import xquant_cl as _xquant_cl  # noqa: F401  (xquant's cross_layer=True)
 from kvshelf.compress import zstd as _zstd  # noqa: F401
 from kvshelf.kvstore.codec import Codec, available_codecs, get_codec, register_codec
 

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -99,6 +99,41 @@ class XQuantTables:
 
 
 _BOUND: dict[str, XQuantTables] = {}
+
+
+class CrossLayerCoding(Protocol):
+    """What ``xquant`` with ``cross_layer=True`` hands over to ``compress.xquant_cl``, which registers itself on
+    import (``register_cross_layer``; ``kvshelf.compress`` imports both), so neither module imports the other."""
+
+    def layer_digest(self, digest: str) -> str:
+        """The per-layer tables' digest inside the cross-layer tables bound under ``digest``
+        (``XQuantUnboundError`` when none are)."""
+        ...
+
+    def layer_digest_and_depth(self, digest: str) -> tuple[str, int] | None:
+        """``(per-layer digest, prediction depth)`` of the tables bound under ``digest``; None when none are."""
+        ...
+
+    def encode(self, codec: XQuantCodec, keys: torch.Tensor, values: torch.Tensor,
+               start_pos: int) -> list[bytes | memoryview]: ...
+
+    def prepare(self, codec: XQuantCodec, payload: memoryview, shape: tuple[int, int, int, int], start_pos: int, *,
+                verified: bool = False) -> PreparedPayload: ...
+
+
+_CROSS_LAYER: list[CrossLayerCoding] = []
+
+
+def register_cross_layer(coding: CrossLayerCoding) -> None:
+    """Install the cross-layer variant (called once, by ``compress.xquant_cl`` on import)."""
+    _CROSS_LAYER[:] = [coding]
+
+
+def _cross_layer() -> CrossLayerCoding:
+    if not _CROSS_LAYER:
+        raise CodecParamError("xquant: cross_layer=True needs kvshelf.compress.xquant_cl, which is not imported "
+                              "(import kvshelf.compress, which registers every codec)")
+    return _CROSS_LAYER[0]
 
 
 def bind_tables(tables: XQuantTables) -> str:
@@ -465,9 +500,7 @@ class XQuantCodec(Codec):
         """The digest of the per-layer ``XQuantTables`` (``cross_layer``: those inside the bound cross-layer
         tables)."""
         if self.cross_layer:
-            from kvshelf.compress import xquant_cl
-
-            return xquant_cl.bound_cl_tables(self.model).layer.digest
+            return _cross_layer().layer_digest(self.model)
         return self.model
 
     def _tables(self, shape: tuple[int, int, int, int]) -> XQuantTables:
@@ -500,11 +533,10 @@ class XQuantCodec(Codec):
         the decode is refused before any allocation."""
         digest = str(params.get("model", ""))
         cross = params.get("cross_layer", False) is True
+        cl_depth = 1
         if cross:
-            from kvshelf.compress import xquant_cl
-
-            cl_tables = xquant_cl._BOUND.get(digest)
-            digest = cl_tables.layer.digest if cl_tables is not None else ""
+            found = _cross_layer().layer_digest_and_depth(digest)
+            digest, cl_depth = found if found is not None else ("", 1)
         tables = _BOUND.get(digest)
         layers, heads, tokens, dim = shape
         if tables is None or (layers, heads, dim) != (tables.layers, tables.kv_heads, tables.head_dim):
@@ -514,7 +546,6 @@ class XQuantCodec(Codec):
         plan = 0 if _plan_ready(key) else plan_build_bytes(tables)
         write = 13 * e + e + 60 * e + 36 * per_layer
         if cross:  # the rebuilt latents of every layer (float32), the symbols and the prediction of one layer
-            cl_depth = cl_tables.depth if cl_tables is not None else 1
             write += 4 * layers * per_layer + (16 + 4 * cl_depth) * per_layer
         sinks = 2 * layers * heads * int(params["max_sinks"]) * dim * (2 + 4)
         return max(18 * e, write) + plan + sinks + 8 * tokens * dim + 8 * layers * tables.width
@@ -534,9 +565,7 @@ class XQuantCodec(Codec):
                                   "[layers, kv_heads, tokens, head_dim] of one head dim (xquant cannot hold an MLA "
                                   "block, whose keys and values differ in head dim)")
         if self.cross_layer:
-            from kvshelf.compress import xquant_cl
-
-            return xquant_cl.encode(self, keys, values, start_pos)
+            return _cross_layer().encode(self, keys, values, start_pos)
         shape = tuple(int(s) for s in keys.shape)
         tables = self._tables(shape)  # type: ignore[arg-type]
         layers, heads, tokens, dim = shape
@@ -596,12 +625,10 @@ class XQuantCodec(Codec):
     def prepare_at(
         self, payload: memoryview, shape: tuple[int, int, int, int], dtype: torch.dtype, start_pos: int, *,
         verified: bool = False,
-    ) -> XQuantPayload:
+    ) -> PreparedPayload:
         """Check the payload and entropy-decode its symbols; the matrix products wait for ``write``."""
         if self.cross_layer:
-            from kvshelf.compress import xquant_cl
-
-            return xquant_cl.prepare(self, payload, shape, start_pos, verified=verified)  # type: ignore[return-value]
+            return _cross_layer().prepare(self, payload, shape, start_pos, verified=verified)
         tables = self._tables(shape)
         layers, heads, tokens, dim = shape
         plan = self._plan()

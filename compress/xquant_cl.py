@@ -341,3 +341,25 @@ class XQuantCLPayload(PreparedPayload):
             sinks = torch.from_numpy(self.sinks)
             keys_out[:, :, sinks] = torch.from_numpy(self.sink_kv[0]).to(keys_out.dtype)
             values_out[:, :, sinks] = torch.from_numpy(self.sink_kv[1]).to(values_out.dtype)
+
+
+class _CrossLayer:
+    """This module as ``xquant``'s ``CrossLayerCoding``."""
+
+    def layer_digest(self, digest: str) -> str:
+        return bound_cl_tables(digest).layer.digest
+
+    def layer_digest_and_depth(self, digest: str) -> tuple[str, int] | None:
+        tables = _BOUND.get(digest)
+        return None if tables is None else (tables.layer.digest, tables.depth)
+
+    def encode(self, codec: XQuantCodec, keys: torch.Tensor, values: torch.Tensor,
+               start_pos: int) -> list[bytes | memoryview]:
+        return encode(codec, keys, values, start_pos)
+
+    def prepare(self, codec: XQuantCodec, payload: memoryview, shape: tuple[int, int, int, int], start_pos: int, *,
+                verified: bool = False) -> PreparedPayload:
+        return prepare(codec, payload, shape, start_pos, verified=verified)
+
+
+xq.register_cross_layer(_CrossLayer())
