@@ -3,15 +3,15 @@
 Runs on the control call's worker thread, which holds a stream slot of its tenant (``service/fairness.py``) for the
 whole transfer: the per-tenant cap bounds a tenant's data connections, and the watchdog ends a transfer that stalls or
 crawls (each piece read or written counts as progress; ending the call shuts the data connection, which wakes the
-thread). The rules of ``PutBlocks`` and ``GetBlocks`` hold, through the same servicer code:
+thread). The rules of ``PutBlocks`` and ``GetBlocks`` hold, through the same service core (``service/core/``):
 
 * put: the announced sizes are checked against the max block size, the per-call limit, the in-flight budget and the
-  quota *before the ticket is issued* (``_PutCall.reserve_declared``); each value is read with ``recv_into`` into a
-  buffer of its announced size, checked against its checksum and verified as a block (key, namespace, codec) as soon
-  as it is whole; the end mark must follow the last one; nothing is stored until all of them are, then they are
-  stored as ``PutBlocks`` stores them (``KVShelfServicer.store_values``); the status frame acknowledges them;
+  quota *before the ticket is issued* (``PutReservation.reserve_declared``); each value is read with ``recv_into``
+  into a buffer of its announced size, checked against its checksum and verified as a block (key, namespace, codec)
+  as soon as it is whole; the end mark must follow the last one; nothing is stored until all of them are, then they
+  are stored as ``PutBlocks`` stores them (``ServiceCore.commit``); the status frame acknowledges them;
 * get: once the data connection is delivered (nothing is read for a ticket never presented), the store reads and
-  checks the values as for ``GetBlocks`` (``KVShelfServicer.served``: a few ahead of what is sent, a key named more
+  checks the values as for ``GetBlocks`` (``ServiceCore.served``: a few ahead of what is sent, a key named more
   than once read once); each goes out with one scatter-gather send of its head and its bytes as stored (no copy),
   its checksum the block's own.
 
@@ -49,23 +49,23 @@ from kvshelf.service.errors import DataPathError, FramingError
 from kvshelf.service.status import fail, status_of
 
 if TYPE_CHECKING:
+    from kvshelf.service.core.service import ServiceCore
     from kvshelf.service.fairness import StreamTicket
-    from kvshelf.service.server import KVShelfServicer
 
 
 class DataPathHandler:
-    """``OpenDataPath`` of one servicer over one ``DataListener``."""
+    """``OpenDataPath`` over one ``DataListener``, under the rules of one ``ServiceCore``."""
 
-    def __init__(self, servicer: KVShelfServicer, listener: DataListener) -> None:
-        self.servicer = servicer
+    def __init__(self, core: ServiceCore, listener: DataListener) -> None:
+        self.core = core
         self.listener = listener
-        self.idle_timeout_s = servicer.limits.idle_timeout_s
+        self.idle_timeout_s = core.limits.idle_timeout_s
 
     def serve(self, req: pb.DataPathRequest, namespace: str, context: grpc.ServicerContext,
               ticket: StreamTicket) -> Iterator[bytes]:
         """The serialised ``DataPathResponse`` messages of one call (its ticket, then its result)."""
         keys = list(req.keys)
-        self.servicer.check_keys(keys)
+        self.core.check_keys(keys)
         if req.op == OP_PUT:
             yield from self._put(req, namespace, keys, context, ticket)
         elif req.op == OP_GET:
@@ -108,7 +108,7 @@ class DataPathHandler:
         sizes = list(req.sizes)
         if len(sizes) != len(keys):
             fail(grpc.StatusCode.INVALID_ARGUMENT, f"a put names {len(keys)} keys and {len(sizes)} sizes")
-        call = self.servicer.put_call(namespace)
+        call = self.core.put_call(namespace)
         conn: socket.socket | None = None
         pending: Pending | None = None
         try:
@@ -128,13 +128,13 @@ class DataPathHandler:
                     recv_exact(conn, memoryview(value), f"value {index}", progress=ticket.progress, hasher=hasher,
                                hash_end=size - CHECKSUM_BYTES)
                     check_trailer(entry.key, value, entry.checksum)
-                    headers.append(self.servicer.verify_value(namespace, entry.key, value, hasher.digest()))
+                    headers.append(self.core.verify(namespace, entry.key, value, hasher.digest()))
                     values.append((entry.key, value))
                 ticket.waiting()
                 check_end(recv_bytes(conn, len(END_MARK), "the end mark"))
                 ticket.receiving = False
                 ticket.progress(len(END_MARK))
-                received, stored = self.servicer.store_values(call, values, headers, req.pin, context)
+                received, stored = self.core.commit(call, values, headers, req.pin, context.is_active)
                 # stored, so counted as held: its reservations go before the end frame, after which the client may
                 # start its next put at once (which must not find this one's bytes still "being written")
                 call.close()
@@ -151,15 +151,15 @@ class DataPathHandler:
 
     def _get(self, req: pb.DataPathRequest, namespace: str, keys: list[bytes], context: grpc.ServicerContext,
              ticket: StreamTicket) -> Iterator[bytes]:
-        _, scoped = self.servicer.scoped(context, namespace, keys)
+        scoped = self.core.scope(namespace, keys)
         conn: socket.socket | None = None
         first, pending = self._ticket(OP_GET, namespace, keys)
         try:
             yield first
             conn, _ = self._connection(pending, context, ticket)
             # read only now that its client is connected (a ticket never presented costs no read), a few values
-            # ahead of what is sent, each key once however often it is named (``KVShelfServicer.served``)
-            served = self.servicer.served(scoped, namespace, req.fingerprint or None, list(req.tokens))
+            # ahead of what is sent, each key once however often it is named (``ServiceCore.served``)
+            served = self.core.served(scoped, namespace, req.fingerprint or None, list(req.tokens))
             found = 0
             try:
                 for _, _, value in served:
