@@ -58,7 +58,7 @@ import zmq
 from kvshelf.kvstore.errors import ConfigError
 from kvshelf.kvstore.keys import KEY_BYTES, SCOPED_KEY_BYTES, block_key_of, parent_of, scope_of
 from kvshelf.kvstore.stats import UNKNOWN
-from kvshelf.kvstore.vllm_events import (
+from kvshelf.kvstore.vllm_event_wire import (
     END_SEQ,
     MAX_BATCH_EVENTS,
     AllBlocksCleared,
