@@ -3,10 +3,11 @@
 The other tiers hold encoded bytes (``kvstore.tier.Tier``); this one holds each block's keys and values as tensors
 on one device (``[layers, kv_heads, tokens, head_dim]``, the block's dtype), so a hit is a device-to-device copy
 into the cache being built. It sits above the CPU tier of a ``TieredStore`` (``TieredStore(device_tier=...)``,
-``open_embedded_store(gpu_bytes=...)``): puts write through to it, and blocks that a load brought up from a lower
-tier are offered to it (``TieredStore.offer_device``). Its capacity is in bytes of tensor data and its evictions
-follow the same policies as the other tiers (``kvstore.eviction``). It is a cache: an evicted block is dropped
-(the tiers below hold it), nothing is written down and nothing is pinned in it.
+``open_embedded_store(gpu_bytes=...)``) as a layer (``kvstore.tiered.device``): puts write through to it, and
+blocks that a load brought up from a lower tier are offered to it (``TieredStore.device_cache``). Its capacity is
+in bytes of tensor data and its evictions follow the same policies as the other tiers (``kvstore.eviction``). It
+is a cache: an evicted block is dropped (the tiers below hold it), nothing is written down and nothing is pinned
+in it.
 
 The code is the same on every device: CI runs it with ``device="cpu"``; ``open_embedded_store`` puts it on CUDA.
 """
@@ -22,6 +23,7 @@ import torch
 from kvshelf.kvstore.block import KVBlock
 from kvshelf.kvstore.errors import ConfigError
 from kvshelf.kvstore.eviction import DEFAULT_POLICY, EvictionPolicy, make_policy
+from kvshelf.kvstore.keys import TierKey
 from kvshelf.kvstore.tier import TierUsage
 
 #: the tier's name in stats, counters and store events (vLLM's KV events name its medium ``GPU``)
@@ -80,16 +82,16 @@ class DeviceTier:
         self.device = resolve_device(device)
         self.capacity_bytes = capacity_bytes
         self.policy = make_policy(policy, capacity_bytes) if isinstance(policy, str) else policy
-        self._data: dict[bytes, DeviceBlock] = {}
+        self._data: dict[TierKey, DeviceBlock] = {}
         self._bytes = 0
         self._lock = threading.Lock()
-        self._on_evict: Callable[[bytes, DeviceBlock], None] | None = None
+        self._on_evict: Callable[[TierKey, DeviceBlock], None] | None = None
 
-    def set_eviction_callback(self, callback: Callable[[bytes, DeviceBlock], None] | None) -> None:
+    def set_eviction_callback(self, callback: Callable[[TierKey, DeviceBlock], None] | None) -> None:
         """``callback(key, block)`` hears of every block evicted to make room (called outside the tier's lock)."""
         self._on_evict = callback
 
-    def get_many(self, keys: Sequence[bytes]) -> list[DeviceBlock | None]:
+    def get_many(self, keys: Sequence[TierKey]) -> list[DeviceBlock | None]:
         with self._lock:
             out = [self._data.get(key) for key in keys]
             for key, block in zip(keys, out, strict=True):
@@ -97,11 +99,11 @@ class DeviceTier:
                     self.policy.on_hit(key)
         return out
 
-    def put_many(self, items: Sequence[tuple[bytes, KVBlock]]) -> int:
+    def put_many(self, items: Sequence[tuple[TierKey, KVBlock]]) -> int:
         """Copy each ``(key, block)`` to the device (from pinned memory without blocking; a block already on the
         device is cloned: the tier owns its tensors); return how many were stored."""
         stored = 0
-        evicted: list[tuple[bytes, DeviceBlock]] = []
+        evicted: list[tuple[TierKey, DeviceBlock]] = []
         for key, block in items:
             charge = block.nbytes
             if charge > self.capacity_bytes:
@@ -131,7 +133,7 @@ class DeviceTier:
             return tensor.detach().clone(memory_format=torch.contiguous_format)
         return tensor.detach().to(self.device, non_blocking=tensor.is_pinned()).contiguous()
 
-    def _make_room(self, charge: int, evicted: list[tuple[bytes, DeviceBlock]]) -> bool:
+    def _make_room(self, charge: int, evicted: list[tuple[TierKey, DeviceBlock]]) -> bool:
         while self._bytes + charge > self.capacity_bytes:
             victim = self.policy.victim(set())
             if victim is None or victim not in self._data:
@@ -139,25 +141,25 @@ class DeviceTier:
             evicted.append((victim, self._remove(victim)))
         return True
 
-    def _remove(self, key: bytes) -> DeviceBlock:
+    def _remove(self, key: TierKey) -> DeviceBlock:
         block = self._data.pop(key)
         self._bytes -= block.nbytes
         self.policy.on_remove(key)
         return block
 
-    def holds(self, keys: Sequence[bytes]) -> list[bool]:
+    def holds(self, keys: Sequence[TierKey]) -> list[bool]:
         """Per key: is it held (the policy hears nothing)."""
         with self._lock:
             return [key in self._data for key in keys]
 
-    def contains_many(self, keys: Sequence[bytes]) -> int:
+    def prefix_run_length(self, keys: Sequence[TierKey]) -> int:
         with self._lock:
             for i, key in enumerate(keys):
                 if key not in self._data:
                     return i
             return len(keys)
 
-    def delete(self, keys: Iterable[bytes]) -> int:
+    def delete(self, keys: Iterable[TierKey]) -> int:
         removed = 0
         with self._lock:
             for key in keys:
@@ -166,14 +168,14 @@ class DeviceTier:
                     removed += 1
         return removed
 
-    def delete_prefix(self, prefix: bytes, length: int | None = None) -> list[bytes]:
+    def delete_prefix(self, prefix: bytes, length: int | None = None) -> list[TierKey]:
         with self._lock:
             held = [k for k in self._data if k.startswith(prefix) and (length is None or len(k) == length)]
             for key in held:
                 self._remove(key)
         return held
 
-    def keys(self) -> list[bytes]:
+    def keys(self) -> list[TierKey]:
         with self._lock:
             return list(self._data)
 

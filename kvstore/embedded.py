@@ -16,6 +16,7 @@ from kvshelf.kvstore.store import TieredStore, TierSpec
 from kvshelf.kvstore.tier_registry import lmdb_url, open_tier
 
 if TYPE_CHECKING:
+    from kvshelf.kvstore.device_tier import DeviceTier
     from kvshelf.kvstore.vllm_events import KVEventsSettings
 
 DEFAULT_MEMORY_BYTES = 2 << 30
@@ -56,8 +57,7 @@ def open_embedded_store(
 
     ``max_disk_bytes`` is the LMDB tier's capacity: it holds at most that many bytes of blocks and evicts (by
     ``eviction_policy``) to stay under it; its file stays under the capacity plus a slack for LMDB's own pages
-    (``kvstore.lmdb_tier.lmdb_slack_bytes``: 39.25 MiB for 256 MiB, ~2.7% for 1 TiB). (Before, it was only a
-    size limit: past it every put failed with ``StoreFullError``.)
+    (``kvstore.lmdb_tier.lmdb_slack_bytes``: 39.25 MiB for 256 MiB, ~2.7% for 1 TiB).
 
     ``gpu_bytes``: a GPU tier of that many bytes of decoded blocks on ``device`` above the memory tier
     (``kvstore.device_tier``; a ``ConfigError`` when ``device`` is a CUDA device this machine lacks). ``pin_memory``:
@@ -79,15 +79,8 @@ def open_embedded_store(
     memory = None if memory_bytes is None else parse_size(memory_bytes, "memory_bytes")
     if memory == 0:
         raise ConfigError("memory_bytes: must be > 0 (None: no memory tier)")
-    max_disk = parse_size(max_disk_bytes, "max_disk_bytes")
-    if max_disk < MIN_DISK_BYTES:
-        raise ConfigError(f"max_disk_bytes: {max_disk_bytes!r} is below the minimum disk capacity of "
-                          f"{MIN_DISK_BYTES} bytes (1 MiB)")
-    gpu = None
-    if gpu_bytes is not None:
-        from kvshelf.kvstore.device_tier import DeviceTier
-
-        gpu = DeviceTier(parse_size(gpu_bytes, "gpu_bytes"), device, policy=eviction_policy)
+    max_disk = _disk_capacity(max_disk_bytes)
+    gpu = _gpu_tier(gpu_bytes, device, eviction_policy)
     if pin_memory is None:
         pin_memory = gpu is not None and gpu.device.type == "cuda"
     publisher = None
@@ -96,10 +89,8 @@ def open_embedded_store(
 
         publisher = VLLMEventPublisher(kv_events)
     try:
-        specs: list[TierSpec] = []
-        if memory is not None:
-            specs.append(TierSpec(open_tier("memory://", capacity_bytes=memory, policy=eviction_policy,
-                                            pinned=pin_memory), memory_codec))
+        specs = [TierSpec(open_tier("memory://", capacity_bytes=memory, policy=eviction_policy, pinned=pin_memory),
+                          memory_codec)] if memory is not None else []
         disk = open_tier(lmdb_url(path / "lmdb"), capacity_bytes=max_disk, policy=eviction_policy, durable=durable,
                          sync_interval_s=sync_interval_s)
         specs.append(TierSpec(disk, disk_codec, dict(disk_codec_params or {})))
@@ -111,3 +102,20 @@ def open_embedded_store(
     if publisher is not None:
         store.on_close(publisher.attach(store).close)
     return store
+
+
+def _disk_capacity(max_disk_bytes: int | str) -> int:
+    max_disk = parse_size(max_disk_bytes, "max_disk_bytes")
+    if max_disk < MIN_DISK_BYTES:
+        raise ConfigError(f"max_disk_bytes: {max_disk_bytes!r} is below the minimum disk capacity of "
+                          f"{MIN_DISK_BYTES} bytes (1 MiB)")
+    return max_disk
+
+
+def _gpu_tier(gpu_bytes: int | str | None, device: str, policy: str) -> DeviceTier | None:
+    """The GPU tier of ``gpu_bytes`` on ``device`` (None without ``gpu_bytes``); torch is imported only for one."""
+    if gpu_bytes is None:
+        return None
+    from kvshelf.kvstore.device_tier import DeviceTier
+
+    return DeviceTier(parse_size(gpu_bytes, "gpu_bytes"), device, policy=policy)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple, NewType
+from typing import NamedTuple, NewType, TypeAlias, cast
 
 import numpy as np
 
@@ -35,6 +35,8 @@ BlockKey = NewType("BlockKey", bytes)
 ScopeTag = NewType("ScopeTag", bytes)
 #: a block key scoped to a namespace, as the service stores it in a tier: ``ScopeTag`` + ``BlockKey``
 ScopedKey = NewType("ScopedKey", bytes)
+#: a key as a tier holds it: a bare block key (an embedded store) or a scoped one (the service)
+TierKey: TypeAlias = BlockKey | ScopedKey
 
 
 def _tokens_bytes(tokens: Sequence[int]) -> bytes:
@@ -187,7 +189,7 @@ def split_scoped(key: ScopedKey) -> tuple[ScopeTag, BlockKey]:
     return ScopeTag(key[:SCOPE_BYTES]), BlockKey(key[SCOPE_BYTES:])
 
 
-def block_key_of(tier_key: bytes) -> BlockKey:
+def block_key_of(tier_key: TierKey) -> BlockKey:
     """The block key a tier key names, the one in its value's header: a scoped key's last ``KEY_BYTES`` bytes, a
     bare block key as it is (a store takes both: ``check_keys(..., scoped=True)``)."""
     return BlockKey(tier_key[-KEY_BYTES:])
@@ -203,7 +205,7 @@ def key_low64(key: bytes) -> int:
 TIER_KEY_LENGTHS = (KEY_BYTES, SCOPED_KEY_BYTES)
 
 
-def check_keys(keys: Iterable[bytes], *, scoped: bool = False) -> list[bytes]:
+def check_keys(keys: Iterable[bytes], *, scoped: bool = False) -> list[TierKey]:
     """``keys`` as a list; ``ConfigError`` unless each is a block key (``KEY_BYTES``), or with ``scoped`` also a
     tier key scoped by the service (``SCOPED_KEY_BYTES``)."""
     keys = list(keys)
@@ -212,4 +214,4 @@ def check_keys(keys: Iterable[bytes], *, scoped: bool = False) -> list[bytes]:
         if not isinstance(key, bytes) or len(key) not in lengths:
             got = f"one of {len(key)}" if isinstance(key, bytes) else f"a {type(key).__name__}"
             raise ConfigError(f"block keys are {KEY_BYTES} bytes, got {got}")
-    return keys
+    return cast("list[TierKey]", keys)

@@ -220,7 +220,7 @@ class MemoryTier(Tier):
             for key, value in evicted:
                 self._on_evict(key, value)
 
-    def contains_many(self, keys: Sequence[bytes]) -> int:
+    def prefix_run_length(self, keys: Sequence[bytes]) -> int:
         evicted: list[tuple[bytes, bytes]] = []
         with self._lock:
             held = len(keys)

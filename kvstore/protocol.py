@@ -27,7 +27,10 @@ from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
 from kvshelf.kvstore.stats import StoreStats, TierStats, field_names  # no torch either
 
 if TYPE_CHECKING:  # annotations only: importing the interface loads no torch
+    import torch
+
     from kvshelf.kvstore.block import KVBlock, PreparedBlock
+    from kvshelf.kvstore.keys import TierKey
 
 DEFAULT_NAMESPACE = "default"
 #: the model name lookups are counted under when none is given
@@ -104,7 +107,7 @@ class BlockStore(Protocol):
         self, keys: Sequence[bytes], *, namespace: str | None = None, model: str = UNKNOWN_MODEL,
         tokens: Sequence[int] | None = None,
     ) -> int:
-        """``lookup_prefix`` (the name tiers use)."""
+        """``lookup_prefix`` under its first name (kept for its callers; a tier's own is ``prefix_run_length``)."""
         ...
 
     def held(self, keys: Iterable[bytes], *, namespace: str | None = None) -> list[bool]:
@@ -135,6 +138,34 @@ class BlockStore(Protocol):
     def __enter__(self) -> Self: ...
 
     def __exit__(self, *exc: object) -> None: ...
+
+
+@runtime_checkable
+class DeviceCache(Protocol):
+    """Decoded blocks on one torch device above a store's tiers (``TieredStore.device_cache``, the GPU tier's
+    layer ``kvstore.tiered.device.DeviceLayer``): a load that brought blocks up from a lower tier offers them here, so
+    the next load of that prefix is a copy within the device."""
+
+    @property
+    def device(self) -> torch.device:
+        """The device its blocks are on (offer only tensors already there)."""
+        ...
+
+    def holds(self, keys: Sequence[TierKey]) -> list[bool]:
+        """Per key: is it held (not counted as a lookup)."""
+        ...
+
+    def offer(self, entries: Sequence[tuple[TierKey, KVBlock]]) -> int:
+        """Store ``(key, block)`` pairs (tensors ``[layers, kv_heads, tokens, head_dim]``, copied); return how many
+        it took."""
+        ...
+
+
+def device_cache_of(store: BlockStore | None) -> DeviceCache | None:
+    """``store``'s device cache: a ``TieredStore``'s with a GPU tier; None for one without, or for a store that has
+    none (``RemoteStore``)."""
+    cache = getattr(store, "device_cache", None)
+    return cache if isinstance(cache, DeviceCache) else None
 
 
 def namespace_of(store: BlockStore | None, namespace: str | None) -> str:

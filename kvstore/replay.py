@@ -1,7 +1,7 @@
 """Trace replay: prefix-hit rates of eviction policies through the real tier classes, against Belady's OPT and LRU.
 
 Each request of a trace (``kvstore.trace``), in order, drives a tier the way a serving engine drives a KV store:
-``h = tier.contains_many(keys)`` (the policy's ``on_lookup`` sees the chain), ``tier.get_many(keys[:h])`` (the
+``h = tier.prefix_run_length(keys)`` (the policy's ``on_lookup`` sees the chain), ``tier.get_many(keys[:h])`` (the
 hits), ``tier.put_many`` of the keys after the first ``h`` (a key already held there is re-put: a hit for the
 policy). The request's prefix hits are ``h``; a trace's hit rate is the sum of ``h`` over all its blocks.
 
@@ -184,7 +184,7 @@ def opt_hits(chains: Sequence[Sequence[int]], capacity_blocks: int) -> int:
 def replay_tier(tier: Tier, chains: Sequence[Sequence[bytes]], value: bytes,
                 progress: Progress | None = None, every: int = 256) -> int:
     """Prefix hits of ``tier`` over the key chains (module docstring), the tier driven through its public calls."""
-    contains, get, put = tier.contains_many, tier.get_many, tier.put_many
+    contains, get, put = tier.prefix_run_length, tier.get_many, tier.put_many
     hits = pending = 0
     for keys in chains:
         held = contains(keys)

@@ -5,9 +5,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the key types only: importing the interface loads no numpy
+    from kvshelf.kvstore.keys import TierKey
 
 #: Called with ``(key, value)`` for every value a tier evicts to make room.
-EvictionCallback = Callable[[bytes, bytes], None]
+EvictionCallback = Callable[["TierKey", bytes], None]
 
 
 @dataclass(frozen=True)
@@ -34,39 +38,39 @@ class Tier(ABC):
     holds_checked_copies: bool = False
 
     @abstractmethod
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+    def get_many(self, keys: Sequence[TierKey]) -> list[bytes | None]:
         """The values of ``keys`` in order, ``None`` where absent."""
 
     @abstractmethod
-    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> int:
+    def put_many(self, items: Sequence[tuple[TierKey, bytes]]) -> int:
         """Store ``(key, value)`` pairs (atomically where the medium allows); return how many were stored."""
 
     @abstractmethod
-    def contains_many(self, keys: Sequence[bytes]) -> int:
+    def prefix_run_length(self, keys: Sequence[TierKey]) -> int:
         """Length of the leading run of ``keys`` that this tier holds (a cached-prefix length in blocks)."""
 
     @abstractmethod
-    def delete(self, keys: Iterable[bytes]) -> int:
+    def delete(self, keys: Iterable[TierKey]) -> int:
         """Remove ``keys``; return how many were present."""
 
     @abstractmethod
     def usage(self) -> TierUsage: ...
 
-    def peek_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+    def peek_many(self, keys: Sequence[TierKey]) -> list[bytes | None]:
         """``get_many`` that the eviction policy does not hear of (diagnostics: ``adapters.miss`` reads headers
         with it). This default is ``get_many``; tiers whose policy counts reads override it."""
         return self.get_many(keys)
 
-    def keys(self) -> list[bytes]:
+    def keys(self) -> list[TierKey]:
         """Every key held (for admin tools and tests; may be slow on large tiers)."""
         raise NotImplementedError(f"tier {self.name} cannot list its keys")
 
-    def keys_with_prefix(self, prefix: bytes, length: int | None = None) -> list[bytes]:
+    def keys_with_prefix(self, prefix: bytes, length: int | None = None) -> list[TierKey]:
         """Every key held starting with ``prefix``, of ``length`` bytes when given. This default lists every key;
         tiers that find a prefix's keys cheaper override it."""
         return [key for key in self.keys() if key.startswith(prefix) and (length is None or len(key) == length)]
 
-    def delete_prefix(self, prefix: bytes, length: int | None = None) -> list[bytes]:
+    def delete_prefix(self, prefix: bytes, length: int | None = None) -> list[TierKey]:
         """Remove every key starting with ``prefix`` (a namespace's scope tag), of ``length`` bytes when given;
         return the keys removed. This default lists every key; tiers that find a prefix's keys cheaper override it."""
         held = self.keys_with_prefix(prefix, length)
@@ -76,9 +80,9 @@ class Tier(ABC):
     def set_eviction_callback(self, callback: EvictionCallback | None) -> None:
         """Tiers that evict report each evicted value here (the store counts it or writes it back)."""
 
-    def pin(self, keys: Iterable[bytes]) -> None:
+    def pin(self, keys: Iterable[TierKey]) -> None:
         """Pinned keys are never evicted (no-op for tiers that never evict)."""
 
-    def unpin(self, keys: Iterable[bytes]) -> None: ...
+    def unpin(self, keys: Iterable[TierKey]) -> None: ...
 
     def close(self) -> None: ...

@@ -443,7 +443,7 @@ class RemoteStore:
                  tokens: Sequence[int] | None, read: Callable[..., T], *, parallel: bool = False) -> list[T | None]:
         """``read`` every fetched value (``parallel``: the entropy decoding of compressed blocks on a few threads,
         as ``TieredStore.get_prepared_many`` does); a damaged or foreign one is a miss."""
-        from kvshelf.kvstore.store import decode_all
+        from kvshelf.kvstore.tiered.decode import decode_all
 
         keys = list(keys)
         namespace = namespace or self.namespace

@@ -27,7 +27,7 @@ class EvictionPolicy(ABC):
 
     The tier's calls, in order of a key's life: ``admit`` (new key) -> ``on_insert`` -> any number of ``on_hit``
     (read or re-written) -> ``on_remove`` (deleted, or evicted after ``victim`` named it). ``on_lookup`` reports
-    a prefix lookup (``contains_many``): the keys of one chain in order, of which the leading ``held`` are held;
+    a prefix lookup (``prefix_run_length``): the keys of one chain in order, of which the leading ``held`` are held;
     it is how a policy learns a chain's structure (a block's parent is the key before it).
     """
 

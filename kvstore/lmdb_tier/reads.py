@@ -16,7 +16,8 @@ from kvshelf.kvstore.tier import TierUsage
 
 
 class Reads:
-    """``get_many``, ``peek_many``, ``contains_many``, ``keys``, ``usage`` and ``audit`` (a mixin of ``LMDBTier``)."""
+    """``get_many``, ``peek_many``, ``prefix_run_length``, ``keys``, ``usage`` and ``audit`` (a mixin of
+    ``LMDBTier``)."""
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         def fn(txn: lmdb.Transaction) -> list[bytes | None]:
@@ -42,7 +43,7 @@ class Reads:
 
         return self._read(fn)
 
-    def contains_many(self, keys: Sequence[bytes]) -> int:
+    def prefix_run_length(self, keys: Sequence[bytes]) -> int:
         def fn(txn: lmdb.Transaction) -> int:
             for i, key in enumerate(keys):
                 if txn.get(key) is None:

@@ -44,7 +44,7 @@ from kvshelf.kvstore.lmdb_tier.file import (
     walk_db,
 )
 from kvshelf.kvstore.lmdb_tier.tier import LMDBTier
-from kvshelf.kvstore.store import header_key
+from kvshelf.kvstore.tiered.codecs import header_key
 
 _BATCH_BYTES = 64 << 20
 _DB_RECORD_BYTES = 48

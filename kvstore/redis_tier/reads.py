@@ -48,7 +48,7 @@ class _ChunkRead:
 
 
 class Reads:
-    """``get_many``, ``contains_many`` and what they share (a mixin of ``RedisTier``)."""
+    """``get_many``, ``prefix_run_length`` and what they share (a mixin of ``RedisTier``)."""
 
     def _manifest(self, raw: bytes | BaseException | None, *, whole: bool) -> _Manifest | _Damage | None:
         return read_manifest(_readable(raw), self.max_value_bytes, whole=whole)
@@ -176,7 +176,7 @@ class Reads:
                                          for key in keys))
         return [self._manifest(raw, whole=False) for raw in replies]
 
-    def contains_many(self, keys: Sequence[bytes]) -> int:
+    def prefix_run_length(self, keys: Sequence[bytes]) -> int:
         """The leading run of ``keys`` whose manifest is present and sound and whose chunks add up to the value's
         length (``STRLEN`` of each chunk: no chunk data is transferred). A damaged value found is removed; one with a
         chunk missing is counted out and removed (as ``get_many`` does)."""

@@ -49,9 +49,9 @@ def test_delete_prefix_and_contains() -> None:
     tier = DeviceTier(1 << 20, "cpu")
     a, b = make_block(4, seed=1), make_block(4, seed=2, start_pos=4)
     tier.put_many([(key_of(a), a), (key_of(b), b)])
-    assert tier.contains_many([key_of(a), key_of(b)]) == 2
+    assert tier.prefix_run_length([key_of(a), key_of(b)]) == 2
     assert tier.delete([key_of(a), b"\0" * 16]) == 1
-    assert tier.contains_many([key_of(a), key_of(b)]) == 0
+    assert tier.prefix_run_length([key_of(a), key_of(b)]) == 0
     assert tier.delete_prefix(key_of(b)[:4]) == [key_of(b)]
     assert tier.usage().blocks == 0
 
@@ -147,6 +147,22 @@ def test_offered_blocks_are_counted_writes_of_the_device_tier(tmp_path) -> None:
     assert _tier_stats(store, GPU_TIER_NAME)["bytes_written"] == block.nbytes
     assert _tier_stats(store, "memory")["blocks"] == 0  # offered to the device tier only
     assert TieredStore([MemoryTier(1 << 20)]).offer_device([(key_of(block), block)]) == 0
+    store.close()
+
+
+def test_device_cache_of_gives_the_device_layer_or_none() -> None:
+    """What a load offers its blocks to, typed (``kvstore.protocol.DeviceCache``), without probing the store."""
+    from kvshelf.kvstore.protocol import device_cache_of
+
+    store = TieredStore([MemoryTier(1 << 20)], device_tier=DeviceTier(1 << 20, "cpu"))
+    block = make_block(8, seed=4)
+    cache = device_cache_of(store)
+    assert cache is not None and cache is store.device_cache and cache.device == torch.device("cpu")
+    assert cache.holds([key_of(block)]) == [False]
+    assert cache.offer([(key_of(block), block)]) == 1 and cache.holds([key_of(block)]) == [True]
+    assert _tier_stats(store, GPU_TIER_NAME)["bytes_written"] == block.nbytes
+    assert device_cache_of(TieredStore([MemoryTier(1 << 20)])) is None
+    assert device_cache_of(None) is None
     store.close()
 
 

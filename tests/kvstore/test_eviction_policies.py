@@ -187,8 +187,8 @@ def _chain(rng: random.Random) -> list[bytes]:
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_random_operations_match_a_reference_model(bounded, seed: int):
-    """A seeded random run of put (single and batched) / get / delete / pin / unpin / contains_many / prefix
-    requests (the replay's contains_many -> get_many -> put_many), checked after every step against the model of
+    """A seeded random run of put (single and batched) / get / delete / pin / unpin / prefix_run_length / prefix
+    requests (the replay's prefix_run_length -> get_many -> put_many), checked after every step against the model of
     what must be held: what was stored, minus what was deleted and what the callback reported evicted."""
     rng = random.Random(seed)
     capacity = 4000
@@ -247,7 +247,7 @@ def test_random_operations_match_a_reference_model(bounded, seed: int):
             apply_put([(k, value(rng.randint(100, 900))) for k in keys])
         elif op < 0.6:  # a prefix request, as the replay makes them
             chain = _chain(rng)
-            h = tier.contains_many(chain)
+            h = tier.prefix_run_length(chain)
             assert h == _leading(chain, model)
             assert tier.get_many(chain[:h]) == [model[k] for k in chain[:h]]
             apply_put([(k, value(rng.randint(100, 700))) for k in chain[h:]])
@@ -263,7 +263,7 @@ def test_random_operations_match_a_reference_model(bounded, seed: int):
                 model.pop(k, None)
         elif op < 0.82:
             keys = rng.sample(pool, rng.randint(1, 5))
-            assert tier.contains_many(keys) == _leading(keys, model)
+            assert tier.prefix_run_length(keys) == _leading(keys, model)
         elif op < 0.88:
             if len(pinned) < 2:
                 k = rng.choice(list(model) if model and rng.random() < 0.7 else pool)
@@ -393,7 +393,7 @@ def test_s3fifo_queues_ghost_hit_goes_to_main_deleted_key_is_forgotten():
     assert all(policy.where(key(i)) == "small" for i in range(10))
     tier.get_many([key(1)])  # read while on probation
     put_one(tier, key(10), b"x" * 100)  # small holds >= its 10%: its head goes (key 0, never read)
-    assert policy.where(key(0)) == "ghost" and tier.contains_many([key(0)]) == 0
+    assert policy.where(key(0)) == "ghost" and tier.prefix_run_length([key(0)]) == 0
     put_one(tier, key(11), b"x" * 100)  # key 1 was read: moved to main on the way; key 2 goes
     assert policy.where(key(1)) == "main" and policy.where(key(2)) == "ghost"
     put_one(tier, key(0), b"x" * 100)  # back from the ghost list: straight into main

@@ -49,7 +49,7 @@ def serve(tier):
         conv = rng.choice(convs)
         conv[1] += 1
         keys = [key(conv[0], i) for i in range(min(8 * conv[1], 32))]
-        held = tier.contains_many(keys)
+        held = tier.prefix_run_length(keys)
         if held:
             tier.get_many(keys[:held])
         puts += tier.put_many([(key(conv[0], i), bytes(VALUE)) for i in range(held, len(keys))])
@@ -138,7 +138,7 @@ def test_usage_counts_values_bytes_memory_bytes_is_what_the_capacity_bounds():
     for key, value in values.items():
         assert tier.put_many([(key, value)]) == 1
         assert tier.memory_bytes() <= capacity
-    held = [key for key in values if tier.contains_many([key])]
+    held = [key for key in values if tier.prefix_run_length([key])]
     usage = tier.usage()
     assert usage.blocks == len(held) and usage.bytes == 244 * len(held)
     assert len(held) * (244 + 150) <= capacity  # each entry costs its value and ~0.2 KB of overhead
@@ -187,7 +187,7 @@ def test_random_operations_keep_memory_within_capacity(policy: str, seed: int):
             start = rng.randrange(len(pool) - 12)
             chain = pool[start:start + rng.randint(2, 12)]
             leading = next((i for i, x in enumerate(chain) if x not in model), len(chain))
-            assert tier.contains_many(chain) == leading
+            assert tier.prefix_run_length(chain) == leading
         elif op < 0.95:
             if len(pinned) < 4:
                 pinned.add(key)

@@ -33,7 +33,7 @@ def test_a_chain_loses_its_tail_first(policy: str) -> None:
     a = chain("a", 5)
     request(tier, a)
     request(tier, chain("b", 1))
-    held_prefix = tier.contains_many(a)
+    held_prefix = tier.prefix_run_length(a)
     if policy == "prefix":
         assert held_prefix == 4
         assert tier.get_many(a[-1:]) == [None]
@@ -49,7 +49,7 @@ def test_orphans_go_before_anything_else() -> None:
     request(tier, b)
     tier.delete([a[0]])  # a1..a3 are orphans now
     request(tier, chain("c", 3))  # 7 held + 3: two evictions
-    assert tier.contains_many(b) == 4  # chain b untouched
+    assert tier.prefix_run_length(b) == 4  # chain b untouched
     assert tier.get_many(a[2:]) == [None, None]  # the orphans went, from their chain's tail
     assert tier.get_many([a[1]]) == [VALUE]
 
@@ -64,7 +64,7 @@ def test_the_ghost_memory_spans_a_long_turn_gap() -> None:
         request(tier, conversation)
         for i in range(4 * capacity):
             request(tier, chain(f"one-off{i}-", 1))
-        assert tier.contains_many(conversation) == 0
+        assert tier.prefix_run_length(conversation) == 0
         request(tier, conversation)
         assert tier.policy.where(conversation[0]) == expected, name  # type: ignore[attr-defined]
 
@@ -74,8 +74,8 @@ def test_a_lookup_cycle_does_not_hang() -> None:
     tier = MemoryTier(3 * BLOCK, policy="prefix", charge_overhead=False)
     x, y = chain("x", 1)[0], chain("y", 1)[0]
     tier.put_many([(x, VALUE), (y, VALUE)])
-    tier.contains_many([x, y])
-    tier.contains_many([y, x])
+    tier.prefix_run_length([x, y])
+    tier.prefix_run_length([y, x])
     tier.put_many([(k, VALUE) for k in chain("z", 3)])
     assert tier.usage().bytes <= 3 * BLOCK
 

@@ -197,8 +197,8 @@ def test_half_written_value_is_a_miss(backend: Backend, prefix: str, damage: str
         backend.raw.set(chunks[2], backend.raw.get(chunks[2])[:-1])
     # a miss (None); a truncated chunk is damage: b"" (the store counts it corrupt) and removed
     assert tier.get_many([key, other_key])[0] == (b"" if damage == "truncated-chunk" else None)
-    assert tier.contains_many([key, other_key]) == 0
-    assert tier.contains_many([other_key, key]) == 1
+    assert tier.prefix_run_length([key, other_key]) == 0
+    assert tier.prefix_run_length([other_key, key]) == 1
 
     with TieredStore([MemoryTier(1 << 24), tier]) as store:
         out = store.get_many([key, other_key], fingerprint=block.fingerprint)
@@ -209,7 +209,7 @@ def test_half_written_value_is_a_miss(backend: Backend, prefix: str, damage: str
         assert store.lookup_prefix([key]) == 0
         # writing the block again repairs it
         store.put_many([(key, block)])
-        assert tier.contains_many([key]) == 1
+        assert tier.prefix_run_length([key]) == 1
         store.specs[0].tier.delete([key])
         assert_same_block(store.get_many([key], fingerprint=block.fingerprint)[0], block)
 
@@ -228,11 +228,11 @@ def test_two_stores_share_one_redis(backend: Backend, prefix: str) -> None:
         assert_same_block(out[1], large)
         tiers_b = {t["name"]: t for t in store_b.stats()["tiers"]}
         assert tiers_b["redis"]["hits"] == 2 and tiers_b["memory"]["misses"] == 2
-        assert store_b.specs[0].tier.contains_many(keys) == 2  # promoted into B's memory
+        assert store_b.specs[0].tier.prefix_run_length(keys) == 2  # promoted into B's memory
         # a delete through B is seen by A's Redis tier
         store_b.delete([keys[0]])
-        assert store_a.specs[1].tier.contains_many(keys) == 0
-        assert store_a.specs[1].tier.contains_many(keys[1:]) == 1
+        assert store_a.specs[1].tier.prefix_run_length(keys) == 0
+        assert store_a.specs[1].tier.prefix_run_length(keys[1:]) == 1
 
 
 def test_redis_unreachable_at_construction(backend: Backend, prefix: str) -> None:
@@ -267,7 +267,7 @@ def test_redis_stopped_midway_then_restarted(request: pytest.FixtureRequest, kin
     before, during, after = make_block(4), make_block(5), big_block()
     with TieredStore([MemoryTier(1 << 24), tier]) as store:
         store.put_many([(key_of(before), before)])
-        assert tier.contains_many([key_of(before)]) == 1 and tier.healthy()
+        assert tier.prefix_run_length([key_of(before)]) == 1 and tier.healthy()
 
         servers.stop()
         assert tier.healthy() is False
@@ -281,7 +281,7 @@ def test_redis_stopped_midway_then_restarted(request: pytest.FixtureRequest, kin
         assert tier.healthy() is True
         assert tier.get_many([key_of(before)]) == [None]
         store.put_many([(key_of(after), after)])
-        assert tier.contains_many([key_of(after)]) == 1
+        assert tier.prefix_run_length([key_of(after)]) == 1
         store.specs[0].tier.delete([key_of(after)])
         assert_same_block(store.get_many([key_of(after)], fingerprint=after.fingerprint)[0], after)
         assert tier.usage().blocks == 1
@@ -330,7 +330,8 @@ def test_redis_refusing_writes_stores_nothing_partial(request: pytest.FixtureReq
     assert sum(value is not None for value in got) == stored
     assert all(seen is None or seen == value for (_, value), seen in zip(items, got, strict=True))
     assert tier.usage().blocks == stored
-    assert tier.contains_many([key for (key, _), seen in zip(items, got, strict=True) if seen is not None]) == stored
+    held = [key for (key, _), seen in zip(items, got, strict=True) if seen is not None]
+    assert tier.prefix_run_length(held) == stored
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -85,7 +85,7 @@ def test_hung_redis_fails_fast_then_recovers(pausable_redis: PausableRedis, pref
     before, during = make_block(4), make_block(5)
     with TieredStore([MemoryTier(1 << 24), tier]) as store:
         store.put_many([(key_of(before), before)])
-        assert tier.contains_many([key_of(before)]) == 1
+        assert tier.prefix_run_length([key_of(before)]) == 1
 
         pausable_redis.pause()
         started = time.monotonic()
@@ -95,7 +95,7 @@ def test_hung_redis_fails_fast_then_recovers(pausable_redis: PausableRedis, pref
         assert first < 5  # one socket timeout, no retries (it took 3 x 5 s)
         # the tier is now down for a backoff: every call fails at once without touching the socket
         started = time.monotonic()
-        for call in (lambda: tier.put_many([(key_of(during), b"x" * 100)]), lambda: tier.contains_many([b"k" * 16]),
+        for call in (lambda: tier.put_many([(key_of(during), b"x" * 100)]), lambda: tier.prefix_run_length([b"k" * 16]),
                      tier.usage, lambda: tier.delete([key_of(before)]), tier.keys):
             with pytest.raises(TierUnavailableError, match="down"):
                 call()
@@ -151,7 +151,7 @@ def test_hung_cluster_node_fails_fast(restartable_cluster: Any, prefix: str) -> 
             tier.get_many(keys)
         assert time.monotonic() - started < 8  # about 16 commands on the frozen node: it took 23 s and more
         with pytest.raises(TierUnavailableError, match="down"):
-            tier.contains_many(keys)
+            tier.prefix_run_length(keys)
     finally:
         os.kill(node.pid, signal.SIGCONT)
     deadline = time.monotonic() + 30
@@ -221,7 +221,7 @@ def test_damaged_chunk_is_a_counted_corrupt_miss(redis_server: Any, raw: Any, pr
             raw.set(chunks[1], b"")
         assert store.get_many([key], fingerprint=block.fingerprint) == [None]
         assert store.stats()["tiers"][0]["corrupt"] == 1
-        assert tier.contains_many([key]) == 0
+        assert tier.prefix_run_length([key]) == 0
         assert raw.exists(manifest_name(prefix, key), *chunks) == 0  # manifest and chunks removed
         assert tier.usage().blocks == 0 and tier.usage().bytes == 0  # and counted out
         store.put_many([(key, block)])
@@ -233,7 +233,7 @@ def test_damaged_chunk_seen_by_contains_first(redis_server: Any, raw: Any, prefi
     key = b"c" * 16
     tier.put_many([(key, os.urandom(3 * CHUNK))])
     poison(raw, chunk_names(raw, prefix, key)[2], "list")
-    assert tier.contains_many([key]) == 0
+    assert tier.prefix_run_length([key]) == 0
     assert tier.get_many([key]) == [None]  # already removed
     assert tier.delete([key]) == 0
 
@@ -307,7 +307,7 @@ def test_contradictory_manifest_is_a_corrupt_miss_read_no_further(
         assert store.stats()["tiers"][0]["corrupt"] == 1
     assert commands(raw, "get") - gets == 1  # the manifest; no chunk
     _forge(raw, prefix, key, chunks, total)
-    assert tier.contains_many([key]) == 0
+    assert tier.prefix_run_length([key]) == 0
     assert commands(raw, "strlen") == strlens
     _forge(raw, prefix, key, chunks, total)
     assert tier.delete([key]) == 1 and raw.exists(manifest_name(prefix, key)) == 0
@@ -320,7 +320,7 @@ def test_plausible_manifest_of_many_missing_chunks_costs_one_round(raw: Any, red
     _forge(raw, prefix, key, 400_000, 400_000 * KiB)
     gets, strlens = commands(raw, "get"), commands(raw, "strlen")
     assert tier.get_many([key]) == [None]  # a miss (chunks missing: as after an eviction), not corrupt
-    assert tier.contains_many([key]) == 0
+    assert tier.prefix_run_length([key]) == 0
     assert commands(raw, "get") - gets < 1000  # it sent 400,000 GETs (5 s, +210 MB)
     assert commands(raw, "strlen") - strlens < 1000
     # a value with missing chunks (as Redis's eviction leaves one) is removed by the read that finds it (so

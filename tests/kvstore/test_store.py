@@ -90,8 +90,8 @@ def test_write_through_reaches_every_tier(store):
     entries = blocks(3)
     assert store.put_many(entries) == 3
     keys = [key for key, _ in entries]
-    assert mem(store).contains_many(keys) == 3
-    assert disk(store).contains_many(keys) == 3
+    assert mem(store).prefix_run_length(keys) == 3
+    assert disk(store).prefix_run_length(keys) == 3
     for name in ("memory", "disk"):
         row = tier_stats(store, name)
         assert row["blocks"] == 3
@@ -106,14 +106,14 @@ def test_read_through_promotes_into_memory(store):
     (key, block), (key2, block2) = blocks(2)
     store.put_many([(key, block), (key2, block2)])
     mem(store).delete([key])  # now only on disk
-    assert mem(store).contains_many([key]) == 0
+    assert mem(store).prefix_run_length([key]) == 0
 
     got = store.get_many([key], fingerprint=FP)[0]
     assert_same_block(got, block)
     m, d = tier_stats(store, "memory"), tier_stats(store, "disk")
     assert (m["hits"], m["misses"], m["bytes_read"]) == (0, 1, 0)
     assert (d["hits"], d["misses"], d["bytes_read"]) == (1, 0, len(encode_block(block, key)))
-    assert mem(store).contains_many([key]) == 1  # promoted
+    assert mem(store).prefix_run_length([key]) == 1  # promoted
     size, size2 = len(encode_block(block, key)), len(encode_block(block2, key2))
     assert m["bytes_written"] == size + size2 + size  # the two puts, then the promotion
     assert d["bytes_written"] == size + size2
@@ -206,9 +206,9 @@ def test_store_full_on_disk_still_writes_memory_and_loses_nothing(make_store):
     big = make_block(1100, head_dim=64)  # ~2.3 MB encoded: more than the whole disk map
     with pytest.raises(StoreFullError, match="max_map_bytes"):
         store.put_many([(key_of(big), big)])
-    assert mem(store).contains_many([key_of(big)]) == 1
-    assert disk(store).contains_many([key_of(big)]) == 0
-    assert disk(store).contains_many([k for k, _ in small]) == 3
+    assert mem(store).prefix_run_length([key_of(big)]) == 1
+    assert disk(store).prefix_run_length([key_of(big)]) == 0
+    assert disk(store).prefix_run_length([k for k, _ in small]) == 3
     mem(store).delete([k for k, _ in small])
     out = store.get_many([k for k, _ in small] + [key_of(big)], fingerprint=FP)
     for got, (_, block) in zip(out, small + [(key_of(big), big)], strict=True):
@@ -241,7 +241,7 @@ def test_pinned_block_is_never_evicted(make_store):
     for key, block in others:
         store.put_many([(key, block)])
         store.get_many([key], fingerprint=FP)
-    assert mem(store).contains_many([pk]) == 1
+    assert mem(store).prefix_run_length([pk]) == 1
     assert tier_stats(store, "memory")["evictions"] == len(others) - 2
 
     assert store.unpin([pk, pk]) == 1
@@ -249,7 +249,7 @@ def test_pinned_block_is_never_evicted(make_store):
     assert not store.is_pinned(pk) and store.stats()["pinned"] == 0
     for key, block in others[:3]:
         store.put_many([(key, block)])
-    assert mem(store).contains_many([pk]) == 0  # evicted from memory once unpinned
+    assert mem(store).prefix_run_length([pk]) == 0  # evicted from memory once unpinned
     assert_same_block(store.get_many([pk], fingerprint=FP)[0], pinned)  # still on disk
 
 
@@ -264,7 +264,7 @@ def test_pin_pins_held_blocks_only(make_store):
     assert store.is_pinned(k0) and not store.is_pinned(k1)
     for key, block in entries[1:]:
         store.put_many([(key, block)])
-    assert mem(store).contains_many([k0]) == 1
+    assert mem(store).prefix_run_length([k0]) == 1
     assert tier_stats(store, "memory")["evictions"] == 4  # six blocks, two held, k0 never evicted
 
 
@@ -376,7 +376,7 @@ def test_value_under_the_wrong_key_is_foreign(store):
     disk(store).put_many([(k1, encode_block(b0, k0))])  # a valid block of k0 stored under k1
     assert store.get_many([k1], fingerprint=FP) == [None]
     assert tier_stats(store, "disk")["foreign"] == 1
-    assert mem(store).contains_many([k1]) == 0  # and not promoted
+    assert mem(store).prefix_run_length([k1]) == 0  # and not promoted
 
 
 def test_counters_are_split_by_namespace_and_model(store):
@@ -706,7 +706,7 @@ class _DownTier(MemoryTier):
 
         raise TierUnavailableError("connection refused")
 
-    get_many = put_many = contains_many = delete = usage = _down
+    get_many = put_many = prefix_run_length = delete = usage = _down
 
 
 def test_unreachable_tier_is_skipped_and_counted(data_dir):

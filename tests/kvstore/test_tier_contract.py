@@ -97,7 +97,7 @@ def test_round_trip_of_every_size(tier: Tier) -> None:
 def test_empty_inputs(tier: Tier) -> None:
     assert tier.put_many([]) == 0
     assert tier.get_many([]) == []
-    assert tier.contains_many([]) == 0
+    assert tier.prefix_run_length([]) == 0
     assert tier.delete([]) == 0
     tier.pin([])
     tier.unpin([])
@@ -116,13 +116,13 @@ def test_scoped_keys(tier: Tier) -> None:
     assert tier.get_many(scoped) == [None, b"two"]
 
 
-def test_contains_many_is_a_prefix_length(tier: Tier) -> None:
+def test_prefix_run_length_is_a_prefix_length(tier: Tier) -> None:
     tier.put_many([(k(i), v(i, 3 * CHUNK if i % 2 else 50)) for i in (0, 1, 3)])
-    assert tier.contains_many([k(0), k(1), k(2), k(3)]) == 2
-    assert tier.contains_many([k(0), k(1), k(3)]) == 3
-    assert tier.contains_many([k(2), k(0)]) == 0
-    assert tier.contains_many([k(3)]) == 1
-    assert tier.contains_many([k(0), k(0)]) == 2
+    assert tier.prefix_run_length([k(0), k(1), k(2), k(3)]) == 2
+    assert tier.prefix_run_length([k(0), k(1), k(3)]) == 3
+    assert tier.prefix_run_length([k(2), k(0)]) == 0
+    assert tier.prefix_run_length([k(3)]) == 1
+    assert tier.prefix_run_length([k(0), k(0)]) == 2
 
 
 def test_overwrite_replaces_the_value(tier: Tier) -> None:
@@ -142,7 +142,7 @@ def test_delete_counts_present_keys(tier: Tier) -> None:
     assert tier.delete([k(0), k(1), k(9)]) == 2
     assert tier.delete([k(0)]) == 0
     assert tier.get_many([k(0), k(1), k(2)]) == [None, None, v(2, 32)]
-    assert tier.contains_many([k(2)]) == 1 and tier.contains_many([k(1)]) == 0
+    assert tier.prefix_run_length([k(2)]) == 1 and tier.prefix_run_length([k(1)]) == 0
     usage = tier.usage()
     assert (usage.blocks, usage.bytes) == (1, 32)
     assert tier.put_many([(k(1), b"again")]) == 1  # a deleted key can be stored again

@@ -316,8 +316,8 @@ def test_damaged_lmdb_value_is_a_counted_miss_and_removed(lmdb_path, how):
         assert disk["name"] == "disk" and disk["corrupt"] == 1
         assert disk["hits"] == 1 and disk["misses"] == 1
         # removed from the disk tier, and not promoted into memory
-        assert tier.contains_many([bk]) == 0
-        assert store.specs[0].tier.contains_many([bk]) == 0
+        assert tier.prefix_run_length([bk]) == 0
+        assert store.specs[0].tier.prefix_run_length([bk]) == 0
         assert ("removed", "disk", bk) in [(e.kind, e.tier, e.key) for e in events]
         assert tier.usage().blocks == 1
         if damaged_len == bad_len:  # (a length change behind the tier's back also skews its byte count)

@@ -46,7 +46,7 @@ def test_hung_redis_degrades_like_a_dead_one_and_recovers(pausable_redis: Pausab
         with RemoteStore(f"127.0.0.1:{running.port}", namespace="default", timeout_s=60) as remote:
             assert remote.put_many([(keys[0], blocks[0]), (keys[1], blocks[1])]) == 2
             assert tiers_health() == SERVING
-            assert store.specs[2].tier.contains_many([store.specs[0].tier.keys()[0]]) == 1  # in Redis too
+            assert store.specs[2].tier.prefix_run_length([store.specs[0].tier.keys()[0]]) == 1  # in Redis too
 
             pausable_redis.pause()
             started = time.monotonic()

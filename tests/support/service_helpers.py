@@ -42,7 +42,7 @@ class UnreachableTier(Tier):
     def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> int:
         raise self._down()
 
-    def contains_many(self, keys: Sequence[bytes]) -> int:
+    def prefix_run_length(self, keys: Sequence[bytes]) -> int:
         raise self._down()
 
     def delete(self, keys: Iterable[bytes]) -> int:
