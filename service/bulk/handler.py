@@ -44,7 +44,7 @@ from kvshelf.service.bulk.framing import (
 )
 from kvshelf.service.bulk.listener import DataListener, Pending
 from kvshelf.service.bulk.ticket import OP_GET, OP_PUT
-from kvshelf.service.bulk.transport import receive_buffer, recv_bytes, recv_exact, send_parts, shutdown
+from kvshelf.service.bulk.transport import receive_value, recv_bytes, recv_exact, send_parts, shutdown
 from kvshelf.service.errors import DataPathError, FramingError
 from kvshelf.service.status import fail, status_of
 
@@ -122,11 +122,14 @@ class DataPathHandler:
                     if entry.size != size:
                         raise FramingError(f"value {index} (key {entry.key.hex()}) is announced as {entry.size} "
                                            f"bytes on the data connection and {size} in the request")
-                    value, hasher = receive_buffer(size), value_hasher()  # filled by recv_exact, or dropped
+                    # a bytes filled in place by recv_exact (or dropped): the memory tier keeps it without a copy
+                    value, view = receive_value(size)
+                    hasher = value_hasher()
                     ticket.waiting()
                     # hashed as it lands (in the cache, while the client sends the next piece): verified once
-                    recv_exact(conn, memoryview(value), f"value {index}", progress=ticket.progress, hasher=hasher,
+                    recv_exact(conn, view, f"value {index}", progress=ticket.progress, hasher=hasher,
                                hash_end=size - CHECKSUM_BYTES)
+                    del view
                     check_trailer(entry.key, value, entry.checksum)
                     headers.append(self.core.verify(namespace, entry.key, value, hasher.digest()))
                     values.append((entry.key, value))

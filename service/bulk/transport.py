@@ -48,6 +48,45 @@ def receive_buffer(size: int) -> bytearray:
     return _UNINITIALIZED(size) if _UNINITIALIZED is not None else bytearray(size)
 
 
+def _unfilled_bytes() -> Callable[[int], tuple[bytes, memoryview]] | None:
+    """CPython's ``PyBytes_FromStringAndSize(NULL, n)``: a ``bytes`` of ``n`` bytes not filled yet, and a writable
+    view of its bytes (through ctypes) to fill it with before it is shared; None where ctypes cannot reach them."""
+    try:
+        import ctypes
+
+        make = ctypes.pythonapi.PyBytes_FromStringAndSize
+        make.restype = ctypes.py_object
+        make.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
+        address = ctypes.pythonapi.PyBytes_AsString
+        address.restype = ctypes.c_void_p
+        address.argtypes = (ctypes.py_object,)
+    except (ImportError, AttributeError, OSError):
+        return None
+
+    def unfilled(size: int) -> tuple[bytes, memoryview]:
+        value = make(None, size)
+        if size == 0:  # the shared empty bytes: nothing to fill
+            return value, memoryview(bytearray(0))
+        return value, memoryview((ctypes.c_ubyte * size).from_address(address(value))).cast("B")
+
+    return unfilled
+
+
+_UNFILLED_BYTES = _unfilled_bytes()
+
+
+def receive_value(size: int) -> tuple[bytes | bytearray, memoryview]:
+    """A value of ``size`` bytes to receive, and the writable view to receive it through. Where CPython allows it,
+    the value is a ``bytes`` filled in place: the caller fills every byte through the view (``recv_exact``) or
+    drops both, keeps the value alive while it holds the view, and never writes to it once filled, so the value is
+    immutable from then on and a store's memory tier keeps it as it is (no copy of the whole value per put).
+    Elsewhere a bytearray (``receive_buffer``)."""
+    if _UNFILLED_BYTES is not None:
+        return _UNFILLED_BYTES(size)
+    buffer = receive_buffer(size)
+    return buffer, memoryview(buffer)
+
+
 def recv_exact(sock: socket.socket, view: memoryview, what: str, *, deadline: float | None = None,
                progress: Callable[[int], None] | None = None, hasher: Any = None, hash_end: int = 0) -> None:
     """Fill ``view`` from ``sock`` (straight into it: no intermediate buffer). ``deadline`` (``time.monotonic``):
