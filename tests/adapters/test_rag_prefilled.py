@@ -19,11 +19,11 @@ from families import CONFIGS, attn_implementations, family_model
 from helpers import token_ids
 
 from kvshelf.adapters import decode, hf
-from kvshelf.adapters import rag as rag_module
 from kvshelf.adapters.decode import generate_from_layout
 from kvshelf.adapters.hf import BaseStreamer
 from kvshelf.adapters.model import tiny_llama
 from kvshelf.adapters.rag import RAGGenerator
+from kvshelf.adapters.rag_modes import assembled as rag_module
 from kvshelf.adapters.reuse_engine import Layout
 from kvshelf.kvstore import open_embedded_store
 from kvshelf.kvstore.errors import UnsupportedModelError
