@@ -63,8 +63,6 @@ QUESTIONS = (
 )
 WARMUP_TOKENS = 300
 START_TIMEOUT_S = 600.0
-ROW_KEYS = ("system", "workload", "phase", "tokens", "ttft_p50_s", "ttft_p99_s", "tpot_s", "requests_per_s",
-            "hit_tokens_fraction", "same_output")
 
 
 @dataclass(frozen=True)

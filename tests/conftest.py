@@ -36,9 +36,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Everything under tests/integration/ (the real model, chaos, whole benchmarks) is ``slow``. Modules with a
-    ``slow`` test run first, each module's tests together and in order: workers that take whole files (``--dist
-    loadfile``) start on the long ones and end on short ones, so neither waits long for the other."""
+    """Everything under tests/integration/ (the real model, chaos) is ``slow``, and so are the whole benchmark runs
+    in tests/bench/ (marked in their modules). Modules with a ``slow`` test run first, each module's tests together
+    and in order: workers that take whole files (``--dist loadfile``) start on the long ones and end on short ones,
+    so neither waits long for the other."""
     integration = Path(__file__).parent / "integration"
     for item in items:
         if integration in item.path.parents:

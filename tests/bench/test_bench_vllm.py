@@ -12,10 +12,15 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from kvshelf.bench.vllm import ROW_KEYS, Options, check, run, vllm_venv
+from kvshelf.bench.vllm import Options, check, run, vllm_venv
 from kvshelf.kvstore.errors import ConfigError
 
+pytestmark = pytest.mark.slow  # a whole benchmark run: scheduled first (tests/conftest.py)
+
 REPO = Path(__file__).resolve().parents[2]
+#: the keys of a result row, in order (the schema bench/vllm.py's docstring states)
+ROW_KEYS = ("system", "workload", "phase", "tokens", "ttft_p50_s", "ttft_p99_s", "tpot_s", "requests_per_s",
+            "hit_tokens_fraction", "same_output")
 
 
 @pytest.mark.parametrize(("options", "message"), [

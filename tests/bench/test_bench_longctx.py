@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from rich.console import Console
 
 from kvshelf.bench.longctx import averages, passed, results_tables, run
+
+pytestmark = pytest.mark.slow  # a whole benchmark run: scheduled first (tests/conftest.py)
 
 FIELDS = {"method": str, "impl": str, "task": str, "tokens": int, "kv_fraction": float, "resident_fraction": float,
           "accuracy": float, "ttft_s": float, "tpot_s": float}

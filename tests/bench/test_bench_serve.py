@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from rich.console import Console
 
 from kvshelf.bench.serve import run
-from kvshelf.service.demo import make_documents
+from kvshelf.cli.views.demo_job import make_documents
+
+pytestmark = pytest.mark.slow  # a whole benchmark run: scheduled first (tests/conftest.py)
 
 RESULT_KEYS = {"system", "workload", "requests_per_s", "ttft_p50_s", "ttft_p99_s", "accuracy"}
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from rich.console import Console
 
 from kvshelf.bench.store import BACKENDS, run
+
+pytestmark = pytest.mark.slow  # a whole benchmark run: scheduled first (tests/conftest.py)
 
 
 def test_bench_store_small_run_writes_its_schema(tmp_path):

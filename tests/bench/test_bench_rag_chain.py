@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from rich.console import Console
 
 from kvshelf.bench.rag_chain import results_table, run
+
+pytestmark = pytest.mark.slow  # a whole benchmark run: scheduled first (tests/conftest.py)
 
 
 def test_results_table_is_pure_and_shows_the_speedup() -> None:
