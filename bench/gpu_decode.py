@@ -26,18 +26,6 @@ from kvshelf.compress.xquant import XQuantTables, bind_tables, bound_tables, kee
 from kvshelf.kvstore.codec import BlockShape, get_codec
 
 
-def random_xquant_tables(layers: int, kv_heads: int, head_dim: int, *, seed: int = 0,
-                         rope_theta: float = 10000.0) -> XQuantTables:
-    """``XQuantTables`` of no model: a random orthonormal basis ``[layers, C, C]`` (``C = 2 * kv_heads *
-    head_dim``), unit calibration spreads and RoPE of ``rope_theta``: for timing xquant's decode on a model's shape
-    (its quality means nothing)."""
-    width = 2 * kv_heads * head_dim
-    generator = torch.Generator().manual_seed(seed)
-    basis = torch.linalg.qr(torch.randn(layers, width, width, generator=generator)).Q
-    inv_freq = 1.0 / rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    return XQuantTables(basis, torch.ones(layers, width), inv_freq, kv_heads, head_dim)
-
-
 def _xquant_model(model: Any, params: Mapping[str, Any], geometry: tuple[int, int, int]) -> tuple[dict | None, str]:
     """``xquant`` parameters bound to ``model`` (bound tables' digest, ``XQuantTables`` or a HF model), or None
     and why not."""

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 import torch
 from helpers import FINGERPRINT, key_of, token_ids
+from xquant_tables import random_xquant_tables
 
 from kvshelf.adapters.model import tiny_llama
 from kvshelf.adapters.xquant import xquant_params
-from kvshelf.bench.gpu_decode import decode_rates, random_xquant_tables
+from kvshelf.bench.gpu_decode import decode_rates
 from kvshelf.compress import device, get_codec, kivi, xquant, xquant_kernels
 from kvshelf.compress.bitpack import pack_bits, unpack_bits
 from kvshelf.kvstore import KVBlock
