@@ -35,6 +35,7 @@ from kvshelf.kvstore.lmdb_tier.file import (
     F_BIGDATA,
     F_SUBDATA,
     DBRecord,
+    FileCheck,
     Meta,
     PageReader,
     WalkReport,
@@ -142,55 +143,72 @@ def salvage(path: Path, report: RepairReport, *, total: Callable[[int], None] | 
     seen: set[bytes] = set()
     with open(data, "rb") as f:
         fd = f.fileno()
-        chosen = None
-        for meta in check.parsed:  # newest first; the file may be cut short: pages past its end are unreadable
-            reader = PageReader(fd, meta.page_size, meta.last_pgno)
-            main_report = WalkReport()
-            record = _blocks_root(reader, meta, main_report)
-            if record is not None:
-                chosen = (meta, reader, record, main_report)
-                break
+        chosen = _newest_readable(check, fd)
         complete = chosen is not None and chosen[0] is check.parsed[0] and not check.problems
         if chosen is not None:
-            meta, reader, record, main_report = chosen
-            report.meta_txn = meta.txnid
-            report.unreadable_pages.update(main_report.unreadable)
-            if total is not None:
-                total(record.entries)
-            walk = WalkReport()
-            for key, _flags, raw, (lo, hi, nflags, at) in walk_db(reader, record.root, walk):
-                if advance is not None:
-                    advance(1)
-                value = _verified(reader, key, raw, lo, hi, nflags, at)
-                if value is None:
-                    report.damaged += 1
-                    continue
-                seen.add(key)
-                report.kept += 1
-                report.kept_bytes += len(value)
-                yield key, value
-            report.unreadable_pages.update(walk.unreadable)
+            yield from _walk_blocks(chosen, report, seen, total, advance)
             complete = complete and not report.unreadable_pages
-        if complete:
-            return
-        page_size = check.parsed[0].page_size if check.parsed else os.sysconf("SC_PAGE_SIZE")
-        reader = PageReader(fd, page_size, max(2, os.fstat(fd).st_size // page_size - 1))
-        for pgno, raw in scan_leaf_pages(fd, page_size):
-            try:
-                nodes = list(reader.nodes(pgno, raw))
-            except _FileDamage:
+        if not complete:
+            page_size = check.parsed[0].page_size if check.parsed else os.sysconf("SC_PAGE_SIZE")
+            yield from _scan_leaves(fd, page_size, report, seen)
+
+
+_Chosen = tuple[Meta, PageReader, DBRecord, WalkReport]
+
+
+def _newest_readable(check: FileCheck, fd: int) -> _Chosen | None:
+    """The newest meta page whose ``blocks`` record is readable, with its reader (None: no such page)."""
+    for meta in check.parsed:  # newest first; the file may be cut short: pages past its end are unreadable
+        reader = PageReader(fd, meta.page_size, meta.last_pgno)
+        main_report = WalkReport()
+        record = _blocks_root(reader, meta, main_report)
+        if record is not None:
+            return meta, reader, record, main_report
+    return None
+
+
+def _walk_blocks(chosen: _Chosen, report: RepairReport, seen: set[bytes], total: Callable[[int], None] | None,
+                 advance: Callable[[int], None] | None) -> Iterator[tuple[bytes, bytes]]:
+    """The verified blocks of the ``blocks`` tree of the chosen meta page (``seen`` gets their keys)."""
+    meta, reader, record, main_report = chosen
+    report.meta_txn = meta.txnid
+    report.unreadable_pages.update(main_report.unreadable)
+    if total is not None:
+        total(record.entries)
+    walk = WalkReport()
+    for key, _flags, raw, (lo, hi, nflags, at) in walk_db(reader, record.root, walk):
+        if advance is not None:
+            advance(1)
+        value = _verified(reader, key, raw, lo, hi, nflags, at)
+        if value is None:
+            report.damaged += 1
+            continue
+        seen.add(key)
+        report.kept += 1
+        report.kept_bytes += len(value)
+        yield key, value
+    report.unreadable_pages.update(walk.unreadable)
+
+
+def _scan_leaves(fd: int, page_size: int, report: RepairReport, seen: set[bytes]) -> Iterator[tuple[bytes, bytes]]:
+    """The verified blocks of every leaf page left in the file that the walk did not reach (not in ``seen``)."""
+    reader = PageReader(fd, page_size, max(2, os.fstat(fd).st_size // page_size - 1))
+    for pgno, raw in scan_leaf_pages(fd, page_size):
+        try:
+            nodes = list(reader.nodes(pgno, raw))
+        except _FileDamage:
+            continue
+        for lo, hi, nflags, key, at in nodes:
+            if len(key) not in TIER_KEY_LENGTHS or key in seen:
                 continue
-            for lo, hi, nflags, key, at in nodes:
-                if len(key) not in TIER_KEY_LENGTHS or key in seen:
-                    continue
-                value = _verified(reader, key, raw, lo, hi, nflags, at)
-                if value is None:
-                    continue
-                seen.add(key)
-                report.kept += 1
-                report.kept_bytes += len(value)
-                report.scanned += 1
-                yield key, value
+            value = _verified(reader, key, raw, lo, hi, nflags, at)
+            if value is None:
+                continue
+            seen.add(key)
+            report.kept += 1
+            report.kept_bytes += len(value)
+            report.scanned += 1
+            yield key, value
 
 
 def _verified(reader: PageReader, key: bytes, raw: bytes, lo: int, hi: int, flags: int, at: int) -> bytes | None:

@@ -47,6 +47,28 @@ if TYPE_CHECKING:
 log = logging.getLogger(__package__)
 
 
+def _check_map_sizes(initial_map_bytes: int, max_map_bytes: int) -> None:
+    if initial_map_bytes <= 0 or max_map_bytes <= 0:
+        raise ConfigError(
+            f"LMDB map sizes must be positive (initial={initial_map_bytes}, max={max_map_bytes})"
+        )
+    if max_map_bytes < MIN_MAP_BYTES:
+        raise ConfigError(f"the LMDB size limit {max_map_bytes} bytes is below the minimum of {MIN_MAP_BYTES} "
+                          f"bytes (1MiB) LMDB needs for its own pages and one block")
+    if initial_map_bytes > max_map_bytes:
+        raise ConfigError(f"initial_map_bytes {initial_map_bytes} exceeds max_map_bytes {max_map_bytes}")
+
+
+def _check_slack(capacity_bytes: int, slack_bytes: int | None) -> int:
+    """The slack over ``capacity_bytes`` the map may take: ``lmdb_slack_bytes`` unless given."""
+    if slack_bytes is None:
+        return lmdb_slack_bytes(capacity_bytes)
+    if isinstance(slack_bytes, bool) or not isinstance(slack_bytes, int) or slack_bytes < _FIXED_SLACK:
+        raise ConfigError(f"LMDB tier slack_bytes must be a number of bytes of at least {_FIXED_SLACK} "
+                          f"(256 KiB: LMDB's meta pages and tree roots), got {slack_bytes!r}")
+    return slack_bytes
+
+
 class LMDBTier(Reads, Writes, Bounded, Transactions, Tier):
     """Encoded blocks in an LMDB environment under ``path`` (a directory, created if missing).
 
@@ -78,24 +100,12 @@ class LMDBTier(Reads, Writes, Bounded, Transactions, Tier):
         name: str = "disk",
         verify: bool = True,
     ) -> None:
-        if initial_map_bytes <= 0 or max_map_bytes <= 0:
-            raise ConfigError(
-                f"LMDB map sizes must be positive (initial={initial_map_bytes}, max={max_map_bytes})"
-            )
-        if max_map_bytes < MIN_MAP_BYTES:
-            raise ConfigError(f"the LMDB size limit {max_map_bytes} bytes is below the minimum of {MIN_MAP_BYTES} "
-                              f"bytes (1MiB) LMDB needs for its own pages and one block")
-        if initial_map_bytes > max_map_bytes:
-            raise ConfigError(f"initial_map_bytes {initial_map_bytes} exceeds max_map_bytes {max_map_bytes}")
+        _check_map_sizes(initial_map_bytes, max_map_bytes)
         self.capacity_bytes = None if capacity_bytes is None else _check_capacity(capacity_bytes)
         self.policy: EvictionPolicy | None = None
         if self.capacity_bytes is not None:
             self.policy = make_policy(policy, self.capacity_bytes) if isinstance(policy, str) else policy
-            if slack_bytes is None:
-                slack_bytes = lmdb_slack_bytes(self.capacity_bytes)
-            elif isinstance(slack_bytes, bool) or not isinstance(slack_bytes, int) or slack_bytes < _FIXED_SLACK:
-                raise ConfigError(f"LMDB tier slack_bytes must be a number of bytes of at least {_FIXED_SLACK} "
-                                  f"(256 KiB: LMDB's meta pages and tree roots), got {slack_bytes!r}")
+            slack_bytes = _check_slack(self.capacity_bytes, slack_bytes)
             initial_map_bytes = max_map_bytes = max(-(-(self.capacity_bytes + slack_bytes) // 4096) * 4096,
                                                     MIN_MAP_BYTES)
         if sync_interval_s is not None and (isinstance(sync_interval_s, bool) or not sync_interval_s > 0):
@@ -116,6 +126,12 @@ class LMDBTier(Reads, Writes, Bounded, Transactions, Tier):
         self._on_evict: EvictionCallback | None = None
         #: puts that found the map full and evicted more in a transaction of their own (bounded mode)
         self.map_full_retries = 0
+        self._open(initial_map_bytes, durable, verify)
+        self._syncer = None if durable or sync_interval_s is None else PeriodicSync(self._sync, sync_interval_s)
+
+    def _open(self, initial_map_bytes: int, durable: bool, verify: bool) -> None:
+        """Open (or create) the environment and its databases; a damaged one is ``TierDamagedError``, one that cannot
+        be opened ``ConfigError``."""
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -140,7 +156,6 @@ class LMDBTier(Reads, Writes, Bounded, Transactions, Tier):
         except BaseException:
             self._env.close()
             raise
-        self._syncer = None if durable or sync_interval_s is None else PeriodicSync(self._sync, sync_interval_s)
 
     def _open_env(self, map_size: int, durable: bool) -> lmdb.Environment:
         """``lmdb.open`` (it begins a transaction: another process growing the map meanwhile is retried)."""

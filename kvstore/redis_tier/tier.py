@@ -21,6 +21,7 @@ from kvshelf.kvstore.redis_tier.layout import (
     MiB,
 )
 from kvshelf.kvstore.redis_tier.reads import Reads
+from kvshelf.kvstore.redis_tier.reconcile import Reconciliation
 from kvshelf.kvstore.redis_tier.usage import RECONCILE_INTERVAL_S
 from kvshelf.kvstore.redis_tier.writes import Writes
 from kvshelf.kvstore.tier import EvictionCallback, Tier
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from kvshelf.kvstore.tier_registry import TierURL
 
 
-class RedisTier(Reads, Writes, Delete, Accounting, KeyLayout, Connection, Tier):
+class RedisTier(Reads, Writes, Delete, Accounting, Reconciliation, KeyLayout, Connection, Tier):
     """Encoded blocks in Redis (standalone or Cluster), chunked, under one hash tag per value.
 
     Build it with :meth:`from_url`; ``connect`` is any zero-argument function returning a redis-py client
