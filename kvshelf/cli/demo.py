@@ -24,7 +24,7 @@ def demo(
 
         probe_server(remote, "--remote", 10.0)  # a bad or unreachable address: one line now, not after the model
     set_threads(threads)
-    from kvshelf.service.demo import run_demo
+    from kvshelf.cli.views.demo_job import run_demo
 
     run_demo(model_name=model, documents=documents, tokens=tokens,
              data_dir=str(data_dir) if data_dir else None, console=console, remote=remote)

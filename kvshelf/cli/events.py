@@ -26,9 +26,9 @@ def events(
     Ctrl-C (exit 0). Resume after a disconnect with --from-seq = the last seq printed + 1."""
     import threading
 
+    from kvshelf.cli.views.event_format import format_message
     from kvshelf.kvstore.errors import KVShelfError
     from kvshelf.service.client import RemoteStoreError
-    from kvshelf.service.event_format import format_message
 
     try:
         start = int(from_seq)

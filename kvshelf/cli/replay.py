@@ -86,10 +86,10 @@ def _run_replay(trace_path: Path, capacities: str, policies: str | None, block_b
                 json_path: Path | None, plot_path: Path | None, workers: int) -> None:
     from rich.progress import Progress
 
+    from kvshelf.bench import replay_report
     from kvshelf.kvstore.errors import KVShelfError
     from kvshelf.kvstore.replay import TIERS, check_block_bytes, check_policies, parse_capacities, replay
     from kvshelf.kvstore.trace import read_trace
-    from kvshelf.service import replay_report
 
     # every setting is checked before the trace is read and the replay starts
     size = check_block_bytes(block_bytes)

@@ -29,9 +29,9 @@ def stats(
     connect_timeout: Annotated[float, typer.Option(min=0.1, help="seconds to wait for the server")] = 10.0,
 ) -> None:
     """The admin view: hit rates (blocks and tokens), usage per tier, top namespaces and models, evictions."""
+    from kvshelf.cli.views.admin import plot as draw_plot
+    from kvshelf.cli.views.admin import render
     from kvshelf.kvstore.errors import KVShelfError
-    from kvshelf.service.admin import plot as draw_plot
-    from kvshelf.service.admin import render
 
     if (server is None) == (data_dir is None):
         raise KVShelfError("give exactly one of --server HOST:PORT or --data-dir DIR")

@@ -9,9 +9,9 @@ import pytest
 from helpers import FINGERPRINT, key_of, make_block
 from rich.console import Console
 
+from kvshelf.cli.views.admin import plot, render
 from kvshelf.kvstore import open_embedded_store
 from kvshelf.kvstore.errors import KVShelfError
-from kvshelf.service.admin import plot, render
 from kvshelf.service.history import StatsHistory
 from kvshelf.service.metrics import serve_metrics
 

@@ -181,7 +181,7 @@ def run_demo(
         out = Path(data_dir) / "demo-disk.json"
         spec.write_text(json.dumps({"model": model_name, "data_dir": data_dir, "documents": documents,
                                     "tokens": tokens, "out": str(out), "remote": remote}))
-        subprocess.run([sys.executable, "-m", "kvshelf.service.demo", "--disk-phase", str(spec)], check=True)
+        subprocess.run([sys.executable, "-m", "kvshelf.cli.views.demo_job", "--disk-phase", str(spec)], check=True)
         disk = json.loads(out.read_text())
     for row, answer in zip(rows, disk["answers"], strict=True):
         row["disk"] = answer
