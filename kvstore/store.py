@@ -212,13 +212,15 @@ class TieredStore:
         """The device layer first (when there is one), the keys it misses through the tier stack."""
         checked = check_keys(keys, scoped=True)
         if self.device_cache is None:
-            return read_through(self._stack, checked, model, namespace, decode, tokens, parallel=parallel)
-        result, below = self.device_cache.read(checked, model, namespace, from_device, tokens)
-        if below:
-            rest = read_through(self._stack, [checked[j] for j in below], model, namespace, decode,
-                                [tokens[j] for j in below] if tokens is not None else None, parallel=parallel)
-            for j, value in zip(below, rest, strict=True):
-                result[j] = value
+            result = read_through(self._stack, checked, model, namespace, decode, parallel=parallel)
+        else:
+            result, below = self.device_cache.read(checked, model, namespace, from_device)
+            if below:
+                rest = read_through(self._stack, [checked[j] for j in below], model, namespace, decode,
+                                    parallel=parallel)
+                for j, value in zip(below, rest, strict=True):
+                    result[j] = value
+        self.meter.retrieved(namespace, model, result, tokens)
         return result
 
     def get_encoded_many(
@@ -234,8 +236,10 @@ class TieredStore:
                          expected_namespace=namespace, checksum_checked=checksum_checked)
             return value
 
-        return read_through(self._stack, check_keys(keys, scoped=True), fingerprint or UNKNOWN, namespace, verify,
-                            tokens, parallel=True, decode_checked=functools.partial(verify, checksum_checked=True))
+        result = read_through(self._stack, check_keys(keys, scoped=True), fingerprint or UNKNOWN, namespace, verify,
+                              parallel=True, decode_checked=functools.partial(verify, checksum_checked=True))
+        self.meter.retrieved(namespace, fingerprint or UNKNOWN, result, tokens)
+        return result
 
     # -- management -----------------------------------------------------------------------------------
 

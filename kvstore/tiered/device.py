@@ -78,11 +78,11 @@ class DeviceLayer:
                                      block.nbytes)
         return stored
 
-    def read(self, keys: Sequence[TierKey], model: str, namespace: str, convert: Callable[[DeviceBlock], T],
-             tokens: Sequence[int] | None) -> tuple[list[T | None], list[int]]:
+    def read(self, keys: Sequence[TierKey], model: str, namespace: str,
+             convert: Callable[[DeviceBlock], T]) -> tuple[list[T | None], list[int]]:
         """The held blocks of ``model`` and ``namespace`` among ``keys``, ``convert``ed, and the indices of the keys
-        it misses (a block of another model or namespace is a counted ``foreign`` miss); counted, its hits in the
-        retrieve counts too (the tiers below count the rest)."""
+        it misses (a block of another model or namespace is a counted ``foreign`` miss); hits, misses and bytes
+        counted under its name."""
         result: list[T | None] = [None] * len(keys)
         below: list[int] = []
         for j, block in enumerate(self.tier.get_many(keys)):
@@ -97,12 +97,6 @@ class DeviceLayer:
         hits = len(keys) - len(below)
         self.meter.count(self.name, namespace, model, Metric.HITS, hits)
         self.meter.count(self.name, namespace, model, Metric.MISSES, len(below))
-        if hits:
-            hit_tokens = None
-            if tokens is not None:
-                served = sum(tokens) - sum(tokens[j] for j in below)
-                hit_tokens = (served, served)
-            self.meter.retrieved(namespace, model, hits, hits, hit_tokens)
         return result, below
 
     def delete(self, keys: Sequence[TierKey]) -> set[TierKey]:

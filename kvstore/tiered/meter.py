@@ -91,13 +91,16 @@ class StoreMeter:
             self.counters.add(ALL_TIERS, namespace, model, Metric.LOOKUP_TOKENS, sum(tokens))
             self.counters.add(ALL_TIERS, namespace, model, Metric.LOOKUP_HIT_TOKENS, sum(tokens[:found]))
 
-    def retrieved(self, namespace: str, model: str, asked: int, hits: int, tokens: tuple[int, int] | None) -> None:
-        """A read of ``asked`` blocks served ``hits``; ``tokens``: (tokens asked, tokens served) when known."""
-        self.counters.add(ALL_TIERS, namespace, model, Metric.RETRIEVE_BLOCKS, asked)
-        self.counters.add(ALL_TIERS, namespace, model, Metric.RETRIEVE_HIT_BLOCKS, hits)
+    def retrieved(self, namespace: str, model: str, results: Sequence[object | None],
+                  tokens: Sequence[int] | None) -> None:
+        """A read answered ``results`` (``None``: a miss); ``tokens``: tokens per key, when known."""
+        self.counters.add(ALL_TIERS, namespace, model, Metric.RETRIEVE_BLOCKS, len(results))
+        self.counters.add(ALL_TIERS, namespace, model, Metric.RETRIEVE_HIT_BLOCKS,
+                          sum(r is not None for r in results))
         if tokens is not None:
-            self.counters.add(ALL_TIERS, namespace, model, Metric.RETRIEVE_TOKENS, tokens[0])
-            self.counters.add(ALL_TIERS, namespace, model, Metric.RETRIEVE_HIT_TOKENS, tokens[1])
+            self.counters.add(ALL_TIERS, namespace, model, Metric.RETRIEVE_TOKENS, sum(tokens))
+            missed = sum(tokens[j] for j, r in enumerate(results) if r is None)
+            self.counters.add(ALL_TIERS, namespace, model, Metric.RETRIEVE_HIT_TOKENS, sum(tokens) - missed)
 
     def hit_rate(self, hit: Metric, asked: Metric) -> float | None:
         n = self.counters.total(asked, tier=ALL_TIERS)

@@ -22,11 +22,11 @@ Decode = Callable[[bytes, bytes], T]
 
 
 def read_through(
-    stack: TierStack, keys: Sequence[TierKey], model: str, namespace: str, decode: Decode[T],
-    tokens: Sequence[int] | None = None, *, parallel: bool = False, decode_checked: Decode[T] | None = None,
+    stack: TierStack, keys: Sequence[TierKey], model: str, namespace: str, decode: Decode[T], *,
+    parallel: bool = False, decode_checked: Decode[T] | None = None,
 ) -> list[T | None]:
-    """``decode``d values of ``keys`` (checked keys) from the first tier holding each, counted under
-    ``namespace`` and ``model``; ``tokens``: tokens per key, for the retrieve counts in tokens. ``parallel``: large
+    """``decode``d values of ``keys`` (checked keys) from the first tier holding each, each tier's hits, misses and
+    bytes counted under ``namespace`` and ``model`` (the store counts the retrieval as a whole). ``parallel``: large
     batches decode on a few threads (``decode.decode_all``). ``decode_checked``, when given, decodes the values of a
     tier that ``holds_checked_copies`` instead."""
     result: list[T | None] = [None] * len(keys)
@@ -56,10 +56,6 @@ def read_through(
         if index > 0 and promote:
             stack.promote(index, promote)
         remaining = missed
-    counted = None
-    if tokens is not None:
-        counted = (sum(tokens), sum(tokens) - sum(tokens[j] for j in remaining))
-    stack.meter.retrieved(namespace, model, len(keys), len(keys) - len(remaining), counted)
     return result
 
 
