@@ -20,7 +20,6 @@ Redis Cluster (started here, like the standalone server, on free ports).
 from __future__ import annotations
 
 import os
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvshelf.bench.common import machine_description, save_results
-from kvshelf.bench.servers import HOST, START_TIMEOUT_S, RedisProcess, binary, free_port
+from kvshelf.bench.servers import HOST, RedisProcess, cluster_args, form_cluster, free_port
 from kvshelf.kvstore.errors import ConfigError
 from kvshelf.kvstore.keys import KEY_BYTES, SCOPE_BYTES, SCOPED_KEY_BYTES, BlockKey, ScopeTag, scope
 from kvshelf.kvstore.redis_tier import CLEAR_SCAN_COUNT
@@ -48,34 +47,8 @@ def _keys(tag: ScopeTag, count: int, seed: int) -> list[bytes]:
 
 
 def _start_cluster(workdir: Path, size: int = 3) -> list[RedisProcess]:
-    nodes = []
-    for n in range(size):
-        nodes.append(RedisProcess(free_port(), workdir / f"node-{n}", [
-            "--cluster-enabled", "yes", "--cluster-config-file", str(workdir / f"node-{n}" / "nodes.conf"),
-            "--cluster-node-timeout", "5000"]))
-    try:
-        for node in nodes:
-            node.start()
-        created = subprocess.run([binary("redis-cli"), "--cluster", "create", *(f"{HOST}:{n.port}" for n in nodes),
-                                  "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True,
-                                 timeout=60)
-        if created.returncode != 0:
-            raise ConfigError(f"redis-cli --cluster create failed: {created.stdout}{created.stderr}")
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            states = []
-            for node in nodes:
-                with node.client() as client:
-                    states.append(b"cluster_state:ok" in client.execute_command("CLUSTER", "INFO"))
-            if all(states):
-                break
-            if time.monotonic() > deadline:
-                raise ConfigError("the local Redis Cluster did not come up")
-            time.sleep(0.1)
-    except BaseException:
-        for node in nodes:
-            node.stop()
-        raise
+    nodes = [RedisProcess(free_port(), workdir / f"node-{n}", cluster_args(workdir / f"node-{n}")) for n in range(size)]
+    form_cluster(nodes)
     return nodes
 
 

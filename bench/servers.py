@@ -1,4 +1,5 @@
-"""Real local servers for benchmarks and tests: ``redis-server`` processes and ``kvshelf serve``.
+"""Real local servers for benchmarks and tests: ``redis-server`` processes (standalone, a local Redis Cluster)
+and ``kvshelf serve``.
 
 Everything binds 127.0.0.1 on a free port, keeps nothing on disk (no persistence) and is killed on exit.
 """
@@ -14,7 +15,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,6 +139,50 @@ def redis_server(maxmemory: str = "4gb") -> Iterator[RedisProcess]:
             yield server
         finally:
             server.stop()
+
+
+def cluster_args(workdir: Path) -> list[str]:
+    """The arguments that make a ``RedisProcess`` a Redis Cluster node keeping its ``nodes.conf`` in ``workdir``."""
+    return ["--cluster-enabled", "yes", "--cluster-config-file", str(workdir / "nodes.conf"),
+            "--cluster-node-timeout", "5000"]
+
+
+def form_cluster(nodes: Sequence[RedisProcess], cli_args: Sequence[str] = ()) -> None:
+    """Start the cluster-enabled ``nodes``, join them as primaries without replicas (``redis-cli --cluster create``)
+    and wait until every one reports ``cluster_state:ok``; on any failure every node is stopped and the error raised
+    (``ConfigError``). ``cli_args``: redis-cli's connection options (``--tls --cacert CA`` for TLS nodes)."""
+    try:
+        for node in nodes:
+            node.start()
+        created = subprocess.run(
+            [binary("redis-cli"), *cli_args, "--cluster", "create", *(f"{HOST}:{node.port}" for node in nodes),
+             "--cluster-replicas", "0", "--cluster-yes"],
+            capture_output=True, text=True, timeout=60,
+        )
+        if created.returncode != 0:
+            raise ConfigError(f"redis-cli --cluster create failed ({created.returncode}):\n{created.stdout}\n"
+                              f"{created.stderr}")
+        wait_cluster_ok(nodes)
+    except BaseException:
+        for node in nodes:
+            node.stop()
+        raise
+
+
+def wait_cluster_ok(nodes: Sequence[RedisProcess]) -> None:
+    """Wait until every node reports ``cluster_state:ok`` (``ConfigError`` after ``START_TIMEOUT_S``)."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not all(_cluster_ok(node) for node in nodes):
+        if time.monotonic() > deadline:
+            raise ConfigError(f"Redis Cluster on ports {[n.port for n in nodes]} not ok within {START_TIMEOUT_S} s")
+        time.sleep(0.1)
+
+
+def _cluster_ok(node: RedisProcess) -> bool:
+    with node.client() as client:
+        info = client.execute_command("CLUSTER", "INFO")
+    text = info.decode() if isinstance(info, bytes) else str(info)
+    return "cluster_state:ok" in text
 
 
 class KVShelfProcess:

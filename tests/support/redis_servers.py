@@ -12,7 +12,6 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,17 +21,10 @@ import pytest
 import redis
 import redis.cluster
 
-from kvshelf.bench.servers import HOST, MISSING, START_TIMEOUT_S, RedisProcess, binary, free_port
+from kvshelf.bench.servers import HOST, MISSING, RedisProcess, cluster_args, form_cluster, free_port, wait_cluster_ok
 from kvshelf.kvstore.errors import ConfigError
 
 __all__ = ["HOST", "MISSING", "PausableRedis", "RedisProcess", "TLSFiles", "TLSRedisProcess", "free_port"]
-
-
-def _binary(name: str) -> str:
-    try:
-        return binary(name)
-    except ConfigError:
-        pytest.fail(MISSING, pytrace=False)
 
 
 @dataclass
@@ -61,42 +53,28 @@ class RedisClusterProcesses:
         for node in self.nodes:
             if node.proc is None:
                 node.start()
-        wait_cluster_ok(self.nodes)
+        try:
+            wait_cluster_ok(self.nodes)
+        except ConfigError as exc:
+            pytest.fail(str(exc), pytrace=False)
 
 
 def start_cluster(workdir: Path, size: int = 3, tls: TLSFiles | None = None) -> RedisClusterProcesses:
     """Start ``size`` cluster-enabled servers, join them with ``redis-cli --cluster create``, wait for ok.
     ``tls``: the nodes speak only TLS (clients, the cluster bus and replication alike)."""
-    redis_cli = _binary("redis-cli")
     nodes: list[RedisProcess] = []
     for n in range(size):
-        port = free_port()
-        args = [
-            "--cluster-enabled", "yes", "--cluster-config-file", str(workdir / f"node-{n}" / f"nodes-{n}.conf"),
-            "--cluster-node-timeout", "5000",
-        ]
+        args = cluster_args(workdir / f"node-{n}")
         if tls is None:
-            nodes.append(RedisProcess(port, workdir / f"node-{n}", args))
+            nodes.append(RedisProcess(free_port(), workdir / f"node-{n}", args))
         else:
-            nodes.append(TLSRedisProcess(port, workdir / f"node-{n}", [
+            nodes.append(TLSRedisProcess(free_port(), workdir / f"node-{n}", [
                 *args, "--tls-cluster", "yes", "--tls-replication", "yes"], tls=tls))
-    cluster = RedisClusterProcesses(nodes, tls)
     try:
-        for node in nodes:
-            node.start()
-        create = subprocess.run(
-            [redis_cli, *([] if tls is None else ["--tls", "--cacert", str(tls.ca)]),
-             "--cluster", "create", *(f"{HOST}:{node.port}" for node in nodes),
-             "--cluster-replicas", "0", "--cluster-yes"],
-            capture_output=True, text=True, timeout=60,
-        )
-        if create.returncode != 0:
-            pytest.fail(f"redis-cli --cluster create failed ({create.returncode}):\n{create.stdout}\n{create.stderr}")
-        wait_cluster_ok(nodes)
-    except BaseException:
-        cluster.stop()
-        raise
-    return cluster
+        form_cluster(nodes, [] if tls is None else ["--tls", "--cacert", str(tls.ca)])
+    except ConfigError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    return RedisClusterProcesses(nodes, tls)
 
 
 @dataclass(frozen=True)
@@ -162,22 +140,6 @@ class TLSRedisProcess(RedisProcess):
     def client(self) -> redis.Redis:
         assert self.tls is not None
         return redis.Redis(host=HOST, port=self.port, socket_timeout=5, ssl=True, ssl_ca_certs=str(self.tls.ca))
-
-
-def wait_cluster_ok(nodes: list[RedisProcess]) -> None:
-    """Wait until every node reports ``cluster_state:ok``."""
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not all(_cluster_ok(node) for node in nodes):
-        if time.monotonic() > deadline:
-            pytest.fail(f"Redis Cluster on ports {[n.port for n in nodes]} not ok within {START_TIMEOUT_S} s")
-        time.sleep(0.1)
-
-
-def _cluster_ok(node: RedisProcess) -> bool:
-    with node.client() as client:
-        info = client.execute_command("CLUSTER", "INFO")
-    text = info.decode() if isinstance(info, bytes) else str(info)
-    return "cluster_state:ok" in text
 
 
 @pytest.fixture(scope="session")
