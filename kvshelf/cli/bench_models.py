@@ -40,26 +40,11 @@ def bench_ttft(
 ) -> None:
     """TTFT of full prefill vs warm-memory vs warm-disk (or warm-remote / warm-redis) reuse, with same-output
     checks."""
-    from kvshelf.kvstore.codec import get_codec
     from kvshelf.kvstore.errors import KVShelfError
 
-    names = [name.strip() for value in (codec or ["raw"]) for name in value.split(",") if name.strip()] or ["raw"]
-    if len(names) > 1 and not (remote or redis):
-        raise KVShelfError(f"several codecs ({', '.join(names)}) need --remote or --redis (the disk modes take one)")
     if cold and (remote or redis):
         raise KVShelfError("--cold is a disk mode: it does not go with --remote/--redis")
-    raw_params = json_object(codec_params, "--codec-params")
-    keyed = len(names) > 1 or (bool(raw_params) and set(raw_params) <= set(names)
-                               and all(isinstance(v, dict) for v in raw_params.values()))
-    if keyed and set(raw_params) - set(names):
-        raise KVShelfError(f"--codec-params: {sorted(set(raw_params) - set(names))} are not among the codecs "
-                           f"{names}; with several codecs give an object by codec name")
-    chosen_params = [dict(raw_params.get(name, {})) if keyed else dict(raw_params) for name in names]
-    for name, params in zip(names, chosen_params, strict=True):
-        if not isinstance(params, dict):
-            raise KVShelfError(f"--codec-params: the parameters of {name} must be a JSON object")
-        # an unknown codec or parameter is a clear error before the model loads (xquant's "basis" is the adapter's)
-        get_codec(name, {k: v for k, v in params.items() if not (name == "xquant" and k == "basis")})
+    names, chosen_params = _ttft_codecs(codec, codec_params, remote or redis)
     remote_modes = remote or redis  # the codecs go to the remote modes; the bench's own store stays raw
     disk, params = ("raw", {}) if remote_modes else (names[0], chosen_params[0])
     chosen = corpus_path(corpus)
@@ -74,6 +59,30 @@ def bench_ttft(
         disk_codec_params=params, rounds=rounds, cold=cold, remote=remote, redis=redis,
         codecs=list(zip(names, chosen_params, strict=True)), dtype=dtype, device=device)
 
+
+def _ttft_codecs(codec: list[str] | None, codec_params: str | None,
+                 remote_modes: bool) -> tuple[list[str], list[dict]]:
+    """``bench ttft``'s codecs and each one's parameters from ``--codec`` and ``--codec-params``, every one checked
+    by the codec registry (an unknown codec or parameter is a clear error before the model loads)."""
+    from kvshelf.kvstore.codec import get_codec
+    from kvshelf.kvstore.errors import KVShelfError
+
+    names = [name.strip() for value in (codec or ["raw"]) for name in value.split(",") if name.strip()] or ["raw"]
+    if len(names) > 1 and not remote_modes:
+        raise KVShelfError(f"several codecs ({', '.join(names)}) need --remote or --redis (the disk modes take one)")
+    raw_params = json_object(codec_params, "--codec-params")
+    keyed = len(names) > 1 or (bool(raw_params) and set(raw_params) <= set(names)
+                               and all(isinstance(v, dict) for v in raw_params.values()))
+    if keyed and set(raw_params) - set(names):
+        raise KVShelfError(f"--codec-params: {sorted(set(raw_params) - set(names))} are not among the codecs "
+                           f"{names}; with several codecs give an object by codec name")
+    chosen_params = [dict(raw_params.get(name, {})) if keyed else dict(raw_params) for name in names]
+    for name, params in zip(names, chosen_params, strict=True):
+        if not isinstance(params, dict):
+            raise KVShelfError(f"--codec-params: the parameters of {name} must be a JSON object")
+        # xquant's "basis" is the adapter's parameter, not the codec's
+        get_codec(name, {k: v for k, v in params.items() if not (name == "xquant" and k == "basis")})
+    return names, chosen_params
 
 
 def bench_rag(
