@@ -55,18 +55,14 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvshelf.adapters import hf, hybrid
 from kvshelf.adapters import states as state_types
-from kvshelf.adapters.cache_bridge import (
-    blocks_from_cache,
-    cache_from_tensors,
-    check_supported,
-    tensors_from_prepared,
-)
+from kvshelf.adapters.cache_bridge import blocks_from_cache, check_supported
 from kvshelf.adapters.fingerprint import model_fingerprint, other_dtype_fingerprints
 from kvshelf.adapters.hf import BaseStreamer
 from kvshelf.adapters.kv_support import check_model_supported
 from kvshelf.adapters.lifecycle import Closable
 from kvshelf.adapters.miss import EXPLAIN_SCAN, MissKind, MissQuery, MissReason, MissReport, explain_miss
 from kvshelf.adapters.model_label import label_blocks
+from kvshelf.adapters.prefix_load import KVPrefixLoader, PrefixLoader, Row
 from kvshelf.adapters.prompts import Prompt, batch_prompt_ids, is_batch, prompt_ids
 from kvshelf.adapters.streaming import FirstTokenTimer, TokenStream
 from kvshelf.kvstore.block import KVBlock, PreparedBlock
@@ -107,21 +103,6 @@ class GenerationResult:
     # prompt with no full block that no other setting holds
     miss_reasons: tuple[MissReason, ...] = ()
     miss_reason: MissReason | None = None
-
-
-@dataclass
-class _Row:
-    """One prompt of a call: its ids, what was loaded for it, and its cache once prefilled. ``asked`` and
-    ``found``: the blocks its lookup asked for and found (``looked``: a lookup ran)."""
-
-    ids: list[int]
-    reused: int = 0
-    loaded: int = 0
-    missed: bool = False
-    cache: Any = None
-    looked: bool = False
-    asked: int = 0
-    found: int = 0
 
 
 class CachedGenerator(Closable):
@@ -176,8 +157,6 @@ class CachedGenerator(Closable):
         #: (damaged, foreign, lossy or mismatched: a miss, never a state); fallbacks: loads that reused less than
         #: the cached blocks (no snapshot at the deepest usable boundary: a shallower one, or none)
         self.snapshot_stats = hybrid.new_stats()
-        self.snapshot_last_error: str | None = None
-        self._state_layout: dict[str, tuple] = {}
         self._sliding = bool(hf.WINDOWED_ATTENTION & set(hf.attention_layer_types(model.config)))
         # chunked attention (Llama 4): chunk boundaries and the NoPE layers' temperature follow cache positions, which
         # a left-padded batch shifts: its rows run one at a time (exact), as a hybrid model's do
@@ -205,6 +184,14 @@ class CachedGenerator(Closable):
             if unsubscribe is not None:
                 self.eviction_log = log
                 self._unwatch = weakref.finalize(self, unsubscribe)
+        self._hybrid = (hybrid.HybridPrefixLoader(model, store, self.namespace, block_size, snapshot_every,
+                                                  snapshot_codec, self.snapshot_stats) if self._states else None)
+        self._loader: PrefixLoader = self._hybrid or KVPrefixLoader(model, store, self.namespace)
+
+    @property
+    def snapshot_last_error(self) -> str | None:
+        """Hybrid models: why the last snapshot was rejected or not stored (``None``: none was)."""
+        return self._hybrid.last_error if self._hybrid is not None else None
 
     # -- lifecycle --------------------------------------------------------------------------------------------
 
@@ -257,11 +244,11 @@ class CachedGenerator(Closable):
         row = self._load_prefix(list(ids), None, self.fingerprint)
         return row.reused, row.cache
 
-    def _load_prefix(self, ids: list[int], cacheable_prefix: int | None, fingerprint: str) -> _Row:
+    def _load_prefix(self, ids: list[int], cacheable_prefix: int | None, fingerprint: str) -> Row:
         """The longest cached prefix as a cache of ``reused`` tokens, at most ``len(ids) - 1`` (one token must be
         prefilled), ``loaded`` the tokens of the blocks found; ``missed``: blocks were looked up and none was
         found."""
-        row = _Row(ids)
+        row = Row(ids)
         if self.store is None or len(ids) < 2:
             return row
         spans = self._spans(ids, cacheable_prefix, fingerprint)
@@ -276,22 +263,10 @@ class CachedGenerator(Closable):
         if not found:
             row.missed = bool(keys)
             return row
-        if self._states:  # KV only with the state of its last boundary
-            return hybrid.load(self, row, spans, tokens, found, fingerprint)
-        blocks = self.store.get_prepared_many(keys[:found], fingerprint=fingerprint, namespace=self.namespace,
-                                              tokens=tokens[:found])
-        usable = []
-        for block in blocks:  # a damaged or vanished block ends the usable prefix
-            if block is None:
-                break
-            usable.append(block)
-        if not usable:
-            return row
-        row.loaded = sum(b.num_tokens for b in usable)
-        row.reused = min(row.loaded, len(ids) - 1)
-        keys_t, values_t = tensors_from_prepared(usable, device=self.model.device, dtype=self.model.dtype)
-        row.cache = cache_from_tensors(keys_t, values_t, self.model.config, max_tokens=row.reused)
-        self._offer_device(keys[: len(usable)], usable, keys_t, values_t)
+        row = self._loader.load(row, spans, tokens, found, fingerprint)  # a hybrid's: KV only with its state
+        if row.loaded_kv is not None:
+            self._offer_device(*row.loaded_kv)
+            row.loaded_kv = None
         return row
 
     def _offer_device(self, keys: list[bytes], blocks: list[PreparedBlock], keys_t: torch.Tensor,
@@ -325,7 +300,7 @@ class CachedGenerator(Closable):
                 dtypes.append(name.removeprefix("torch."))
         return count, tuple(dtypes)
 
-    def _miss_reasons(self, row: _Row, cacheable_prefix: int | None, fingerprint: str) -> tuple[MissReason, ...]:
+    def _miss_reasons(self, row: Row, cacheable_prefix: int | None, fingerprint: str) -> tuple[MissReason, ...]:
         """Why ``row``'s lookup found fewer blocks than it asked for (``adapters.miss.explain_miss``); () on a full
         hit, without a lookup, or with ``explain_misses`` off."""
         if not self.explain_misses or not row.looked or (row.asked and row.found >= row.asked):
@@ -333,7 +308,7 @@ class CachedGenerator(Closable):
         query = MissQuery(row.ids, fingerprint, self.namespace, self.block_size, row.found, cacheable_prefix)
         return explain_miss(self.model, self.tokenizer, self.store, query, eviction_log=self.eviction_log)
 
-    def _other_dtypes(self, row: _Row, cacheable_prefix: int | None,
+    def _other_dtypes(self, row: Row, cacheable_prefix: int | None,
                       reasons: tuple[MissReason, ...]) -> tuple[int, tuple[str, ...]]:
         """``other_dtype_blocks`` and ``other_dtypes`` of a row that reused nothing: read off its miss reasons
         when they were looked for (the same probes), else probed (``_other_dtype_blocks``)."""
@@ -518,17 +493,18 @@ class CachedGenerator(Closable):
                       cacheable_prefix: int | None, store_generated: bool, timer: FirstTokenTimer, started: float,
                       generate_kwargs: dict[str, Any]) -> GenerationResult:
         fingerprint = self.fingerprint  # this call's: blocks are looked up and stored for the model as it is now
-        row = self._load_prefix(ids, cacheable_prefix, fingerprint) if reuse else _Row(ids)
+        row = self._load_prefix(ids, cacheable_prefix, fingerprint) if reuse else Row(ids)
         cache = row.cache
         if self._sliding and store and self.store is not None:  # the blocks to store need every token
             cache = cache if cache is not None else hf.new_cache(self.model.config)
             hf.keep_sliding_history(cache)
         snapshots: list = []
-        if self._states and store and self.store is not None:  # prefill up to each snapshot boundary
+        if self._hybrid is not None and store and self.store is not None:  # prefill up to each snapshot boundary
             # a chat turn stores full blocks and its own end (not the looked-up cacheable_prefix's partial block)
-            cut = hybrid.boundaries(self, ids, row.reused, None if store_generated else cacheable_prefix, fingerprint)
+            cut = self._hybrid.boundaries(ids, row.reused, None if store_generated else cacheable_prefix,
+                                          fingerprint)
             if cut:
-                cache, snapshots = hybrid.prefill(self, row, cut, cache)
+                cache, snapshots = self._hybrid.prefill(row, cut, cache)
         input_ids = torch.tensor([ids], device=self.model.device)
         out = self.model.generate(
             input_ids=input_ids,
@@ -546,14 +522,15 @@ class CachedGenerator(Closable):
             if store_generated:
                 entries = self._block_entries(ids + new_ids, out.past_key_values, row.loaded,
                                               len(ids) + len(new_ids), True, fingerprint)
-                if self._states:
-                    snapshots += hybrid.turn_snapshot(self, (ids + new_ids)[:-1], out.past_key_values, row.reused,
-                                                      fingerprint)
+                if self._hybrid is not None:
+                    snapshots += self._hybrid.turn_snapshot((ids + new_ids)[:-1], out.past_key_values, row.reused,
+                                                            fingerprint)
             else:
                 entries = self._block_entries(ids, out.past_key_values, row.loaded, cacheable_prefix or len(ids),
                                               cacheable_prefix is not None, fingerprint)
             stored = self._put(entries, wait)
-            hybrid.put(self, snapshots, ids + new_ids, fingerprint)
+            if self._hybrid is not None:
+                self._hybrid.put(snapshots, ids + new_ids, fingerprint)
         # after the answer (TTFT does not pay for it): why the lookup missed, and what it would have found in
         # another dtype
         reasons = self._miss_reasons(row, cacheable_prefix, fingerprint)
@@ -574,7 +551,7 @@ class CachedGenerator(Closable):
             miss_reason=reasons[0] if reasons else None,
         )
 
-    def _prefill_row(self, row: _Row) -> None:
+    def _prefill_row(self, row: Row) -> None:
         """Run the row's tokens past its loaded prefix through the model into its own cache (every token: the
         blocks to store end at the prompt's end; the batch cache takes all but the last). Sliding layers keep every
         token (the batch cache needs the window before the last token)."""
@@ -585,7 +562,7 @@ class CachedGenerator(Closable):
         self.model(input_ids=rest, past_key_values=cache, use_cache=True)
         row.cache = cache
 
-    def _batch_cache(self, rows: list[_Row], width: int) -> Any:
+    def _batch_cache(self, rows: list[Row], width: int) -> Any:
         """The rows' caches joined, left-padded: per layer ``[B, kv_heads, width - 1, head_dim]``, row ``i``'s
         first ``len(ids_i) - 1`` tokens in its last slots, zeros (masked) before them; a sliding layer is filled as
         its own prefill of ``width - 1`` tokens leaves it (``hf.fill_layer``: the last ``window - 1`` slots)."""
@@ -621,7 +598,7 @@ class CachedGenerator(Closable):
                                        cacheable_prefix=None, store_generated=False, timer=FirstTokenTimer(None),
                                        started=started, generate_kwargs=generate_kwargs) for ids in rows_ids]
         fingerprint = self.fingerprint
-        rows = [self._load_prefix(ids, None, fingerprint) if reuse else _Row(ids) for ids in rows_ids]
+        rows = [self._load_prefix(ids, None, fingerprint) if reuse else Row(ids) for ids in rows_ids]
         for row in rows:
             self._prefill_row(row)
         width = max(len(row.ids) for row in rows)
