@@ -7,13 +7,11 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install demo test test-vllm test-fast bench bench-codecs lint clean redis chromium vllm-venv
+.PHONY: install demo test test-vllm test-fast bench bench-codecs lint typecheck clean redis chromium vllm-venv
 
 install: $(STAMP)
 
 # torch comes from the local CPU wheel (torch==2.13.0); a plain `torch` would pull a multi-GB CUDA build.
-#: Python compiles a module's bytecode when it is first imported, so pip need not compile the
-# thousands of files (vLLM's above all) that are never imported; 1-2 CPU minutes less per venv.
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
@@ -82,6 +80,14 @@ $(VLLM_STAMP): pyproject.toml
 
 lint: install
 	$(VENV)/bin/ruff check .
+
+# pyright (basic; settings in pyproject.toml) over the package, its parts linked under their kvshelf.* names.
+PARTS := kvstore compress reuse proto service adapters bench
+typecheck: install
+	rm -rf build/typecheck && mkdir -p build/typecheck/kvshelf
+	ln -s ../../../kvshelf/__init__.py ../../../kvshelf/cli build/typecheck/kvshelf/
+	for p in $(PARTS); do ln -s ../../../$$p build/typecheck/kvshelf/$$p; done
+	$(VENV)/bin/pyright
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache *.egg-info

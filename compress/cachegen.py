@@ -28,6 +28,9 @@ from kvshelf.kvstore.codec import Codec, key_shape, register_codec, value_head_d
 from kvshelf.kvstore.errors import CorruptBlockError
 from kvshelf.kvstore.limits import MAX_GROUP_SIZE
 
+#: the compiled module's submodules, which its type stubs do not list
+_stream = constriction.stream  # pyright: ignore[reportAttributeAccessIssue]
+
 _HALF_MAX = 65504.0
 _MIN_STEP = 2.0**-24
 _MAX_R = 16
@@ -82,9 +85,9 @@ def _flag_table(p: float) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=1 << 12)
-def _flag_model(p: float) -> constriction.stream.model.Categorical:
-    """The (immutable, shared) constriction model of ``_flag_table(p)``; ``p`` is a stored fp16 value."""
-    return constriction.stream.model.Categorical(_flag_table(p), perfect=False)
+def _flag_model(p: float) -> Any:
+    """The (immutable, shared) constriction ``Categorical`` model of ``_flag_table(p)``; ``p`` is a stored fp16 value."""
+    return _stream.model.Categorical(_flag_table(p), perfect=False)
 
 
 def _binary_entropy(p: torch.Tensor) -> torch.Tensor:
@@ -301,7 +304,7 @@ class CacheGenCodec(Codec):
         words = np.packbits(flags, axis=1, bitorder="little").view("<u2")
         joint = _TO_SYMBOL[words]
         escaped_words = words[joint == _ESCAPE_WORD]
-        coder = constriction.stream.stack.AnsCoder()
+        coder = _stream.stack.AnsCoder()
         for s in range(streams - 1, -1, -1):  # a stack: encode in reverse, decode forward
             coder.encode_reverse(joint[s], _flag_model(float(p[s])))
         compressed = coder.get_compressed().astype("<u4")
@@ -519,7 +522,7 @@ class CacheGenCodec(Codec):
         padded = (per_stream + _FLAGS - 1) // _FLAGS * _FLAGS
         joint = np.empty((streams, padded // _FLAGS), dtype=np.int32)
         try:
-            coder = constriction.stream.stack.AnsCoder(np.frombuffer(parts[6], dtype="<u4").astype(np.uint32))
+            coder = _stream.stack.AnsCoder(np.frombuffer(parts[6], dtype="<u4").astype(np.uint32))
             for s in range(streams):
                 joint[s] = coder.decode(_flag_model(float(p[s])), joint.shape[1])
             complete = coder.is_empty()

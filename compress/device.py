@@ -39,7 +39,7 @@ def pinned_staging() -> bool:
 def _host_buffer(nbytes: int, slot: int, device: torch.device) -> torch.Tensor:
     """This thread's staging buffer ``slot`` (0 or 1) of at least ``nbytes`` (uint8), free to write: the device
     copy that last read it has completed. Larger than ``STAGING_BYTES``: a fresh buffer, not kept."""
-    kept: dict[int, tuple[torch.Tensor, object | None]] = getattr(_LOCAL, "buffers", None) or {}
+    kept: dict[int, tuple[torch.Tensor | None, object | None]] = getattr(_LOCAL, "buffers", None) or {}
     _LOCAL.buffers = kept
     buffer, event = kept.get(slot, (None, None))
     if event is not None:

@@ -16,7 +16,7 @@ from kvshelf.kvstore.errors import CorruptBlockError
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """A zero-copy byte view of a CPU tensor (made contiguous first)."""
     t = t.detach().to("cpu").contiguous()
-    return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
+    return t.view(torch.uint8).numpy().data.cast("B") if t.numel() else memoryview(b"")
 
 
 def tensor_from_bytes(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...], copy: bool) -> torch.Tensor:

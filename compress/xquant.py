@@ -99,6 +99,8 @@ class XQuantTables:
 
 
 _BOUND: dict[str, XQuantTables] = {}
+#: int8 x int8 -> int32 matrix product (exact): private in torch's type stubs, in use since torch 2.1
+_torch_int_mm = torch._int_mm  # pyright: ignore[reportPrivateImportUsage]
 
 
 class CrossLayerCoding(Protocol):
@@ -767,7 +769,7 @@ def _write_layers_on(parts: list[XQuantPayload], keys_out: torch.Tensor, values_
     for layer in range(layers):
         kept = plan.layer_widths[layer]
         if integer:
-            torch._int_mm(symbols[layer], plan.matrix_int8[layer, :kept], out=product)
+            _torch_int_mm(symbols[layer], plan.matrix_int8[layer, :kept], out=product)
             scale = plan.matrix_scale[layer]
         else:
             matrix = plan.matrix_bf16 if codec.matmul == "bf16" else plan.matrix
@@ -824,7 +826,7 @@ def _scratch(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
     return buffer[:nbytes].view(dtype)
 
 
-def _symbol_matrices(parts: list[XQuantPayload], plan: _Plan, tokens: int, starts: list[int],
+def _symbol_matrices(parts: Sequence[XQuantPayload], plan: _Plan, tokens: int, starts: list[int],
                      pool: ThreadPoolExecutor) -> list[torch.Tensor]:
     """Each layer's symbols as a token-major int8 matrix ``[T, kept]`` (the blocks' tokens one after another)."""
     flat = _placed_symbols(parts, plan, tokens, starts, pool)
@@ -834,7 +836,7 @@ def _symbol_matrices(parts: list[XQuantPayload], plan: _Plan, tokens: int, start
                                                                       strict=True)]
 
 
-def _placed_symbols(parts: list[XQuantPayload], plan: _Plan, tokens: int, starts: list[int],
+def _placed_symbols(parts: Sequence[XQuantPayload], plan: _Plan, tokens: int, starts: list[int],
                     pool: ThreadPoolExecutor) -> torch.Tensor:
     """The layers' ``[T, kept]`` int8 symbol matrices one after another in one flat buffer (this thread's
     scratch)."""
@@ -852,7 +854,7 @@ def _placed_symbols(parts: list[XQuantPayload], plan: _Plan, tokens: int, starts
     return flat
 
 
-def _wide_escapes(parts: list[XQuantPayload], plan: _Plan,
+def _wide_escapes(parts: Sequence[XQuantPayload], plan: _Plan,
                   starts: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Escaped symbols beyond int8, by layer: (token, slot, value float32), tokens counted over the run."""
     found: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
@@ -917,14 +919,14 @@ def _int_mm(symbols: torch.Tensor, matrix: torch.Tensor, kept: int, width_c: int
     if pad is None:
         pad = symbols.device.type != "cpu"
     if not pad:
-        return torch._int_mm(symbols, matrix[:kept, :width_c])
+        return _torch_int_mm(symbols, matrix[:kept, :width_c])
     if tokens > 16 and kept % 8 == 0 and width_c % 8 == 0:
         if symbols.data_ptr() % 16:  # cuBLASLt wants its operands 16-byte aligned
             symbols = symbols.clone()
-        return torch._int_mm(symbols, matrix[:kept, :width_c])
+        return _torch_int_mm(symbols, matrix[:kept, :width_c])
     padded = symbols.new_zeros(max(tokens, 17), _ceil8(kept))
     padded[:tokens, :kept] = symbols
-    return torch._int_mm(padded, matrix[: _ceil8(kept)])[:tokens, :width_c]
+    return _torch_int_mm(padded, matrix[: _ceil8(kept)])[:tokens, :width_c]
 
 
 def write_portable(parts: Sequence[XQuantPayload], keys_out: torch.Tensor, values_out: torch.Tensor) -> None:

@@ -82,7 +82,7 @@ _memmove = _libc_memmove() if njit is not None else None
 
 if _memmove is not None:
 
-    @njit(nogil=True, error_model="numpy")  # calls libc through ctypes: compiled per process, not cached
+    @njit(nogil=True, error_model="numpy")  # pyright: ignore[reportOptionalCall]  (calls libc: compiled per process)
     def _place(rows, counts, slot_offsets, widths, out_starts, start, tokens, out):  # pragma: no cover - numba
         source, target = rows.ctypes.data, out.ctypes.data
         pos = 0
@@ -93,7 +93,7 @@ if _memmove is not None:
                     continue
                 dst = out_starts[layer] + start * width + slot_offsets[c, layer]
                 for _ in range(tokens):
-                    _memmove(target + dst, source + pos, n)
+                    _memmove(target + dst, source + pos, n)  # pyright: ignore[reportOptionalCall]
                     pos += n
                     dst += width
 

@@ -14,7 +14,7 @@ import dataclasses
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -44,6 +44,10 @@ def _registry() -> dict[str, type[Codec]]:
         module = importlib.import_module(_BUILTINS)
         _builtins_loaded = not getattr(getattr(module, "__spec__", None), "_initializing", False)
     return _REGISTRY
+
+
+#: a codec class, as ``register_codec`` returns it unchanged
+CodecClass = TypeVar("CodecClass", bound="type[Codec]")
 
 
 class PreparedPayload(ABC):
@@ -178,7 +182,7 @@ class Codec(ABC):
         return DecodedPayload(*self.decode_at(payload, shape, dtype, False, start_pos))
 
 
-def register_codec(cls: type[Codec]) -> type[Codec]:
+def register_codec(cls: CodecClass) -> CodecClass:
     """Class decorator: make ``cls`` available under ``cls.name`` (a later registration of a name wins)."""
     _registry()[cls.name] = cls
     return cls
@@ -221,9 +225,8 @@ class BlockShape(tuple):
         self = super().__new__(cls, (int(s) for s in shape))
         if len(self) != 4:
             raise ValueError(f"a block shape is [layers, kv_heads, tokens, head_dim], got {list(self)}")
-        if value_head_dim is None:
-            value_head_dim = getattr(shape, "value_head_dim", self[3])
-        self.value_head_dim = int(value_head_dim)
+        found = getattr(shape, "value_head_dim", self[3]) if value_head_dim is None else value_head_dim
+        self.value_head_dim = int(found)
         return self
 
     @property

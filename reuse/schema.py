@@ -158,13 +158,13 @@ class PromptSchema:
             raise SchemaError(f"schema markup must have a <schema> root, got <{root.tag}>")
         name = root.get("name") or "schema"
         if (root.text or "").strip():
-            raise SchemaError(f"schema {name!r}: text outside a module: {root.text.strip()[:40]!r}")
+            raise SchemaError(f"schema {name!r}: text outside a module: {(root.text or '').strip()[:40]!r}")
         modules = []
         for element in root:
             if element.tag != "module":
                 raise SchemaError(f"schema {name!r}: unexpected <{element.tag}> (only <module> may appear)")
             if (element.tail or "").strip():
-                raise SchemaError(f"schema {name!r}: text outside a module: {element.tail.strip()[:40]!r}")
+                raise SchemaError(f"schema {name!r}: text outside a module: {(element.tail or '').strip()[:40]!r}")
             mname = element.get("name") or ""
             what = f"module {mname!r}"
             parts: list[str | Param] = [element.text] if element.text else []
