@@ -320,10 +320,10 @@ class Replay:
     def fill(self) -> None:
         """Put blocks of ``FILL_TOKENS`` tokens into the abuser's namespace (overwriting ``FILL_KEYS`` keys): their
         events fill the replay buffer."""
-        from kvshelf.bench.abuser import _block, block_key, put_messages
+        from kvshelf.bench.abuse_blocks import block_key, ones_block, put_messages
         from kvshelf.kvstore import KVBlock, encode_block
 
-        template = _block((1, 1, FILL_TOKENS, 8), self.abuser.namespace)
+        template = ones_block((1, 1, FILL_TOKENS, 8), self.abuser.namespace)
         block = KVBlock(template.keys, template.values, tuple(range(60_000, 60_000 + FILL_TOKENS)), 0,
                         template.fingerprint, self.abuser.namespace)
         serial = 0

@@ -55,12 +55,10 @@ Each call is counted by kind and by the status code the server ended it with (``
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import itertools
 import json
 import os
 import re
-import struct
 import sys
 import threading
 import time
@@ -70,18 +68,25 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-import torch
-import xxhash
 
+from kvshelf.bench.abuse_blocks import (
+    bad_payload_block,
+    block_key,
+    bomb_block,
+    first_chunk,
+    hadamard_block,
+    largest_hadamard_block,
+    nested_header_block,
+    ones_block,
+    padded_message,
+    put_messages,
+)
 from kvshelf.bench.abuse_events import EVENT_ATTACKS, EVENTS_EXPECTED, start_event_attacks
 from kvshelf.bench.abuse_http import HTTP_ATTACKS, HTTP_EXPECTED, start_http_attacks
 from kvshelf.bench.common import PeakRss
-from kvshelf.kvstore import KVBlock, encode_block
-from kvshelf.kvstore.limits import MAX_HEAD_DIM
+from kvshelf.kvstore import encode_block
 from kvshelf.proto import kvshelf_pb2 as pb
-from kvshelf.service.client import put_requests
 from kvshelf.service.server import CHUNK_BYTES, MAX_MESSAGE_BYTES
-from kvshelf.service.wire import varint
 
 KiB, MiB = 1 << 10, 1 << 20
 METHOD = "/kvshelf.v1.KVShelf/"
@@ -211,101 +216,6 @@ def _compare(got: list[Any], value: bytes) -> str:
     return "OK" if all(v is not None for v in got) else "MISS"
 
 
-def block_key(label: str) -> bytes:
-    return hashlib.blake2b(label.encode(), digest_size=16).digest()
-
-
-def _block(shape: tuple[int, int, int, int], namespace: str, dtype: torch.dtype = torch.float16) -> KVBlock:
-    keys = torch.ones(shape, dtype=dtype)
-    return KVBlock(keys, keys.clone(), tuple(range(shape[2])), 0, "a" * 32, namespace)
-
-
-def _reframe(encoded: bytes, edit: Callable[[dict[str, Any]], Any]) -> bytes:
-    """``encoded`` with its JSON header edited by ``edit`` (which may return new header bytes), re-checksummed:
-    a block that passes the checksum but says something else."""
-    prefix = struct.Struct("<4sHI")
-    magic, version, header_len = prefix.unpack_from(encoded, 0)
-    header = json.loads(encoded[prefix.size : prefix.size + header_len])
-    replaced = edit(header)
-    raw = replaced if isinstance(replaced, bytes) else json.dumps(header, separators=(",", ":")).encode()
-    body = prefix.pack(magic, version, len(raw)) + raw + encoded[prefix.size + header_len : -8]
-    return body + xxhash.xxh3_64_digest(body)
-
-
-def bomb_block(key: bytes, namespace: str, shape: tuple[int, int, int, int] = (32, 64, 1, 4096)) -> bytes:
-    """A ~350-byte ``sparse`` block with 0 kept tokens, ``fill: zero`` and a declared ``shape`` within the header
-    limits (``kvstore.limits``) of float32: decoding it allocates ``2 x 4 x prod(shape)`` bytes (64 MiB by
-    default; 128 MiB to decode, ``decode_cost_bytes``)."""
-    block = _block((1, 1, 1, 8), namespace, torch.float32)
-    dropped = KVBlock(torch.full_like(block.keys, float("nan")), torch.full_like(block.values, float("nan")),
-                      block.token_ids, 0, block.fingerprint, namespace)
-    encoded = encode_block(dropped, key, "sparse", {"fill": "zero"})
-    return _reframe(encoded, lambda h: h.__setitem__("shape", list(shape)))
-
-
-def nested_header_block(key: bytes, namespace: str, depth: int = 100_000) -> bytes:
-    """A checksummed block whose header is ``depth`` nested JSON arrays (a RecursionError for a naive parser)."""
-    encoded = encode_block(_block((1, 1, 1, 8), namespace), key)
-    return _reframe(encoded, lambda h: b'{"codec":' + b"[" * depth + b"]" * depth + b"}")
-
-
-def bad_payload_block(key: bytes, namespace: str) -> bytes:
-    """A checksummed ``raw`` block whose header declares twice the tokens its payload holds."""
-    encoded = encode_block(_block((1, 1, 2, 8), namespace), key)
-
-    def edit(h: dict[str, Any]) -> None:
-        h["shape"] = [1, 1, 4, 8]
-        h["token_ids"] = [0, 1, 2, 3]
-
-    return _reframe(encoded, edit)
-
-
-def hadamard_block(key: bytes, namespace: str, head_dim: int = 8192) -> bytes:
-    """A checksummed ``cachegen`` block with ``rotate: true`` whose header declares ``head_dim`` (one token): a
-    decoder that builds the dense ``[head_dim, head_dim]`` Hadamard matrix allocates ``8 x head_dim**2`` bytes
-    (512 MiB at 8192) for its ~20 KB. Made from a real block of two tokens of half that dim (the same elements),
-    its header rewritten: past ``kvstore.limits.MAX_HEAD_DIM`` no writer makes one, and a reader refuses it."""
-    half = _block((1, 1, 2, head_dim // 2), namespace)
-    encoded = encode_block(half, key, "cachegen", {"rotate": True})
-
-    def edit(h: dict[str, Any]) -> None:
-        h["shape"] = [1, 1, 1, head_dim]
-        h["token_ids"] = h["token_ids"][:1]
-
-    return _reframe(encoded, edit)
-
-
-def largest_hadamard_block(key: bytes, namespace: str) -> bytes:
-    """A real ``cachegen`` block with ``rotate: true`` at the largest head dim the header limits admit
-    (``kvstore.limits.MAX_HEAD_DIM``, two tokens): valid, so served; its decode must stay within the limits."""
-    return encode_block(_block((1, 1, 2, MAX_HEAD_DIM), namespace), key, "cachegen", {"rotate": True})
-
-
-def _raw_field(number: int, body: bytes) -> bytes:
-    """A length-delimited protobuf field, serialised."""
-    return varint(number << 3 | 2) + varint(len(body)) + body
-
-
-def padded_message(namespace: str, chunk: pb.Chunk, padding: str, nbytes: int) -> bytes:
-    """A PutBlocksRequest carrying ``chunk`` and ``nbytes`` of padding: an unknown field (number 15) beside the
-    chunk (``padding="unknown"``) or token ids inside it (``"token_ids"``, 3 bytes each)."""
-    head = pb.PutBlocksRequest(namespace=namespace).SerializeToString()
-    body = chunk.SerializeToString()
-    if padding == "token_ids":
-        return head + _raw_field(3, body + _raw_field(8, varint(100_000) * (nbytes // 3)))
-    return head + _raw_field(3, body) + _raw_field(15, bytes(nbytes))
-
-
-def put_messages(values: Iterable[tuple[bytes, bytes]], namespace: str) -> Iterator[bytes]:
-    """Serialised PutBlocks requests for ``(key, value)`` pairs, chunked as ``RemoteStore`` does."""
-    yield from put_requests(values, namespace)
-
-
-def _first_chunk(namespace: str, key: bytes, data: bytes, total: int = 0) -> bytes:
-    return pb.PutBlocksRequest(namespace=namespace, chunk=pb.Chunk(key=key, data=data, total_size=total)
-                               ).SerializeToString()
-
-
 class Abuser:
     """The abusive tenant's calls over one raw channel (requests and responses as bytes)."""
 
@@ -332,8 +242,8 @@ class Abuser:
         self._next_fill = 0.0  # when quota_round next clears and refills the quota
         # payloads built once: a large block's tensors (only the key changes per put) and the fixed attacks
         self.big_shape = (4, 2, max(1, (self.max_block * 7 // 8) // (4 * 2 * 128 * 2 * 2)), 128)
-        self.big_template = _block(self.big_shape, self.namespace)
-        self.tiny_template = _block((1, 1, 1, 8), self.namespace)
+        self.big_template = ones_block(self.big_shape, self.namespace)
+        self.tiny_template = ones_block((1, 1, 1, 8), self.namespace)
         self.garbage = bytes(range(256)) * (CHUNK_BYTES // 256)
         self.open_data_path = self.channel.unary_stream(f"{METHOD}OpenDataPath", request_serializer=None,
                                                         response_deserializer=pb.DataPathResponse.FromString)
@@ -392,22 +302,22 @@ class Abuser:
     def bad_input_round(self) -> None:
         ns, pace = self.namespace, self.spec["pace_s"]
         key = self._key("bad")
-        truncated = _first_chunk(ns, key, b"x" * 1024)
+        truncated = first_chunk(ns, key, b"x" * 1024)
         attacks: list[Callable[[], object]] = [
-            lambda: self.call_put("oversized_declared", [_first_chunk(ns, key, b"x" * KiB, self.max_block + 1)]),
+            lambda: self.call_put("oversized_declared", [first_chunk(ns, key, b"x" * KiB, self.max_block + 1)]),
             lambda: self.call_put("malformed", [b"\xff" * 64]),
             lambda: self.call_put("malformed", [truncated[: len(truncated) // 2]]),
             lambda: self.call_put("malformed", [b"\x0a\xff\xff\xff\x0f"]),
             lambda: self.call_unary("malformed", "Contains", b"\xff" * 64),
             lambda: self.call_put("oversized_undeclared", self._undeclared(key)),
-            lambda: self.call_put("wrong_key", [_first_chunk(ns, b"short", b"x", 0)]),
+            lambda: self.call_put("wrong_key", [first_chunk(ns, b"short", b"x", 0)]),
             lambda: self.call_unary("wrong_key", "Contains",
                                     pb.KeysRequest(namespace=ns, keys=[b"abc"]).SerializeToString()),
             lambda: self.call_get("wrong_key", pb.GetBlocksRequest(namespace=ns, keys=[b"k" * 20]).SerializeToString()),
             lambda: self.call_put("bomb", put_messages([(key, bomb_block(key, ns))], ns)),
             lambda: self.call_put("nested_header", put_messages([(key, nested_header_block(key, ns))], ns)),
             lambda: self.call_put("bad_payload", put_messages([(key, bad_payload_block(key, ns))], ns)),
-            lambda: self.call_put("oversized_message", [_first_chunk(ns, key, self.garbage * 2)]),
+            lambda: self.call_put("oversized_message", [first_chunk(ns, key, self.garbage * 2)]),
             lambda: self.call_put("oversized_call", self._over_call()),
         ]
         for attack in attacks:
@@ -574,11 +484,11 @@ class Abuser:
         return kind, future, release
 
     def _idle(self, release: threading.Event) -> Iterator[bytes]:
-        yield _first_chunk(self.namespace, self._key("idle"), b"i" * KiB, 4 * KiB)
+        yield first_chunk(self.namespace, self._key("idle"), b"i" * KiB, 4 * KiB)
         release.wait()
 
     def _slow(self, release: threading.Event) -> Iterator[bytes]:
-        yield _first_chunk(self.namespace, self._key("slow"), b"s" * KiB, 2 * MiB)
+        yield first_chunk(self.namespace, self._key("slow"), b"s" * KiB, 2 * MiB)
         while not release.wait(0.25):
             yield pb.PutBlocksRequest(chunk=pb.Chunk(data=b"s" * KiB)).SerializeToString()
 

@@ -266,7 +266,7 @@ def test_h2_hadamard_headers_stay_within_the_limits(int8_server):
     8192 x 8192 float64 matrix for the old decoder: +1.3 GB in a server that re-encodes) is DATA_LOSS (past the
     header's head-dim limit) with the server's memory flat; the largest rotated block the limits admit is stored
     (decoded and re-encoded by the server) and read back and decoded by a client, each within 128 MiB."""
-    from kvshelf.bench.abuser import block_key, hadamard_block, largest_hadamard_block
+    from kvshelf.bench.abuse_blocks import block_key, hadamard_block, largest_hadamard_block
     from kvshelf.kvstore import decode_block
 
     store = RemoteStore(int8_server.address, namespace="default", shared_memory=False)
