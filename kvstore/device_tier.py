@@ -82,12 +82,12 @@ class DeviceTier:
         self.device = resolve_device(device)
         self.capacity_bytes = capacity_bytes
         self.policy = make_policy(policy, capacity_bytes) if isinstance(policy, str) else policy
-        self._data: dict[TierKey, DeviceBlock] = {}
+        self._data: dict[bytes, DeviceBlock] = {}
         self._bytes = 0
         self._lock = threading.Lock()
-        self._on_evict: Callable[[TierKey, DeviceBlock], None] | None = None
+        self._on_evict: Callable[[bytes, DeviceBlock], None] | None = None
 
-    def set_eviction_callback(self, callback: Callable[[TierKey, DeviceBlock], None] | None) -> None:
+    def set_eviction_callback(self, callback: Callable[[bytes, DeviceBlock], None] | None) -> None:
         """``callback(key, block)`` hears of every block evicted to make room (called outside the tier's lock)."""
         self._on_evict = callback
 
@@ -103,7 +103,7 @@ class DeviceTier:
         """Copy each ``(key, block)`` to the device (from pinned memory without blocking; a block already on the
         device is cloned: the tier owns its tensors); return how many were stored."""
         stored = 0
-        evicted: list[tuple[TierKey, DeviceBlock]] = []
+        evicted: list[tuple[bytes, DeviceBlock]] = []
         for key, block in items:
             charge = block.nbytes
             if charge > self.capacity_bytes:
@@ -133,7 +133,7 @@ class DeviceTier:
             return tensor.detach().clone(memory_format=torch.contiguous_format)
         return tensor.detach().to(self.device, non_blocking=tensor.is_pinned()).contiguous()
 
-    def _make_room(self, charge: int, evicted: list[tuple[TierKey, DeviceBlock]]) -> bool:
+    def _make_room(self, charge: int, evicted: list[tuple[bytes, DeviceBlock]]) -> bool:
         while self._bytes + charge > self.capacity_bytes:
             victim = self.policy.victim(set())
             if victim is None or victim not in self._data:
@@ -141,7 +141,7 @@ class DeviceTier:
             evicted.append((victim, self._remove(victim)))
         return True
 
-    def _remove(self, key: TierKey) -> DeviceBlock:
+    def _remove(self, key: bytes) -> DeviceBlock:
         block = self._data.pop(key)
         self._bytes -= block.nbytes
         self.policy.on_remove(key)
@@ -159,7 +159,7 @@ class DeviceTier:
                     return i
             return len(keys)
 
-    def delete(self, keys: Iterable[TierKey]) -> int:
+    def delete(self, keys: Iterable[bytes]) -> int:
         removed = 0
         with self._lock:
             for key in keys:
@@ -168,14 +168,14 @@ class DeviceTier:
                     removed += 1
         return removed
 
-    def delete_prefix(self, prefix: bytes, length: int | None = None) -> list[TierKey]:
+    def delete_prefix(self, prefix: bytes, length: int | None = None) -> list[bytes]:
         with self._lock:
             held = [k for k in self._data if k.startswith(prefix) and (length is None or len(k) == length)]
             for key in held:
                 self._remove(key)
         return held
 
-    def keys(self) -> list[TierKey]:
+    def keys(self) -> list[bytes]:
         with self._lock:
             return list(self._data)
 

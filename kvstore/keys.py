@@ -189,7 +189,7 @@ def split_scoped(key: ScopedKey) -> tuple[ScopeTag, BlockKey]:
     return ScopeTag(key[:SCOPE_BYTES]), BlockKey(key[SCOPE_BYTES:])
 
 
-def block_key_of(tier_key: TierKey) -> BlockKey:
+def block_key_of(tier_key: bytes) -> BlockKey:
     """The block key a tier key names, the one in its value's header: a scoped key's last ``KEY_BYTES`` bytes, a
     bare block key as it is (a store takes both: ``check_keys(..., scoped=True)``)."""
     return BlockKey(tier_key[-KEY_BYTES:])
@@ -199,6 +199,12 @@ def key_low64(key: bytes) -> int:
     """A block key's last 8 bytes as an unsigned big-endian int (the int form of a block hash vLLM's KV events
     carry: ``kvstore.vllm_events``)."""
     return int.from_bytes(key[-8:], "big")
+
+
+def given_back(keys: Iterable[bytes]) -> list[TierKey]:
+    """Keys a tier or a store gave back (listed, evicted, pinned), typed as the tier keys they are (nothing is
+    checked: they were checked on the way in)."""
+    return cast("list[TierKey]", list(keys))
 
 
 #: the lengths a store's tier key may have: a bare block key, or a scoped one

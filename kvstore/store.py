@@ -40,10 +40,9 @@ class TieredStore:
     * Keys are 16-byte block keys, or the service's scoped tier keys (an 8-byte namespace tag before the key).
     * Pins name held blocks only: a pinned key that no tier holds any more (a tier dropped it for a value it could not
       hold, no tier took a pinned put, Redis evicted it, a read dropped it as damaged, ``clear_prefix``) loses its pin.
-    * ``device_tier`` (``kvstore.device_tier``: decoded blocks in GPU memory) sits above the tiers as a layer
-      (``device_cache``, ``kvstore.tiered.device``): every put writes through to it, ``get_many`` /
-      ``get_prepared_many`` / lookups read it first, and ``offer_device`` fills it with blocks a load brought up
-      from below. ``get_encoded_many`` (the service's reads) does not read it.
+    * ``device_tier`` (decoded blocks in GPU memory) is a layer above the tiers (``device_cache``): puts write
+      through to it, ``get_many`` / ``get_prepared_many`` / lookups read it first, ``offer_device`` fills it with
+      blocks a load brought up from below; ``get_encoded_many`` (the service's reads) does not read it.
     """
 
     def __init__(
@@ -72,8 +71,6 @@ class TieredStore:
         #: the GPU tier's layer (None without one): what a load offers the blocks it brought up to
         self.device_cache = DeviceLayer(device_tier, self.meter) if device_tier is not None else None
         self._closers: list[Callable[[], None]] = []
-
-    # -- the layers' state, as before -------------------------------------------------------------------
 
     @property
     def specs(self) -> list[TierSpec]:
@@ -114,15 +111,21 @@ class TieredStore:
         """
         entries = list(entries)
         keys = check_keys((k for k, _ in entries), scoped=True)
-        owners = [(b.namespace, b.fingerprint) for _, b in entries]
-        accepted = self._stack.write(encode_blocks(entries), owners, keys, pin)
-        self.offer_device(entries)
+        checked = list(zip(keys, (b for _, b in entries), strict=True))
+        owners = [(b.namespace, b.fingerprint) for _, b in checked]
+        accepted = self._stack.write(encode_blocks(checked), owners, keys, pin)
+        if self.device_cache is not None and checked:
+            self.device_cache.offer(checked)
         return accepted
 
     def offer_device(self, entries: Sequence[tuple[bytes, KVBlock]]) -> int:
         """Store ``(key, block)`` pairs in the device tier only (blocks a load decoded from a lower tier; their
         tensors are copied); return how many it took (0 without a device tier)."""
-        return self.device_cache.offer(entries) if self.device_cache is not None else 0
+        entries = list(entries)
+        if self.device_cache is None or not entries:
+            return 0
+        keys = check_keys((k for k, _ in entries), scoped=True)
+        return self.device_cache.offer(list(zip(keys, (b for _, b in entries), strict=True)))
 
     def put_encoded_many(self, items: Sequence[tuple[bytes, bytes]], *, pin: bool = False) -> int:
         """Store already-encoded values (from a remote client, say); each is verified first.
@@ -134,9 +137,9 @@ class TieredStore:
         or stored.
         """
         items = list(items)
-        check_keys((k for k, _ in items), scoped=True)
-        headers = [verify_block(value, expected_key=header_key(key)) for key, value in items]
-        return self._put_verified(items, headers, pin)
+        checked = list(zip(check_keys((k for k, _ in items), scoped=True), (v for _, v in items), strict=True))
+        headers = [verify_block(value, expected_key=header_key(key)) for key, value in checked]
+        return self._put_verified(checked, headers, pin)
 
     def put_verified_many(self, items: Sequence[tuple[bytes, bytes]], headers: Sequence[BlockHeader], *,
                           pin: bool = False) -> int:
@@ -144,17 +147,16 @@ class TieredStore:
         for ``items[i]`` under its key (the service verifies each value as it arrives). Keys are checked; values
         are not verified again."""
         items = list(items)
-        check_keys((k for k, _ in items), scoped=True)
-        if len(headers) != len(items):
-            raise ValueError(f"{len(items)} values and {len(headers)} headers")
-        return self._put_verified(items, headers, pin)
+        checked = list(zip(check_keys((k for k, _ in items), scoped=True), (v for _, v in items), strict=True))
+        if len(headers) != len(checked):
+            raise ValueError(f"{len(checked)} values and {len(headers)} headers")
+        return self._put_verified(checked, headers, pin)
 
-    def _put_verified(self, items: list[tuple[bytes, bytes]], headers: Sequence[BlockHeader], pin: bool) -> int:
+    def _put_verified(self, items: list[tuple[TierKey, bytes]], headers: Sequence[BlockHeader], pin: bool) -> int:
         """Store ``items`` (keys checked, values verified: ``headers``)."""
         check_reencodes(items, headers, self.write_targets(), self.max_decoded_bytes)
         owners = [(h.namespace, h.fingerprint) for h in headers]
-        keys: list[TierKey] = [k for k, _ in items]
-        return self._stack.write(verified_values(items, headers), owners, keys, pin)
+        return self._stack.write(verified_values(items, headers), owners, [k for k, _ in items], pin)
 
     # -- reads ----------------------------------------------------------------------------------------
 
@@ -279,7 +281,7 @@ class TieredStore:
         if not prefix:
             raise ConfigError("clear_prefix needs a non-empty prefix")
         self.unpin(self._stack.pins.with_prefix(prefix, length))
-        removed: set[TierKey] = set()
+        removed: set[bytes] = set()
         if self.device_cache is not None:
             removed.update(self.device_cache.delete_prefix(prefix, length))
         return len(removed | self._stack.delete_prefix(prefix, length))

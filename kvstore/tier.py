@@ -11,7 +11,7 @@ if TYPE_CHECKING:  # the key types only: importing the interface loads no numpy
     from kvshelf.kvstore.keys import TierKey
 
 #: Called with ``(key, value)`` for every value a tier evicts to make room.
-EvictionCallback = Callable[["TierKey", bytes], None]
+EvictionCallback = Callable[[bytes, bytes], None]
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,9 @@ class TierUsage:
 
 class Tier(ABC):
     """A key -> encoded-block store. Implementations are thread-safe.
+
+    Keys are tier keys (``kvstore.keys.TierKey``: a block key, or a scoped one); ``delete``, ``pin`` and ``unpin``
+    also take keys as a tier gave them back (listings, evictions), plain ``bytes``.
 
     Values are the self-describing byte strings of ``kvstore.encoding``; a tier never interprets them.
     """
@@ -50,7 +53,7 @@ class Tier(ABC):
         """Length of the leading run of ``keys`` that this tier holds (a cached-prefix length in blocks)."""
 
     @abstractmethod
-    def delete(self, keys: Iterable[TierKey]) -> int:
+    def delete(self, keys: Iterable[bytes]) -> int:
         """Remove ``keys``; return how many were present."""
 
     @abstractmethod
@@ -61,16 +64,16 @@ class Tier(ABC):
         with it). This default is ``get_many``; tiers whose policy counts reads override it."""
         return self.get_many(keys)
 
-    def keys(self) -> list[TierKey]:
+    def keys(self) -> list[bytes]:
         """Every key held (for admin tools and tests; may be slow on large tiers)."""
         raise NotImplementedError(f"tier {self.name} cannot list its keys")
 
-    def keys_with_prefix(self, prefix: bytes, length: int | None = None) -> list[TierKey]:
+    def keys_with_prefix(self, prefix: bytes, length: int | None = None) -> list[bytes]:
         """Every key held starting with ``prefix``, of ``length`` bytes when given. This default lists every key;
         tiers that find a prefix's keys cheaper override it."""
         return [key for key in self.keys() if key.startswith(prefix) and (length is None or len(key) == length)]
 
-    def delete_prefix(self, prefix: bytes, length: int | None = None) -> list[TierKey]:
+    def delete_prefix(self, prefix: bytes, length: int | None = None) -> list[bytes]:
         """Remove every key starting with ``prefix`` (a namespace's scope tag), of ``length`` bytes when given;
         return the keys removed. This default lists every key; tiers that find a prefix's keys cheaper override it."""
         held = self.keys_with_prefix(prefix, length)
@@ -80,9 +83,9 @@ class Tier(ABC):
     def set_eviction_callback(self, callback: EvictionCallback | None) -> None:
         """Tiers that evict report each evicted value here (the store counts it or writes it back)."""
 
-    def pin(self, keys: Iterable[TierKey]) -> None:
+    def pin(self, keys: Iterable[bytes]) -> None:
         """Pinned keys are never evicted (no-op for tiers that never evict)."""
 
-    def unpin(self, keys: Iterable[TierKey]) -> None: ...
+    def unpin(self, keys: Iterable[bytes]) -> None: ...
 
     def close(self) -> None: ...

@@ -39,7 +39,7 @@ Encoded = list[tuple[TierKey, bytes]]
 EncodeFor = Callable[["TierSpec"], Encoded]
 
 
-def header_key(tier_key: TierKey) -> BlockKey:
+def header_key(tier_key: bytes) -> BlockKey:
     """The key an encoded value names in its header: a tier key may carry a scope prefix before it
     (the service prefixes a tag of the tenant's namespace), the header holds the unscoped key
     (``kvstore.keys.block_key_of``)."""
@@ -103,7 +103,7 @@ class TierSpec:
         return min(bounds) if bounds else None
 
 
-def check_decoded_size(header: BlockHeader, key: TierKey, bound: int) -> None:
+def check_decoded_size(header: BlockHeader, key: bytes, bound: int) -> None:
     """``BlockTooLargeError`` when decoding a block of ``header`` may take more than ``bound`` bytes
     (``decode_cost_bytes``: its decoded size plus its codec's working memory, from the header alone)."""
     need = decode_cost_bytes(header)
@@ -114,7 +114,7 @@ def check_decoded_size(header: BlockHeader, key: TierKey, bound: int) -> None:
             f"re-encoded into another codec")
 
 
-def reencode(value: bytes, key: TierKey, spec: TierSpec) -> bytes:
+def reencode(value: bytes, key: bytes, spec: TierSpec) -> bytes:
     """``value`` (verified) decoded and encoded in ``spec``'s codec, its header naming the unscoped key.
 
     A payload that passed its checksum but does not decode is ``CorruptBlockError``, whatever the codec raised.
@@ -190,7 +190,7 @@ def promotion_values(spec: TierSpec, hits: Sequence[tuple[TierKey, bytes]], head
     return encoded, kept
 
 
-def write_down_value(lower: TierSpec, key: TierKey, value: bytes, bound: int | None) -> bytes | None:
+def write_down_value(lower: TierSpec, key: bytes, value: bytes, bound: int | None) -> bytes | None:
     """An evicted ``value`` as the tier below (``lower``) stores it: as it is, or verified and re-encoded
     within ``bound``; None (logged) when it cannot be."""
     try:  # the value's own codec decides (an as_sent tier above holds values of any codec)

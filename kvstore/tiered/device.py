@@ -99,11 +99,11 @@ class DeviceLayer:
         self.meter.count(self.name, namespace, model, Metric.MISSES, len(below))
         return result, below
 
-    def delete(self, keys: Sequence[TierKey]) -> set[TierKey]:
+    def delete(self, keys: Sequence[TierKey]) -> set[bytes]:
         """Remove ``keys``; return those it held."""
         return {k for k in keys if self.tier.delete([k])}
 
-    def delete_prefix(self, prefix: bytes, length: int | None) -> list[TierKey]:
+    def delete_prefix(self, prefix: bytes, length: int | None) -> list[bytes]:
         return self.tier.delete_prefix(prefix, length)
 
     def stats(self) -> TierStats:

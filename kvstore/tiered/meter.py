@@ -13,7 +13,6 @@ from collections.abc import Callable, Sequence
 
 from kvshelf.kvstore.encoding import read_header
 from kvshelf.kvstore.errors import KVShelfError, TierDamagedError, TierUnavailableError
-from kvshelf.kvstore.keys import TierKey
 from kvshelf.kvstore.stats import ALL_TIERS, UNKNOWN, Counters, Metric, StoreEvent
 from kvshelf.kvstore.tiered.codecs import header_of
 
@@ -60,7 +59,7 @@ class StoreMeter:
     def count(self, tier: str, namespace: str, model: str, metric: Metric, n: int = 1) -> None:
         self.counters.add(tier, namespace, model, metric, n)
 
-    def stored(self, tier: str, key: TierKey, value: bytes, namespace: str, model: str) -> None:
+    def stored(self, tier: str, key: bytes, value: bytes, namespace: str, model: str) -> None:
         """``tier`` stored the encoded ``value`` of ``key``: counted as written, announced as ``stored``."""
         self.counters.add(tier, namespace, model, Metric.BLOCKS_WRITTEN)
         self.counters.add(tier, namespace, model, Metric.BYTES_WRITTEN, len(value))
@@ -68,11 +67,11 @@ class StoreMeter:
         self.emit(StoreEvent("stored", tier, key, len(value), namespace, model, header.codec if header else "",
                              header))
 
-    def removed(self, tier: str, keys: Sequence[TierKey]) -> None:
+    def removed(self, tier: str, keys: Sequence[bytes]) -> None:
         for key in keys:
             self.emit(StoreEvent("removed", tier, key, 0))
 
-    def evicted(self, tier: str, key: TierKey, value: bytes) -> None:
+    def evicted(self, tier: str, key: bytes, value: bytes) -> None:
         """``tier`` evicted ``value`` (empty: the medium dropped it on its own and it is gone)."""
         codec = ""
         try:

@@ -8,7 +8,7 @@ import threading
 from collections.abc import Iterable, Sequence
 
 from kvshelf.kvstore.errors import TierDamagedError, TierUnavailableError
-from kvshelf.kvstore.keys import TierKey
+from kvshelf.kvstore.keys import TierKey, given_back
 from kvshelf.kvstore.tiered.codecs import TierSpec
 
 
@@ -17,7 +17,7 @@ class PinSet:
 
     def __init__(self, specs: Sequence[TierSpec]) -> None:
         self._specs = list(specs)
-        self._pinned: set[TierKey] = set()
+        self._pinned: set[bytes] = set()
         self._loss_epochs: dict[str, int] = {}  # tier -> its loss_epoch when the pins were last checked
         self._lock = threading.Lock()
         for spec in self._specs:
@@ -30,7 +30,7 @@ class PinSet:
         for spec in self._specs:
             spec.tier.pin(keys)
 
-    def unpin(self, keys: Sequence[TierKey]) -> int:
+    def unpin(self, keys: Sequence[bytes]) -> int:
         """Unpin ``keys``; return how many distinct keys were pinned."""
         with self._lock:
             was = self._pinned.intersection(keys)
@@ -39,21 +39,21 @@ class PinSet:
             spec.tier.unpin(keys)
         return len(was)
 
-    def is_pinned(self, key: TierKey) -> bool:
+    def is_pinned(self, key: bytes) -> bool:
         with self._lock:
             return key in self._pinned
 
-    def keys(self) -> list[TierKey]:
+    def keys(self) -> list[bytes]:
         """Every pinned key (a snapshot)."""
         with self._lock:
             return list(self._pinned)
 
-    def with_prefix(self, prefix: bytes, length: int | None) -> list[TierKey]:
+    def with_prefix(self, prefix: bytes, length: int | None) -> list[bytes]:
         """The pinned keys starting with ``prefix`` (of ``length`` bytes when given)."""
         with self._lock:
             return [k for k in self._pinned if k.startswith(prefix) and (length is None or len(k) == length)]
 
-    def forget(self, keys: Iterable[TierKey]) -> None:
+    def forget(self, keys: Iterable[bytes]) -> None:
         """Unpin those of ``keys`` that are pinned and that no tier holds any more, so the pinned set names only
         held blocks. A tier that cannot be asked (unreachable) may hold it: the pin stays."""
         with self._lock:
@@ -62,10 +62,10 @@ class PinSet:
         if gone:
             self.unpin(gone)
 
-    def _held_somewhere(self, key: TierKey) -> bool:
+    def _held_somewhere(self, key: bytes) -> bool:
         for spec in self._specs:
             try:
-                if spec.tier.prefix_run_length([key]) == 1:
+                if spec.tier.prefix_run_length(given_back([key])) == 1:
                     return True
             except (TierUnavailableError, TierDamagedError):
                 return True

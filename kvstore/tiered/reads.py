@@ -45,10 +45,12 @@ def read_through(
                               [keys[j] for j in remaining], values, parallel=parallel and not checked)
         missed, promote = [], []
         for j, value, outcome in zip(remaining, values, outcomes, strict=True):
-            if value is None or not _served(stack, spec, keys[j], outcome, namespace, model):
+            if value is None or isinstance(outcome, BaseException):
+                if isinstance(outcome, BaseException):
+                    _count_failure(stack, spec, keys[j], outcome, namespace, model)
                 missed.append(j)
                 continue
-            result[j] = outcome  # not an exception: _served said so
+            result[j] = outcome
             stack.meter.count(spec.tier.name, namespace, model, Metric.BYTES_READ, len(value))
             promote.append((keys[j], value))
         stack.meter.count(spec.tier.name, namespace, model, Metric.HITS, len(remaining) - len(missed))
@@ -59,14 +61,13 @@ def read_through(
     return result
 
 
-def _served(stack: TierStack, spec: TierSpec, key: TierKey, outcome: object, namespace: str, model: str) -> bool:
-    """Whether a decoded ``outcome`` of ``spec``'s tier is served: an exception is a counted miss (a damaged value
-    removed from its tier, its pin forgotten); one that is no ``KVShelfError`` is raised."""
-    if not isinstance(outcome, BaseException):
-        return True
+def _count_failure(stack: TierStack, spec: TierSpec, key: TierKey, failure: BaseException, namespace: str,
+                   model: str) -> None:
+    """A value of ``spec``'s tier that did not decode: a counted miss (a damaged value removed from its tier, its pin
+    forgotten); a failure that is no ``KVShelfError`` is raised."""
     name = spec.tier.name
     try:
-        raise outcome
+        raise failure
     except ForeignBlockError:
         stack.meter.count(name, namespace, model, Metric.FOREIGN)
     except BlockTooLargeError as exc:  # within the header limits, over this reader's: kept for others
@@ -80,4 +81,3 @@ def _served(stack: TierStack, spec: TierSpec, key: TierKey, outcome: object, nam
         except TierUnavailableError as unavailable:
             stack.meter.unavailable(name, unavailable)
         stack.pins.forget([key])
-    return False

@@ -9,7 +9,7 @@ from typing import Literal, Protocol
 
 from kvshelf.kvstore.encoding import read_header
 from kvshelf.kvstore.errors import ConfigError, StoreFullError, TierUnavailableError
-from kvshelf.kvstore.keys import TierKey
+from kvshelf.kvstore.keys import TierKey, given_back
 from kvshelf.kvstore.stats import TIER_STATS_METRICS, Metric, TierStats
 from kvshelf.kvstore.tier import TierUsage
 from kvshelf.kvstore.tiered.codecs import Encoded, EncodeFor, TierSpec, promotion_values, write_down_value
@@ -40,7 +40,7 @@ class TierStack:
         if len(set(names)) != len(names):
             raise ConfigError(f"tier names must be unique, got {names}")
         self.specs = list(specs)
-        self.write_policy = write_policy
+        self.write_policy: WritePolicy = write_policy
         self.meter = meter
         self.max_decoded_bytes: int | None = None
         self.pins = PinSet(self.specs)
@@ -106,7 +106,8 @@ class TierStack:
             self.meter.stored(name, key, value, namespace, model)
         return rejected
 
-    def _on_evict(self, index: int, key: TierKey, value: bytes) -> None:
+    def _on_evict(self, index: int, evicted: bytes, value: bytes) -> None:
+        (key,) = given_back([evicted])
         self.meter.evicted(self.specs[index].tier.name, key, value)
         # an empty value: the medium evicted it on its own (Redis's maxmemory) and it is gone: nothing to write down
         if value and self.write_policy == "back" and index + 1 < len(self.specs):
@@ -198,10 +199,10 @@ class TierStack:
                 self.meter.unavailable(spec.tier.name, exc)
         return removed
 
-    def delete_prefix(self, prefix: bytes, length: int | None) -> set[TierKey]:
+    def delete_prefix(self, prefix: bytes, length: int | None) -> set[bytes]:
         """Remove every key starting with ``prefix`` (of ``length`` bytes when given) from every reachable tier,
         each finding them its own way (``Tier.delete_prefix``); return the keys removed."""
-        removed: set[TierKey] = set()
+        removed: set[bytes] = set()
         for spec in self.specs:
             try:
                 keys = spec.tier.delete_prefix(prefix, length)
