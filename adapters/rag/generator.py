@@ -33,9 +33,10 @@ fingerprint, and a loaded block is checked again. A chunk not stored for this mo
 default, or raises ``ChunkMissingError`` with ``on_missing="error"``, naming the chunk, the kind of block, the
 mode and why it is missing.
 
-Where the parts live: the modes are classes behind ``rag_modes.base.RAGMode``, named in ``rag_modes.registry``;
-chunks and the computing of their KV in ``rag_chunks``; where a call's chunk KV comes from (memo, store, computed;
-``on_missing``) in ``rag_kv``; the offline step in ``rag_precompute``.
+Where the parts live (``kvshelf.adapters.rag``): ``RAGGenerator`` here; the modes are classes behind
+``modes.base.RAGMode``, named in ``modes.registry``; chunks and the computing of their KV in ``chunks``; where a
+call's chunk KV comes from (memo, store, computed; ``on_missing``) in ``kv``; the offline step (``precompute``) in
+``offline``.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from kvshelf.adapters.decode import EOS_DEFAULT, Generated
 from kvshelf.adapters.fingerprint import model_fingerprint, other_dtype_fingerprints
 from kvshelf.adapters.hf import BaseStreamer
 from kvshelf.adapters.lifecycle import Closable
-from kvshelf.adapters.rag_chunks import (
+from kvshelf.adapters.rag.chunks import (
     BLOCK,
     CHUNK,
     DEFAULT_CHUNK_SIZE,
@@ -63,11 +64,11 @@ from kvshelf.adapters.rag_chunks import (
     prefix_ids,
     text_ids,
 )
-from kvshelf.adapters.rag_kv import ChunkKV
-from kvshelf.adapters.rag_modes.ape import ApeScaling
-from kvshelf.adapters.rag_modes.base import FEATURE, RAGQuery, RAGSettings
-from kvshelf.adapters.rag_modes.registry import MODES, get_mode
-from kvshelf.adapters.rag_precompute import BLEND_BASES, PrecomputeResult, precompute
+from kvshelf.adapters.rag.kv import ChunkKV
+from kvshelf.adapters.rag.modes.ape import ApeScaling
+from kvshelf.adapters.rag.modes.base import FEATURE, RAGQuery, RAGSettings
+from kvshelf.adapters.rag.modes.registry import get_mode
+from kvshelf.adapters.rag.offline import BLEND_BASES
 from kvshelf.adapters.reuse_engine import check_engine, check_positions
 from kvshelf.adapters.streaming import TokenStream
 from kvshelf.kvstore.block import KVBlock
@@ -76,10 +77,6 @@ from kvshelf.kvstore.protocol import BlockStore, namespace_of
 from kvshelf.reuse.blend import DEFAULT_RATIO, check_ratio
 from kvshelf.reuse.chunking import check_chunking, chunk_tokens
 from kvshelf.reuse.errors import ContextTooLongError, ForeignChunkError
-
-#: the public API of RAG reuse (``kvshelf.RAGGenerator``, ``kvshelf.precompute``...) is named from this module
-__all__ = ["DEFAULT_CHUNK_SIZE", "MODES", "ChunkHandle", "PrecomputeResult", "RAGGenerator", "RAGResult",
-           "precompute", "prefix_ids"]
 
 
 @dataclass(frozen=True)

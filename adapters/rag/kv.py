@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedModel
 
 from kvshelf.adapters.fingerprint import model_fingerprint, other_dtype_fingerprints
-from kvshelf.adapters.rag_chunks import BLOCK, CHUNK, PREFIX_KIND, Chunk, compute_blocks, compute_chunk
+from kvshelf.adapters.rag.chunks import BLOCK, CHUNK, PREFIX_KIND, Chunk, compute_blocks, compute_chunk
 from kvshelf.kvstore.block import KVBlock
 from kvshelf.kvstore.protocol import BlockStore
 from kvshelf.reuse.errors import ChunkMissingError, ForeignChunkError

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvshelf.adapters.fingerprint import model_fingerprint
-from kvshelf.adapters.rag_chunks import (
+from kvshelf.adapters.rag.chunks import (
     BLOCK,
     CHUNK,
     DEFAULT_CHUNK_SIZE,
@@ -31,7 +31,7 @@ from kvshelf.adapters.rag_chunks import (
     prefix_ids,
     text_ids,
 )
-from kvshelf.adapters.rag_modes.registry import PRECOMPUTE_MODES, needed_kinds
+from kvshelf.adapters.rag.modes.registry import PRECOMPUTE_MODES, needed_kinds
 from kvshelf.adapters.reuse_engine import check_engine, check_positions
 from kvshelf.kvstore.block import KVBlock
 from kvshelf.kvstore.errors import ConfigError

@@ -22,7 +22,7 @@ from transformers import DynamicCache
 from kvshelf.adapters import hf
 from kvshelf.adapters.prompt_modules import PromptModuleGenerator
 from kvshelf.adapters.rag import RAGGenerator, precompute
-from kvshelf.adapters.rag_chunks import compute_chunk
+from kvshelf.adapters.rag.chunks import compute_chunk
 from kvshelf.adapters.reuse_engine import move_kv, rope, ropes
 from kvshelf.kvstore.errors import UnsupportedModelError
 from kvshelf.reuse import ModuleUse

@@ -12,7 +12,7 @@ from kvshelf.adapters.chat import Conversation
 from kvshelf.adapters.generate import CachedGenerator
 from kvshelf.adapters.miss import MissKind
 from kvshelf.adapters.model import tiny_llama
-from kvshelf.adapters.rag_chunks import compute_chunk
+from kvshelf.adapters.rag.chunks import compute_chunk
 from kvshelf.kvstore import open_embedded_store
 from kvshelf.kvstore.errors import ConfigError
 from kvshelf.kvstore.eviction_log import EvictionLog

@@ -1,4 +1,4 @@
-"""Every registered RAG mode (``adapters.rag_modes.registry``) on a tiny random Llama: where a mode claims an exact
+"""Every registered RAG mode (``adapters.rag.modes.registry``) on a tiny random Llama: where a mode claims an exact
 case (``RAGMode.exactness``) its greedy answer there equals full prefill's, computed and then read back from the
 store; a mode that assembles stored KV refuses the families the reuse engine cannot drive, before any work. A mode
 registered later is covered by these tests as it is."""
@@ -14,7 +14,7 @@ from helpers import token_ids
 from kvshelf.adapters.generate import CachedGenerator
 from kvshelf.adapters.model import tiny_llama
 from kvshelf.adapters.rag import MODES, RAGGenerator, precompute
-from kvshelf.adapters.rag_modes.registry import REGISTRY, needed_kinds
+from kvshelf.adapters.rag.modes.registry import REGISTRY, needed_kinds
 from kvshelf.kvstore import open_embedded_store
 from kvshelf.kvstore.errors import ConfigError, UnsupportedModelError
 

@@ -23,7 +23,7 @@ from kvshelf.adapters.decode import generate_from_layout
 from kvshelf.adapters.hf import BaseStreamer
 from kvshelf.adapters.model import tiny_llama
 from kvshelf.adapters.rag import RAGGenerator
-from kvshelf.adapters.rag_modes import assembled as rag_module
+from kvshelf.adapters.rag.modes import assembled as rag_module
 from kvshelf.adapters.reuse_engine import Layout
 from kvshelf.kvstore import open_embedded_store
 from kvshelf.kvstore.errors import UnsupportedModelError

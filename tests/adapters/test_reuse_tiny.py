@@ -11,7 +11,7 @@ from kvshelf.adapters.generate import CachedGenerator
 from kvshelf.adapters.model import tiny_llama
 from kvshelf.adapters.prompt_modules import PromptModuleGenerator
 from kvshelf.adapters.rag import RAGGenerator, precompute
-from kvshelf.adapters.rag_chunks import compute_chunk
+from kvshelf.adapters.rag.chunks import compute_chunk
 from kvshelf.adapters.reuse_engine import inv_freq
 from kvshelf.kvstore import KVShelfError, open_embedded_store
 from kvshelf.reuse import (

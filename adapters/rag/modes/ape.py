@@ -14,7 +14,7 @@ from transformers import PreTrainedModel
 
 from kvshelf.adapters import hf
 from kvshelf.adapters.decode import Generated, eos_set, greedy_with_bias
-from kvshelf.adapters.rag_modes.base import FEATURE, RAGQuery
+from kvshelf.adapters.rag.modes.base import FEATURE, RAGQuery
 from kvshelf.adapters.reuse_engine import Layout, layer_windows, prefill_rows
 from kvshelf.kvstore.errors import UnsupportedModelError
 

@@ -13,8 +13,8 @@ from transformers import PreTrainedModel
 
 from kvshelf.adapters.decode import Generated, generate_prefilled
 from kvshelf.adapters.hf import Rotary
-from kvshelf.adapters.rag_modes.ape import ApeScaling
-from kvshelf.adapters.rag_modes.base import FEATURE, Answer, RAGMode, RAGQuery
+from kvshelf.adapters.rag.modes.ape import ApeScaling
+from kvshelf.adapters.rag.modes.base import FEATURE, Answer, RAGMode, RAGQuery
 from kvshelf.adapters.reuse_engine import Layout, check_engine, check_positions, prefill_rows
 
 

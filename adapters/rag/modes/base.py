@@ -17,8 +17,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvshelf.adapters.decode import Generated
 from kvshelf.adapters.hf import BaseStreamer
-from kvshelf.adapters.rag_chunks import Chunk
-from kvshelf.adapters.rag_kv import ChunkKV
+from kvshelf.adapters.rag.chunks import Chunk
+from kvshelf.adapters.rag.kv import ChunkKV
 from kvshelf.kvstore.block import KVBlock
 
 FEATURE = "RAG chunk reuse"  # what a refusal names (``UnsupportedModelError``)
@@ -107,7 +107,7 @@ class RAGMode(ABC):
     exactness: ClassVar[Exactness | None] = None
 
     def kinds(self, blend_base: str) -> frozenset[str]:
-        """The kinds of stored KV the mode reads besides the prefix (``rag_chunks.CHUNK`` / ``BLOCK``)."""
+        """The kinds of stored KV the mode reads besides the prefix (``chunks.CHUNK`` / ``BLOCK``)."""
         return frozenset()
 
     def check(self, model: PreTrainedModel, positions: int) -> Any:

@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 
 from kvshelf.adapters.decode import Generated
-from kvshelf.adapters.rag_chunks import BLOCK, CHUNK
-from kvshelf.adapters.rag_modes.assembled import AssembledMode, decode_prefilled
-from kvshelf.adapters.rag_modes.base import Exactness, RAGQuery
+from kvshelf.adapters.rag.chunks import BLOCK, CHUNK
+from kvshelf.adapters.rag.modes.assembled import AssembledMode, decode_prefilled
+from kvshelf.adapters.rag.modes.base import Exactness, RAGQuery
 from kvshelf.adapters.reuse_engine import Layout, embed, folded_attention, last_logits, layer_kv, run_layers, write_kv
 from kvshelf.reuse.blend import kv_deviation, select_recompute
 

@@ -3,9 +3,9 @@ block-diagonal mask) and cached under a key that includes the prefix; the questi
 
 from __future__ import annotations
 
-from kvshelf.adapters.rag_chunks import BLOCK
-from kvshelf.adapters.rag_modes.assembled import AssembledMode
-from kvshelf.adapters.rag_modes.base import Exactness
+from kvshelf.adapters.rag.chunks import BLOCK
+from kvshelf.adapters.rag.modes.assembled import AssembledMode
+from kvshelf.adapters.rag.modes.base import Exactness
 
 
 class BlockAttentionMode(AssembledMode):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvshelf.adapters.decode import generate_from_cache
-from kvshelf.adapters.rag_modes.base import Answer, Exactness, RAGMode, RAGQuery
+from kvshelf.adapters.rag.modes.base import Answer, Exactness, RAGMode, RAGQuery
 
 
 class FullMode(RAGMode):

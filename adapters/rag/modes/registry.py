@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvshelf.adapters.rag_chunks import PREFIX_KIND
-from kvshelf.adapters.rag_modes.base import RAGMode
-from kvshelf.adapters.rag_modes.blend import BlendMode
-from kvshelf.adapters.rag_modes.block_attention import BlockAttentionMode
-from kvshelf.adapters.rag_modes.full import FullMode
-from kvshelf.adapters.rag_modes.reuse import ReuseMode
+from kvshelf.adapters.rag.chunks import PREFIX_KIND
+from kvshelf.adapters.rag.modes.base import RAGMode
+from kvshelf.adapters.rag.modes.blend import BlendMode
+from kvshelf.adapters.rag.modes.block_attention import BlockAttentionMode
+from kvshelf.adapters.rag.modes.full import FullMode
+from kvshelf.adapters.rag.modes.reuse import ReuseMode
 from kvshelf.kvstore.errors import ConfigError
 
 MODE_CLASSES: tuple[type[RAGMode], ...] = (

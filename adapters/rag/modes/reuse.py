@@ -3,9 +3,9 @@ with keys re-rotated to their new positions; only the question is prefilled."""
 
 from __future__ import annotations
 
-from kvshelf.adapters.rag_chunks import CHUNK
-from kvshelf.adapters.rag_modes.assembled import AssembledMode
-from kvshelf.adapters.rag_modes.base import Exactness
+from kvshelf.adapters.rag.chunks import CHUNK
+from kvshelf.adapters.rag.modes.assembled import AssembledMode
+from kvshelf.adapters.rag.modes.base import Exactness
 
 
 class ReuseMode(AssembledMode):
