@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from redis.exceptions import RedisError
 
 from kvshelf.kvstore.errors import ConfigError
 
@@ -112,7 +113,7 @@ class RedisProcess:
                 with self.client() as client:
                     if client.ping():
                         return
-            except redis.exceptions.RedisError:
+            except RedisError:
                 pass
             if time.monotonic() > deadline:
                 raise ConfigError(f"redis-server on port {self.port} did not answer PING within {START_TIMEOUT_S} s")
