@@ -23,10 +23,11 @@ What a peer can make this process hold is bounded before it is stored (the limit
 * payloads are sent zero-copy, the buffer's own bytes: a subscriber's or replay peer's queue shares them. A payload
   that left the buffer while still queued for a peer is "pinned"; past ``buffer_bytes`` of pinned payloads for
   ``PINNED_GRACE_S``, the replay socket (then the XPUB) is closed and opened again, which frees them;
-* replays: one job per peer, ``REPLAY_JOBS`` at once (more are answered with the end marker alone and counted as
-  refused), sent with ``ZMQ_ROUTER_MANDATORY`` and a send high-water mark of ``REPLAY_HWM`` messages: a peer that
-  does not read stops its own job (given up after ``REPLAY_STALL_S``), never another's; ``REPLAY_ROUND`` replay
-  messages at most per loop, between live batches, so live events are never behind a replay flood;
+* replays (``kvstore.vllm_events_replay``): one job per peer, ``REPLAY_JOBS`` at once (more are answered with the
+  end marker alone and counted as refused), sent with ``ZMQ_ROUTER_MANDATORY`` and a send high-water mark of
+  ``REPLAY_HWM`` messages: a peer that does not read stops its own job (given up after ``REPLAY_STALL_S``), never
+  another's; ``REPLAY_ROUND`` replay messages at most per loop, between live batches, so live events are never
+  behind a replay flood;
 * and what libzmq does before this process can see it: a flood of subscriptions from several peers keeps libzmq
   adding them to its trie inside one call of this process's loop. A guard thread (``_Guard``) reads this process's
   resident memory every ``GUARD_INTERVAL_S``; past what it had at start, plus the payloads it holds (buffered and
@@ -47,7 +48,6 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +59,6 @@ from kvshelf.kvstore.errors import ConfigError
 from kvshelf.kvstore.keys import KEY_BYTES, SCOPED_KEY_BYTES, block_key_of, parent_of, scope_of
 from kvshelf.kvstore.stats import UNKNOWN
 from kvshelf.kvstore.vllm_event_wire import (
-    END_SEQ,
     MAX_BATCH_EVENTS,
     AllBlocksCleared,
     BlockRemoved,
@@ -69,6 +68,7 @@ from kvshelf.kvstore.vllm_event_wire import (
     block_hasher,
     open_socket,
 )
+from kvshelf.kvstore.vllm_events_replay import MAX_TOPIC_BYTES, Replays, TopicLog
 
 #: record kinds (the first item of each record): a store's event ``(kind, ts, store event kind, tier, key,
 #: namespace, default namespace, tokens, extra)``; ``(kind, ts, namespace, key, parent, tokens, medium)``;
@@ -83,9 +83,6 @@ RECORD_STORE, RECORD_STORED, RECORD_REMOVED, RECORD_CLEARED, RECORD_MEDIA, RECOR
  COUNTER_PINNED_BYTES, COUNTER_GUARD_DROPS) = range(13)
 COUNTERS = 13
 
-#: longest topic a replay request may name, and about the longest subscription (a namespace of 1,024 ASCII characters
-#: and a topic fit)
-MAX_TOPIC_BYTES = 4096
 #: ``ZMQ_MAXMSGSIZE`` of the XPUB and the ROUTER: a subscription or a request frame (a topic and a few bytes)
 MAX_FRAME_BYTES = MAX_TOPIC_BYTES + 64
 #: distinct subscriptions held at once, and their bytes (libzmq's trie: ~48 bytes a byte, 2 KiB a fan-out)
@@ -95,18 +92,8 @@ MAX_SUBSCRIPTION_BYTES = 64 << 10
 INBOUND_HWM = 4
 #: replay messages queued for one peer at most (``ZMQ_SNDHWM`` of the ROUTER; each shares a buffered payload)
 REPLAY_HWM = 64
-#: replay jobs at once (one per peer), replay messages sent per loop, requests read per loop
-REPLAY_JOBS = 16
-REPLAY_ROUND = 32
-REQUESTS_PER_ROUND = 64
 #: how often replay jobs whose peers' queues were full are tried again (ms)
 STALLED_POLL_MS = 5
-#: a replay job whose peer reads nothing for this long is given up
-REPLAY_STALL_S = 5.0
-#: a peer whose replay was given up gets only end markers for this long (a peer that never reads and asks again
-#: would otherwise hold a job for ever), and how many such peers are remembered (the oldest forgotten first)
-STALLED_PEER_S = 60.0
-STALLED_PEERS = 4096
 #: a batch's payload is split (by events) above this size
 MAX_BATCH_BYTES = 1 << 20
 #: how long pinned payloads may stay past their bound before a socket is reset (libzmq frees them asynchronously)
@@ -117,7 +104,6 @@ GUARD_INTERVAL_S = 0.02
 GUARD_MARGIN_BYTES = 64 << 20
 #: the guard drops every connection (when none has bytes waiting) and trims the heap at most once this often
 GUARD_SETTLE_S = 1.0
-_SENT, _AGAIN, _GONE = range(3)
 _TCP_BIND = re.compile(r"tcp://(\*|\[[0-9a-fA-F:.]*::[0-9a-fA-F:.]*\]):(\d+)")
 
 
@@ -130,38 +116,6 @@ def counters_at(folder: Path) -> np.memmap:
     return np.memmap(folder / "counters", dtype=np.int64, mode="r+", shape=(COUNTERS,))
 
 
-def parse_replay_request(frames: list[bytes]) -> tuple[int, bytes | None] | None:
-    """``(start sequence, topic or None)`` of a replay request's frames (after the peer's identity), or None when
-    malformed. A REQ client's empty delimiter frame is skipped; then the 8-byte big-endian start and, optionally, the
-    topic (``MAX_TOPIC_BYTES`` at most)."""
-    if frames and frames[0] == b"":
-        frames = frames[1:]
-    if not 1 <= len(frames) <= 2 or len(frames[0]) != 8:
-        return None
-    topic = frames[1] if len(frames) == 2 else None
-    if topic is not None and len(topic) > MAX_TOPIC_BYTES:
-        return None
-    return int.from_bytes(frames[0], "big"), topic
-
-
-@dataclass
-class _TopicLog:
-    """One topic's sequence and its buffered batches ``(seq, payload frame, bytes)``, oldest first."""
-
-    next_seq: int = 0
-    entries: deque[tuple[int, zmq.Frame, int]] = field(default_factory=deque)
-
-
-@dataclass
-class _Job:
-    """A replay under way: the batches of ``topic`` from ``next_seq`` to ``identity``."""
-
-    identity: bytes
-    topic: bytes
-    next_seq: int
-    stalled_since: float | None = None
-
-
 class _Worker:
     def __init__(self, settings: KVEventsSettings, feed: str, counters: np.ndarray) -> None:
         self.settings = settings
@@ -172,7 +126,8 @@ class _Worker:
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
         self.pull.bind(feed)
-        self.logs: dict[bytes, _TopicLog] = {}
+        self.logs: dict[bytes, TopicLog] = {}
+        self.replays = Replays(settings, self.logs)
         self.order: deque[bytes] = deque()  # the topic of each buffered batch, oldest first
         self.buffered_bytes = 0
         self.pinned: deque[tuple[Any, int]] = deque()  # (tracker, bytes) of payloads out of the buffer
@@ -181,8 +136,6 @@ class _Worker:
         self.replay_reset_at = 0.0
         self.subscriptions: set[bytes] = set()
         self.subscription_bytes = 0
-        self.jobs: dict[bytes, _Job] = {}
-        self.stalled_peers: dict[bytes, float] = {}  # identity -> when its replay was given up
         self.decoder = msgspec.msgpack.Decoder()
         self.encoder = msgspec.msgpack.Encoder()
         self.media: dict[str, str] = {}
@@ -236,7 +189,7 @@ class _Worker:
         """Close the replay ROUTER and open it again: every replay job and queued message is dropped."""
         assert self.replay is not None
         self.replay.close(linger=0)
-        self.jobs.clear()
+        self.replays.jobs.clear()
         self.counters[COUNTER_RESETS] += 1
         self.replay_reset_at = time.monotonic()
         self.replay = self._open_replay(retry=True)
@@ -260,8 +213,8 @@ class _Worker:
                 for socket in (self.pull, self.pub, self.replay):
                     if socket is not None:
                         poller.register(socket, zmq.POLLIN)
-            busy = any(job.stalled_since is None for job in self.jobs.values())
-            ready = dict(poller.poll(0 if busy else STALLED_POLL_MS if self.jobs else 200))
+            jobs = self.replays.jobs
+            ready = dict(poller.poll(0 if self.replays.busy else STALLED_POLL_MS if jobs else 200))
             if self.pull in ready:  # live first: records come batched (the publisher's FEED_BATCH / FEED_WINDOW_S)
                 running = self._read_and_send()
             elif os.getppid() != self.parent:  # the store's process is gone
@@ -270,8 +223,8 @@ class _Worker:
                 self._read_subscriptions()
             if self.replay is not None and self.replay in ready:
                 self._read_replay_requests()
-            if self.jobs:
-                self._replay_round()
+            if self.replay is not None and self.replays.jobs:
+                self.replays.round(self.replay)
             self._check_pinned()
             self.counters[COUNTER_CPU_NS] = time.process_time_ns() - self.cpu_at_start
 
@@ -355,7 +308,7 @@ class _Worker:
             topic = (self.settings.topic + namespace).encode()
             log = self.logs.get(topic)
             if log is None:
-                log = self.logs[topic] = _TopicLog()
+                log = self.logs[topic] = TopicLog()
             for payload in self._encode(events, ts):
                 seq = log.next_seq
                 log.next_seq += 1
@@ -435,110 +388,14 @@ class _Worker:
                 self._reset_pub()
                 return
 
-    # -- replay -----------------------------------------------------------------------------------------------
+    # -- replay (``kvstore.vllm_events_replay``) ---------------------------------------------------------------
 
     def _read_replay_requests(self) -> None:
-        """Read up to ``REQUESTS_PER_ROUND`` requests; each starts (or restarts) its peer's job, or gets the end
-        marker alone (malformed, ambiguous, or ``REPLAY_JOBS`` under way)."""
         assert self.replay is not None
-        for _ in range(REQUESTS_PER_ROUND):
-            try:
-                identity = self.replay.recv(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            frames: list[bytes] = []
-            extra = 0
-            while self.replay.getsockopt(zmq.RCVMORE):
-                frame = self.replay.recv()
-                if len(frames) < 4:
-                    frames.append(frame)
-                else:
-                    extra += 1
-            request = parse_replay_request(frames) if not extra else None
-            topic = self._topic_of(request[1]) if request is not None else None
-            if request is None or topic is None:
-                self.counters[COUNTER_BAD_REPLAYS] += 1
-                self._send_replay(identity, END_SEQ, b"")
-                continue
-            given_up = self.stalled_peers.get(identity)
-            stalled = given_up is not None and time.monotonic() - given_up < STALLED_PEER_S
-            if stalled or (identity not in self.jobs and len(self.jobs) >= REPLAY_JOBS):
-                self.counters[COUNTER_REPLAYS_REFUSED] += 1
-                self._send_replay(identity, END_SEQ, b"")
-                continue
-            self.counters[COUNTER_REPLAYS] += 1
-            previous = self.jobs.get(identity)  # asking again does not restart a stalled job's clock
-            self.jobs[identity] = _Job(identity, topic, request[0], previous.stalled_since if previous else None)
-
-    def _topic_of(self, named: bytes | None) -> bytes | None:
-        """The topic a request replays: the one it names; else the only namespace of ``namespaces``, or the only
-        topic published so far (b"" when none was); None when that is ambiguous (several topics)."""
-        if named is not None:
-            return named
-        allowed = self.settings.namespaces
-        if allowed is not None and len(allowed) == 1:
-            return (self.settings.topic + next(iter(allowed))).encode()
-        if len(self.logs) <= 1:
-            return next(iter(self.logs), b"")
-        return None
-
-    def _replay_round(self) -> None:
-        """Send up to ``REPLAY_ROUND`` replay messages, shared by the jobs; give up jobs stalled ``REPLAY_STALL_S``."""
-        now = time.monotonic()
-        share = max(1, REPLAY_ROUND // len(self.jobs))
-        for identity in list(self.jobs):
-            job = self.jobs[identity]
-            if self._advance(job, share):
-                del self.jobs[identity]
-            elif job.stalled_since is not None and now - job.stalled_since > REPLAY_STALL_S:
-                del self.jobs[identity]
-                self.stalled_peers.pop(identity, None)
-                self.stalled_peers[identity] = now
-                if len(self.stalled_peers) > STALLED_PEERS:
-                    del self.stalled_peers[next(iter(self.stalled_peers))]
-        if self.jobs:  # the next round starts with the next job
-            first = next(iter(self.jobs))
-            self.jobs[first] = self.jobs.pop(first)
-
-    def _advance(self, job: _Job, quota: int) -> bool:
-        """Send up to ``quota`` of ``job``'s batches, then its end marker; True when the job is over."""
-        log = self.logs.get(job.topic)
-        while quota > 0:
-            if log is None or job.next_seq >= log.next_seq:
-                result = self._send_replay(job.identity, END_SEQ, b"")
-                if result == _AGAIN:
-                    job.stalled_since = job.stalled_since or time.monotonic()
-                    return False
-                return True
-            oldest = log.entries[0][0] if log.entries else log.next_seq
-            if job.next_seq < oldest:  # older than the buffer: what is left
-                job.next_seq = oldest
-                continue
-            seq, frame, _ = log.entries[job.next_seq - oldest]
-            result = self._send_replay(job.identity, seq.to_bytes(8, "big"), frame)
-            if result == _GONE:
-                return True
-            if result == _AGAIN:
-                job.stalled_since = job.stalled_since or time.monotonic()
-                return False
-            job.stalled_since = None
-            job.next_seq += 1
-            quota -= 1
-        return False
-
-    def _send_replay(self, identity: bytes, seq: bytes, payload: bytes | zmq.Frame) -> int:
-        """Queue one replay message for ``identity`` without blocking: ``_SENT``, ``_AGAIN`` (its queue is full) or
-        ``_GONE`` (no such peer)."""
-        assert self.replay is not None
-        try:
-            self.replay.send_multipart((identity, b"", seq, payload), flags=zmq.NOBLOCK)
-        except zmq.Again:
-            return _AGAIN
-        except zmq.ZMQError as exc:
-            if exc.errno == zmq.EHOSTUNREACH:
-                return _GONE
-            raise
-        return _SENT
+        counts = self.replays.read_requests(self.replay)
+        self.counters[COUNTER_BAD_REPLAYS] += counts.bad
+        self.counters[COUNTER_REPLAYS_REFUSED] += counts.refused
+        self.counters[COUNTER_REPLAYS] += counts.started
 
     def close(self) -> None:
         self.guard.stopped.set()

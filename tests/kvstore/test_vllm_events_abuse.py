@@ -25,12 +25,8 @@ from service_helpers import free_port
 from vllm_schema import DECODER, END_SEQ, receive, subscriber
 
 from kvshelf.kvstore.vllm_events import KVEventsSettings, VLLMEventPublisher
-from kvshelf.kvstore.vllm_events_worker import (
-    GUARD_MARGIN_BYTES,
-    GUARD_SETTLE_S,
-    REPLAY_STALL_S,
-    parse_replay_request,
-)
+from kvshelf.kvstore.vllm_events_replay import REPLAY_STALL_S, parse_replay_request
+from kvshelf.kvstore.vllm_events_worker import GUARD_MARGIN_BYTES, GUARD_SETTLE_S
 
 ctx = vllm_schema.ctx
 MiB = 1 << 20

@@ -1,4 +1,4 @@
-"""Fuzz target of the vLLM KV event replay request parser (``kvstore/vllm_events_worker.py``,
+"""Fuzz target of the vLLM KV event replay request parser (``kvstore/vllm_events_replay.py``,
 ``parse_replay_request``).
 
 ``check_request(raw)``: ``raw`` is read as a request's frames (``frames_of``: a length-prefixed list, as ZeroMQ hands
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from fuzz_driver import fuzz_main
 
-from kvshelf.kvstore import vllm_events_worker
-from kvshelf.kvstore.vllm_events_worker import MAX_TOPIC_BYTES, parse_replay_request
+from kvshelf.kvstore import vllm_events_replay
+from kvshelf.kvstore.vllm_events_replay import MAX_TOPIC_BYTES, parse_replay_request
 
 
 def encode_frames(frames: list[bytes]) -> bytes:
@@ -63,7 +63,7 @@ def check_request(raw: bytes) -> None:
 
 def main() -> None:
     """Run atheris on ``check_request`` when it is installed, else the seeded fallback loop."""
-    fuzz_main(check_request, SEEDS, vllm_events_worker, "fuzz_replay: {rounds} mutated requests read or refused "
+    fuzz_main(check_request, SEEDS, vllm_events_replay, "fuzz_replay: {rounds} mutated requests read or refused "
               "cleanly (install atheris for a guided run)")
 
 
