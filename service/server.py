@@ -366,7 +366,7 @@ class KVShelfServicer:
         return pb.StatsResponse(json=json.dumps(out), degraded=bool(down))
 
 
-def _get_response(index: int, tier_key: bytes, value: bytes | None, arena: ArenaWriter | None,
+def _get_response(index: int, tier_key: ScopedKey, value: bytes | None, arena: ArenaWriter | None,
                   chunk_bytes: int) -> Iterator[bytes]:
     """The serialised ``GetBlocksResponse`` messages of one served value: a miss, its place in the arena, or its
     chunks."""

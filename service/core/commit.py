@@ -29,10 +29,11 @@ def store_values(store: TieredStore, events: EventHub, call: PutReservation,
     reencoded: TierBytes = {}  # per tier: the re-encoded copies it is handed at once
     for (key, value), header in zip(items, headers, strict=True):
         check_reencode(key, header, len(value), targets, call.limits.max_block_bytes)
-        sizes.append((key, {spec.tier.name: spec.stored_nbytes(header, len(value)) for spec in targets}))
+        per_tier: TierBytes = {spec.tier.name: spec.stored_nbytes(header, len(value)) for spec in targets}
+        sizes.append((key, per_tier))
         for spec in targets:
             if not spec.stores_as_is(header):
-                reencoded[spec.tier.name] = reencoded.get(spec.tier.name, 0) + sizes[-1][1][spec.tier.name]
+                reencoded[spec.tier.name] = reencoded.get(spec.tier.name, 0) + per_tier[spec.tier.name]
     call.reserve_exact(sizes)
     call.hold_more(max(reencoded.values(), default=0))  # in-flight budget for the re-encoded copies
     if not active():

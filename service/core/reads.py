@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from kvshelf.kvstore.keys import unscope
+from kvshelf.kvstore.keys import ScopedKey, unscope
 from kvshelf.kvstore.store import TieredStore
 from kvshelf.service.hot_prefixes import HotPrefixes
 
@@ -26,8 +26,8 @@ class Reader:
         self.store = store
         self.hot_prefixes = hot_prefixes
 
-    def served(self, keys: list[bytes], namespace: str, fingerprint: str | None,
-               tokens: Sequence[int]) -> Iterator[tuple[int, bytes, bytes | None]]:
+    def served(self, keys: Sequence[ScopedKey], namespace: str, fingerprint: str | None,
+               tokens: Sequence[int]) -> Iterator[tuple[int, ScopedKey, bytes | None]]:
         """``(index, tier key, value or None)`` of the scoped ``keys``, in order, checked by the store; the leading
         run of hits is counted as a reused prefix (``tokens``: tokens per key, when the client sent them).
 
@@ -35,7 +35,7 @@ class Reader:
         ``READ_AHEAD_BYTES`` ahead), and a key named more than once is read once and its value kept for its later
         places (within ``REPEAT_KEEP_BYTES``), so naming one key many times costs neither reads nor copies."""
         last = {key: index for index, key in enumerate(keys)}  # the last place each key is named at
-        kept: dict[bytes, bytes | None] = {}  # values named again later in this request
+        kept: dict[ScopedKey, bytes | None] = {}  # values named again later in this request
         kept_bytes = 0
         read_values, read_bytes = 0, 0  # hits read so far (what sizes the next read)
         run = 0  # the leading run of served keys: the reused prefix (counted in hot_prefixes when it ends)
@@ -66,11 +66,12 @@ class Reader:
         if run == len(keys) and run:  # every key served: the whole request was a reused prefix
             self.count_prefix(namespace, keys, run, tokens)
 
-    def _read_round(self, keys: list[bytes], index: int, want: int, kept: dict[bytes, bytes | None], namespace: str,
-                    fingerprint: str | None, tokens: Sequence[int]) -> tuple[int, dict[bytes, bytes | None]]:
+    def _read_round(self, keys: Sequence[ScopedKey], index: int, want: int, kept: dict[ScopedKey, bytes | None],
+                    namespace: str, fingerprint: str | None,
+                    tokens: Sequence[int]) -> tuple[int, dict[ScopedKey, bytes | None]]:
         """``(end, values)``: the keys from ``index`` to ``end`` are served next; ``values`` are those read now (at
         most ``want`` keys, each once; keys in ``kept`` are not read again)."""
-        batch: dict[bytes, int] = {}  # the keys read now (each once) -> its first place in this round
+        batch: dict[ScopedKey, int] = {}  # the keys read now (each once) -> its first place in this round
         end = index
         while end < len(keys) and (keys[end] in kept or keys[end] in batch or len(batch) < want):
             if keys[end] not in kept and keys[end] not in batch:
@@ -83,7 +84,8 @@ class Reader:
                                              tokens=[tokens[i] for i in batch.values()] if per_key_tokens else None)
         return end, dict(zip(batch, values, strict=True))
 
-    def count_prefix(self, namespace: str, keys: Sequence[bytes], depth: int, tokens: Sequence[int] | None) -> None:
+    def count_prefix(self, namespace: str, keys: Sequence[ScopedKey], depth: int,
+                     tokens: Sequence[int] | None) -> None:
         """One reuse of the prefix of ``keys[:depth]`` (``tokens``: the request's tokens per key, if it sent them)."""
         length = sum(tokens[:depth]) if tokens is not None and len(tokens) == len(keys) else None
         self.hot_prefixes.hit(namespace, unscope(keys[depth - 1]), depth, length)

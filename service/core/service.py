@@ -47,12 +47,13 @@ class ServiceCore:
         """Store a put's verified values; ``(received, stored)`` (``service.core.commit.store_values``)."""
         return store_values(self.store, self.events, call, values, headers, pin, active)
 
-    def served(self, keys: list[bytes], namespace: str, fingerprint: str | None,
-               tokens: Sequence[int]) -> Iterator[tuple[int, bytes, bytes | None]]:
+    def served(self, keys: Sequence[ScopedKey], namespace: str, fingerprint: str | None,
+               tokens: Sequence[int]) -> Iterator[tuple[int, ScopedKey, bytes | None]]:
         """``(index, tier key, value or None)`` of the scoped ``keys`` in order (``Reader.served``)."""
         return self.reader.served(keys, namespace, fingerprint, tokens)
 
-    def count_prefix(self, namespace: str, keys: Sequence[bytes], depth: int, tokens: Sequence[int] | None) -> None:
+    def count_prefix(self, namespace: str, keys: Sequence[ScopedKey], depth: int,
+                     tokens: Sequence[int] | None) -> None:
         """One reuse of the prefix of ``keys[:depth]``."""
         self.reader.count_prefix(namespace, keys, depth, tokens)
 
