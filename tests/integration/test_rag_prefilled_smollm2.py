@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvshelf.adapters import rag as rag_module
 from kvshelf.adapters.decode import generate_from_layout
 from kvshelf.adapters.hf import BaseStreamer
 from kvshelf.adapters.rag import RAGGenerator, precompute
+from kvshelf.adapters.rag.modes import assembled as rag_module
 from kvshelf.adapters.reuse_engine import Layout
 from kvshelf.kvstore import open_embedded_store
 
