@@ -83,10 +83,11 @@ lint: install
 
 # pyright (basic; settings in pyproject.toml) over the package, its parts linked under their kvshelf.* names.
 PARTS := kvstore compress reuse proto service adapters bench
-typecheck: install
+typecheck: install vllm-venv
 	rm -rf build/typecheck && mkdir -p build/typecheck/kvshelf
 	ln -s ../../../kvshelf/__init__.py ../../../kvshelf/cli build/typecheck/kvshelf/
 	for p in $(PARTS); do ln -s ../../../$$p build/typecheck/kvshelf/$$p; done
+	ln -s "$$($(VLLM_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" build/typecheck/vllm-site
 	$(VENV)/bin/pyright
 
 clean:

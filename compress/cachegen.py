@@ -86,7 +86,7 @@ def _flag_table(p: float) -> np.ndarray:
 
 @functools.lru_cache(maxsize=1 << 12)
 def _flag_model(p: float) -> Any:
-    """The (immutable, shared) constriction ``Categorical`` model of ``_flag_table(p)``; ``p`` is a stored fp16 value."""
+    """The (immutable, shared) constriction ``Categorical`` of ``_flag_table(p)``; ``p`` is a stored fp16 value."""
     return _stream.model.Categorical(_flag_table(p), perfect=False)
 
 

@@ -34,7 +34,7 @@ Shapes: ``b`` batch, ``h`` KV heads (``h_q`` query heads), ``n`` tokens, ``d`` h
 """
 
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
-from transformers.generation import BaseStreamer
+from transformers.generation.streamers import BaseStreamer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvshelf.adapters.hf.attention import (
@@ -68,6 +68,7 @@ from kvshelf.adapters.hf.decoding import (
     model_type,
     run_decoder_layer,
 )
+from kvshelf.adapters.hf.dynamic import HFConfig, HFModule
 from kvshelf.adapters.hf.growing import DEFAULT_HEADROOM, GrowingLayer
 from kvshelf.adapters.hf.layer_types import (
     CHUNKED_ATTENTION,
@@ -79,6 +80,7 @@ from kvshelf.adapters.hf.layer_types import (
 from kvshelf.adapters.hf.layers import (
     bridge_layers,
     cache_layers,
+    filled_layer_tensors,
     full_attention_layers,
     is_sliding_layer,
     is_state_only_layer,
@@ -111,12 +113,15 @@ from kvshelf.adapters.hf.rope import Rotary, position_embeddings, rope_layer_typ
 from kvshelf.adapters.hf.version import TESTED_VERSION
 
 __all__ = [
+    "HFConfig",
+    "HFModule",
     "ATTENTION_MODULE_FIELDS", "DEFAULT_HEADROOM", "DISPATCH", "TESTED_VERSION", "BaseStreamer", "DynamicLayer",
     "DynamicSlidingWindowLayer", "GrowingLayer", "LayerOwner", "OwnedLayer", "Rotary", "attention_hook_inputs",
     "attention_implementation",
     "attention_scope", "attention_modules", "attn_implementation", "cache_bytes", "cache_from_tensors", "cache_layers",
     "cache_of_layers", "cache_tensors", "decoder", "decoder_layers", "dequantize_cache", "fill_layer", "final_norm",
-    "full_attention_layers", "input_embeddings", "kv_projection_weights", "layer_tensors", "lm_logits",
+    "full_attention_layers", "input_embeddings", "kv_projection_weights", "filled_layer_tensors",
+    "layer_tensors", "lm_logits",
     "model_type", "new_cache", "position_embeddings", "rope_layer_types", "rotaries",
     "quantized_cache", "register_attention", "rotary", "run_decoder_layer",
     "sdpa_attention_forward", "set_cache_layer", "supports_sdpa", "switch_attention",

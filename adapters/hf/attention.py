@@ -26,6 +26,7 @@ from torch import nn
 from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from kvshelf.adapters.hf.dynamic import HFModule
 from kvshelf.adapters.hf.modules import eager_attention_function
 from kvshelf.kvstore.errors import ConfigError, UnsupportedModelError
 
@@ -64,7 +65,7 @@ def _chosen(config: Any) -> str:
     return name
 
 
-def _dispatch_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def _dispatch_attention(module: HFModule, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
     """The ``DISPATCH`` attention function: the implementation ``_chosen`` for the module's config, called as
     the module's forward would call it (``query [b, h_q, q, d]``, ``key/value [b, h, n, d]`` -> ``([b, q, h_q, d],
@@ -86,7 +87,7 @@ def _dispatch_mask(*args: Any, config: Any = None, **kwargs: Any) -> Any:
     return None if function is None else function(*args, config=config, **kwargs)
 
 
-def _configs(model: nn.Module) -> list[Any]:
+def _configs(model: HFModule) -> list[Any]:
     """Every config object of the model: its own, its sub-configs', its submodules' (the attention modules')."""
     found: dict[int, Any] = {}
     pending = [model.config]
@@ -99,7 +100,7 @@ def _configs(model: nn.Module) -> list[Any]:
     return list(found.values())
 
 
-def _install(model: nn.Module) -> _Dispatch | None:
+def _install(model: HFModule) -> _Dispatch | None:
     """Make the model's configs name ``DISPATCH`` (one more user if they do already); ``None`` when the model
     cannot be dispatched (its own implementation is not sdpa or eager, it cannot switch implementations, or its
     configs disagree)."""
@@ -126,14 +127,14 @@ def _install(model: nn.Module) -> _Dispatch | None:
         return state
 
 
-def _uninstall(model: nn.Module, state: _Dispatch) -> None:
+def _uninstall(model: HFModule, state: _Dispatch) -> None:
     with _LOCK:
         state.users -= 1
         if state.users == 0 and model.config._attn_implementation == DISPATCH:
             model.set_attn_implementation(state.base)
 
 
-def _scoped(model: nn.Module) -> bool:
+def _scoped(model: HFModule) -> bool:
     """Whether an ``attention_scope`` of the model is active in this context."""
     chosen = _CHOSEN.get()
     return bool(chosen) and id(model.config) in chosen
@@ -143,7 +144,7 @@ def attn_implementation(model: PreTrainedModel) -> str:
     """The attention implementation the model runs with now in this context (thread): ``"sdpa"``, ``"eager"``, a
     registered name... Another thread's ``attention_implementation`` block does not change what this returns."""
     own = model.config._attn_implementation
-    return _chosen(model.config) if own == DISPATCH else own
+    return _chosen(model.config) if own == DISPATCH else str(own)
 
 
 @contextmanager
@@ -211,12 +212,12 @@ def attention_implementation(model: PreTrainedModel, name: str) -> Iterator[str]
                 model.set_attn_implementation(previous)
 
 
-def supports_sdpa(model: nn.Module) -> bool:
+def supports_sdpa(model: HFModule) -> bool:
     """Whether the model class can run with ``sdpa`` attention."""
     return bool(getattr(model, "_supports_sdpa", False))
 
 
-def can_switch_attention(model: nn.Module) -> bool:
+def can_switch_attention(model: HFModule) -> bool:
     """Whether ``switch_attention`` works on the model (Falcon's attention ignores it: transformers only warns)."""
     can = getattr(model, "_can_set_attn_implementation", None)
     return bool(can()) if callable(can) else False

@@ -55,7 +55,7 @@ def cache_from_tensors(tensors: Sequence[tuple[torch.Tensor, torch.Tensor]],
     """
     cache = new_cache(config)
     if config is None:
-        cache.layers = [DynamicLayer() for _ in tensors]
+        cache.layers = [DynamicLayer() for _ in tensors]  # pyright: ignore[reportAttributeAccessIssue]
     layers = cache_layers(cache)
     if len(layers) != len(tensors):
         raise UnsupportedModelError(f"{len(tensors)} layers of keys and values for a cache of {len(layers)} layers")
@@ -72,7 +72,7 @@ def set_cache_layer(cache: Any, index: int, layer: DynamicLayer) -> None:
 def cache_of_layers(layers: Sequence[DynamicLayer]) -> DynamicCache:
     """A ``DynamicCache`` made of the given layer objects."""
     cache = DynamicCache()
-    cache.layers = list(layers)
+    cache.layers = list(layers)  # pyright: ignore[reportAttributeAccessIssue]
     return cache
 
 

@@ -55,7 +55,10 @@ def input_embeddings(model: PreTrainedModel, input_ids: torch.Tensor) -> torch.T
 def lm_logits(model: PreTrainedModel, normed: torch.Tensor) -> torch.Tensor:
     """The causal LM's logits of final-normed hidden states ``[b, n, hidden]``, as its own forward computes them:
     the LM head, then Granite's ``/ logits_scaling``, Cohere's ``* logit_scale`` or Gemma 2/3's final soft cap."""
-    logits = model.get_output_embeddings()(normed)
+    head = model.get_output_embeddings()
+    if head is None:
+        raise UnsupportedModelError(f"{type(model).__name__} has no output embeddings (an LM head) to compute logits")
+    logits = head(normed)
     text = model.config.get_text_config(decoder=True)
     scaling = getattr(text, "logits_scaling", None)
     if scaling not in (None, 1, 1.0):

@@ -149,3 +149,11 @@ def layer_tensors(layer: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
     if not layer.is_initialized or layer.keys is None or layer.keys.dim() != 4:
         return None
     return layer.keys, layer.values
+
+
+def filled_layer_tensors(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``layer_tensors`` of a layer a forward has filled; ``UnsupportedModelError`` when it holds nothing."""
+    tensors = layer_tensors(layer)
+    if tensors is None:
+        raise UnsupportedModelError(f"cache layer {type(layer).__name__} holds no keys and values after the prefill")
+    return tensors

@@ -15,13 +15,14 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from kvshelf.adapters.hf.dynamic import HFModule
 from kvshelf.kvstore.errors import UnsupportedModelError
 
 #: what kvshelf reads of an attention module: its projections, head dim, GQA group size and layer index
 ATTENTION_MODULE_FIELDS = ("q_proj", "k_proj", "v_proj", "head_dim", "num_key_value_groups", "layer_idx")
 
 
-def attention_modules(model: nn.Module) -> list[nn.Module]:
+def attention_modules(model: HFModule) -> list[HFModule]:
     """Each decoder layer's attention module, in layer order; ``UnsupportedModelError`` unless every layer has one
     with ``ATTENTION_MODULE_FIELDS`` (a Llama-style ``self_attn``)."""
     layers = getattr(getattr(model, "model", None), "layers", None)
@@ -34,7 +35,7 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     return modules
 
 
-def kv_projection_weights(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def kv_projection_weights(model: HFModule) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, the key and value projection weights ``([h * d, hidden], [h * d, hidden])`` (detached)."""
     return [(m.k_proj.weight.detach(), m.v_proj.weight.detach()) for m in attention_modules(model)]
 
@@ -55,7 +56,7 @@ _LAYER_LISTS = (("model", "layers"), ("gpt_neox", "layers"), ("transformer", "h"
 _SELF_ATTENTION = ("self_attn", "attention", "self_attention", "attn")
 
 
-def self_attention_modules(model: nn.Module, *, some: bool = False) -> list[nn.Module]:
+def self_attention_modules(model: HFModule, *, some: bool = False) -> list[HFModule]:
     """Each decoder layer's self-attention module, in layer order, in any layout kvshelf knows: Llama-style
     ``model.layers[i].self_attn``, GPT-NeoX ``gpt_neox.layers[i].attention``, Falcon
     ``transformer.h[i].self_attention``, GPT-2 ``transformer.h[i].attn``. Each has a ``layer_idx`` (its cache
@@ -86,12 +87,12 @@ def absolute_position_problem(model: PreTrainedModel) -> str | None:
     return None
 
 
-def attention_head_dim(module: nn.Module) -> int:
+def attention_head_dim(module: HFModule) -> int:
     """An attention module's head dim (``head_dim``, GPT-NeoX's ``head_size``)."""
     return int(getattr(module, "head_dim", None) or module.head_size)
 
 
-def attention_scaling(module: nn.Module) -> float:
+def attention_scaling(module: HFModule) -> float:
     """The factor an attention module multiplies ``q @ k^T`` by: its ``scaling`` (Granite's ``attention_multiplier``,
     Gemma 2/3's ``query_pre_attn_scalar ** -0.5``, GPT-2's per-layer scaling...), Falcon's ``inv_norm_factor``."""
     for name in ("scaling", "inv_norm_factor"):
@@ -101,7 +102,7 @@ def attention_scaling(module: nn.Module) -> float:
     raise UnsupportedModelError(f"attention module {type(module).__name__} has no attention scaling kvshelf reads")
 
 
-def attention_softcap(module: nn.Module) -> float | None:
+def attention_softcap(module: HFModule) -> float | None:
     """The soft cap the module applies to its attention logits (Gemma 2 passes its ``attn_logit_softcapping`` to
     the attention function), or ``None``: Gemma 3 keeps the attribute but never passes it (its logits are not
     capped)."""
@@ -117,7 +118,7 @@ def _passes_softcap(cls: type) -> bool:
         return True  # cannot tell: assume the cap applies (as the attribute says)
 
 
-def eager_attention_function(module: nn.Module) -> Callable[..., Any]:
+def eager_attention_function(module: HFModule) -> Callable[..., Any]:
     """The eager attention function of the module's modeling file (what it runs under ``attn_implementation=
     "eager"``): ``(module, query, key, value, additive_mask, scaling=..., dropout=..., [softcap=...]) ->
     (output [b, q, h_q, d], weights)``."""
@@ -127,7 +128,7 @@ def eager_attention_function(module: nn.Module) -> Callable[..., Any]:
     return function
 
 
-def uses_attention_interface(module: nn.Module) -> bool:
+def uses_attention_interface(module: HFModule) -> bool:
     """Whether the module's forward calls transformers' attention interface (so a registered attention function
     sees its queries), rather than its own attention code (Falcon's)."""
     return _calls_interface(type(module))

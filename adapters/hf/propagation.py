@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvshelf.adapters.hf.dynamic import HFModule
 from kvshelf.adapters.hf.modules import _LAYER_LISTS
 from kvshelf.kvstore.errors import UnsupportedModelError
 
@@ -30,7 +31,7 @@ from kvshelf.kvstore.errors import UnsupportedModelError
 GATHERED_ARGUMENTS = ("attention_mask", "position_embeddings", "position_ids", "cache_position")
 
 
-def decoder_stack(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
+def decoder_stack(model: HFModule) -> tuple[HFModule, nn.ModuleList]:
     """``(decoder module, its decoder layers)`` in any layout kvshelf knows (Llama-style ``model.layers``,
     GPT-NeoX ``gpt_neox.layers``, Falcon and GPT-2 ``transformer.h``); ``UnsupportedModelError`` otherwise."""
     for outer, inner in _LAYER_LISTS:
@@ -42,7 +43,7 @@ def decoder_stack(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
                                 "gpt_neox.layers, transformer.h)")
 
 
-def propagation_problem(model: nn.Module) -> str | None:
+def propagation_problem(model: HFModule) -> str | None:
     """Why the decoder cannot run its later layers on fewer tokens than its input, or ``None``: GPT-2's decoder
     reshapes its last hidden states to the input's shape (``view(output_shape)``) and hands its layers the mask
     positionally, where a pre-hook cannot tell it from other arguments."""

@@ -8,8 +8,8 @@ import functools
 import sys
 
 import torch
-from torch import nn
 
+from kvshelf.adapters.hf.dynamic import HFModule
 from kvshelf.adapters.hf.modules import attention_head_dim
 from kvshelf.kvstore.errors import UnsupportedModelError
 
@@ -24,7 +24,8 @@ def _interleaved_rotation(cls: type) -> bool:
     """The rotary convention of the attention class's modeling module, read from its own ``rotate_half`` on a probe:
     halves (Llama's ``[-x2, x1]``) or interleaved pairs (Cohere's)."""
     rotate_half = getattr(sys.modules[cls.__module__], "rotate_half", None)
-    out = rotate_half(torch.arange(4.0)).tolist() if callable(rotate_half) else None
+    probe: HFModule = rotate_half(torch.arange(4.0)) if callable(rotate_half) else None
+    out = probe.tolist() if probe is not None else None
     if out == [-2.0, -3.0, 0.0, 1.0]:
         return False
     if out == [-1.0, 0.0, -3.0, 2.0]:
@@ -33,7 +34,7 @@ def _interleaved_rotation(cls: type) -> bool:
                                 "halves or interleaved pairs in its modeling module)")
 
 
-def query_path(module: nn.Module) -> str:
+def query_path(module: HFModule) -> str:
     """How ``attention_queries`` recomputes the module's queries: ``"q_proj"`` (Llama-style, with any q norm),
     ``"qkv_proj"`` (Phi3), ``"gpt_neox"`` / ``"falcon"`` (fused ``query_key_value``), ``"gpt2"`` (``c_attn``).
     ``UnsupportedModelError`` naming what it does not know (then queries cannot be recomputed exactly)."""
@@ -56,7 +57,7 @@ def query_path(module: nn.Module) -> str:
     return path
 
 
-def _fused_queries(module: nn.Module, hidden: torch.Tensor, path: str, d: int) -> torch.Tensor:
+def _fused_queries(module: HFModule, hidden: torch.Tensor, path: str, d: int) -> torch.Tensor:
     """``[b, n, h_q, d]`` queries of the fused projections (before any norm or RoPE)."""
     b, n, _ = hidden.shape
     if path == "qkv_proj":  # Phi3: [q | k | v] along the output
@@ -73,7 +74,7 @@ def _fused_queries(module: nn.Module, hidden: torch.Tensor, path: str, d: int) -
     return fused.view(b, n, module.num_heads + 2, d)[..., :-2, :]
 
 
-def attention_queries(module: nn.Module, hidden: torch.Tensor,
+def attention_queries(module: HFModule, hidden: torch.Tensor,
                       embeddings: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     """The module's queries of ``hidden`` ``[b, n, hidden]`` (its normed input), as its own forward computes them
     before attending: projection (``query_path``), q norm where the family puts it (OLMo2: over all heads before

@@ -9,10 +9,10 @@ import inspect
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 from transformers import PreTrainedModel
 
 from kvshelf.adapters.hf.decoding import decoder, decoder_layers, model_type
+from kvshelf.adapters.hf.dynamic import HFModule
 from kvshelf.adapters.hf.modules import self_attention_modules
 from kvshelf.adapters.hf.queries import _interleaved_rotation
 from kvshelf.kvstore.errors import UnsupportedModelError
@@ -73,7 +73,7 @@ def _applies_interleaved(model: PreTrainedModel) -> bool:
         return False
 
 
-def _static_positions(model: PreTrainedModel, rotary_emb: nn.Module, rope_type: str,
+def _static_positions(model: PreTrainedModel, rotary_emb: HFModule, rope_type: str,
                       layer_type: str | None) -> int | None:
     """For a length-dependent RoPE (HF's ``dynamic_rope_update``), the number of positions up to which every
     forward uses its original tables: ``dynamic`` grows its frequencies past ``original_max_seq_len`` (and resets
@@ -105,11 +105,11 @@ def rotaries(model: PreTrainedModel) -> list[Rotary]:
     return [tables[kind] for kind in kinds]
 
 
-def _per_layer_type(rotary_emb: nn.Module | None) -> bool:
+def _per_layer_type(rotary_emb: HFModule | None) -> bool:
     return rotary_emb is not None and "layer_type" in inspect.signature(rotary_emb.forward).parameters
 
 
-def _rope_layer_type(model: PreTrainedModel, rotary_emb: nn.Module | None, layer_type: str | None) -> str | None:
+def _rope_layer_type(model: PreTrainedModel, rotary_emb: HFModule | None, layer_type: str | None) -> str | None:
     """``None`` for a rotary embedding with one table; for one with a table per layer type (its ``forward`` takes
     ``layer_type``), ``layer_type`` or else the model's only layer type (``UnsupportedModelError`` when several)."""
     if not _per_layer_type(rotary_emb):
@@ -123,7 +123,7 @@ def _rope_layer_type(model: PreTrainedModel, rotary_emb: nn.Module | None, layer
     return types[0]
 
 
-def _rope_call(model: PreTrainedModel, rotary_emb: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor,
+def _rope_call(model: PreTrainedModel, rotary_emb: HFModule, hidden: torch.Tensor, position_ids: torch.Tensor,
                layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     layer_type = _rope_layer_type(model, rotary_emb, layer_type)
     if layer_type is None:
@@ -131,7 +131,7 @@ def _rope_call(model: PreTrainedModel, rotary_emb: nn.Module, hidden: torch.Tens
     return rotary_emb(hidden, position_ids=position_ids, layer_type=layer_type)
 
 
-def _interleaved(model: PreTrainedModel, rotary_emb: nn.Module, pairs: int, layer_type: str | None = None) -> bool:
+def _interleaved(model: PreTrainedModel, rotary_emb: HFModule, pairs: int, layer_type: str | None = None) -> bool:
     """Whether the rotary embedding's ``cos`` table repeats each angle twice in a row (pairs ``(2i, 2i + 1)``,
     Cohere's ``repeat_interleave``) rather than concatenating two halves (Llama's ``rotate_half``); read from
     its own output at position 1 (angles ``inv_freq``, all different)."""

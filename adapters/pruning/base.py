@@ -48,7 +48,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import torch
-from torch import nn
 
 from kvshelf.adapters import hf
 from kvshelf.adapters.pruning.budget import check_budget, resolve_budget
@@ -78,7 +77,7 @@ class LayerInputs:
         attentions: ``[b, h_q, n, n]`` prefill attention weights, or ``None`` when the implementation returns none.
     """
 
-    module: nn.Module
+    module: hf.HFModule
     hidden_states: torch.Tensor
     keys: torch.Tensor
     values: torch.Tensor
@@ -98,8 +97,8 @@ class LayerInputs:
         """The model's attention logits of ``queries`` ``[b, h_q, q, d]`` over the (first ``keys``) keys:
         ``[b, h_q, q, n]`` float32 (scaled, soft-capped where the model caps them; no mask)."""
         cached = self.keys if keys is None else self.keys[:, :, :keys]
-        keys = cached.float().repeat_interleave(queries.shape[1] // self.kv_heads, dim=1)  # [b, h_q, n, d]
-        logits = queries.float() @ keys.transpose(2, 3) * self.scaling
+        expanded = cached.float().repeat_interleave(queries.shape[1] // self.kv_heads, dim=1)  # [b, h_q, n, d]
+        logits = queries.float() @ expanded.transpose(2, 3) * self.scaling
         cap = hf.attention_softcap(self.module)
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -178,13 +177,13 @@ def gather_tokens(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return x.gather(2, idx.unsqueeze(-1).expand(*idx.shape, x.shape[-1]))
 
 
-def refusal(method: str, model: nn.Module, feature: str) -> UnsupportedArchitectureError:
+def refusal(method: str, model: hf.HFModule, feature: str) -> UnsupportedArchitectureError:
     """The error refusing ``method`` on ``model``: names the method, the family (``model_type``) and the feature."""
     return UnsupportedArchitectureError(f"{method} does not support model type {hf.model_type(model)!r}: {feature}")
 
 
-def attention_modules(model: nn.Module, method: str = "token pruning", *, queries: bool = False,
-                      interface: bool = False) -> list[nn.Module]:
+def attention_modules(model: hf.HFModule, method: str = "token pruning", *, queries: bool = False,
+                      interface: bool = False) -> list[hf.HFModule]:
     """The self-attention modules of the model's full-attention layers (the ones a method prunes or selects in),
     in layer order, after checking everything the method needs; ``UnsupportedArchitectureError`` naming
     ``method``, the family and the feature otherwise (before any work).
@@ -239,7 +238,7 @@ def attention_modules(model: nn.Module, method: str = "token pruning", *, querie
     return full
 
 
-def check_attn_implementation(model: nn.Module, method: str) -> None:
+def check_attn_implementation(model: hf.HFModule, method: str) -> None:
     impl = hf.attn_implementation(model)
     if impl not in _ATTN_WEIGHT_IMPLEMENTATIONS:
         raise AttentionImplementationError(
@@ -307,18 +306,18 @@ class PruningMethod:
             return torch.arange(layer.tokens, device=layer.keys.device).expand(b, h, -1)
         return select(self.score(layer, keep), keep)
 
-    def check_model(self, model: nn.Module) -> list[nn.Module]:
+    def check_model(self, model: hf.HFModule) -> list[hf.HFModule]:
         """The attention modules to hook; refuses (``UnsupportedArchitectureError``) what the method cannot do."""
         modules = attention_modules(model, self.name, queries=self.recomputes_queries)
         if needs_attention_weights(self, model):
             check_attn_implementation(model, self.name)
         return modules
 
-    def __call__(self, model: nn.Module) -> Any:
+    def __call__(self, model: hf.HFModule) -> Any:
         return hooked(model, self)
 
 
-def queries_recomputable(model: nn.Module) -> bool:
+def queries_recomputable(model: hf.HFModule) -> bool:
     """Whether every full-attention layer's queries can be recomputed exactly (``LayerInputs.queries_rows``)."""
     try:
         attention_modules(model, queries=True)
@@ -327,7 +326,7 @@ def queries_recomputable(model: nn.Module) -> bool:
     return True
 
 
-def needs_attention_weights(method: PruningMethod, model: nn.Module) -> bool:
+def needs_attention_weights(method: PruningMethod, model: hf.HFModule) -> bool:
     """Whether ``method`` needs the prefill's eager attention weights on ``model``: it reads them itself
     (``needs_attentions``), or it reads ``attention_mass`` on a model whose queries cannot be recomputed (MLA,
     complex-pair RoPE): then the prefill runs eager."""
@@ -347,7 +346,7 @@ class PruningSession:
         return cache_bytes(cache)
 
 
-def _layer_inputs(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> tuple[Any, LayerInputs] | None:
+def _layer_inputs(module: hf.HFModule, args: tuple, kwargs: dict, output: Any) -> tuple[Any, LayerInputs] | None:
     """The cache and the layer's ``LayerInputs`` when this call is a prefill of an empty cache, else ``None``."""
     hidden, cache, embeddings = hf.attention_hook_inputs(args, kwargs)
     if cache is None or hidden is None:
@@ -378,7 +377,7 @@ def _is_active(block: object) -> bool:
 
 
 @contextmanager
-def eager_prefill(model: nn.Module, block: object) -> Iterator[None]:
+def eager_prefill(model: hf.HFModule, block: object) -> Iterator[None]:
     """Eager attention for prefills of an empty cache (they must return attention weights), sdpa for decode steps,
     in the contexts where ``block`` is active only (the calls of the thread that entered the ``with`` block).
 
@@ -392,7 +391,7 @@ def eager_prefill(model: nn.Module, block: object) -> Iterator[None]:
         yield
         return
 
-    def switch(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def switch(module: hf.HFModule, args: tuple, kwargs: dict) -> None:
         if not _is_active(block):
             return
         cache = kwargs.get("past_key_values")
@@ -412,7 +411,7 @@ def eager_prefill(model: nn.Module, block: object) -> Iterator[None]:
 
 
 @contextmanager
-def hooked(model: nn.Module, method: PruningMethod) -> Iterator[PruningSession]:
+def hooked(model: hf.HFModule, method: PruningMethod) -> Iterator[PruningSession]:
     """Hook ``model`` so that every prefill of an empty cache is pruned by ``method``; yields the session.
 
     The hooks act only on calls made in the context (thread) that entered the block, or in contexts copied from
@@ -424,7 +423,7 @@ def hooked(model: nn.Module, method: PruningMethod) -> Iterator[PruningSession]:
     session = PruningSession(method)
     block = object()
 
-    def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    def hook(module: hf.HFModule, args: tuple, kwargs: dict, output: Any) -> None:
         if not _is_active(block):
             return
         found = _layer_inputs(module, args, kwargs, output)
@@ -450,7 +449,7 @@ def hooked(model: nn.Module, method: PruningMethod) -> Iterator[PruningSession]:
 
 
 @contextmanager
-def scoring(model: nn.Module, methods: dict[str, PruningMethod]) -> Iterator[dict[str, dict[int, torch.Tensor]]]:
+def scoring(model: hf.HFModule, methods: dict[str, PruningMethod]) -> Iterator[dict[str, dict[int, torch.Tensor]]]:
     """Score one prefill with several methods at once, pruning nothing: yields ``{name: {layer: idx [b,h_kv,k]}}``.
 
     The prefill's computation does not depend on pruning (each layer is pruned after it ran), so one prefill
@@ -464,7 +463,7 @@ def scoring(model: nn.Module, methods: dict[str, PruningMethod]) -> Iterator[dic
     kept: dict[str, dict[int, torch.Tensor]] = {name: {} for name in methods}
     block = object()
 
-    def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    def hook(module: hf.HFModule, args: tuple, kwargs: dict, output: Any) -> None:
         if not _is_active(block):
             return
         found = _layer_inputs(module, args, kwargs, output)
@@ -495,7 +494,7 @@ def prune_cache(cache: Any, kept: dict[int, torch.Tensor]) -> Any:
     layers = []
     for i, layer in enumerate(hf.cache_layers(cache)):
         if i in kept:
-            keys, values = hf.layer_tensors(layer)
+            keys, values = hf.filled_layer_tensors(layer)
             layers.append(GrowingLayer.of(gather_tokens(keys, kept[i]), gather_tokens(values, kept[i])))
         else:
             layers.append(copy.deepcopy(layer))

@@ -106,7 +106,7 @@ class FastKVSession:
                                "codec stores one token set per block; use budget=None")
         keys, values = [], []
         for layer in hf.cache_layers(cache):
-            k, v = hf.layer_tensors(layer)
+            k, v = hf.filled_layer_tensors(layer)
             for tensor, out in ((k, keys), (v, values)):
                 full = torch.full((tensor.shape[1], self.tokens_before, tensor.shape[3]), float("nan"),
                                   dtype=tensor.dtype)
@@ -128,6 +128,23 @@ class _Call:
 
 #: the prefill in progress per ``with FastKV(...)(model):`` block, in this context (thread)
 _CALLS: ContextVar[dict[object, _Call] | None] = ContextVar("kvshelf_fastkv_calls", default=None)
+
+
+class _Block:
+    """One ``with FastKV(...)(model):`` block (``token``) and its prefill in progress in this context."""
+
+    def __init__(self) -> None:
+        self.token = object()
+
+    def current(self) -> _Call | None:
+        return (_CALLS.get() or {}).get(self.token) if _is_active(self.token) else None
+
+    def set_call(self, call: _Call | None) -> None:
+        calls = dict(_CALLS.get() or {})
+        calls.pop(self.token, None)
+        if call is not None:
+            calls[self.token] = call
+        _CALLS.set(calls)
 
 
 @dataclass
@@ -178,7 +195,7 @@ class FastKV:
                               f"layers (the layers after it prefill the propagated tokens), got {layer}")
         return layer
 
-    def check_model(self, model: nn.Module) -> tuple[list[nn.Module], nn.Module, nn.ModuleList, int]:
+    def check_model(self, model: hf.HFModule) -> tuple[list[hf.HFModule], nn.Module, nn.ModuleList, int]:
         """``(attention modules, decoder module, decoder layers, TSP layer)``; refuses (before any work) what
         FastKV cannot do on ``model``."""
         modules = attention_modules(model, NAME, queries=True)
@@ -211,80 +228,74 @@ class FastKV:
             return torch.arange(inputs.tokens, device=inputs.keys.device).expand(*inputs.keys.shape[:2], -1)
         return select(self._vote.base_score(inputs), keep)
 
+    def _prune_layer(self, session: FastKVSession, call: _Call, cache: Any, inputs: LayerInputs, i: int,
+                     tsp: int) -> None:
+        """Cut layer ``i``'s cache to what FastKV keeps of it; the TSP layer first chooses the propagated tokens.
+        Without a budget every layer keeps the propagated tokens (those up to the TSP layer cut once it chose
+        them); with one, each layer keeps its ``keep`` best per head (positions of the propagated tokens after the
+        TSP layer)."""
+        if i == tsp:
+            call.index = self.propagated_index(inputs, call.propagate)
+            session.propagated = call.index
+        index = call.index
+        if self.budget is None:
+            if index is None or i < tsp:
+                return
+            cut = range(tsp + 1) if i == tsp else [i]
+            for j in cut:
+                keys, values = (hf.filled_layer_tensors(hf.cache_layers(cache)[j]) if j != i
+                                else (inputs.keys, inputs.values))
+                session.kept[j] = index.view(1, 1, -1).expand(*keys.shape[:2], -1)
+                kept = (keys, values) if i > tsp else (gather_tokens(keys, session.kept[j]),
+                                                       gather_tokens(values, session.kept[j]))
+                hf.set_cache_layer(cache, j, GrowingLayer.of(*kept))
+            return
+        idx = self.head_index(inputs, call.keep)  # [b, h_kv, keep] cache indices
+        session.kept[i] = index[idx] if i > tsp and index is not None else idx
+        hf.set_cache_layer(cache, i, GrowingLayer.of(gather_tokens(inputs.keys, idx),
+                                                     gather_tokens(inputs.values, idx)))
+
     @contextmanager
-    def __call__(self, model: nn.Module) -> Iterator[FastKVSession]:
+    def __call__(self, model: hf.HFModule) -> Iterator[FastKVSession]:
         modules, decoder, layers, tsp = self.check_model(model)
         session = FastKVSession(self, tsp)
-        block = object()
+        block = _Block()
 
-        def current() -> _Call | None:
-            return (_CALLS.get() or {}).get(block) if _is_active(block) else None
-
-        def set_call(call: _Call | None) -> None:
-            calls = dict(_CALLS.get() or {})
-            calls.pop(block, None)
-            if call is not None:
-                calls[block] = call
-            _CALLS.set(calls)
-
-        def start(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if not _is_active(block):
+        def start(module: hf.HFModule, args: tuple, kwargs: dict) -> None:
+            if not _is_active(block.token):
                 return
             shape = propagation.empty_cache_prefill(args, kwargs)
             if shape is None:
-                set_call(None)
+                block.set_call(None)
                 return
             batch, tokens = shape
             if batch != 1:
                 raise PruningError(f"FastKV runs with batch size 1, got {batch}")
             propagate = resolve_budget(self.ratio, tokens)
             keep = propagate if self.budget is None else min(resolve_budget(self.budget, tokens), propagate)
-            set_call(_Call(tokens, propagate, keep))
+            block.set_call(_Call(tokens, propagate, keep))
             session.kept.clear()
             session.tokens_before, session.propagated = tokens, None
 
-        def finish(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if current() is not None:
-                set_call(None)
+        def finish(module: hf.HFModule, args: tuple, kwargs: dict, output: Any) -> None:
+            if block.current() is not None:
+                block.set_call(None)
 
-        def prune(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            call = current()
-            if call is None:
-                return
-            found = _layer_inputs(module, args, kwargs, output)
-            if found is None:
-                return
-            cache, inputs = found
-            i = int(module.layer_idx)
-            if i == tsp:
-                call.index = self.propagated_index(inputs, call.propagate)
-                session.propagated = call.index
-            if self.budget is None:
-                if i == tsp:  # every layer so far is cut to the propagated tokens
-                    for j in range(tsp + 1):
-                        keys, values = hf.layer_tensors(hf.cache_layers(cache)[j])
-                        idx = call.index.view(1, 1, -1).expand(*keys.shape[:2], -1)
-                        session.kept[j] = idx
-                        hf.set_cache_layer(cache, j, GrowingLayer.of(gather_tokens(keys, idx),
-                                                                     gather_tokens(values, idx)))
-                elif i > tsp:
-                    session.kept[i] = call.index.view(1, 1, -1).expand(*inputs.keys.shape[:2], -1)
-                    hf.set_cache_layer(cache, i, GrowingLayer.of(inputs.keys, inputs.values))
-                return
-            idx = self.head_index(inputs, call.keep)  # [b, h_kv, keep] cache indices
-            session.kept[i] = call.index[idx] if i > tsp else idx
-            hf.set_cache_layer(cache, i, GrowingLayer.of(gather_tokens(inputs.keys, idx),
-                                                         gather_tokens(inputs.values, idx)))
+        def prune(module: hf.HFModule, args: tuple, kwargs: dict, output: Any) -> None:
+            call = block.current()
+            found = _layer_inputs(module, args, kwargs, output) if call is not None else None
+            if call is not None and found is not None:
+                self._prune_layer(session, call, found[0], found[1], int(module.layer_idx), tsp)
 
-        def propagate(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-            call = current()
+        def propagate(module: hf.HFModule, args: tuple, kwargs: dict, output: Any) -> Any:
+            call = block.current()
             if call is None or call.index is None or call.propagate >= call.tokens:
                 return None
             hidden = propagation.output_hidden(output)
             return propagation.with_output_hidden(output, hidden.index_select(1, call.index.to(hidden.device)))
 
-        def gather(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-            call = current()
+        def gather(module: hf.HFModule, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            call = block.current()
             if call is None or call.index is None or call.propagate >= call.tokens:
                 return None
             return propagation.gather_call(args, kwargs, call.index, call.tokens, call.memo)
@@ -295,7 +306,7 @@ class FastKV:
         handles += [m.register_forward_hook(prune, with_kwargs=True) for m in modules]
         handles += [layer.register_forward_pre_hook(gather, with_kwargs=True) for layer in layers[tsp + 1:]]
         try:
-            with _active(block):
+            with _active(block.token):
                 yield session
         finally:
             for handle in handles:

@@ -48,11 +48,10 @@ class SnapKV(PruningMethod):
         causal = torch.ones(w, w, dtype=torch.bool, device=logits.device).triu(1)
         logits[..., -w:] = logits[..., -w:].masked_fill(causal, float("-inf"))
         votes = torch.softmax(logits, dim=-1)[..., :-w].mean(dim=2)  # [b, h_q, n - w]
-        pool = F.max_pool1d if self.pooling == "max" else F.avg_pool1d
         pad = self.kernel // 2
         if self.pooling == "max":
-            votes = pool(votes, self.kernel, stride=1, padding=pad)
+            votes = F.max_pool1d(votes, self.kernel, stride=1, padding=pad)
         else:
-            votes = pool(votes, self.kernel, stride=1, padding=pad, count_include_pad=False)
+            votes = F.avg_pool1d(votes, self.kernel, stride=1, padding=pad, count_include_pad=False)
         scores = layer.to_kv_heads(votes)  # [b, h_kv, n - w]
         return F.pad(scores, (0, w), value=float("inf"))

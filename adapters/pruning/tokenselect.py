@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
 from kvshelf.adapters import hf
 from kvshelf.adapters.pruning.base import attention_modules, gather_tokens
@@ -78,7 +77,7 @@ class TokenSelect:
         """Tokens attended out of ``past`` cached ones (a count larger than the cache raises ``BudgetError``)."""
         return resolve_budget(self.budget, past)
 
-    def vote(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, scaling: float,
+    def vote(self, module: hf.HFModule, query: torch.Tensor, key: torch.Tensor, scaling: float,
              softcap: float | None = None) -> torch.Tensor:
         """Per-head soft vote: ``query [b, h_q, q, d]``, ``key [b, h_kv, n, d]`` -> ``[b, h_kv, q, n]``."""
         g = query.shape[1] // key.shape[1]
@@ -86,7 +85,7 @@ class TokenSelect:
         b, h_q, q, n = probs.shape
         return probs.view(b, h_q // g, g, q, n).sum(2)
 
-    def decode(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    def decode(self, module: hf.HFModule, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scaling: float, softcap: float | None = None) -> torch.Tensor:
         """One query ``[b, h_q, 1, d]`` over its selection: returns ``[b, 1, h_q, d_v]`` (``value``'s head dim)."""
         n = key.shape[2]
@@ -98,7 +97,7 @@ class TokenSelect:
             state.query is not None and state.ranked is not None and 0 < fresh < k
             and float(torch.cosine_similarity(q.float(), state.query.float(), dim=-1).min()) >= self.similarity
         )
-        if reuse:  # the newest tokens, then the best of the earlier selection
+        if reuse and state.ranked is not None:  # the newest tokens, then the best of the earlier selection
             b, h_kv = key.shape[:2]
             new = torch.arange(state.tokens, n, device=key.device).expand(b, h_kv, -1)
             idx = torch.cat([new, state.ranked[..., : k - fresh]], dim=-1)
@@ -119,7 +118,7 @@ class TokenSelect:
         out = (weights @ vs.float()).to(query.dtype)  # [b, h_kv, g, d_v] (MLA: values' head dim differs from d)
         return out.reshape(b, h_q, 1, vs.shape[-1]).transpose(1, 2)
 
-    def chunk(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    def chunk(self, module: hf.HFModule, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               scaling: float, softcap: float | None = None) -> torch.Tensor:
         """``q`` queries after a cache of ``n - q``: each attends to the top-k of the earlier cache (its own vote)
         plus the chunk causally. Returns ``[b, q, h_q, d]``."""
@@ -137,7 +136,7 @@ class TokenSelect:
         return out.to(query.dtype).transpose(1, 2)
 
     @contextmanager
-    def __call__(self, model: nn.Module) -> Iterator[TokenSelect]:
+    def __call__(self, model: hf.HFModule) -> Iterator[TokenSelect]:
         modules = attention_modules(model, self.name, interface=True)  # full-attention layers only
         register()
         every = hf.self_attention_modules(model, some=True)  # a hybrid's state layers have none
@@ -163,7 +162,7 @@ def _logits(query: torch.Tensor, key: torch.Tensor, scaling: float, softcap: flo
     return logits if softcap is None else torch.tanh(logits / softcap) * softcap
 
 
-def _full_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def _full_attention(module: hf.HFModule, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, scaling: float | None, softcap: float | None,
                     fallback: str, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """Attention over the whole cache, as the model computes it without TokenSelect: sdpa, or the model's own eager
@@ -185,7 +184,7 @@ def _full_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     return out, None
 
 
-def tokenselect_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def tokenselect_attention(module: hf.HFModule, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           attention_mask: torch.Tensor | None, scaling: float | None = None,
                           softcap: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """The registered attention function: ``query [b, h_q, q, d]``, ``key/value [b, h_kv, n, d]`` (whole cache)."""

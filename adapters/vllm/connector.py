@@ -235,8 +235,7 @@ class KVShelfConnector(KVConnectorBase_V1):
 
     _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
 
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
-                 kv_cache_config: KVCacheConfig | None = None) -> None:
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._store: BlockStore | None = None
         self._mover: PageMover | None = None
