@@ -44,7 +44,7 @@ TIER_STATS_KEYS = field_names(TierStats) - {"damaged"}
 #: the methods of the interface (what the signature test compares)
 METHODS = (
     "put_many", "put_encoded_many", "get_many", "get_prepared_many", "get_encoded_many", "lookup_prefix",
-    "contains_many", "held", "delete", "pin", "unpin", "stats", "close", "__enter__", "__exit__",
+    "held", "delete", "pin", "unpin", "stats", "close", "__enter__", "__exit__",
 )
 
 
@@ -101,13 +101,6 @@ class BlockStore(Protocol):
     ) -> int:
         """How many of ``keys``, in order, are held (the cached prefix, in blocks). ``namespace`` and ``model``
         name the counters (a remote store also looks in that namespace only); ``tokens`` as in ``get_many``."""
-        ...
-
-    def contains_many(
-        self, keys: Sequence[bytes], *, namespace: str | None = None, model: str = UNKNOWN_MODEL,
-        tokens: Sequence[int] | None = None,
-    ) -> int:
-        """``lookup_prefix`` under its first name (kept for its callers; a tier's own is ``prefix_run_length``)."""
         ...
 
     def held(self, keys: Iterable[bytes], *, namespace: str | None = None) -> list[bool]:

@@ -56,9 +56,6 @@ class _Store:
     def put_many(self, items, pin: bool = False) -> None:  # noqa: ANN001
         self.blocks.update(items)
 
-    def contains_many(self, keys, **_) -> int:  # noqa: ANN001, ANN003
-        return sum(k in self.blocks for k in keys)
-
     def held(self, keys, **_) -> list[bool]:  # noqa: ANN001, ANN003
         return [k in self.blocks for k in keys]
 

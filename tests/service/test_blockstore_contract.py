@@ -164,10 +164,9 @@ def test_lookup_prefix_counts_the_cached_prefix(store: BlockStore) -> None:
     assert store.lookup_prefix(keys[:2]) == 2
     assert store.lookup_prefix(keys[3:]) == 1
     assert store.lookup_prefix([keys[2], keys[0]]) == 0
-    assert store.contains_many(keys) == 2  # the alias
     assert store.lookup_prefix(keys, namespace=store.namespace, model=FINGERPRINT, tokens=[4] * 5) == 2
     stats = store.stats()
-    assert stats["lookup_hit_rate"] == pytest.approx((2 + 2 + 1 + 0 + 2 + 2) / (5 + 2 + 2 + 2 + 5 + 5))
+    assert stats["lookup_hit_rate"] == pytest.approx((2 + 2 + 1 + 0 + 2) / (5 + 2 + 2 + 2 + 5))
     (row,) = [r for r in stats["rows"] if r["tier"] == "*" and r["model"] == FINGERPRINT]
     assert (row["namespace"], row["lookup_tokens"], row["lookup_hit_tokens"]) == (store.namespace, 20, 8)
     store.put_many([(keys[2], blocks[2])])
@@ -325,7 +324,6 @@ def test_empty_inputs(store: BlockStore) -> None:
     assert store.get_prepared_many([], fingerprint=FINGERPRINT) == []
     assert store.get_encoded_many([]) == []
     assert store.lookup_prefix([]) == 0
-    assert store.contains_many([]) == 0
     assert store.delete([]) == 0
     assert store.pin([]) == 0
     assert store.unpin([]) == 0
@@ -344,7 +342,6 @@ def test_bad_key_raises_config_error(store: BlockStore, bad: object) -> None:
         lambda: store.get_prepared_many([bad], fingerprint=FINGERPRINT),
         lambda: store.get_encoded_many([bad]),
         lambda: store.lookup_prefix([key, bad]),
-        lambda: store.contains_many([bad]),
         lambda: store.delete([bad]),
         lambda: store.pin([bad]),
         lambda: store.unpin([bad]),
