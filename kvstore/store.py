@@ -175,7 +175,6 @@ class TieredStore:
         self.meter.lookup(namespace or self.namespace, model, len(checked), found, tokens)
         return found
 
-
     def get_many(
         self, keys: Sequence[bytes], *, fingerprint: str, namespace: str | None = None, copy: bool = True,
         tokens: Sequence[int] | None = None,

@@ -511,7 +511,6 @@ class RemoteStore:
                                          tokens=list(tokens or []))
         return int(self._call("LookupPrefix", request).found)
 
-
     def held(self, keys: Iterable[bytes], *, namespace: str | None = None) -> list[bool]:
         """Per key: does the server hold it (in ``namespace``, default this store's). Not counted as a lookup."""
         keys = check_keys(keys)
