@@ -960,14 +960,7 @@ def write_portable(parts: Sequence[XQuantPayload], keys_out: torch.Tensor, value
         flat = _placed_symbols(parts, plan, tokens, starts, pool)  # host: the layers' [T, kept] one after another
     widths = [tokens * kept for kept in plan.layer_widths]
     layer_at = np.cumsum([0, *widths]).tolist()
-    wide = _wide_escapes(parts, plan, starts)
-    wide_z: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for layer, (where, slot, value) in wide.items():  # their tokens' products, in float32 on the host
-        kept = plan.layer_widths[layer]
-        picked = torch.unique(where)
-        rows = flat[layer_at[layer] : layer_at[layer + 1]].view(tokens, kept)[picked].float()
-        rows[torch.searchsorted(picked, where), slot] = value
-        wide_z[layer] = (picked, rows @ plan.matrix[layer, :kept])
+    wide_z = _wide_products(flat, _wide_escapes(parts, plan, starts), plan, tokens, layer_at)
     sink_where = np.concatenate([p.sinks + s for p, s in zip(parts, starts, strict=True)])
     sink_kv = np.concatenate([p.sink_kv for p in parts], axis=3)  # [2, L, H, sinks, D] fp16
     small: list[object] = [np.stack([p.mean for p in parts], axis=1), cos, sin, block_of, sink_where, sink_kv]
@@ -987,20 +980,8 @@ def write_portable(parts: Sequence[XQuantPayload], keys_out: torch.Tensor, value
     for last in _layer_chunks(plan, tokens, width_c):
         (chunk,) = devices.upload([flat[layer_at[first] : layer_at[last]]], device, slot)
         slot ^= 1
-        chunk = chunk.view(torch.int8)
-        products = []
-        for layer in range(first, last):
-            kept = plan.layer_widths[layer]
-            s = chunk[layer_at[layer] - layer_at[first] : layer_at[layer + 1] - layer_at[first]].view(tokens, kept)
-            if kept == 0:  # every component of the layer dropped: the means alone
-                products.append(torch.zeros(tokens, width_c, device=device,
-                                            dtype=torch.int32 if codec.matmul == "int8" else torch.float32))
-            elif codec.matmul == "int8":
-                products.append(_int_mm(s, constants["matrix"][layer], kept, width_c))
-            else:
-                matrix = constants["matrix"]
-                products.append(torch.mm(s.to(matrix.dtype), matrix[layer, :kept]).float())
-        product = torch.stack(products)  # [chunk layers, T, C]
+        product = _layer_products(chunk.view(torch.int8), plan, range(first, last), layer_at, tokens, width_c,
+                                  constants, codec.matmul)  # [chunk layers, T, C]
         if codec.matmul == "int8":
             z = torch.addcmul(offsets[first:last][:, block_of_d], product, constants["scale"][first:last, None])
         else:
@@ -1011,14 +992,49 @@ def write_portable(parts: Sequence[XQuantPayload], keys_out: torch.Tensor, value
         for layer in range(first, last):
             if layer in wide_d:  # tokens with symbols beyond int8: their float32 products
                 picked, zw = wide_d[layer]
-                z = zw + offsets[layer][block_of_d[picked]]
-                keys, values = _rotate_split(z, cos[picked], sin[picked], heads)
+                keys, values = _rotate_split(zw + offsets[layer][block_of_d[picked]], cos[picked], sin[picked], heads)
                 keys_out[layer][:, picked] = keys.transpose(0, 1).to(keys_out.dtype)
                 values_out[layer][:, picked] = values.transpose(0, 1).to(values_out.dtype)
         first = last
     if len(sink_where):  # the fp16 sink tokens, over every layer at once
         keys_out[:, :, sink_where_d] = sink_kv_d[0].to(keys_out.dtype)
         values_out[:, :, sink_where_d] = sink_kv_d[1].to(values_out.dtype)
+
+
+def _wide_products(flat: torch.Tensor, wide: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], plan: _Plan,
+                   tokens: int, layer_at: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer with symbols beyond int8 (``wide``: their ``(token, slot, value)``): ``(the tokens [k] sorted,
+    their latent products [k, C] float32)``, computed on the host from ``flat`` (the layers' ``[T, kept]``
+    symbols one after another) with the escaped values put back."""
+    out = {}
+    for layer, (where, slot, value) in wide.items():
+        kept = plan.layer_widths[layer]
+        picked = torch.unique(where)
+        rows = flat[layer_at[layer] : layer_at[layer + 1]].view(tokens, kept)[picked].float()
+        rows[torch.searchsorted(picked, where), slot] = value
+        out[layer] = (picked, rows @ plan.matrix[layer, :kept])
+    return out
+
+
+def _layer_products(chunk: torch.Tensor, plan: _Plan, layers: range, layer_at: list[int], tokens: int, width_c: int,
+                    constants: dict[str, torch.Tensor], matmul: str) -> torch.Tensor:
+    """``S @ matrix`` of each of ``layers``, whose int8 symbols ``[T, kept]`` lie one after another in ``chunk``
+    (on the device): ``[len(layers), T, C]``, int32 for ``matmul="int8"`` (exact), else float32. A layer whose
+    components were all dropped gives zeros (its means alone)."""
+    products = []
+    base = layer_at[layers.start]
+    for layer in layers:
+        kept = plan.layer_widths[layer]
+        s = chunk[layer_at[layer] - base : layer_at[layer + 1] - base].view(tokens, kept)
+        if kept == 0:
+            products.append(torch.zeros(tokens, width_c, device=chunk.device,
+                                        dtype=torch.int32 if matmul == "int8" else torch.float32))
+        elif matmul == "int8":
+            products.append(_int_mm(s, constants["matrix"][layer], kept, width_c))
+        else:
+            matrix = constants["matrix"]
+            products.append(torch.mm(s.to(matrix.dtype), matrix[layer, :kept]).float())
+    return torch.stack(products)
 
 
 def _rotate_split_layers(z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -21,7 +21,6 @@ STILL_TOO_LONG = {
     "adapters/longctx/session.py::SparseSession",
     "compress/cachegen.py::CacheGenCodec",
     "service/client.py::RemoteStore",
-    "compress/xquant.py::write_portable",
     "compress/cachegen.py::_encode_streams",
 }
 
