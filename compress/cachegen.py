@@ -90,6 +90,47 @@ def _flag_model(p: float) -> Any:
     return _stream.model.Categorical(_flag_table(p), perfect=False)
 
 
+def _symbols(x: torch.Tensor, mean: torch.Tensor, step: torch.Tensor,
+             anchor: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The quantized symbols of the streams ``x`` ``[S, H, T, D]`` (int32, same shape) on the grid ``mean`` /
+    ``step``, and per channel ``[S, H, D]`` whether its non-anchor tokens hold deltas from their ``anchor``
+    token's reconstruction instead (CacheGen's delta coding, where it needs fewer bits: mean |symbol|, a
+    Laplacian's entropy proxy, under 0.9 of the plain symbols'). ``anchor``: ``[T]`` each token's anchor; None for
+    a single token."""
+    streams, heads, tokens, dim = x.shape
+    inv = 1.0 / step
+    symbols = ((x - mean) * inv).round_().clamp_(-_SYMBOL_LIMIT, _SYMBOL_LIMIT).to(torch.int32)
+    use_delta = torch.zeros(streams, heads, dim, dtype=torch.bool)
+    if anchor is None:
+        return symbols, use_delta
+    rest = anchor != torch.arange(tokens)
+    predicted = _reconstruct(mean, symbols[:, :, anchor[rest]], step)
+    delta = ((x[:, :, rest] - predicted) * inv).round_().clamp_(-_SYMBOL_LIMIT, _SYMBOL_LIMIT).to(torch.int32)
+    use_delta = delta.abs().sum(dim=2) < 0.9 * symbols[:, :, rest].abs().sum(dim=2)
+    if bool(use_delta.any()):
+        symbols[:, :, rest] = torch.where(use_delta[:, :, None, :], delta, symbols[:, :, rest])
+    return symbols, use_delta
+
+
+def _code_flags(nonzero: torch.Tensor) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+    """ANS-code each stream's nonzero flags ``[S, E]`` (bool), ``_FLAGS`` at a time, under a Bernoulli model of
+    the stream's nonzero rate: ``(the rates [S] fp16 on a log grid, the compressed words "<u4", the flag words too
+    rare for the joint alphabet "<u2")``."""
+    streams, per_stream = nonzero.shape
+    p = nonzero.float().mean(dim=1).clamp_min(2.0**-12)
+    p = torch.exp2(torch.round(torch.log2(p) * _P_LEVELS) / _P_LEVELS)  # a log grid: cached models
+    p = p.clamp(2.0**-12, 1 - 2.0**-11).half()  # 1 - 2**-12 rounds to 1 in fp16
+    padded = (per_stream + _FLAGS - 1) // _FLAGS * _FLAGS
+    flags = np.zeros((streams, padded), dtype=np.uint8)
+    flags[:, :per_stream] = nonzero.numpy()
+    words = np.packbits(flags, axis=1, bitorder="little").view("<u2")
+    joint = _TO_SYMBOL[words]
+    coder = _stream.stack.AnsCoder()
+    for s in range(streams - 1, -1, -1):  # a stack: encode in reverse, decode forward
+        coder.encode_reverse(joint[s], _flag_model(float(p[s])))
+    return p, coder.get_compressed().astype("<u4"), words[joint == _ESCAPE_WORD]
+
+
 def _binary_entropy(p: torch.Tensor) -> torch.Tensor:
     p = p.clamp(1e-9, 1 - 1e-9)
     return -(p * torch.log2(p) + (1 - p) * torch.log2(1 - p))
@@ -270,20 +311,8 @@ class CacheGenCodec(Codec):
         mean16, step16 = self._grid(x, dim)
         mean = mean16.float()[:, :, None, :] * scale
         step = step16.float()[:, None, None, None] * scale
-        inv = 1.0 / step
-        symbols = ((x - mean) * inv).round_().clamp_(-_SYMBOL_LIMIT, _SYMBOL_LIMIT).to(torch.int32)
-        use_delta = torch.zeros(streams, heads, dim, dtype=torch.bool)
-        if tokens > 1:
-            anchor = self._anchor_of(tokens)
-            rest = anchor != torch.arange(tokens)
-            predicted = _reconstruct(mean, symbols[:, :, anchor[rest]], step)
-            delta = ((x[:, :, rest] - predicted) * inv).round_().clamp_(-_SYMBOL_LIMIT, _SYMBOL_LIMIT)
-            delta = delta.to(torch.int32)
-            # mean |symbol| is a proxy of a channel's entropy (Laplacian: log2(2e * mean|s|) bits)
-            use_delta = delta.abs().sum(dim=2) < 0.9 * symbols[:, :, rest].abs().sum(dim=2)
-            if bool(use_delta.any()):
-                mixed = symbols[:, :, rest]
-                symbols[:, :, rest] = torch.where(use_delta[:, :, None, :], delta, mixed)
+        anchor = self._anchor_of(tokens) if tokens > 1 else None
+        symbols, use_delta = _symbols(x, mean, step, anchor)
         symbols = symbols.view(streams, -1)  # [S, E]: each stream's symbols in memory order
         r = self._best_r(symbols)
         rr = r[:, None].to(torch.int32)
@@ -294,21 +323,7 @@ class CacheGenCodec(Codec):
         escape = (coarse >= 2) | (coarse <= -2)
         nonzero = (coarse != 0) & ~escape
 
-        p = nonzero.float().mean(dim=1).clamp_min(2.0**-12)
-        p = torch.exp2(torch.round(torch.log2(p) * _P_LEVELS) / _P_LEVELS)  # a log grid: cached models
-        p = p.clamp(2.0**-12, 1 - 2.0**-11).half()  # 1 - 2**-12 rounds to 1 in fp16
-        per_stream = symbols.shape[1]
-        padded = (per_stream + _FLAGS - 1) // _FLAGS * _FLAGS
-        flags = np.zeros((streams, padded), dtype=np.uint8)
-        flags[:, :per_stream] = nonzero.numpy()
-        words = np.packbits(flags, axis=1, bitorder="little").view("<u2")
-        joint = _TO_SYMBOL[words]
-        escaped_words = words[joint == _ESCAPE_WORD]
-        coder = _stream.stack.AnsCoder()
-        for s in range(streams - 1, -1, -1):  # a stack: encode in reverse, decode forward
-            coder.encode_reverse(joint[s], _flag_model(float(p[s])))
-        compressed = coder.get_compressed().astype("<u4")
-
+        p, compressed, escaped_words = _code_flags(nonzero)
         nonzero_np = nonzero.numpy()
         signs = np.packbits(coarse.numpy()[nonzero_np] < 0, bitorder="little")
         fine_np = fine.numpy()
