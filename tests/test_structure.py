@@ -21,7 +21,6 @@ STILL_TOO_LONG = {
     "adapters/longctx/session.py::SparseSession",
     "compress/cachegen.py::CacheGenCodec",
     "service/client.py::RemoteStore",
-    "compress/cachegen.py::_encode_streams",
 }
 
 
