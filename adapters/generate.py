@@ -69,7 +69,7 @@ from kvshelf.kvstore.block import KVBlock, PreparedBlock
 from kvshelf.kvstore.errors import ConfigError
 from kvshelf.kvstore.eviction_log import EvictionLog
 from kvshelf.kvstore.keys import PARENT_EXTRA, prefix_block_spans
-from kvshelf.kvstore.protocol import BlockStore, namespace_of
+from kvshelf.kvstore.protocol import BlockStore, device_cache_of, namespace_of
 from kvshelf.kvstore.write_behind import DEFAULT_MAX_PENDING_BLOCKS, WriteBehind
 
 DEFAULT_BLOCK_SIZE = 256
@@ -273,10 +273,10 @@ class CachedGenerator(Closable):
                       values_t: torch.Tensor) -> None:
         """Blocks loaded from below the store's GPU tier, copied into it from the cache just built (when the tier
         is on the model's device): the next load of this prefix is a copy within the device."""
-        tier = getattr(self.store, "device_tier", None)
-        if tier is None or tier.device != keys_t.device:
+        cache = device_cache_of(self.store)
+        if cache is None or cache.device != keys_t.device:
             return
-        held = tier.holds(keys)
+        held = cache.holds(keys)
         offers, start = [], 0
         for key, block, present in zip(keys, blocks, held, strict=True):
             end = start + block.num_tokens
@@ -284,7 +284,7 @@ class CachedGenerator(Closable):
                 offers.append((key, KVBlock(keys_t[:, :, start:end], values_t[:, :, start:end], block.token_ids,
                                             block.start_pos, block.fingerprint, block.namespace)))
             start = end
-        self.store.offer_device(offers)
+        cache.offer(offers)
 
     def _other_dtype_blocks(self, ids: list[int], cacheable_prefix: int | None) -> tuple[int, tuple[str, ...]]:
         """Blocks of this prompt's cached prefix stored for the model's weights cast to another common dtype, and
