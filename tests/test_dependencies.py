@@ -44,7 +44,7 @@ ALLOWED: dict[str, set[str]] = {
     "compress": {"kvstore"},
     "reuse": {"compress", "kvstore"},
     "adapters": {"reuse", "compress", "kvstore"},
-    "service": {"adapters", "reuse", "compress", "kvstore", "proto"},
+    "service": {"reuse", "compress", "kvstore", "proto"},
     "proto": set(),
     "bench": {"kvstore", "compress", "reuse", "adapters", "service", "proto"},
     CLI: {"kvstore", "compress", "reuse", "adapters", "service", "proto", "bench"},
